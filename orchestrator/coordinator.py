@@ -1,0 +1,319 @@
+"""The coordinator service: leader election, membership, liveness, fencing.
+
+Several coordinators run; one leads (see :mod:`orchestrator.election`). The
+leader watches membership, keeps an ``Attach`` stream open to every worker (its
+break is the fast signal of a dead process), and when a worker is lost:
+
+1. fences it: revokes its etcd lease (unless it already expired), which deletes
+   its worker key, its device keys and the device leases it held, atomically;
+2. records the loss (``lost/<worker>``) with a fenced write;
+3. logs ``worker.lost`` with the detection path and how long detection took.
+
+Lifecycle: ``STANDBY -> LEADING -> STANDBY ... -> STOPPED``; every transition
+goes through ``_set_state``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.election import LeaderElection
+from orchestrator.errors import ConfigError, NotLeader, RallypointError, StoreError
+from orchestrator.failures import Verdict, classify_rpc_error
+from orchestrator.keys import Keys, check_name
+from orchestrator.logs import get_logger
+from orchestrator.membership import MembershipChange, MembershipMonitor, WorkerInfo
+from orchestrator.store import EtcdStore, Put, Store, created_at
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+
+
+class CoordinatorState(enum.Enum):
+    STANDBY = "standby"
+    LEADING = "leading"
+    STOPPED = "stopped"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self is CoordinatorState.STOPPED
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Settings of one coordinator.
+
+    Attributes:
+        cluster: cluster name.
+        coordinator_id: this coordinator's id.
+        endpoints: etcd client endpoints.
+        lease_ttl_s: leader lease TTL (a dead leader is replaced within about this).
+        attach_interval_s: heartbeat period asked of workers on Attach streams.
+        campaign_interval_s: how often a standby tries to take the lead.
+    """
+
+    cluster: str
+    coordinator_id: str
+    endpoints: tuple[str, ...]
+    lease_ttl_s: int = 2
+    attach_interval_s: float = 0.5
+    campaign_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        check_name("coordinator", self.coordinator_id)
+        if self.lease_ttl_s < 1:
+            raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if not self.endpoints:
+            raise ConfigError("no etcd endpoints: pass --cluster HOST:PORT")
+
+
+class WorkerLink:
+    """The leader's ``Attach`` stream to one worker incarnation, in its own thread."""
+
+    def __init__(self, coordinator: Coordinator, info: WorkerInfo, term: int) -> None:
+        self.c = coordinator
+        self.info = info
+        self.term = term
+        self._stop = threading.Event()
+        self._channel = grpc.insecure_channel(info.address)
+        self._stub = pb_grpc.WorkerStub(self._channel)
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"link-{info.worker}", daemon=True)
+
+    def _identity(self) -> pb.Identity:
+        return pb.Identity(
+            cluster=self.c.keys.cluster, worker_id=self.info.worker, incarnation=self.info.incarnation, term=self.term
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._channel.close()
+
+    def _probe(self) -> Verdict | None:
+        """A short Ping after a broken stream: None if the same incarnation answers."""
+        try:
+            self._stub.Ping(pb.PingRequest(to=self._identity()), timeout=0.5)
+            return None
+        except grpc.RpcError as exc:
+            return classify_rpc_error(exc.code(), exc.details())
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                self._call = self._stub.Attach(
+                    pb.AttachRequest(
+                        to=self._identity(),
+                        coordinator_id=self.c.config.coordinator_id,
+                        interval_s=self.c.config.attach_interval_s,
+                    )
+                )
+                for _hb in self._call:
+                    backoff = 0.1
+                    if self._stop.is_set():
+                        return
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                verdict = classify_rpc_error(exc.code(), exc.details())
+                if verdict is Verdict.LOST:
+                    verdict = self._probe() or Verdict.SUSPECT
+                if verdict is Verdict.LOST:
+                    self.c.suspect(self.info, reason="connection_lost", detail=exc.details() or "")
+                    return
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+
+class Coordinator:
+    """One coordinator process's logic (see the module docstring)."""
+
+    def __init__(self, config: CoordinatorConfig, *, store: Store | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.keys = Keys(config.cluster)
+        self.store = store or EtcdStore(config.endpoints)
+        self.clock = clock
+        self.election = LeaderElection(
+            self.store, self.keys, config.coordinator_id, ttl_s=config.lease_ttl_s, clock=clock
+        )
+        self.state = CoordinatorState.STANDBY
+        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self._links: dict[str, WorkerLink] = {}
+        self._revoked: dict[tuple[str, int], tuple[str, float]] = {}
+        self.monitor: MembershipMonitor | None = None
+        self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
+
+    def _set_state(self, new: CoordinatorState, **fields: Any) -> None:
+        old, self.state = self.state, new
+        if old is not new:
+            self.log.info("coordinator.state", previous=old.value, state=new.value, **fields)
+
+    # -- inputs from other threads ------------------------------------------------
+
+    def suspect(self, info: WorkerInfo, *, reason: str, detail: str = "") -> None:
+        """A link saw the worker's process go away (called from link threads)."""
+        self._events.put(("suspect", (info, reason, detail, self.clock.monotonic())))
+
+    def _on_change(self, change: MembershipChange) -> None:
+        self._events.put(("change", change))
+
+    def _on_monitor_failure(self, exc: BaseException) -> None:
+        self._events.put(("monitor_failed", exc))
+
+    # -- leading -------------------------------------------------------------------------
+
+    def _start_leading(self) -> None:
+        term = self.election.term
+        self._set_state(CoordinatorState.LEADING, term=term)
+        self.monitor = MembershipMonitor(
+            self.store,
+            self.keys,
+            self._on_change,
+            should_run=lambda: self.election.term == term,
+            on_failure=self._on_monitor_failure,
+            clock=self.clock,
+        )
+        self.monitor.start()
+
+    def _stop_leading(self, reason: str) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        for link in self._links.values():
+            link.stop()
+        self._links.clear()
+        while not self._events.empty():
+            self._events.get_nowait()
+        if self.state is CoordinatorState.LEADING:
+            self._set_state(CoordinatorState.STANDBY, reason=reason)
+
+    def _handle_change(self, change: MembershipChange) -> None:
+        info = change.info
+        term = self.election.term
+        assert term is not None
+        if change.kind == "registered":
+            self.log.info("worker.joined", worker=info.worker, incarnation=info.incarnation, address=info.address)
+            old = self._links.pop(info.worker, None)
+            if old is not None:
+                old.stop()
+            link = WorkerLink(self, info, term)
+            self._links[info.worker] = link
+            link.start()
+        elif change.kind in ("lost", "left"):
+            link = self._links.get(info.worker)
+            if link is not None and link.info.incarnation == info.incarnation:
+                self._links.pop(info.worker).stop()
+            if change.kind == "left":
+                self.log.info("worker.left", worker=info.worker, incarnation=info.incarnation)
+                return
+            revoked = self._revoked.get((info.worker, info.incarnation))
+            reason, suspected_at = revoked if revoked else ("lease_expired", None)
+            record = {
+                "worker": info.worker,
+                "incarnation": info.incarnation,
+                "reason": reason,
+                "pid": info.pid,
+                "address": info.address,
+                "revision": change.revision,
+                "term": term,
+                "at": time.time(),
+            }
+            self.election.fenced_txn([], [Put(self.keys.lost(info.worker), json.dumps(record))])
+            self._revoked.pop((info.worker, info.incarnation), None)
+            fields: dict[str, Any] = {}
+            if suspected_at is not None:
+                fields["fence_s"] = round(self.clock.monotonic() - suspected_at, 4)
+            self.log.warning(
+                "worker.lost",
+                worker=info.worker,
+                incarnation=info.incarnation,
+                reason=reason,
+                lease=f"{info.lease:x}",
+                revision=change.revision,
+                **fields,
+            )
+
+    def _handle_suspect(self, info: WorkerInfo, reason: str, detail: str, at: float) -> None:
+        """Fence a worker whose process is gone: revoke its lease if it is still that incarnation."""
+        self.election.check()
+        kv = self.store.get(self.keys.worker(info.worker))
+        if kv is None or kv.create_revision != info.incarnation:
+            return  # already gone (lease expired first) or re-registered
+        self._revoked[(info.worker, info.incarnation)] = (reason, at)
+        # Revoking a lease cannot carry a compare; confirm the term just before it.
+        self.election.fenced_txn([created_at(self.keys.worker(info.worker), info.incarnation)], [])
+        self.store.revoke_lease(kv.lease)
+        self.log.warning(
+            "lease.revoked", worker=info.worker, incarnation=info.incarnation, lease=f"{kv.lease:x}",
+            reason=reason, detail=detail,
+        )
+
+    def lead_step(self, timeout_s: float = 0.25) -> None:
+        """One iteration of the leader loop: handle one event, or confirm the term."""
+        try:
+            kind, payload = self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            self.election.confirm()
+            return
+        if kind == "monitor_failed":
+            raise NotLeader(f"coordinator {self.config.coordinator_id}", f"membership watch failed: {payload}")
+        try:
+            if kind == "change":
+                self._handle_change(payload)
+            else:
+                self._handle_suspect(*payload)
+        except StoreError:
+            self._events.put((kind, payload))  # etcd unreachable: handle it again later
+            raise
+
+    # -- main loop -------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One iteration: campaign when standing by, serve events when leading."""
+        if self.state is CoordinatorState.STANDBY:
+            if self.election.try_acquire():
+                self._start_leading()
+            else:
+                self.clock.wait(self._stop, self.config.campaign_interval_s)
+            return
+        try:
+            self.lead_step()
+        except NotLeader as exc:
+            self.election.step_down(str(exc))
+            self._stop_leading(str(exc))
+
+    def run(self) -> None:
+        """Run until :meth:`stop`. etcd outages are retried, never fatal."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self.step()
+                failures = 0
+            except StoreError as exc:
+                failures += 1
+                if failures == 1 or failures % 10 == 0:
+                    self.log.warning("coordinator.store_unavailable", failures=failures, error=str(exc))
+                self.clock.wait(self._stop, min(0.1 * 2**min(failures, 4), 1.0))
+            except RallypointError as exc:
+                self.log.error("coordinator.step_failed", error=str(exc))
+                self.clock.wait(self._stop, 0.5)
+        self._stop_leading("stopping")
+        self.election.resign()
+        self._set_state(CoordinatorState.STOPPED)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,241 @@
+"""Device leases and the spare pool.
+
+A physical device ``(worker, index)`` is handed to a ``(job, virtual slice)``
+only by an etcd transaction that creates its ``leases/<worker>/<index>`` key if
+and only if: the key does not exist, the worker is still the same incarnation,
+and the worker is not cordoned (plus the leader's term, when the allocator is
+the leader). There is no read-modify-write: two allocators racing for a device
+cannot both win, because one of their transactions sees the key already there.
+
+Lease keys are attached to the *worker's* etcd lease, so fencing a worker
+(revoking or expiring its lease) frees its devices in the same etcd operation.
+
+A **spare** is a live, uncordoned worker none of whose devices is leased.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
+from orchestrator.keys import Keys, check_name
+from orchestrator.membership import WorkerInfo
+from orchestrator.store import Compare, Delete, Get, Op, Put, Store, TxnResult, created_at, key_missing, unchanged_since
+
+FencedTxn = Callable[[Sequence[Compare], Sequence[Op], Sequence[Op]], TxnResult]
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a device."""
+
+    job: str
+    slice: str
+    nonce: str
+    term: int = 0
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Holder:
+        d = json.loads(raw)
+        return cls(job=d["job"], slice=d["slice"], nonce=d.get("nonce", ""), term=int(d.get("term", 0)))
+
+    def to_json(self) -> str:
+        return json.dumps({"job": self.job, "slice": self.slice, "nonce": self.nonce, "term": self.term, "at": time.time()})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """One live worker with its devices, holders and cordon flag."""
+
+    info: WorkerInfo
+    devices: tuple[int, ...]
+    holders: dict[int, Holder]
+    cordoned: bool
+
+    @property
+    def free(self) -> list[int]:
+        return [d for d in self.devices if d not in self.holders]
+
+    @property
+    def state(self) -> str:
+        if self.info.state == "leaving":
+            return "leaving"
+        if self.cordoned:
+            return "cordoned"
+        return "leased" if self.holders else "spare"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """Workers, devices, leases, cordons and losses, all read at one revision."""
+
+    revision: int
+    workers: dict[str, WorkerSnapshot]
+    cordoned: frozenset[str]
+    lost: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def spares(self) -> list[str]:
+        return sorted(w for w, s in self.workers.items() if s.state == "spare")
+
+
+def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
+    """Read a consistent snapshot (one transaction, one revision)."""
+    r = store.txn(
+        [],
+        [Get(keys.workers, prefix=True), Get(keys.devices, prefix=True), Get(keys.leases, prefix=True),
+         Get(keys.cordons, prefix=True), Get(keys.lost_workers, prefix=True)],
+    )
+    workers_kv, devices_kv, leases_kv, cordon_kv, lost_kv = r.reads
+    devices: dict[str, list[int]] = {}
+    for kv in devices_kv:
+        w, idx = keys.tail(kv.key, keys.devices)
+        devices.setdefault(w, []).append(int(idx))
+    holders: dict[str, dict[int, Holder]] = {}
+    for kv in leases_kv:
+        w, idx = keys.tail(kv.key, keys.leases)
+        holders.setdefault(w, {})[int(idx)] = Holder.from_json(kv.value)
+    cordoned = frozenset(keys.tail(kv.key, keys.cordons)[0] for kv in cordon_kv)
+    workers = {}
+    for kv in workers_kv:
+        w = keys.tail(kv.key, keys.workers)[0]
+        workers[w] = WorkerSnapshot(
+            info=WorkerInfo.from_kv(w, kv),
+            devices=tuple(sorted(devices.get(w, []))),
+            holders=holders.get(w, {}),
+            cordoned=w in cordoned,
+        )
+    lost = {keys.tail(kv.key, keys.lost_workers)[0]: kv.json() for kv in lost_kv}
+    return ClusterSnapshot(revision=r.revision, workers=workers, cordoned=cordoned, lost=lost)
+
+
+def choose_devices(snapshot: ClusterSnapshot, count: int, *, exclude: frozenset[str] = frozenset()) -> tuple[str, list[int]] | None:
+    """Placement policy: which worker's devices a slice of ``count`` devices gets.
+
+    Only live, uncordoned workers with ``count`` free devices qualify. Workers
+    already partly leased come first (pack), then the tightest fit, then the
+    name, so whole free workers stay spares as long as possible.
+    """
+    candidates = [
+        s for w, s in snapshot.workers.items()
+        if w not in exclude and not s.cordoned and s.info.state != "leaving" and len(s.free) >= count
+    ]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda s: (not s.holders, len(s.free), s.info.worker))
+    return best.info.worker, best.free[:count]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Devices leased to one virtual slice."""
+
+    job: str
+    slice: str
+    worker: str
+    incarnation: int
+    devices: tuple[int, ...]
+    revision: int
+
+
+class DeviceLeases:
+    """Allocates and releases device leases with compare-and-swap transactions.
+
+    Args:
+        store: the coordination store.
+        keys: the cluster's key schema.
+        fenced_txn: when given (the leader's :meth:`LeaderElection.fenced_txn`),
+            every write also requires the leader's term.
+        term: the leader term recorded in holders (0 when not fenced).
+    """
+
+    def __init__(self, store: Store, keys: Keys, *, fenced_txn: FencedTxn | None = None, term: int = 0) -> None:
+        self.store = store
+        self.keys = keys
+        self._txn: FencedTxn = fenced_txn or store.txn
+        self.term = term
+
+    def allocate(self, job: str, slice_name: str, count: int, *, max_attempts: int = 16) -> Placement:
+        """Lease ``count`` devices of one worker to ``(job, slice_name)``.
+
+        Raises:
+            NoSpareDevices: no live, uncordoned worker has ``count`` free devices.
+            AllocationError: every attempt lost its race (heavy contention).
+        """
+        check_name("job", job)
+        check_name("slice", slice_name)
+        if count < 1:
+            raise AllocationError(f"slice {slice_name!r} asks for {count} devices; it needs at least 1")
+        holder = Holder(job=job, slice=slice_name, nonce=uuid.uuid4().hex, term=self.term)
+        for _ in range(max_attempts):
+            snap = read_cluster(self.store, self.keys)
+            choice = choose_devices(snap, count)
+            if choice is None:
+                largest = max((len(s.free) for s in snap.workers.values() if not s.cordoned), default=0)
+                raise NoSpareDevices(job, slice_name, count, largest)
+            worker, devices = choice
+            info = snap.workers[worker].info
+            compares = [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
+            compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
+            puts: list[Op] = [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
+            try:
+                r = self._txn(compares, puts, [])
+                applied, revision = r.succeeded, r.revision
+            except WriteIndeterminate:
+                applied, revision = self._ours(worker, devices, holder)
+            if applied:
+                return Placement(job, slice_name, worker, info.incarnation, tuple(devices), revision)
+        raise AllocationError(
+            f"could not lease {count} devices for slice {slice_name!r} of job {job!r} after "
+            f"{max_attempts} attempts: other allocators kept winning; retry later"
+        )
+
+    def _ours(self, worker: str, devices: list[int], holder: Holder) -> tuple[bool, int]:
+        """After an indeterminate write: did our transaction apply?"""
+        r = self.store.txn([], [Get(self.keys.lease(worker, d)) for d in devices])
+        mine = all(read and Holder.from_json(read[0].value).nonce == holder.nonce for read in r.reads)
+        return mine, r.revision
+
+    def release(self, job: str, slice_name: str | None = None) -> int:
+        """Release every device held by ``job`` (or only by its ``slice_name``). Returns how many."""
+        for _ in range(16):
+            kvs, _rev = self.store.get_prefix(self.keys.leases)
+            mine = [
+                kv for kv in kvs
+                if (h := Holder.from_json(kv.value)).job == job and (slice_name is None or h.slice == slice_name)
+            ]
+            if not mine:
+                return 0
+            r = self._txn([unchanged_since(kv.key, kv.mod_revision) for kv in mine], [Delete(kv.key) for kv in mine], [])
+            if r.succeeded:
+                return len(mine)
+        raise AllocationError(f"could not release the devices of job {job!r}: they kept changing; retry")
+
+    def cordon(self, worker: str, *, by: str = "operator") -> None:
+        """Stop new leases on ``worker`` (its current leases stay)."""
+        self._require_worker(worker)
+        self.store.put(self.keys.cordon(worker), json.dumps({"by": by, "at": time.time()}))
+
+    def uncordon(self, worker: str) -> bool:
+        """Allow new leases on ``worker`` again. Returns whether it was cordoned."""
+        self._require_worker(worker, allow_cordoned_only=True)
+        return self.store.delete(self.keys.cordon(worker)) > 0
+
+    def _require_worker(self, worker: str, *, allow_cordoned_only: bool = False) -> None:
+        check_name("worker", worker)
+        try:
+            present = self.store.get(self.keys.worker(worker)) is not None
+            if not present and allow_cordoned_only:
+                present = self.store.get(self.keys.cordon(worker)) is not None
+        except StoreError:
+            raise
+        if not present:
+            raise UnknownWorker(
+                f"no worker {worker!r} is registered in cluster {self.keys.cluster!r}; "
+                "see `rallypoint workers` for the ids"
+            )

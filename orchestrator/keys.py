@@ -1,0 +1,121 @@
+"""The etcd key schema: the one place that builds key strings.
+
+Every key of a cluster lives under ``/rallypoint/<cluster>/``::
+
+    workers/<worker>            worker record (JSON), on the worker's etcd lease;
+                                its create revision is the worker's incarnation
+    devices/<worker>/<index>    one physical device of a live worker, on its lease
+    leases/<worker>/<index>     the holder of a device: {job, slice, term}, on the
+                                worker's lease, so fencing the worker frees it
+    cordon/<worker>             present while the worker takes no new leases
+    lost/<worker>               last loss of a worker: {incarnation, reason, ...}
+    coordinators/<id>           a running coordinator, on its own lease
+    leader                      the elected coordinator, on its lease; its create
+                                revision is the leader's term (the fencing token)
+    jobs/<job>                  job records (later issues)
+
+See ``docs/keys.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from orchestrator.errors import ConfigError
+
+ROOT = "/rallypoint"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Return ``name`` if it is a valid identifier for a key segment, else raise ConfigError."""
+    if not _NAME.match(name):
+        raise ConfigError(
+            f"invalid {kind} name {name!r}: use 1-63 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one cluster."""
+
+    cluster: str
+
+    def __post_init__(self) -> None:
+        check_name("cluster", self.cluster)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}/{self.cluster}/"
+
+    # workers and devices
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}workers/"
+
+    def worker(self, worker: str) -> str:
+        return f"{self.workers}{worker}"
+
+    @property
+    def devices(self) -> str:
+        return f"{self.prefix}devices/"
+
+    def worker_devices(self, worker: str) -> str:
+        return f"{self.devices}{worker}/"
+
+    def device(self, worker: str, index: int) -> str:
+        return f"{self.worker_devices(worker)}{index}"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.prefix}leases/"
+
+    def worker_leases(self, worker: str) -> str:
+        return f"{self.leases}{worker}/"
+
+    def lease(self, worker: str, index: int) -> str:
+        return f"{self.worker_leases(worker)}{index}"
+
+    @property
+    def cordons(self) -> str:
+        return f"{self.prefix}cordon/"
+
+    def cordon(self, worker: str) -> str:
+        return f"{self.cordons}{worker}"
+
+    @property
+    def lost_workers(self) -> str:
+        return f"{self.prefix}lost/"
+
+    def lost(self, worker: str) -> str:
+        return f"{self.lost_workers}{worker}"
+
+    # coordinators
+    @property
+    def coordinators(self) -> str:
+        return f"{self.prefix}coordinators/"
+
+    def coordinator(self, coordinator_id: str) -> str:
+        return f"{self.coordinators}{coordinator_id}"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}leader"
+
+    # jobs
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}jobs/"
+
+    def job(self, job: str) -> str:
+        return f"{self.jobs}{job}"
+
+    # parsing
+    def tail(self, key: str, under: str) -> list[str]:
+        """The path segments of ``key`` below the prefix ``under``."""
+        if not key.startswith(under):
+            raise ValueError(f"{key!r} is not under {under!r}")
+        return key[len(under):].split("/")

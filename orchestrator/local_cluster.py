@@ -1,0 +1,307 @@
+"""The embedded local cluster: etcd, coordinators and workers as real processes.
+
+``rallypoint up`` starts one in the background and records every process it
+started (pid and kernel start time) in ``<state-dir>/cluster.json``;
+``rallypoint down`` stops exactly those processes and no others (a pid reused
+by an unrelated process has another start time and is left alone). Tests use
+the same class in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.devices import ClusterSnapshot, read_cluster
+from orchestrator.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
+from orchestrator.etcd_server import EtcdCluster
+from orchestrator.keys import Keys, check_name
+from orchestrator.logs import get_logger
+from orchestrator.store import EtcdStore
+
+STATE_FILE = "cluster.json"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalClusterConfig:
+    """Shape of a local cluster.
+
+    Attributes:
+        state_dir: where etcd data, logs and ``cluster.json`` live.
+        workers: workers meant to hold job slices.
+        spares: extra workers kept free for recovery.
+        devices_per_worker: K, the JAX CPU devices of each worker.
+        coordinators: coordinator processes (one leads, the others stand by).
+        etcd_members: 1 or 3.
+        lease_ttl_s: worker and leader lease TTL. The embedded etcd runs with a
+            50 ms heartbeat and 500 ms election timeout, so 1 s is allowed.
+        cluster: cluster name.
+    """
+
+    state_dir: Path
+    workers: int = 2
+    spares: int = 1
+    devices_per_worker: int = 2
+    coordinators: int = 2
+    etcd_members: int = 1
+    lease_ttl_s: int = 2
+    cluster: str = "local"
+
+    def __post_init__(self) -> None:
+        check_name("cluster", self.cluster)
+        for name in ("workers", "devices_per_worker", "coordinators"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.spares < 0:
+            raise ConfigError(f"--spares must be 0 or more, got {self.spares}")
+        if self.etcd_members not in (1, 3):
+            raise ConfigError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
+        if self.lease_ttl_s < 1:
+            raise ConfigError(f"--lease-ttl-s must be at least 1, got {self.lease_ttl_s}")
+
+
+@dataclass
+class ProcessRecord:
+    """A process the cluster started: enough to find and stop exactly it."""
+
+    role: str
+    name: str
+    pid: int
+    start_time: int
+    log: str
+    argv: list[str] = field(default_factory=list)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel start time of ``pid`` (clock ticks since boot), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def is_running(rec: ProcessRecord) -> bool:
+    """Whether the recorded process (same pid *and* start time) still runs."""
+    return process_start_time(rec.pid) == rec.start_time
+
+
+def stop_process(rec: ProcessRecord, *, grace_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
+    """Stop one recorded process: ``sig``, then SIGKILL after ``grace_s``. Reaps it if it is our child."""
+    if not is_running(rec):
+        _reap(rec.pid)
+        return
+    try:
+        os.kill(rec.pid, sig)
+        os.kill(rec.pid, signal.SIGCONT)  # a stopped process must run to handle SIGTERM
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        _reap(rec.pid)
+        if not is_running(rec):
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(rec.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    for _ in range(100):
+        _reap(rec.pid)
+        if not is_running(rec):
+            return
+        time.sleep(0.02)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+class LocalCluster:
+    """A running local cluster (started here, or loaded from its state dir)."""
+
+    def __init__(self, config: LocalClusterConfig, endpoints: list[str], processes: list[ProcessRecord]) -> None:
+        self.config = config
+        self.endpoints = endpoints
+        self.processes = processes
+        self.keys = Keys(config.cluster)
+        self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
+
+    # -- starting ---------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, config: LocalClusterConfig, *, wait_s: float = 90.0) -> LocalCluster:
+        """Start etcd, coordinators and workers; return once every worker is registered."""
+        state = config.state_dir
+        existing = state / STATE_FILE
+        if existing.exists():
+            old = cls.load(state)
+            if any(is_running(p) for p in old.processes):
+                raise RallypointError(
+                    f"a cluster started from {state} is still running; stop it with "
+                    f"`rallypoint down --state-dir {state}` or use another --state-dir"
+                )
+            existing.unlink()
+        state.mkdir(parents=True, exist_ok=True)
+        for sub in ("etcd", "logs"):
+            shutil.rmtree(state / sub, ignore_errors=True)
+        (state / "logs").mkdir()
+        etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd")
+        etcd.detach()
+        processes = [
+            ProcessRecord("etcd", m.name, m.pid or 0, process_start_time(m.pid or 0) or 0, str(m.log_path))
+            for m in etcd.members
+        ]
+        cluster = cls(config, etcd.endpoints, processes)
+        cluster._etcd = etcd  # keep the Popen objects (and so the exit codes) while we live
+        try:
+            for i in range(config.coordinators):
+                cluster.spawn("coordinator", f"c{i}")
+            for i in range(config.workers + config.spares):
+                cluster.spawn("worker", f"w{i}")
+            cluster.save()
+            cluster.wait_for_workers(config.workers + config.spares, timeout_s=wait_s)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def argv(self, role: str, name: str) -> list[str]:
+        base = [sys.executable, "-m", "client.cli", role, "--cluster", f"{self.config.cluster}@{','.join(self.endpoints)}",
+                "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
+        if role == "worker":
+            base += ["--devices", str(self.config.devices_per_worker)]
+        return base
+
+    def spawn(self, role: str, name: str, *, extra_env: dict[str, str] | None = None) -> ProcessRecord:
+        """Start one coordinator or worker process and record it."""
+        log_path = self.config.state_dir / "logs" / f"{name}.log"
+        argv = self.argv(role, name)
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=env, cwd=str(PROJECT_ROOT),
+            )
+        rec = ProcessRecord(role, name, proc.pid, process_start_time(proc.pid) or 0, str(log_path), argv)
+        self._popen = getattr(self, "_popen", {})
+        self._popen[name] = proc
+        self.processes = [p for p in self.processes if p.name != name] + [rec]
+        self.save()
+        self.log.info("process.started", role=role, name=name, pid=proc.pid)
+        return rec
+
+    def wait_for_workers(self, count: int, *, timeout_s: float = 60.0) -> ClusterSnapshot:
+        """Wait until ``count`` workers are registered; fail with their logs' tails if not."""
+        deadline = time.monotonic() + timeout_s
+        store = self.store()
+        try:
+            while True:
+                try:
+                    snap = read_cluster(store, self.keys)
+                    if len(snap.workers) >= count:
+                        return snap
+                except StoreError:
+                    pass
+                dead = [p for p in self.processes if p.role != "etcd" and not is_running(p)]
+                if dead or time.monotonic() > deadline:
+                    tails = "\n".join(f"--- {p.name} ({p.log})\n{_tail(p.log)}" for p in (dead or self.processes))
+                    why = f"{', '.join(p.name for p in dead)} exited" if dead else f"timed out after {timeout_s}s"
+                    raise RallypointError(f"local cluster did not come up: {why}\n{tails}")
+                time.sleep(0.2)
+        finally:
+            store.close()
+
+    # -- persistence --------------------------------------------------------------------
+
+    def save(self) -> None:
+        data = {
+            "cluster": self.config.cluster,
+            "endpoints": self.endpoints,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()},
+            "processes": [asdict(p) for p in self.processes],
+        }
+        path = self.config.state_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> LocalCluster:
+        """The cluster recorded in ``state_dir``; ClusterNotFound if none is."""
+        path = state_dir / STATE_FILE
+        if not path.exists():
+            raise ClusterNotFound(
+                f"no cluster recorded in {state_dir}: start one with `rallypoint up --state-dir {state_dir}`, "
+                "or pass --cluster NAME@HOST:PORT"
+            )
+        data = json.loads(path.read_text())
+        cfg: dict[str, Any] = data["config"] | {"state_dir": Path(data["config"]["state_dir"])}
+        return cls(LocalClusterConfig(**cfg), data["endpoints"], [ProcessRecord(**p) for p in data["processes"]])
+
+    # -- using and stopping -------------------------------------------------------------------
+
+    def store(self) -> EtcdStore:
+        return EtcdStore(self.endpoints)
+
+    def process(self, name: str) -> ProcessRecord:
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise RallypointError(f"no process named {name!r} in this cluster")
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to the recorded process ``name`` (only if it is still that process)."""
+        rec = self.process(name)
+        if not is_running(rec):
+            raise RallypointError(f"process {name!r} (pid {rec.pid}) is not running")
+        os.kill(rec.pid, sig)
+        if sig == signal.SIGKILL:
+            self.reap(name)
+
+    def reap(self, name: str, timeout_s: float = 5.0) -> None:
+        proc = getattr(self, "_popen", {}).get(name)
+        if proc is not None:
+            proc.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        """Stop every recorded process: workers, then coordinators, then etcd. Idempotent."""
+        order = {"worker": 0, "coordinator": 1, "etcd": 2}
+        for rec in sorted(self.processes, key=lambda p: order.get(p.role, 3)):
+            stop_process(rec)
+            proc = getattr(self, "_popen", {}).get(rec.name)
+            if proc is not None:
+                try:
+                    proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    pass
+        etcd = getattr(self, "_etcd", None)
+        if etcd is not None:
+            etcd.stop()
+        path = self.config.state_dir / STATE_FILE
+        if path.exists():
+            path.unlink()
+        self.log.info("cluster.stopped", processes=len(self.processes))
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,502 @@
+"""The coordination store: our own small interface over etcd.
+
+The rest of Rallypoint speaks to etcd only through :class:`Store` (get, put, txn,
+watch-from-revision, leases), so it does not depend on one client library and
+tests reach the real server through the same calls as production.
+
+:class:`EtcdStore` implements it with the generated gRPC stubs of the ``etcd3``
+client package (``etcd3.etcdrpc``) over a channel of our own. We do not use the
+package's high-level client: it marks an endpoint failed for 300 s after one
+error (so a few seconds of etcd downtime would cut a process off for minutes)
+and it drops the header revision of transactions, which we use as fencing
+tokens and incarnation numbers.
+
+etcd facts this module encodes:
+
+- A write that times out or loses its connection is *indeterminate*: it may have
+  applied. Such failures raise :class:`~orchestrator.errors.WriteIndeterminate`;
+  callers make writes idempotent with a compare and re-read on retry.
+- A watch resumes from the last revision seen + 1, and fails once that revision
+  is compacted: :class:`~orchestrator.errors.WatchCompacted`.
+- Revisions are totally ordered; the create revision of a key is a fencing token.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import grpc
+from etcd3 import etcdrpc
+from etcd3.etcdrpc import kv_pb2
+
+from orchestrator.errors import (
+    LeaseNotFound,
+    StoreError,
+    StoreUnavailable,
+    WatchCompacted,
+    WriteIndeterminate,
+)
+
+# ---------------------------------------------------------------------------
+# Plain data
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One key as etcd stores it."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    def json(self) -> Any:
+        """The value decoded as JSON."""
+        return json.loads(self.value)
+
+
+CompareTarget = Literal["version", "create", "mod", "value", "lease"]
+CompareOp = Literal["==", "!=", "<", ">"]
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """A transaction guard: ``target(key) op value``."""
+
+    key: str
+    target: CompareTarget
+    op: CompareOp
+    value: int | bytes | str
+
+
+def key_missing(key: str) -> Compare:
+    """Guard: ``key`` does not exist."""
+    return Compare(key, "version", "==", 0)
+
+
+def key_exists(key: str) -> Compare:
+    """Guard: ``key`` exists."""
+    return Compare(key, "version", ">", 0)
+
+
+def created_at(key: str, revision: int) -> Compare:
+    """Guard: ``key`` exists and was created at ``revision`` (same incarnation/term)."""
+    return Compare(key, "create", "==", revision)
+
+
+def unchanged_since(key: str, mod_revision: int) -> Compare:
+    """Guard: ``key`` was last written at ``mod_revision``."""
+    return Compare(key, "mod", "==", mod_revision)
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Write ``value`` at ``key``, attached to etcd lease ``lease`` when given."""
+
+    key: str
+    value: bytes | str
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """Delete ``key`` (or every key under it when ``prefix``)."""
+
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """Read ``key`` (or every key under it when ``prefix``) inside a transaction."""
+
+    key: str
+    prefix: bool = False
+
+
+Op = Put | Delete | Get
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """Outcome of a transaction: which branch ran, at what revision, and its reads."""
+
+    succeeded: bool
+    revision: int
+    reads: list[list[KeyValue]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """A change to one key. ``prev`` is the value before it, when etcd still had it."""
+
+    type: Literal["put", "delete"]
+    kv: KeyValue
+    prev: KeyValue | None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBatch:
+    """Events delivered together, all at revisions <= ``revision``."""
+
+    revision: int
+    events: list[WatchEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """A granted etcd lease. ``ttl_s`` may exceed the request: etcd raises it to its minimum."""
+
+    id: int
+    ttl_s: int
+
+
+class Watch(Protocol):
+    """An open watch: iterate for batches, ``cancel()`` to stop."""
+
+    def __iter__(self) -> Iterator[WatchBatch]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Store(Protocol):
+    """What Rallypoint needs from its coordination store."""
+
+    def get(self, key: str) -> KeyValue | None: ...
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]: ...
+
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int: ...
+
+    def delete(self, key: str, prefix: bool = False) -> int: ...
+
+    def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult: ...
+
+    def grant_lease(self, ttl_s: int) -> LeaseGrant: ...
+
+    def keepalive(self, lease_id: int) -> int: ...
+
+    def revoke_lease(self, lease_id: int) -> None: ...
+
+    def lease_ttl(self, lease_id: int) -> int: ...
+
+    def watch_prefix(self, prefix: str, start_revision: int) -> Watch: ...
+
+    def compact(self, revision: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The etcd ``range_end`` covering every key that starts with ``prefix``."""
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+def _b(v: bytes | str) -> bytes:
+    return v if isinstance(v, bytes) else v.encode()
+
+
+def _kv(m: Any) -> KeyValue:
+    return KeyValue(
+        key=m.key.decode(),
+        value=bytes(m.value),
+        create_revision=m.create_revision,
+        mod_revision=m.mod_revision,
+        version=m.version,
+        lease=m.lease,
+    )
+
+
+_TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+
+_TARGETS = {
+    "version": etcdrpc.Compare.VERSION,
+    "create": etcdrpc.Compare.CREATE,
+    "mod": etcdrpc.Compare.MOD,
+    "value": etcdrpc.Compare.VALUE,
+    "lease": etcdrpc.Compare.LEASE,
+}
+_RESULTS = {
+    "==": etcdrpc.Compare.EQUAL,
+    "!=": etcdrpc.Compare.NOT_EQUAL,
+    "<": etcdrpc.Compare.LESS,
+    ">": etcdrpc.Compare.GREATER,
+}
+_TARGET_FIELD = {
+    "version": "version",
+    "create": "create_revision",
+    "mod": "mod_revision",
+    "value": "value",
+    "lease": "lease",
+}
+
+
+class EtcdStore:
+    """:class:`Store` over a real etcd cluster.
+
+    Args:
+        endpoints: ``host:port`` of each member's client URL. Requests are spread
+            over them (gRPC round robin), so losing a member does not lose the store.
+        request_timeout_s: deadline of each unary request. A write past it is
+            indeterminate.
+    """
+
+    def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 2.0) -> None:
+        if not endpoints:
+            raise StoreError("no etcd endpoints given; pass --cluster HOST:PORT[,HOST:PORT...]")
+        self.endpoints = list(endpoints)
+        self.request_timeout_s = request_timeout_s
+        target = "ipv4:" + ",".join(self.endpoints)
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.lb_policy_name", "round_robin"),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500),
+                ("grpc.enable_retries", 0),
+            ],
+        )
+        self._kv = etcdrpc.KVStub(self._channel)
+        self._lease = etcdrpc.LeaseStub(self._channel)
+        self._watch = etcdrpc.WatchStub(self._channel)
+        self._maintenance = etcdrpc.MaintenanceStub(self._channel)
+
+    # -- errors ---------------------------------------------------------------
+
+    def _fail(self, exc: grpc.RpcError, *, write: bool, what: str) -> StoreError:
+        code = exc.code()
+        detail = exc.details() or ""
+        if "lease not found" in detail:
+            return StoreError(f"{what}: {detail}")
+        if "compacted" in detail:
+            return StoreError(f"{what}: {detail}")
+        if code in _TRANSIENT:
+            if write:
+                return WriteIndeterminate(f"{what} may or may not have applied: {code.name} {detail}")
+            return StoreUnavailable(f"{what} failed: etcd unreachable ({code.name} {detail})")
+        return StoreError(f"{what}: {code.name} {detail}")
+
+    def _call(self, method: Any, request: Any, *, write: bool, what: str) -> Any:
+        try:
+            return method(request, timeout=self.request_timeout_s, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            if "requested lease not found" in (exc.details() or ""):
+                lease = getattr(request, "ID", 0) or getattr(request, "lease", 0)
+                raise LeaseNotFound(lease) from None
+            raise self._fail(exc, write=write, what=what) from None
+
+    # -- key/value ------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        r = self._call(self._kv.Range, etcdrpc.RangeRequest(key=_b(key)), write=False, what=f"get {key}")
+        return _kv(r.kvs[0]) if r.kvs else None
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` and the store revision they were read at."""
+        p = _b(prefix)
+        r = self._call(
+            self._kv.Range,
+            etcdrpc.RangeRequest(key=p, range_end=prefix_end(p)),
+            write=False,
+            what=f"get prefix {prefix}",
+        )
+        return [_kv(m) for m in r.kvs], r.header.revision
+
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        r = self._call(
+            self._kv.Put,
+            etcdrpc.PutRequest(key=_b(key), value=_b(value), lease=lease),
+            write=True,
+            what=f"put {key}",
+        )
+        return r.header.revision
+
+    def delete(self, key: str, prefix: bool = False) -> int:
+        """Delete ``key`` (or its prefix); returns how many keys were deleted."""
+        k = _b(key)
+        req = etcdrpc.DeleteRangeRequest(key=k, range_end=prefix_end(k) if prefix else b"")
+        return self._call(self._kv.DeleteRange, req, write=True, what=f"delete {key}").deleted
+
+    def _op(self, op: Op) -> Any:
+        if isinstance(op, Put):
+            return etcdrpc.RequestOp(
+                request_put=etcdrpc.PutRequest(key=_b(op.key), value=_b(op.value), lease=op.lease)
+            )
+        k = _b(op.key)
+        end = prefix_end(k) if op.prefix else b""
+        if isinstance(op, Delete):
+            return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k, range_end=end))
+        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k, range_end=end))
+
+    def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        """Apply ``success`` if every compare holds, else ``failure``, atomically."""
+        cmp = []
+        for c in compares:
+            m = etcdrpc.Compare(key=_b(c.key), target=_TARGETS[c.target], result=_RESULTS[c.op])
+            value = _b(c.value) if c.target == "value" else c.value
+            setattr(m, _TARGET_FIELD[c.target], value)
+            cmp.append(m)
+        req = etcdrpc.TxnRequest(
+            compare=cmp,
+            success=[self._op(o) for o in success],
+            failure=[self._op(o) for o in failure],
+        )
+        writes = any(not isinstance(o, Get) for o in (*success, *failure))
+        r = self._call(self._kv.Txn, req, write=writes, what="transaction")
+        reads = [
+            [_kv(m) for m in resp.response_range.kvs]
+            for resp in r.responses
+            if resp.WhichOneof("response") == "response_range"
+        ]
+        return TxnResult(succeeded=r.succeeded, revision=r.header.revision, reads=reads)
+
+    def compact(self, revision: int) -> None:
+        self._call(
+            self._kv.Compact, etcdrpc.CompactionRequest(revision=revision), write=True, what="compact"
+        )
+
+    def revision(self) -> int:
+        """The store's current revision."""
+        r = self._call(
+            self._kv.Range, etcdrpc.RangeRequest(key=b"\0", limit=1), write=False, what="revision"
+        )
+        return r.header.revision
+
+    # -- leases ---------------------------------------------------------------
+
+    def grant_lease(self, ttl_s: int) -> LeaseGrant:
+        r = self._call(
+            self._lease.LeaseGrant, etcdrpc.LeaseGrantRequest(TTL=ttl_s), write=True, what="lease grant"
+        )
+        if r.error:
+            raise StoreError(f"lease grant refused: {r.error}")
+        return LeaseGrant(id=r.ID, ttl_s=r.TTL)
+
+    def keepalive(self, lease_id: int) -> int:
+        """Refresh ``lease_id``; return its new TTL in seconds, 0 if the lease is gone."""
+        try:
+            stream = self._lease.LeaseKeepAlive(
+                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.request_timeout_s
+            )
+            for resp in stream:
+                return int(resp.TTL)
+        except grpc.RpcError as exc:
+            raise self._fail(exc, write=False, what=f"keepalive {lease_id:x}") from None
+        raise StoreUnavailable(f"keepalive {lease_id:x}: stream closed without an answer")
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke ``lease_id`` and delete its keys. Revoking a lease already gone is not an error."""
+        try:
+            self._call(
+                self._lease.LeaseRevoke,
+                etcdrpc.LeaseRevokeRequest(ID=lease_id),
+                write=True,
+                what=f"revoke lease {lease_id:x}",
+            )
+        except LeaseNotFound:
+            pass
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Seconds left on ``lease_id``; -1 when it does not exist."""
+        r = self._call(
+            self._lease.LeaseTimeToLive,
+            etcdrpc.LeaseTimeToLiveRequest(ID=lease_id),
+            write=False,
+            what=f"lease ttl {lease_id:x}",
+        )
+        return int(r.TTL)
+
+    # -- watches --------------------------------------------------------------
+
+    def watch_prefix(self, prefix: str, start_revision: int) -> _EtcdWatch:
+        """Watch every key under ``prefix`` from ``start_revision`` on (inclusive).
+
+        Iterating the result yields :class:`WatchBatch` es, the first one empty
+        once etcd has created the watch. It raises
+        :class:`WatchCompacted` when ``start_revision`` is already compacted and
+        :class:`StoreUnavailable` when the stream breaks; resume with a new watch
+        from the last batch's revision + 1.
+        """
+        p = _b(prefix)
+        create = etcdrpc.WatchCreateRequest(
+            key=p, range_end=prefix_end(p), start_revision=start_revision, prev_kv=True
+        )
+        return _EtcdWatch(self._watch, etcdrpc.WatchRequest(create_request=create), start_revision)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class _EtcdWatch:
+    """One etcd watch stream."""
+
+    def __init__(self, stub: Any, create: Any, start_revision: int) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._requests.put(create)
+        self._start_revision = start_revision
+        self._cancelled = threading.Event()
+        self._call = stub.Watch(self._request_iter())
+
+    def _request_iter(self) -> Iterator[Any]:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def cancel(self) -> None:
+        """Stop the watch; a blocked iteration ends without error."""
+        self._cancelled.set()
+        self._requests.put(None)
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[WatchBatch]:
+        try:
+            for resp in self._call:
+                if resp.compact_revision:
+                    raise WatchCompacted(self._start_revision, resp.compact_revision)
+                if resp.canceled:
+                    raise StoreUnavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
+                if not resp.events:
+                    if resp.created:
+                        # Tell the consumer the watch is established (it is healthy).
+                        yield WatchBatch(revision=resp.header.revision, events=[])
+                    continue
+                events = [
+                    WatchEvent(
+                        type="delete" if e.type == kv_pb2.Event.DELETE else "put",
+                        kv=_kv(e.kv),
+                        prev=_kv(e.prev_kv) if e.HasField("prev_kv") else None,
+                    )
+                    for e in resp.events
+                ]
+                yield WatchBatch(revision=resp.header.revision, events=events)
+        except grpc.RpcError as exc:
+            if self._cancelled.is_set():
+                return
+            raise StoreUnavailable(f"watch stream broke: {exc.code().name} {exc.details()}") from None
+        if not self._cancelled.is_set():
+            raise StoreUnavailable("watch stream ended")

@@ -1,0 +1,386 @@
+"""The worker daemon: one process per accelerator host.
+
+A worker registers itself and its K devices in etcd under an etcd lease, with a
+new **incarnation** each time it registers (the create revision of its worker
+key: unique and increasing). It serves the ``Worker`` gRPC service; every
+request names the incarnation it is meant for, and a worker refuses requests for
+another incarnation and refuses everything while fenced.
+
+Fencing: the worker stops acting as soon as its local lease deadline passes
+(:class:`orchestrator.lease.LocalFence`), before it learns anything from etcd.
+If etcd then says the lease is gone, the incarnation is over for good: the
+worker registers again under a new one. If etcd says the lease is alive (etcd
+was briefly unreachable), the worker goes on under the same incarnation.
+
+Lifecycle (one state machine, every transition through ``_set_state``)::
+
+    STARTING -> REGISTERING -> SERVING <-> FENCED
+                    ^                        |
+                    +---- (lease gone) ------+
+    any -> STOPPING -> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.errors import ConfigError, Fenced, RallypointError, StoreError, WriteIndeterminate
+from orchestrator.keys import Keys, check_name
+from orchestrator.lease import LeaseKeeper
+from orchestrator.logs import get_logger
+from orchestrator.store import EtcdStore, Put, Store, key_missing
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+
+
+class WorkerState(enum.Enum):
+    """Lifecycle states of a worker daemon."""
+
+    STARTING = "starting"
+    REGISTERING = "registering"
+    SERVING = "serving"
+    FENCED = "fenced"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self is WorkerState.STOPPED
+
+    @property
+    def may_act(self) -> bool:
+        return self is WorkerState.SERVING
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Settings of one worker daemon.
+
+    Attributes:
+        cluster: cluster name (key prefix in etcd).
+        worker_id: stable id of this host's worker.
+        endpoints: etcd client endpoints ``host:port``.
+        devices: number of local devices K (JAX CPU devices here).
+        lease_ttl_s: etcd lease TTL; a hung worker is declared lost about this long
+            after its last keepalive. etcd raises values below its minimum.
+        host: address the gRPC server binds and advertises.
+        port: gRPC port (0 picks a free one).
+        register_timeout_s: how long to wait for an older incarnation's lease to
+            expire before giving up on registration.
+        discover_devices: list devices through JAX (True) or only count them.
+    """
+
+    cluster: str
+    worker_id: str
+    endpoints: tuple[str, ...]
+    devices: int = 2
+    lease_ttl_s: int = 2
+    host: str = "127.0.0.1"
+    port: int = 0
+    register_timeout_s: float = 30.0
+    discover_devices: bool = True
+
+    def __post_init__(self) -> None:
+        check_name("worker", self.worker_id)
+        if self.devices < 1:
+            raise ConfigError(f"a worker needs at least 1 device, got devices={self.devices}")
+        if self.lease_ttl_s < 1:
+            raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if not self.endpoints:
+            raise ConfigError("no etcd endpoints: pass --cluster HOST:PORT")
+
+
+def discover_local_devices(count: int) -> list[dict[str, Any]]:
+    """The K local JAX devices, forced to ``count`` CPU devices on a CPU host."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax  # imported late: the flag above must be set first
+
+    devs = jax.local_devices()
+    if len(devs) < count:
+        raise ConfigError(f"asked for {count} devices but JAX sees {len(devs)}: {devs}")
+    return [{"index": i, "platform": d.platform, "kind": d.device_kind} for i, d in enumerate(devs[:count])]
+
+
+@dataclass
+class Registration:
+    """The current incarnation of this worker."""
+
+    incarnation: int
+    keeper: LeaseKeeper
+    registered_at: float = field(default_factory=time.time)
+
+
+class WorkerDaemon(pb_grpc.WorkerServicer):
+    """The worker process: registration, keepalive, fencing and the gRPC service."""
+
+    def __init__(self, config: WorkerConfig, *, store: Store | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.keys = Keys(config.cluster)
+        self.store = store or EtcdStore(config.endpoints)
+        self.clock = clock
+        self.state = WorkerState.STARTING
+        self.registration: Registration | None = None
+        self.devices: list[dict[str, Any]] = []
+        self._server: grpc.Server | None = None
+        self.address = ""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.log = get_logger("rallypoint.worker", cluster=config.cluster, worker=config.worker_id)
+
+    # -- state machine ----------------------------------------------------------
+
+    def _set_state(self, new: WorkerState, **fields: Any) -> None:
+        with self._lock:
+            old, self.state = self.state, new
+        if old is not new:
+            self.log.info("worker.state", previous=old.value, state=new.value, **fields)
+
+    @property
+    def incarnation(self) -> int:
+        return self.registration.incarnation if self.registration else 0
+
+    # -- start-up and registration ---------------------------------------------------
+
+    def start(self) -> None:
+        """Find devices, start the gRPC server, register. Returns once registered."""
+        if self.config.discover_devices:
+            self.devices = discover_local_devices(self.config.devices)
+        else:
+            self.devices = [{"index": i, "platform": "cpu", "kind": "cpu"} for i in range(self.config.devices)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"))
+        pb_grpc.add_WorkerServicer_to_server(self, self._server)
+        port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
+        self.address = f"{self.config.host}:{port}"
+        self._server.start()
+        self.register()
+
+    def _record(self) -> str:
+        return json.dumps(
+            {
+                "worker": self.config.worker_id,
+                "address": self.address,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "devices": len(self.devices),
+                "state": "serving",
+                "registered_at": time.time(),
+            }
+        )
+
+    def register(self) -> int:
+        """Register a new incarnation: a fresh lease, the worker key and device keys, atomically.
+
+        Waits (up to ``register_timeout_s``) while an older incarnation's key still
+        exists, e.g. after a crash and quick restart, until its lease expires.
+        """
+        self._set_state(WorkerState.REGISTERING)
+        deadline = self.clock.monotonic() + self.config.register_timeout_s
+        wkey = self.keys.worker(self.config.worker_id)
+        keeper = LeaseKeeper(
+            self.store,
+            self.config.lease_ttl_s,
+            who=f"worker {self.config.worker_id}",
+            on_lost=self._on_lease_lost,
+            clock=self.clock,
+            log_fields={"cluster": self.config.cluster, "worker": self.config.worker_id},
+        )
+        waited_for: int | None = None
+        while True:
+            if self._stop.is_set():
+                raise RallypointError("worker stopping during registration")
+            try:
+                if keeper.grant is None or keeper.fence.dead:
+                    keeper.acquire()
+                ops = [Put(wkey, self._record(), lease=keeper.lease_id)]
+                ops += [
+                    Put(self.keys.device(self.config.worker_id, d["index"]), json.dumps(d), lease=keeper.lease_id)
+                    for d in self.devices
+                ]
+                try:
+                    r = self.store.txn([key_missing(wkey)], ops)
+                    incarnation = r.revision if r.succeeded else None
+                except WriteIndeterminate:
+                    incarnation = None
+                if incarnation is None:
+                    kv = self.store.get(wkey)
+                    if kv is not None and kv.lease == keeper.lease_id:
+                        incarnation = kv.create_revision  # the indeterminate write did apply
+                    elif kv is not None and waited_for != kv.create_revision:
+                        waited_for = kv.create_revision
+                        self.log.info("worker.register_waiting", old_incarnation=kv.create_revision)
+                if incarnation is not None:
+                    break
+            except StoreError as exc:
+                self.log.warning("worker.register_retry", error=str(exc))
+            if self.clock.monotonic() > deadline:
+                keeper.stop(revoke=True)
+                raise RallypointError(
+                    f"worker {self.config.worker_id!r} could not register within "
+                    f"{self.config.register_timeout_s}s: another incarnation still holds the id "
+                    "or etcd is unreachable; check `rallypoint workers` or raise --register-timeout-s"
+                )
+            self.clock.sleep(0.2)
+        keeper.start_keepalive()
+        self.registration = Registration(incarnation=incarnation, keeper=keeper)
+        self._set_state(WorkerState.SERVING, incarnation=incarnation)
+        self.log.info(
+            "worker.registered",
+            incarnation=incarnation,
+            lease=f"{keeper.lease_id:x}",
+            devices=len(self.devices),
+            address=self.address,
+            pid=os.getpid(),
+        )
+        return incarnation
+
+    def _on_lease_lost(self, reason: str) -> None:
+        self._wake.set()
+
+    # -- acting --------------------------------------------------------------------
+
+    def admit(self, to: pb.Identity) -> Registration:
+        """Gate of every action: fenced or wrong incarnation -> refused.
+
+        Raises:
+            Fenced: the local lease deadline passed, or the lease is gone.
+            StaleIncarnation: the request was meant for another incarnation.
+        """
+        reg = self.registration
+        if reg is None:
+            raise Fenced(f"worker {self.config.worker_id}", "not registered")
+        try:
+            reg.keeper.fence.check()
+        except Fenced:
+            if self.state is WorkerState.SERVING:
+                self._set_state(WorkerState.FENCED, incarnation=reg.incarnation)
+                self.log.warning("worker.fenced", incarnation=reg.incarnation)
+            self._wake.set()
+            raise
+        if to.incarnation and to.incarnation != reg.incarnation:
+            raise StaleIncarnation(self.config.worker_id, to.incarnation, reg.incarnation)
+        return reg
+
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        try:
+            reg = self.admit(request.to)
+        except (Fenced, StaleIncarnation) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.PingResponse(
+            worker_id=self.config.worker_id,
+            incarnation=reg.incarnation,
+            devices=len(self.devices),
+            state=self.state.value,
+        )
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.Heartbeat]:
+        """A stream that lives as long as this process: its break is the fast loss signal."""
+        try:
+            reg = self.admit(request.to)
+        except (Fenced, StaleIncarnation) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        interval = min(max(request.interval_s, 0.05), 5.0)
+        seq = 0
+        while context.is_active() and not self._stop.is_set():
+            if self.registration is not reg:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "incarnation ended")
+            seq += 1
+            yield pb.Heartbeat(
+                worker_id=self.config.worker_id,
+                incarnation=reg.incarnation,
+                seq=seq,
+                fenced=not reg.keeper.fence.valid(),
+            )
+            self._stop.wait(interval)
+
+    # -- main loop -------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One iteration of the main loop: fence check, re-register when the lease is gone."""
+        reg = self.registration
+        if reg is None:
+            return
+        if reg.keeper.fence.dead:
+            self.log.warning("worker.incarnation_ended", incarnation=reg.incarnation)
+            reg.keeper.stop(revoke=False)
+            self.registration = None
+            self.register()
+        elif not reg.keeper.fence.valid():
+            if self.state is WorkerState.SERVING:
+                self._set_state(WorkerState.FENCED, incarnation=reg.incarnation)
+                self.log.warning("worker.fenced", incarnation=reg.incarnation)
+        elif self.state is WorkerState.FENCED:
+            self._set_state(WorkerState.SERVING, incarnation=reg.incarnation)
+            self.log.info("worker.unfenced", incarnation=reg.incarnation)
+
+    def run(self) -> None:
+        """Serve until :meth:`stop` is called."""
+        while not self._stop.is_set():
+            reg = self.registration
+            wait = 0.1
+            if reg is not None and reg.keeper.fence.valid():
+                wait = min(max(reg.keeper.fence.remaining_s(), 0.01), 0.5)
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except RallypointError as exc:
+                self.log.error("worker.step_failed", error=str(exc))
+                self.clock.sleep(0.5)
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to return (safe from a signal handler)."""
+        self._stop.set()
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Leave the cluster cleanly: mark the record leaving, revoke the lease, stop serving."""
+        self._set_state(WorkerState.STOPPING)
+        self._stop.set()
+        self._wake.set()
+        reg = self.registration
+        if reg is not None and reg.keeper.fence.valid():
+            wkey = self.keys.worker(self.config.worker_id)
+            try:
+                kv = self.store.get(wkey)
+                if kv is not None and kv.create_revision == reg.incarnation:
+                    record = kv.json() | {"state": "leaving"}
+                    self.store.put(wkey, json.dumps(record), lease=reg.keeper.lease_id)
+            except StoreError as exc:
+                self.log.warning("worker.leave_failed", error=str(exc))
+        if reg is not None:
+            reg.keeper.stop(revoke=True)
+        if self._server is not None:
+            self._server.stop(grace=0.5)
+        self.store.close()
+        self._set_state(WorkerState.STOPPED, incarnation=reg.incarnation if reg else 0)
+
+
+class StaleIncarnation(RallypointError):
+    """A request named an incarnation of this worker that is not the current one."""
+
+    def __init__(self, worker: str, asked: int, current: int) -> None:
+        super().__init__(
+            f"worker {worker}: request for incarnation {asked} refused, current incarnation is {current}"
+        )
+        self.asked = asked
+        self.current = current
