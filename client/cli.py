@@ -287,14 +287,17 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 @click.option("--devices", type=int, default=2, show_default=True, help="Local JAX devices (K).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=0, help="gRPC port (0: a free one).")
-def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int) -> None:
+@click.option("--register-timeout-s", type=float, default=30.0, show_default=True,
+              help="How long to wait for an older incarnation of this id to expire.")
+def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
+           register_timeout_s: float) -> None:
     """Run the worker daemon (one per accelerator host)."""
     from workers.daemon import WorkerConfig, WorkerDaemon
 
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     cfg = WorkerConfig(cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
-                       lease_ttl_s=lease_ttl_s, host=host, port=port)
+                       lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s)
     d = WorkerDaemon(cfg)
     _run_daemon(d.start, d.run, d.request_stop, d.stop)
 

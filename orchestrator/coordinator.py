@@ -293,7 +293,10 @@ class Coordinator:
         try:
             self.lead_step()
         except NotLeader as exc:
-            self.election.step_down(str(exc))
+            # fenced_txn already stepped down (keeping the lease when only the local
+            # deadline passed); make sure, and stop the leader's machinery.
+            if self.election.term is not None:
+                self.election.step_down(str(exc))
             self._stop_leading(str(exc))
 
     def run(self) -> None:

@@ -126,7 +126,11 @@ class LeaderElection:
             NotLeader: the local fence tripped, or etcd refused the write because
                 another coordinator now holds the leader key. The caller must step down.
         """
-        self.check()
+        try:
+            self.check()
+        except NotLeader as exc:
+            self.step_down(exc.reason, keep_lease=self.keeper is not None and not self.keeper.fence.dead)
+            raise
         assert self.term is not None
         fence = created_at(self.keys.leader, self.term)
         r = self.store.txn([fence, *compares], success, [Get(self.keys.leader), *failure])
@@ -147,12 +151,19 @@ class LeaderElection:
         """A fenced no-op round trip: raises :class:`NotLeader` if we were deposed."""
         self.fenced_txn([], [])
 
-    def step_down(self, reason: str) -> None:
-        """Forget our term; the lease is revoked so a new campaign starts clean."""
+    def step_down(self, reason: str, *, keep_lease: bool = False) -> None:
+        """Stop acting as leader.
+
+        With ``keep_lease`` (only the local deadline passed, e.g. etcd was briefly
+        unreachable) the lease is kept: if a later keepalive succeeds, the lease
+        never expired, nobody else could have taken the leader key, and the next
+        campaign finds the key still ours and resumes the same term. Otherwise
+        the lease is revoked so that the next campaign starts clean.
+        """
         if self.term is not None:
-            self.log.warning("leader.deposed", term=self.term, reason=reason)
+            self.log.warning("leader.deposed", term=self.term, reason=reason, lease_kept=keep_lease)
         self.term = None
-        if self.keeper is not None:
+        if self.keeper is not None and not keep_lease:
             try:
                 self.keeper.stop(revoke=True)
             except StoreError:

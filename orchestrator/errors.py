@@ -28,14 +28,19 @@ class StoreError(RallypointError):
 
 
 class StoreUnavailable(StoreError):
-    """The store could not be reached; the request did not apply."""
+    """The store could not be reached: a transient failure, worth retrying.
+
+    Raised as is, the request did not apply; the subclass
+    :class:`WriteIndeterminate` marks a write that may have.
+    """
 
 
-class WriteIndeterminate(StoreError):
+class WriteIndeterminate(StoreUnavailable):
     """A write timed out or lost its connection: it may or may not have applied.
 
-    Callers must re-read (or make the write idempotent with a compare) before
-    acting on the assumption that it did not apply.
+    A :class:`StoreUnavailable` (callers retry both as transient), but callers must
+    re-read (or make the write idempotent with a compare) before acting on the
+    assumption that it did not apply.
     """
 
 

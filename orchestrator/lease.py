@@ -110,7 +110,7 @@ class LeaseKeeper:
         self.ttl_s = ttl_s
         self.clock = clock
         self.on_lost = on_lost
-        self.fence = LocalFence(who, clock=clock, margin_s=margin_s or default_margin_s(ttl_s))
+        self.fence = LocalFence(who, clock=clock, margin_s=default_margin_s(ttl_s) if margin_s is None else margin_s)
         self.grant: LeaseGrant | None = None
         self.keepalives_sent = 0
         self._stop = threading.Event()

@@ -140,6 +140,8 @@ class LocalCluster:
         self.endpoints = endpoints
         self.processes = processes
         self.keys = Keys(config.cluster)
+        self.etcd: EtcdCluster | None = None
+        self._popen: dict[str, subprocess.Popen[bytes]] = {}
         self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
 
     # -- starting ---------------------------------------------------------------------
@@ -168,7 +170,7 @@ class LocalCluster:
             for m in etcd.members
         ]
         cluster = cls(config, etcd.endpoints, processes)
-        cluster._etcd = etcd  # keep the Popen objects (and so the exit codes) while we live
+        cluster.etcd = etcd  # the in-process handle: tests stop and restart members through it
         try:
             for i in range(config.coordinators):
                 cluster.spawn("coordinator", f"c{i}")
@@ -200,7 +202,6 @@ class LocalCluster:
                 start_new_session=True, env=env, cwd=str(PROJECT_ROOT),
             )
         rec = ProcessRecord(role, name, proc.pid, process_start_time(proc.pid) or 0, str(log_path), argv)
-        self._popen = getattr(self, "_popen", {})
         self._popen[name] = proc
         self.processes = [p for p in self.processes if p.name != name] + [rec]
         self.save()
@@ -276,7 +277,7 @@ class LocalCluster:
             self.reap(name)
 
     def reap(self, name: str, timeout_s: float = 5.0) -> None:
-        proc = getattr(self, "_popen", {}).get(name)
+        proc = self._popen.get(name)
         if proc is not None:
             proc.wait(timeout=timeout_s)
 
@@ -285,15 +286,14 @@ class LocalCluster:
         order = {"worker": 0, "coordinator": 1, "etcd": 2}
         for rec in sorted(self.processes, key=lambda p: order.get(p.role, 3)):
             stop_process(rec)
-            proc = getattr(self, "_popen", {}).get(rec.name)
+            proc = self._popen.get(rec.name)
             if proc is not None:
                 try:
                     proc.wait(timeout=1)
                 except subprocess.TimeoutExpired:
                     pass
-        etcd = getattr(self, "_etcd", None)
-        if etcd is not None:
-            etcd.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
         path = self.config.state_dir / STATE_FILE
         if path.exists():
             path.unlink()

@@ -36,12 +36,13 @@ from typing import Any
 import grpc
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.errors import ConfigError, Fenced, RallypointError, StoreError, WriteIndeterminate
+from orchestrator.errors import ConfigError, Fenced, RallypointError, StoreError
 from orchestrator.keys import Keys, check_name
 from orchestrator.lease import LeaseKeeper
 from orchestrator.logs import get_logger
-from orchestrator.store import EtcdStore, Put, Store, key_missing
+from orchestrator.store import EtcdStore, Store
 from proto import rallypoint_pb2 as pb
+from workers.registration import try_register
 from proto import rallypoint_pb2_grpc as pb_grpc
 
 
@@ -172,18 +173,16 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self._server.start()
         self.register()
 
-    def _record(self) -> str:
-        return json.dumps(
-            {
-                "worker": self.config.worker_id,
-                "address": self.address,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "devices": len(self.devices),
-                "state": "serving",
-                "registered_at": time.time(),
-            }
-        )
+    def _record(self) -> dict[str, Any]:
+        return {
+            "worker": self.config.worker_id,
+            "address": self.address,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "devices": len(self.devices),
+            "state": "serving",
+            "registered_at": time.time(),
+        }
 
     def register(self) -> int:
         """Register a new incarnation: a fresh lease, the worker key and device keys, atomically.
@@ -193,7 +192,6 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         """
         self._set_state(WorkerState.REGISTERING)
         deadline = self.clock.monotonic() + self.config.register_timeout_s
-        wkey = self.keys.worker(self.config.worker_id)
         keeper = LeaseKeeper(
             self.store,
             self.config.lease_ttl_s,
@@ -207,25 +205,14 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             if self._stop.is_set():
                 raise RallypointError("worker stopping during registration")
             try:
-                if keeper.grant is None or keeper.fence.dead:
-                    keeper.acquire()
-                ops = [Put(wkey, self._record(), lease=keeper.lease_id)]
-                ops += [
-                    Put(self.keys.device(self.config.worker_id, d["index"]), json.dumps(d), lease=keeper.lease_id)
-                    for d in self.devices
-                ]
-                try:
-                    r = self.store.txn([key_missing(wkey)], ops)
-                    incarnation = r.revision if r.succeeded else None
-                except WriteIndeterminate:
-                    incarnation = None
-                if incarnation is None:
-                    kv = self.store.get(wkey)
-                    if kv is not None and kv.lease == keeper.lease_id:
-                        incarnation = kv.create_revision  # the indeterminate write did apply
-                    elif kv is not None and waited_for != kv.create_revision:
-                        waited_for = kv.create_revision
-                        self.log.info("worker.register_waiting", old_incarnation=kv.create_revision)
+                if keeper.grant is None or not keeper.fence.valid():
+                    keeper.acquire()  # no keepalives until registered: a long wait needs a new lease
+                incarnation, holder = try_register(
+                    self.store, self.keys, self.config.worker_id, self._record(), self.devices, keeper.lease_id
+                )
+                if holder is not None and waited_for != holder.create_revision:
+                    waited_for = holder.create_revision
+                    self.log.info("worker.register_waiting", old_incarnation=holder.create_revision)
                 if incarnation is not None:
                     break
             except StoreError as exc:

@@ -1,0 +1,166 @@
+"""Liveness with real processes and real signals: death, hangs, zombies, re-registration."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from orchestrator.devices import DeviceLeases, read_cluster
+from orchestrator.errors import StoreError
+from orchestrator.local_cluster import LocalCluster
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+from tests.conftest import read_events, wait_until
+
+
+def _leader_log(lc: LocalCluster) -> str:
+    store = lc.store()
+    try:
+        leader = store.get(lc.keys.leader)
+    finally:
+        store.close()
+    assert leader is not None, "no coordinator leads"
+    return lc.process(leader.json()["coordinator"]).log
+
+
+def test_killed_worker_is_fenced_through_the_broken_connection_and_its_devices_freed(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=2, devices_per_worker=2, lease_ttl_s=4)
+    store = lc.store()
+    try:
+        placement = DeviceLeases(store, lc.keys).allocate("job1", "stage0", 2)
+        victim = placement.worker
+        wait_until(lambda: read_events(_leader_log(lc), "worker.joined"), 10, "leader links to workers")
+        lc.signal(victim, signal.SIGKILL)
+        lost = wait_until(lambda: store.get(lc.keys.lost(victim)), 4, f"{victim} recorded lost").json()
+        # The TTL is 4 s: a loss recorded well before it came from the broken stream, and the
+        # record says so.
+        assert lost["reason"] == "connection_lost"
+        assert lost["incarnation"] == placement.incarnation
+        snap = read_cluster(store, lc.keys)
+        assert victim not in snap.workers
+        assert not [k for k in store.get_prefix(lc.keys.worker_leases(victim))[0]], "devices still leased"
+        events = read_events(_leader_log(lc), "worker.lost")
+        assert [e["worker"] for e in events] == [victim]
+        assert read_events(_leader_log(lc), "lease.revoked")[0]["worker"] == victim
+    finally:
+        store.close()
+
+
+def test_stopped_worker_is_lost_refuses_everything_on_resume_and_registers_a_new_incarnation(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=2, lease_ttl_s=1)
+    store = lc.store()
+    try:
+        snap = read_cluster(store, lc.keys)
+        info = snap.workers["w1"].info
+        old = info.incarnation
+        channel = grpc.insecure_channel(info.address)
+        stub = pb_grpc.WorkerStub(channel)
+        ident = pb.Identity(cluster=lc.keys.cluster, worker_id="w1", incarnation=old)
+        assert stub.Ping(pb.PingRequest(to=ident), timeout=2).incarnation == old
+
+        lc.signal("w1", signal.SIGSTOP)
+        lost = wait_until(lambda: store.get(lc.keys.lost("w1")), 6, "w1 recorded lost").json()
+        assert lost["reason"] == "lease_expired" and lost["incarnation"] == old
+
+        # Hammer the zombie with requests for its old incarnation from before it resumes
+        # until it has re-registered: not one may be served.
+        answered_old: list[int] = []
+        refused: list[str] = []
+        stop = threading.Event()
+
+        def hammer() -> None:
+            while not stop.is_set():
+                try:
+                    r = stub.Ping(pb.PingRequest(to=pb.Identity(worker_id="w1")), timeout=0.2)
+                    if r.incarnation == old:
+                        answered_old.append(r.incarnation)
+                except grpc.RpcError as exc:
+                    if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                        refused.append(exc.details() or "")
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        try:
+            lc.signal("w1", signal.SIGCONT)
+            new = wait_until(
+                lambda: (kv := store.get(lc.keys.worker("w1"))) and kv.create_revision != old and kv.create_revision,
+                10, "w1 re-registered",
+            )
+            stop.wait(0.3)
+        finally:
+            stop.set()
+            t.join()
+        channel.close()
+        assert answered_old == [], "the zombie acted under its old incarnation"
+        assert new > old
+        log = lc.process("w1").log
+        fenced = read_events(log, "worker.fenced")
+        registered = read_events(log, "worker.registered")
+        assert fenced and fenced[-1]["incarnation"] == old
+        assert [r["incarnation"] for r in registered] == [old, new]
+        # The new incarnation is served; the old one is refused by name.
+        channel = grpc.insecure_channel(info.address)
+        stub = pb_grpc.WorkerStub(channel)
+        assert stub.Ping(pb.PingRequest(to=pb.Identity(incarnation=new)), timeout=2).incarnation == new
+        try:
+            stub.Ping(pb.PingRequest(to=pb.Identity(incarnation=old)), timeout=2)
+            raise AssertionError("a request for the old incarnation was served")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "incarnation" in (exc.details() or "")
+        channel.close()
+        # The coordinator saw it come back.
+        joined = [e for e in read_events(_leader_log(lc), "worker.joined") if e["worker"] == "w1"]
+        assert [e["incarnation"] for e in joined][-1] == new
+    finally:
+        store.close()
+
+
+def test_etcd_down_for_longer_than_the_ttl_loses_no_healthy_worker(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=2, lease_ttl_s=2)
+    assert lc.etcd is not None
+    store = lc.store()
+    try:
+        before = {w: s.info.incarnation for w, s in read_cluster(store, lc.keys).workers.items()}
+        wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+        lc.etcd.stop_member(0)
+        threading.Event().wait(3.5)  # longer than the 2 s TTL
+        lc.etcd.start_member(0)
+        # Leases survive an etcd restart (the new etcd leader refreshes them); wait a few TTLs.
+        wait_until(lambda: _try_read(lc), 10, "etcd back")
+        threading.Event().wait(5)
+        after = {w: s.info.incarnation for w, s in read_cluster(store, lc.keys).workers.items()}
+        assert after == before, "a worker lost its incarnation over an etcd outage"
+        assert store.get_prefix(lc.keys.lost_workers)[0] == []
+        for p in lc.processes:
+            if p.role != "etcd":
+                assert not read_events(p.log, "worker.lost"), f"{p.name} declared a worker lost"
+                assert all(e.get("level") != "critical" for e in read_events(p.log))
+        from orchestrator.local_cluster import is_running
+
+        assert all(is_running(p) for p in lc.processes if p.role != "etcd"), "a process died"
+        # The outage was seen (retries were logged), and the cluster leads again.
+        assert any(read_events(lc.process(w).log, "lease.keepalive_failed") for w in ("w0", "w1"))
+        wait_until(lambda: store.get(lc.keys.leader), 10, "a leader again")
+    finally:
+        store.close()
+
+
+def _try_read(lc: LocalCluster) -> bool:
+    s = lc.store()
+    try:
+        s.get(lc.keys.leader)
+        return True
+    except StoreError:
+        return False
+    finally:
+        s.close()
