@@ -1,0 +1,128 @@
+"""The `rallypoint` CLI as a user runs it: real subprocesses, a real local cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.local_cluster import STATE_FILE, LocalCluster, is_running
+from tests.conftest import read_events, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rp(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, "-m", "client.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"rallypoint {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def rows(*args: str) -> dict[str, dict]:
+    return {row["worker"]: row for row in map(json.loads, rp("workers", "--json", *args).stdout.splitlines())}
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    d = tmp_path / "state"
+    try:
+        yield d
+    finally:
+        if (d / STATE_FILE).exists():
+            LocalCluster.load(d).stop()
+
+
+def test_up_workers_cordon_uncordon_down(state_dir: Path) -> None:
+    out = rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "1", "--devices-per-worker", "2",
+             "--coordinators", "2").stdout
+    assert "rallypoint workers" in out and "rallypoint down" in out
+    lc = LocalCluster.load(state_dir)
+    assert {p.role for p in lc.processes} == {"etcd", "coordinator", "worker"}
+    assert all(is_running(p) for p in lc.processes)
+
+    table = rows("--state-dir", str(state_dir))
+    assert set(table) == {"w0", "w1"}
+    for w, row in table.items():
+        assert row["state"] == "spare" and row["devices"] == 2 and row["alive"]
+        assert row["pid"] == lc.process(w).pid and row["incarnation"] > 0
+    human = rp("workers", "--state-dir", str(state_dir)).stdout
+    assert "w0" in human and "spare" in human and "leader" in human
+
+    rp("cordon", "w1", "--state-dir", str(state_dir))
+    assert rows("--state-dir", str(state_dir))["w1"]["state"] == "cordoned"
+    # --cluster reaches the same cluster, with or without its name.
+    endpoints = ",".join(lc.endpoints)
+    assert rows("--cluster", f"local@{endpoints}")["w1"]["state"] == "cordoned"
+    assert set(rows("--cluster", endpoints)) == {"w0", "w1"}
+    assert "uncordoned" in rp("uncordon", "w1", "--state-dir", str(state_dir)).stdout
+    assert rows("--state-dir", str(state_dir))["w1"]["state"] == "spare"
+
+    assert "stopped" in rp("down", "--state-dir", str(state_dir)).stdout
+    assert not any(is_running(p) for p in lc.processes), "down left processes running"
+    assert not (state_dir / STATE_FILE).exists()
+    # Workers left cleanly (said so before their leases went), so nobody was declared lost.
+    coord_logs = [p.log for p in lc.processes if p.role == "coordinator"]
+    assert not any(read_events(log, "worker.lost") for log in coord_logs)
+    assert {e["worker"] for log in coord_logs for e in read_events(log, "worker.left")} == {"w0", "w1"}
+    r = rp("down", "--state-dir", str(state_dir), check=False)
+    assert r.returncode == 1 and "rallypoint up" in r.stderr
+
+
+def test_bad_arguments_get_a_clear_message_a_nonzero_exit_and_change_nothing(state_dir: Path, tmp_path: Path) -> None:
+    r = rp("up", "--state-dir", str(state_dir), "--workers", "0", check=False)
+    assert r.returncode == 1 and "--workers must be at least 1" in r.stderr
+    assert not state_dir.exists(), "a rejected `up` created state"
+    r = rp("up", "--state-dir", str(state_dir), "--etcd-members", "2", check=False)
+    assert r.returncode == 2 and "etcd-members" in r.stderr
+
+    empty = tmp_path / "empty"
+    r = rp("workers", "--state-dir", str(empty), check=False)
+    assert r.returncode == 1 and "rallypoint up" in r.stderr
+    r = rp("workers", "--cluster", "not-an-address", check=False)
+    assert r.returncode == 1 and "HOST:PORT" in r.stderr
+
+    rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "0", "--devices-per-worker", "1",
+       "--coordinators", "1")
+    lc = LocalCluster.load(state_dir)
+    before = rows("--state-dir", str(state_dir))
+    r = rp("cordon", "nope", "--state-dir", str(state_dir), check=False)
+    assert r.returncode == 1 and "no worker 'nope'" in r.stderr
+    r = rp("cordon", "bad/name", "--state-dir", str(state_dir), check=False)
+    assert r.returncode == 1 and "invalid worker name" in r.stderr
+    r = rp("up", "--state-dir", str(state_dir), check=False)
+    assert r.returncode == 1 and "still running" in r.stderr
+    assert LocalCluster.load(state_dir).processes == lc.processes, "a rejected `up` touched the running cluster"
+    assert all(is_running(p) for p in lc.processes)
+    assert rows("--state-dir", str(state_dir)) == before
+
+
+def test_down_stops_only_what_up_started(state_dir: Path) -> None:
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "0", "--devices-per-worker", "1",
+           "--coordinators", "1")
+        lc = LocalCluster.load(state_dir)
+        rp("down", "--state-dir", str(state_dir))
+        assert not any(is_running(p) for p in lc.processes)
+        assert bystander.poll() is None, "down killed a process it did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_workers_shows_a_lost_worker(state_dir: Path) -> None:
+    import signal
+
+    rp("up", "--state-dir", str(state_dir), "--workers", "2", "--spares", "0", "--devices-per-worker", "1",
+       "--coordinators", "1", "--lease-ttl-s", "1")
+    lc = LocalCluster.load(state_dir)
+    lc.signal("w0", signal.SIGKILL)
+    lost = wait_until(lambda: (r := rows("--state-dir", str(state_dir)).get("w0")) and r["state"] == "lost" and r,
+                      15, "w0 shown lost")
+    assert lost["alive"] is False and lost["pid"] == lc.process("w0").pid
