@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import click
 
 from orchestrator.errors import ClusterNotFound, ConfigError, RallypointError
-from orchestrator.keys import ROOT, Keys, check_name
+from orchestrator.keys import Keys, all_clusters_prefix, check_name, cluster_of
 from orchestrator.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,10 +61,10 @@ def resolve_cluster(state_dir: Path, cluster: str | None) -> ClusterAddress:
         if name is None:
             store = EtcdStore(endpoints)
             try:
-                kvs, _ = store.get_prefix(ROOT + "/")
+                kvs, _ = store.get_prefix(all_clusters_prefix())
             finally:
                 store.close()
-            names = sorted({kv.key[len(ROOT) + 1 :].split("/")[0] for kv in kvs})
+            names = sorted({cluster_of(kv.key) for kv in kvs})
             if len(names) != 1:
                 raise ClusterNotFound(
                     f"etcd at {','.join(endpoints)} holds clusters {names or 'none'}; "

@@ -30,12 +30,24 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 def check_name(kind: str, name: str) -> str:
     """Return ``name`` if it is a valid identifier for a key segment, else raise ConfigError."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ConfigError(
             f"invalid {kind} name {name!r}: use 1-63 letters, digits, '_', '.' or '-', "
             "starting with a letter or digit"
         )
     return name
+
+
+def all_clusters_prefix() -> str:
+    """The prefix under which every cluster's keys live."""
+    return f"{ROOT}/"
+
+
+def cluster_of(key: str) -> str:
+    """The cluster name a key belongs to."""
+    if not key.startswith(all_clusters_prefix()):
+        raise ValueError(f"{key!r} is not a Rallypoint key")
+    return key[len(all_clusters_prefix()):].split("/")[0]
 
 
 @dataclass(frozen=True, slots=True)
