@@ -27,7 +27,7 @@ import grpc
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
 from orchestrator.election import LeaderElection
-from orchestrator.errors import ConfigError, NotLeader, RallypointError, StoreError
+from orchestrator.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
 from orchestrator.failures import Verdict, classify_rpc_error
 from orchestrator.keys import Keys, check_name
 from orchestrator.logs import get_logger
@@ -155,6 +155,7 @@ class Coordinator:
         self._links: dict[str, WorkerLink] = {}
         self._revoked: dict[tuple[str, int], tuple[str, float]] = {}
         self.monitor: MembershipMonitor | None = None
+        self._confirmed_at = float("-inf")
         self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
 
     def _set_state(self, new: CoordinatorState, **fields: Any) -> None:
@@ -267,7 +268,13 @@ class Coordinator:
         try:
             kind, payload = self._events.get(timeout=timeout_s)
         except queue.Empty:
-            self.election.confirm()
+            # The local deadline is checked on every iteration; a round trip to etcd
+            # (which also catches a leader key deleted by hand) every third of a TTL.
+            if self.clock.monotonic() - self._confirmed_at >= self.config.lease_ttl_s / 3:
+                self.election.confirm()
+                self._confirmed_at = self.clock.monotonic()
+            else:
+                self.election.check()
             return
         if kind == "monitor_failed":
             raise NotLeader(f"coordinator {self.config.coordinator_id}", f"membership watch failed: {payload}")
@@ -285,7 +292,11 @@ class Coordinator:
     def step(self) -> None:
         """One iteration: campaign when standing by, serve events when leading."""
         if self.state is CoordinatorState.STANDBY:
-            if self.election.try_acquire():
+            try:
+                leads = self.election.try_acquire()
+            except Fenced:
+                leads = False  # our own lease is not renewed right now (etcd unreachable): wait
+            if leads:
                 self._start_leading()
             else:
                 self.clock.wait(self._stop, self.config.campaign_interval_s)
@@ -293,10 +304,11 @@ class Coordinator:
         try:
             self.lead_step()
         except NotLeader as exc:
-            # fenced_txn already stepped down (keeping the lease when only the local
-            # deadline passed); make sure, and stop the leader's machinery.
+            # A refusal by etcd already stepped down. Otherwise keep the lease while it
+            # may still live: if only the local deadline passed, we resume the same term.
             if self.election.term is not None:
-                self.election.step_down(str(exc))
+                keeper = self.election.keeper
+                self.election.step_down(str(exc), keep_lease=keeper is not None and not keeper.fence.dead)
             self._stop_leading(str(exc))
 
     def run(self) -> None:

@@ -251,6 +251,16 @@ _TARGET_FIELD = {
 }
 
 
+def _lease_of(request: Any) -> int:
+    """The lease a request names (for a transaction: the first put that names one)."""
+    if isinstance(request, etcdrpc.TxnRequest):
+        for op in (*request.success, *request.failure):
+            if op.WhichOneof("request") == "request_put" and op.request_put.lease:
+                return int(op.request_put.lease)
+        return 0
+    return int(getattr(request, "ID", 0) or getattr(request, "lease", 0))
+
+
 class EtcdStore:
     """:class:`Store` over a real etcd cluster.
 
@@ -302,8 +312,7 @@ class EtcdStore:
             return method(request, timeout=self.request_timeout_s, wait_for_ready=False)
         except grpc.RpcError as exc:
             if "requested lease not found" in (exc.details() or ""):
-                lease = getattr(request, "ID", 0) or getattr(request, "lease", 0)
-                raise LeaseNotFound(lease) from None
+                raise LeaseNotFound(_lease_of(request)) from None
             raise self._fail(exc, write=write, what=what) from None
 
     # -- key/value ------------------------------------------------------------
