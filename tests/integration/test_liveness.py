@@ -169,3 +169,27 @@ def _try_read(lc: LocalCluster) -> bool:
         return False
     finally:
         s.close()
+
+
+def test_three_member_etcd_survives_a_member_loss_and_still_detects_a_dead_worker(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=2, coordinators=2, etcd_members=3, lease_ttl_s=2)
+    assert lc.etcd is not None and len(lc.endpoints) == 3
+    wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+    lc.etcd.kill_member(0)
+    store = lc.store()
+    try:
+        lc.signal("w0", signal.SIGKILL)
+        lost = wait_until(lambda: _get_or_none(store, lc.keys.lost("w0")), 10, "w0 recorded lost").json()
+        assert lost["reason"] in ("connection_lost", "lease_expired")
+        assert "w1" in read_cluster(store, lc.keys).workers
+    finally:
+        store.close()
+
+
+def _get_or_none(store, key):  # type: ignore[no-untyped-def]
+    try:
+        return store.get(key)
+    except StoreError:
+        return None  # a request routed to the dead member; the next one goes elsewhere
