@@ -258,6 +258,53 @@ def release(state_dir: Path, cluster: str | None, job: str, slice_name: str | No
     click.echo(f"released {n} devices of {job}{'/' + slice_name if slice_name else ''}")
 
 
+# -- running jobs ---------------------------------------------------------------------------
+
+HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job file runs JAX)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--steps", type=int, default=None, help="Override the program's step count.")
+@click.option("--reference", is_flag=True, help="Run in this process, no cluster: the bitwise reference.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
+def run(job_file: Path, steps: int | None, reference: bool, as_json: bool) -> None:
+    """Run the program built by JOB_FILE."""
+    from client.compile import ensure_host_devices
+
+    ensure_host_devices(HOST_DEVICES)
+    from client.jobfile import load_program
+    from client.reference import ReferenceExecutor, compile_program
+
+    if not reference:
+        raise RallypointError(
+            "running a job on the cluster is not available yet (the graph executor is the next piece of work); "
+            "run it in-process with `rallypoint run --reference JOB.py`"
+        )
+    program = load_program(job_file, steps=steps)
+    compiled = compile_program(program)
+    if as_json:
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            click.echo(json.dumps({"event": "step", "job": program.name, "step": step, "metrics": metrics}))
+
+        result = ReferenceExecutor(compiled, on_step=on_step).run()
+        click.echo(json.dumps(result.finished_event()))
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn()) as bar:
+        task = bar.add_task(f"{program.name} (reference)", total=program.steps, metrics="", rate="")
+
+        def show(step: int, metrics: dict[str, float]) -> None:
+            elapsed = bar.tasks[task].elapsed or 0.0
+            rate = f"{(step + 1) / elapsed:.1f} steps/s" if elapsed > 0 else ""
+            bar.update(task, advance=1, metrics=" ".join(f"{k} {v:.4f}" for k, v in metrics.items()), rate=rate)
+
+        result = ReferenceExecutor(compiled, on_step=show).run()
+    click.echo(f"{program.name}: {result.steps} steps in {result.wall_s:.2f}s, state digest {result.state_digest}")
+
+
 # -- daemons ------------------------------------------------------------------------------
 
 

@@ -8,11 +8,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import pytest
 
 from orchestrator.etcd_server import EtcdCluster
 from orchestrator.local_cluster import LocalCluster, LocalClusterConfig, is_running
 from orchestrator.store import EtcdStore
+
+# The client-side tests compile programs for slices of up to 4 devices and run the
+# reference on several device sets: give this process 8 CPU devices before any JAX
+# operation runs. (A config, not XLA_FLAGS, so worker processes do not inherit it.)
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 @pytest.fixture

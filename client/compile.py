@@ -1,0 +1,289 @@
+"""From a :class:`~client.program.Program` to exported programs: tracing, checks, ``jax.export``.
+
+Every node (and every state's ``init``) is traced with :func:`jax.eval_shape` in
+topological order, so a shape or dtype mismatch is found before anything runs and
+reported naming the node. Each is then jitted with the shardings of its slice's
+mesh and exported with :mod:`jax.export`: programs cross the wire as serialized
+StableHLO bytes, never as pickle.
+
+Calling convention of an exported node: positional arguments in the order of
+``input_names`` (sources: ``step``, ``microbatch`` as int32 scalars), each a
+pytree; the result is a tuple in the order of ``outputs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
+
+def ensure_host_devices(count: int) -> None:
+    """Make JAX see at least ``count`` CPU devices; possible until JAX runs its first operation.
+
+    Raises:
+        ProgramError: JAX already started with fewer devices.
+    """
+    import os
+    import re
+
+    import jax
+
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if not (forced and int(forced.group(1)) >= count) and jax.config.jax_num_cpu_devices < count:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:
+            pass  # JAX already started: what it has is checked below
+    have = len(jax.devices())
+    if have < count:
+        raise ProgramError(
+            f"this process needs {count} JAX devices but JAX started with {have}; run it through "
+            f"`rallypoint run`, or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts"
+        )
+
+
+@dataclass(frozen=True)
+class CompiledNode:
+    """One node ready to ship: its exported program and its interface."""
+
+    name: str
+    slice: str
+    per: str
+    every: int
+    input_names: tuple[str, ...]
+    inputs: dict[str, Any]  # input name -> Ref | StateRef | Gathered (as declared)
+    outputs: tuple[str, ...]
+    updates: dict[str, str]
+    is_source: bool
+    exported: bytes
+    out_avals: dict[str, Any]  # output name -> pytree of jax.ShapeDtypeStruct
+    in_trees: tuple[Any, ...]  # treedef of each input, in input_names order
+    out_trees: tuple[Any, ...]  # treedef of each output, in outputs order
+
+    def flatten_inputs(self, args: Sequence[Any]) -> list[Any]:
+        """Input pytrees (in ``input_names`` order) -> the flat leaves the exported program takes."""
+        import jax
+
+        leaves: list[Any] = []
+        for arg, tree in zip(args, self.in_trees, strict=True):
+            flat, got = jax.tree_util.tree_flatten(arg)
+            if got != tree:
+                raise ProgramError(f"node {self.name!r}: an input has structure {got}, expected {tree}")
+            leaves += flat
+        return leaves
+
+    def unflatten_outputs(self, leaves: Sequence[Any]) -> dict[str, Any]:
+        """The exported program's flat results -> output name -> pytree."""
+        return dict(zip(self.outputs, _unflatten_all(self.out_trees, leaves), strict=True))
+
+
+@dataclass(frozen=True)
+class CompiledState:
+    """A state: its exported ``init`` (no arguments, flat leaves out) and its structure."""
+
+    name: str
+    slice: str
+    exported_init: bytes
+    aval: Any
+    tree: Any
+    producer: tuple[str, str] | None
+
+
+def _unflatten_all(trees: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
+    out, i = [], 0
+    for tree in trees:
+        n = tree.num_leaves
+        out.append(tree.unflatten(list(leaves[i : i + n])))
+        i += n
+    if i != len(leaves):
+        raise ProgramError(f"expected {i} values, got {len(leaves)}")
+    return out
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """Everything a runtime needs, as plain data and serialized StableHLO."""
+
+    program: Program
+    order: tuple[str, ...]
+    nodes: dict[str, CompiledNode]
+    states: dict[str, CompiledState]
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+
+def slice_mesh(program: Program, slice_name: str, devices: Sequence[Any] | None = None) -> Any:
+    """The :class:`jax.sharding.Mesh` of a slice over ``devices`` (default: the first N local ones)."""
+    import jax
+    import numpy as np
+
+    spec = program.slices[slice_name]
+    devs = list(devices) if devices is not None else jax.devices()[: spec.devices]
+    if len(devs) < spec.devices:
+        raise ProgramError(f"slice {slice_name!r} needs {spec.devices} devices, this process has {len(devs)}")
+    return jax.sharding.Mesh(np.array(devs[: spec.devices]).reshape(spec.mesh_shape), spec.mesh_axes)
+
+
+def load_exported(blob: bytes, mesh: Any) -> Callable[..., Any]:
+    """Deserialize an exported program and bind it to ``mesh`` (a slice's devices).
+
+    The same bytes run on any devices of the slice's shape: in this process for the
+    reference, on a worker's devices on the cluster.
+    """
+    import jax
+
+    exp = jax.export.deserialize(bytearray(blob))
+    return jax.jit(exp.call, in_shardings=exp.in_shardings_jax(mesh), out_shardings=exp.out_shardings_jax(mesh))
+
+
+def _sharding(mesh: Any, spec: Any) -> Any:
+    import jax
+
+    return jax.sharding.NamedSharding(mesh, spec if spec is not None else jax.sharding.PartitionSpec())
+
+
+def _normalize(node: NodeSpec, result: Any) -> tuple[Any, ...]:
+    outs = node.outputs
+    if len(outs) == 1 and not (isinstance(result, dict) and set(result) == set(outs)):
+        return (result,)  # a single output returned bare (it may itself be a dict pytree)
+    if isinstance(result, dict):
+        if set(result) != set(outs):
+            raise ProgramError(
+                f"node {node.name!r} returned outputs {sorted(result)}, but declares {list(outs)}"
+            )
+        return tuple(result[o] for o in outs)
+    if len(outs) == 1:
+        return (result,)
+    if isinstance(result, tuple) and len(result) == len(outs):
+        return result
+    raise ProgramError(f"node {node.name!r} must return a dict with keys {list(outs)}")
+
+
+def node_callable(node: NodeSpec, input_names: Sequence[str]) -> Callable[..., tuple[Any, ...]]:
+    """``node.fn`` taking its inputs positionally (pytrees) and returning a tuple of outputs."""
+    if node.is_source:
+        return lambda step, microbatch: _normalize(node, node.fn(step, microbatch))
+    names = tuple(input_names)
+    return lambda *args: _normalize(node, node.fn(**dict(zip(names, args, strict=True))))
+
+
+def flat_callable(fn: Callable[..., tuple[Any, ...]], in_trees: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
+    """``fn`` over flat leaves: what is exported (optimizer states and other pytrees of user
+    types need no registration to cross the wire; only arrays do)."""
+    import jax
+
+    def flat(*leaves: Any) -> tuple[Any, ...]:
+        outs = fn(*_unflatten_all(in_trees, leaves))
+        return tuple(leaf for out in outs for leaf in jax.tree_util.tree_leaves(out))
+
+    return flat
+
+
+def _describe(tree: Any) -> str:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) == 1 and not isinstance(tree, dict | list | tuple):
+        return f"{leaves[0].dtype}{list(leaves[0].shape)}"
+    return str(jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+
+
+def _same_avals(a: Any, b: Any) -> bool:
+    import jax
+
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb, strict=True))
+
+
+def compile_program(program: Program) -> CompiledProgram:
+    """Validate, trace and export every node and state init of ``program``.
+
+    Raises:
+        ProgramError: naming the node, edge or state at fault.
+    """
+    program.validate()
+    ensure_host_devices(max(s.devices for s in program.slices.values()))
+    import jax
+    import jax.numpy as jnp
+
+    state_avals: dict[str, Any] = {}
+    states: dict[str, CompiledState] = {}
+    for st in program.states.values():
+        mesh = slice_mesh(program, st.slice)
+        try:
+            aval = jax.eval_shape(st.init)
+        except Exception as exc:  # user code: report it against the state
+            raise ProgramError(f"init of state {st.name!r} failed to trace: {type(exc).__name__}: {exc}") from exc
+        state_avals[st.name] = aval
+        tree = jax.tree_util.tree_structure(aval)
+        init_flat = flat_callable(lambda init=st.init: (init(),), [])
+        exported = jax.export.export(jax.jit(init_flat, out_shardings=_sharding(mesh, None)))()
+        states[st.name] = CompiledState(
+            st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name)
+        )
+
+    out_avals: dict[str, dict[str, Any]] = {}
+    nodes: dict[str, CompiledNode] = {}
+    order = program.topo_order()
+    m = program.microbatches
+    for name in order:
+        node = program.nodes[name]
+        mesh = slice_mesh(program, node.slice)
+        if node.is_source:
+            names: tuple[str, ...] = ("step", "microbatch")
+            in_avals = [jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
+        else:
+            names = tuple(node.inputs)
+            in_avals = []
+            for arg in names:
+                src = node.inputs[arg]
+                if isinstance(src, StateRef):
+                    in_avals.append(state_avals[src.name])
+                elif isinstance(src, Gathered):
+                    one = out_avals[src.ref.node][src.ref.output]
+                    in_avals.append(jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((m, *a.shape), a.dtype), one))
+                else:
+                    assert isinstance(src, Ref)
+                    in_avals.append(out_avals[src.node][src.output])
+        fn = node_callable(node, names)
+        try:
+            result = jax.eval_shape(fn, *in_avals)
+        except ProgramError:
+            raise
+        except Exception as exc:  # user code: report it against the node, with what it was given
+            given = ", ".join(f"{a}={_describe(v)}" for a, v in zip(names, in_avals, strict=True))
+            raise ProgramError(
+                f"node {name!r} failed to trace with inputs ({given}): {type(exc).__name__}: {exc}"
+            ) from exc
+        out_avals[name] = dict(zip(node.outputs, result, strict=True))
+        for out, st in node.updates.items():
+            if not _same_avals(out_avals[name][out], state_avals[st]):
+                raise ProgramError(
+                    f"node {name!r} produces state {st!r} as {_describe(out_avals[name][out])}, but its init is "
+                    f"{_describe(state_avals[st])}: the next value must keep the shape and dtype"
+                )
+        in_trees = tuple(jax.tree_util.tree_structure(a) for a in in_avals)
+        out_trees = tuple(jax.tree_util.tree_structure(out_avals[name][o]) for o in node.outputs)
+        in_sh = tuple(_sharding(mesh, node.shardings.get(a)) for a, t in zip(names, in_trees) for _ in range(t.num_leaves))
+        out_sh = tuple(
+            _sharding(mesh, node.shardings.get(o)) for o, t in zip(node.outputs, out_trees) for _ in range(t.num_leaves)
+        )
+        flat_avals = [leaf for a in in_avals for leaf in jax.tree_util.tree_leaves(a)]
+        exported = jax.export.export(
+            jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh)
+        )(*flat_avals)
+        nodes[name] = CompiledNode(
+            name=name, slice=node.slice, per=node.per, every=node.every, input_names=names,
+            inputs=dict(node.inputs), outputs=node.outputs, updates=dict(node.updates), is_source=node.is_source,
+            exported=bytes(exported.serialize()), out_avals=out_avals[name], in_trees=in_trees, out_trees=out_trees,
+        )
+    for mname, ref in program.metrics.items():
+        aval = out_avals[ref.node][ref.output]
+        if getattr(aval, "shape", None) != ():
+            raise ProgramError(f"metric {mname!r} reads {ref}, which is {_describe(aval)}; a metric must be a scalar")
+    return CompiledProgram(program=program, order=tuple(order), nodes=nodes, states=states)

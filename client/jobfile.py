@@ -1,0 +1,44 @@
+"""Loading a job file: a Python file that builds a :class:`~client.program.Program`.
+
+A job file assigns its program to ``program`` at module level, or defines
+``build()`` returning one. Any failure is a :class:`ProgramError` naming the file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from client.program import Program, ProgramError
+
+
+def load_program(path: str | Path, *, steps: int | None = None) -> Program:
+    """Import ``path`` and return its program, with ``steps`` overriding its step count."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProgramError(f"job file {str(path)!r} not found")
+    if steps is not None and steps < 1:
+        raise ProgramError(f"--steps must be a positive integer, got {steps}")
+    spec = importlib.util.spec_from_file_location(f"rallypoint_job_{p.stem.replace('-', '_')}", p)
+    if spec is None or spec.loader is None:
+        raise ProgramError(f"job file {str(path)!r} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(p.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # user code: report it against the file
+        raise ProgramError(f"job file {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    program = getattr(module, "program", None)
+    if program is None and callable(getattr(module, "build", None)):
+        program = module.build()
+    if not isinstance(program, Program):
+        raise ProgramError(
+            f"job file {str(path)!r} defines no Program: assign one to `program` at module level "
+            "(or define build() returning one)"
+        )
+    if steps is not None:
+        program.steps = steps
+    return program

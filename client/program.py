@@ -1,0 +1,390 @@
+"""The Program API: one client describes the whole training computation as a graph.
+
+A :class:`Program` holds **virtual slices** (named groups of devices with a mesh),
+**state** (loop-carried values with an ``init``: a stage's parameters and
+optimizer state), deterministic **sources** (``batch = source(step, microbatch)``)
+and **nodes** (pure JAX functions on one slice, run once per step or once per
+microbatch). Edges are the references a node takes as inputs; :func:`gather`
+collects a per-microbatch value of the whole step into a per-step node.
+
+State is read at the start of a step by any number of nodes and produced anew by
+exactly one node (``updates=``); the value it produces is what the next step reads.
+That is the only mutable state, so "the state after step s" of all slices together
+is a consistent cut.
+
+Example (one pipeline stage)::
+
+    prog = Program("mlp", steps=100, microbatches=4)
+    s0 = prog.slice("stage0", devices=1)
+    params = prog.state("params0", slice=s0, init=lambda: init_stage(0))
+    batch = prog.source("batch", make_batch, slice=s0, outputs=("x", "y"))
+    fwd = prog.node("fwd0", stage_forward, slice=s0, per="microbatch",
+                    inputs={"params": params, "x": batch["x"]}, outputs=("act",))
+    ...
+    prog.node("update0", sgd_update, slice=s0,
+              inputs={"params": params, "grads": gather(bwd["grads"])},
+              outputs=("params",), updates={"params": params})
+
+Structural checks happen as the graph is built and in :meth:`Program.validate`;
+shape and dtype checks by tracing are in :mod:`client.compile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from jax.sharding import PartitionSpec
+
+from orchestrator.errors import RallypointError
+from orchestrator.keys import check_name
+
+Per = Literal["step", "microbatch"]
+
+
+class ProgramError(RallypointError):
+    """A program is invalid; the message names the node, edge, slice or state."""
+
+
+# ---------------------------------------------------------------------------
+# References
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An edge source: output ``output`` of node ``node``."""
+
+    node: str
+    output: str
+
+    def __str__(self) -> str:
+        return f"{self.node}.{self.output}"
+
+
+@dataclass(frozen=True, slots=True)
+class StateRef:
+    """A loop-carried value: read at the start of a step, produced for the next one."""
+
+    name: str
+    slice: str
+
+    def __str__(self) -> str:
+        return f"state {self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """The per-microbatch value ``ref`` of every microbatch of a step, stacked on axis 0."""
+
+    ref: Ref
+
+    def __str__(self) -> str:
+        return f"gather({self.ref})"
+
+
+Input = Ref | StateRef | Gathered
+
+
+def gather(ref: Ref | NodeHandle) -> Gathered:
+    """Collect a per-microbatch output over all microbatches of the step (stacked on axis 0)."""
+    return Gathered(_as_ref(ref))
+
+
+def _as_ref(x: Any) -> Ref:
+    if isinstance(x, NodeHandle):
+        return x.ref
+    if isinstance(x, Ref):
+        return x
+    raise ProgramError(f"expected a node output, got {x!r}")
+
+
+# ---------------------------------------------------------------------------
+# Declarations
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """A virtual slice: ``devices`` virtual devices arranged as ``mesh_shape`` over ``mesh_axes``."""
+
+    name: str
+    devices: int
+    mesh_axes: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    name: str
+    slice: str
+    init: Callable[[], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """A block of work on one slice.
+
+    ``fn(**inputs)`` returns a dict with exactly ``outputs`` as keys (a single
+    output may also be returned bare). A source is a node whose inputs are the
+    step and microbatch numbers (int32 scalars): ``fn(step, microbatch)``.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    slice: str
+    inputs: Mapping[str, Input]
+    outputs: tuple[str, ...]
+    per: Per
+    updates: Mapping[str, str]  # output name -> state name
+    every: int
+    shardings: Mapping[str, PartitionSpec]
+    is_source: bool = False
+
+
+class NodeHandle:
+    """What :meth:`Program.node` returns: index it by output name to get an edge source."""
+
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+
+    def __getitem__(self, output: str) -> Ref:
+        if output not in self.spec.outputs:
+            raise ProgramError(
+                f"node {self.spec.name!r} has no output {output!r}; its outputs are {list(self.spec.outputs)}"
+            )
+        return Ref(self.spec.name, output)
+
+    @property
+    def ref(self) -> Ref:
+        """The node's only output (for single-output nodes)."""
+        if len(self.spec.outputs) != 1:
+            raise ProgramError(
+                f"node {self.spec.name!r} has outputs {list(self.spec.outputs)}: pick one with node[\"name\"]"
+            )
+        return Ref(self.spec.name, self.spec.outputs[0])
+
+
+@dataclass
+class Program:
+    """A whole training computation as a graph of nodes on virtual slices.
+
+    Args:
+        name: job name.
+        steps: number of training steps.
+        microbatches: microbatches per step (per-microbatch nodes run this often).
+        checkpoint_every: save state every K steps (used by recovery).
+    """
+
+    name: str
+    steps: int
+    microbatches: int = 1
+    checkpoint_every: int = 10
+    slices: dict[str, SliceSpec] = field(default_factory=dict)
+    states: dict[str, StateSpec] = field(default_factory=dict)
+    nodes: dict[str, NodeSpec] = field(default_factory=dict)
+    metrics: dict[str, Ref] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name("job", self.name)
+        for attr in ("steps", "microbatches", "checkpoint_every"):
+            if not isinstance(getattr(self, attr), int) or getattr(self, attr) < 1:
+                raise ProgramError(f"Program {self.name!r}: {attr} must be a positive integer, got {getattr(self, attr)!r}")
+
+    # -- declarations ---------------------------------------------------------------
+
+    def _fresh(self, kind: str, name: str) -> None:
+        try:
+            check_name(kind, name)
+        except RallypointError as exc:
+            raise ProgramError(str(exc)) from None
+        if name in self.slices or name in self.states or name in self.nodes:
+            raise ProgramError(f"{kind} name {name!r} is already used in program {self.name!r}")
+
+    def slice(
+        self, name: str, devices: int = 1, *, mesh_axes: Sequence[str] = ("d",), mesh_shape: Sequence[int] | None = None
+    ) -> str:
+        """Declare a virtual slice of ``devices`` devices; returns its name."""
+        self._fresh("slice", name)
+        shape = tuple(mesh_shape) if mesh_shape is not None else (devices,) + (1,) * (len(mesh_axes) - 1)
+        if not isinstance(devices, int) or devices < 1:
+            raise ProgramError(f"slice {name!r}: devices must be a positive integer, got {devices!r}")
+        if len(shape) != len(tuple(mesh_axes)):
+            raise ProgramError(f"slice {name!r}: mesh_shape {shape} does not match mesh_axes {tuple(mesh_axes)}")
+        n = 1
+        for d in shape:
+            n *= d
+        if n != devices:
+            raise ProgramError(f"slice {name!r}: mesh_shape {shape} holds {n} devices, not {devices}")
+        self.slices[name] = SliceSpec(name, devices, tuple(mesh_axes), shape)
+        return name
+
+    def state(self, name: str, *, slice: str, init: Callable[[], Any]) -> StateRef:
+        """Declare a loop-carried value on ``slice`` with its step-0 value ``init()``."""
+        self._fresh("state", name)
+        self._known_slice(f"state {name!r}", slice)
+        self.states[name] = StateSpec(name, slice, init)
+        return StateRef(name, slice)
+
+    def source(
+        self, name: str, fn: Callable[[Any, Any], Any], *, slice: str, outputs: Sequence[str] = ("out",),
+        per: Per = "microbatch", shardings: Mapping[str, PartitionSpec] | None = None,
+    ) -> NodeHandle:
+        """Declare a deterministic data node: ``fn(step, microbatch)`` (int32 scalars) -> outputs."""
+        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, 1, dict(shardings or {}), True))
+
+    def node(
+        self, name: str, fn: Callable[..., Any], *, slice: str, inputs: Mapping[str, Input | NodeHandle],
+        outputs: Sequence[str] = ("out",), per: Per = "step", updates: Mapping[str, StateRef] | None = None,
+        every: int = 1, shardings: Mapping[str, PartitionSpec] | None = None,
+    ) -> NodeHandle:
+        """Declare a node: ``fn(**inputs)`` on ``slice``, once per step or once per microbatch.
+
+        Args:
+            updates: output name -> state it produces for the next step.
+            every: run only at steps divisible by ``every``; the states it updates keep
+                their value in between (e.g. parameters sent to a sampler every k steps).
+            shardings: PartitionSpec over the slice's mesh per input or output name
+                (default: replicated).
+        """
+        resolved: dict[str, Input] = {}
+        for arg, src in inputs.items():
+            resolved[arg] = src.ref if isinstance(src, NodeHandle) else src
+        upd = {}
+        for out, st in (updates or {}).items():
+            if not isinstance(st, StateRef):
+                raise ProgramError(f"node {name!r}: updates[{out!r}] must be a state, got {st!r}")
+            upd[out] = st.name
+        return self._add(NodeSpec(name, fn, slice, resolved, tuple(outputs), per, upd, every, dict(shardings or {})))
+
+    def metric(self, name: str, ref: Ref | NodeHandle) -> None:
+        """Report ``ref`` (a scalar) as metric ``name`` each step (mean over microbatches)."""
+        self.metrics[name] = _as_ref(ref)
+
+    def _known_slice(self, what: str, slice_name: str) -> None:
+        if slice_name not in self.slices:
+            raise ProgramError(f"{what} is placed on unknown slice {slice_name!r}; declared slices: {sorted(self.slices)}")
+
+    def _add(self, spec: NodeSpec) -> NodeHandle:
+        self._fresh("node", spec.name)
+        self._known_slice(f"node {spec.name!r}", spec.slice)
+        if spec.per not in ("step", "microbatch"):
+            raise ProgramError(f"node {spec.name!r}: per must be 'step' or 'microbatch', got {spec.per!r}")
+        if not spec.outputs or len(set(spec.outputs)) != len(spec.outputs):
+            raise ProgramError(f"node {spec.name!r}: outputs must be distinct names, got {list(spec.outputs)}")
+        if not isinstance(spec.every, int) or spec.every < 1:
+            raise ProgramError(f"node {spec.name!r}: every must be a positive integer, got {spec.every!r}")
+        for out in spec.updates:
+            if out not in spec.outputs:
+                raise ProgramError(f"node {spec.name!r}: updates names output {out!r}, which it does not have")
+        self.nodes[spec.name] = spec
+        return NodeHandle(spec)
+
+    # -- structure --------------------------------------------------------------------
+
+    def producer_of(self, state: str) -> tuple[str, str] | None:
+        """``(node, output)`` producing the next value of ``state``, if any."""
+        for n in self.nodes.values():
+            for out, st in n.updates.items():
+                if st == state:
+                    return n.name, out
+        return None
+
+    def topo_order(self) -> list[str]:
+        """Nodes in an order where every within-step edge points forward."""
+        deps = {n: sorted(self._within_step_deps(n)) for n in self.nodes}
+        order: list[str] = []
+        state: dict[str, int] = {}
+
+        def visit(n: str, path: list[str]) -> None:
+            if state.get(n) == 2:
+                return
+            if state.get(n) == 1:
+                cycle = path[path.index(n):] + [n]
+                raise ProgramError(f"cycle within a step: {' -> '.join(cycle)}; carry a value to the next step "
+                                   "with a state (updates=) instead")
+            state[n] = 1
+            for d in deps[n]:
+                visit(d, path + [n])
+            state[n] = 2
+            order.append(n)
+
+        for n in self.nodes:  # declaration order breaks ties: deterministic
+            visit(n, [])
+        return order
+
+    def _within_step_deps(self, node: str) -> set[str]:
+        out = set()
+        for src in self.nodes[node].inputs.values():
+            if isinstance(src, Ref):
+                out.add(src.node)
+            elif isinstance(src, Gathered):
+                out.add(src.ref.node)
+        return out
+
+    def validate(self) -> None:
+        """Structural checks that need the whole graph. Raises :class:`ProgramError`."""
+        if not self.nodes:
+            raise ProgramError(f"program {self.name!r} has no nodes")
+        for n in self.nodes.values():
+            if n.is_source:
+                continue
+            for arg, src in n.inputs.items():
+                edge = f"input {arg!r} of node {n.name!r}"
+                if isinstance(src, StateRef):
+                    if src.name not in self.states:
+                        raise ProgramError(f"{edge} reads unknown state {src.name!r}")
+                    continue
+                ref = src.ref if isinstance(src, Gathered) else src
+                if not isinstance(ref, Ref):
+                    raise ProgramError(f"{edge} must be a node output, a state or gather(...), got {src!r}")
+                producer = self.nodes.get(ref.node)
+                if producer is None or ref.output not in producer.outputs:
+                    raise ProgramError(f"{edge} reads {ref}, which no node produces")
+                if isinstance(src, Gathered):
+                    if producer.per != "microbatch":
+                        raise ProgramError(f"{edge}: gather({ref}) needs a per-microbatch output, {ref.node!r} runs per step")
+                    if n.per != "step":
+                        raise ProgramError(f"{edge}: gather(...) feeds per-step nodes only; {n.name!r} runs per microbatch")
+                elif producer.per == "microbatch" and n.per == "step":
+                    raise ProgramError(f"{edge} reads per-microbatch {ref} in a per-step node: use gather({ref})")
+                if producer.every != 1 and not (producer.every == n.every):
+                    raise ProgramError(
+                        f"{edge} reads {ref} from a node that runs every {producer.every} steps; only nodes with the "
+                        "same `every` may read it (or make it a state with updates=)"
+                    )
+        for name, st in self.states.items():
+            producers = [(n.name, o) for n in self.nodes.values() for o, s in n.updates.items() if s == name]
+            if len(producers) > 1:
+                raise ProgramError(f"state {name!r} is produced by {len(producers)} nodes {producers}; exactly one may")
+            if producers:
+                node = self.nodes[producers[0][0]]
+                if node.per != "step":
+                    raise ProgramError(f"node {node.name!r} updates state {name!r} but runs per microbatch; "
+                                       "updates must come from per-step nodes")
+                if node.slice != st.slice:
+                    raise ProgramError(f"node {node.name!r} on slice {node.slice!r} updates state {name!r}, which "
+                                       f"lives on slice {st.slice!r}: state stays on the slice that produces it")
+        for mname, ref in self.metrics.items():
+            if ref.node not in self.nodes or ref.output not in self.nodes[ref.node].outputs:
+                raise ProgramError(f"metric {mname!r} reads {ref}, which no node produces")
+        self.topo_order()
+
+    def validate_for_cluster(self, *, workers: int, devices_per_worker: int) -> None:
+        """Checks against a cluster shape: a slice must fit one worker, the job the cluster."""
+        for s in self.slices.values():
+            if s.devices > devices_per_worker:
+                raise ProgramError(
+                    f"slice {s.name!r} needs {s.devices} devices but a worker has {devices_per_worker}; "
+                    "use --devices-per-worker or a smaller slice"
+                )
+        free = [devices_per_worker] * workers
+        for s in sorted(self.slices.values(), key=lambda s: -s.devices):  # first fit, largest first
+            i = next((i for i, f in enumerate(free) if f >= s.devices), None)
+            if i is None:
+                need = sum(x.devices for x in self.slices.values())
+                raise ProgramError(
+                    f"program {self.name!r} does not fit the cluster: slice {s.name!r} ({s.devices} devices) finds no "
+                    f"worker with room ({need} devices in all, {workers} workers x {devices_per_worker}); "
+                    "add workers with --workers"
+                )
+            free[i] -= s.devices

@@ -1,0 +1,163 @@
+"""The in-process reference executor and the state digest.
+
+The reference runs a compiled program in one process, with no workers: the same
+exported programs (deserialized from the same bytes), on meshes of the same device
+shapes, fed the same inputs. Because JAX programs are deterministic on the same
+device shape and sources are functions of the step, a run on the cluster must end
+in **bitwise the same state**; :func:`state_digest` is how that is checked.
+
+Values move between nodes as host arrays (numpy), exactly as they cross the wire
+between workers; a gather stacks the microbatches of a step on axis 0 with numpy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from client.compile import CompiledProgram, compile_program, load_exported, slice_mesh
+from client.program import Gathered, Program, Ref, StateRef
+
+
+def state_digest(states: Mapping[str, Any]) -> str:
+    """sha256 over every state value, in a fixed order: state name, tree structure, then
+    each leaf's dtype, shape and bytes."""
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in sorted(states):
+        leaves, treedef = jax.tree_util.tree_flatten(states[name])
+        h.update(f"{name}\0{treedef}\0".encode())
+        for leaf in leaves:
+            a = np.ascontiguousarray(np.asarray(leaf))
+            h.update(f"{a.dtype}\0{a.shape}\0".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def to_host(tree: Any) -> Any:
+    """A pytree of device arrays as numpy arrays."""
+    import jax
+    import numpy as np
+
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def stack_microbatches(values: list[Any]) -> Any:
+    """Stack the per-microbatch values of one step on a new leading axis (numpy: exact)."""
+    import jax
+    import numpy as np
+
+    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *values)
+
+
+@dataclass
+class RunResult:
+    """The end of a run: final state, its digest, per-step metrics, time."""
+
+    job: str
+    steps: int
+    states: dict[str, Any]
+    state_digest: str
+    wall_s: float
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    instances: dict[str, int] = field(default_factory=dict)
+
+    def finished_event(self) -> dict[str, Any]:
+        """The ``job.finished`` JSON event of ``rallypoint run --json``."""
+        return {"event": "job.finished", "job": self.job, "steps": self.steps, "state_digest": self.state_digest,
+                "wall_s": round(self.wall_s, 3)}
+
+
+class ReferenceExecutor:
+    """Runs a compiled program step by step in this process.
+
+    Args:
+        compiled: the program, compiled.
+        on_step: called after each step with ``(step, metrics)``.
+        devices: the devices every slice's mesh is laid over (default: the first N).
+    """
+
+    def __init__(
+        self, compiled: CompiledProgram, *, on_step: Callable[[int, dict[str, float]], None] | None = None,
+        devices: Sequence[Any] | None = None,
+    ) -> None:
+        self.compiled = compiled
+        self.on_step = on_step
+        program = compiled.program
+        meshes = {name: slice_mesh(program, name, devices) for name in program.slices}
+        self._calls = {n: load_exported(c.exported, meshes[c.slice]) for n, c in compiled.nodes.items()}
+        self._inits = {s: load_exported(c.exported_init, meshes[c.slice]) for s, c in compiled.states.items()}
+
+    def initial_state(self) -> dict[str, Any]:
+        """Every state's step-0 value, from its exported init."""
+        return {
+            name: self.compiled.states[name].tree.unflatten(to_host(list(init())))
+            for name, init in self._inits.items()
+        }
+
+    def run(self, steps: int | None = None, *, state: dict[str, Any] | None = None, start_step: int = 0) -> RunResult:
+        """Run ``steps`` steps (default: the program's) from ``state`` (default: init)."""
+        import numpy as np
+
+        program: Program = self.compiled.program
+        total = program.steps if steps is None else steps
+        m = program.microbatches
+        states = dict(state) if state is not None else self.initial_state()
+        instances = dict.fromkeys(self.compiled.nodes, 0)
+        metrics_log: list[dict[str, float]] = []
+        t0 = time.perf_counter()
+        for step in range(start_step, total):
+            values: dict[tuple[str, str], Any] = {}  # per step: value; per microbatch: list of M values
+            ran: set[str] = set()
+            for name in self.compiled.order:
+                node = self.compiled.nodes[name]
+                if step % node.every:
+                    continue
+                ran.add(name)
+                mbs = range(m) if node.per == "microbatch" else [None]
+                results = []
+                for mb in mbs:
+                    if node.is_source:
+                        args = [np.int32(step), np.int32(mb or 0)]
+                    else:
+                        args = [self._resolve(node.inputs[a], mb, values, states) for a in node.input_names]
+                    outs = self._calls[name](*node.flatten_inputs(args))
+                    results.append(list(node.unflatten_outputs(to_host(list(outs))).values()))
+                    instances[name] += 1
+                for i, out in enumerate(node.outputs):
+                    per_mb = [r[i] for r in results]
+                    values[(name, out)] = per_mb if node.per == "microbatch" else per_mb[0]
+            for sname, cs in self.compiled.states.items():
+                if cs.producer is not None and cs.producer[0] in ran:
+                    states[sname] = values[cs.producer]
+            metrics = {}
+            for mname, ref in program.metrics.items():
+                v = values.get((ref.node, ref.output))
+                if v is not None:
+                    metrics[mname] = float(np.mean([np.asarray(x, dtype=np.float64) for x in v])) if isinstance(v, list) else float(v)
+            metrics_log.append(metrics)
+            if self.on_step is not None:
+                self.on_step(step, metrics)
+        wall = time.perf_counter() - t0
+        return RunResult(program.name, total, states, state_digest(states), wall, metrics_log, instances)
+
+    @staticmethod
+    def _resolve(src: Any, mb: int | None, values: dict[tuple[str, str], Any], states: dict[str, Any]) -> Any:
+        if isinstance(src, StateRef):
+            return states[src.name]
+        if isinstance(src, Gathered):
+            return stack_microbatches(values[(src.ref.node, src.ref.output)])
+        assert isinstance(src, Ref)
+        v = values[(src.node, src.output)]
+        return v[mb] if isinstance(v, list) else v
+
+
+def run_reference(program: Program, *, steps: int | None = None,
+                  on_step: Callable[[int, dict[str, float]], None] | None = None) -> RunResult:
+    """Compile and run ``program`` in this process."""
+    return ReferenceExecutor(compile_program(program), on_step=on_step).run(steps)

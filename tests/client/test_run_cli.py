@@ -1,0 +1,59 @@
+"""`rallypoint run`: the reference run from the command line, and bad job files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from client.reference import run_reference
+from tests.client.test_cli import ROOT, rp
+from tests.client.test_reference import example
+
+
+def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest() -> None:
+    r = rp("run", "--reference", "--json", "--steps", "3", str(ROOT / "examples" / "rl_loop.py"))
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [e["step"] for e in events[:-1]] == [0, 1, 2]
+    assert all("loss" in e["metrics"] and "reward" in e["metrics"] for e in events[:-1])
+    final = events[-1]
+    assert final["event"] == "job.finished" and final["job"] == "rl-loop" and final["steps"] == 3
+    assert set(final) == {"event", "job", "steps", "state_digest", "wall_s"}
+    assert final["state_digest"] == run_reference(example("rl_loop").build(steps=3)).state_digest
+
+
+def test_run_reference_shows_progress_and_the_digest() -> None:
+    r = rp("run", "--reference", "--steps", "2", str(ROOT / "examples" / "data_parallel.py"))
+    assert "data-parallel: 2 steps" in r.stdout and "state digest" in r.stdout
+
+
+def test_bad_job_files_get_a_clear_message_and_a_nonzero_exit(tmp_path: Path) -> None:
+    cases = {
+        "missing.py": (None, "not found"),
+        "broken.py": ("import no_such_module_here\n", "failed to import: ModuleNotFoundError"),
+        "empty.py": ("x = 1\n", "defines no Program"),
+        "cyclic.py": (
+            "from client import Program\n"
+            "p = Program('cyc', steps=1)\n"
+            "s = p.slice('s')\n"
+            "from client.program import Ref\n"
+            "p.node('a', lambda x: x, slice=s, inputs={'x': Ref('b', 'out')})\n"
+            "p.node('b', lambda x: x, slice=s, inputs={'x': Ref('a', 'out')})\n"
+            "program = p\n",
+            "cycle within a step: a -> b -> a",
+        ),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        r = rp("run", "--reference", str(path), check=False)
+        assert r.returncode == 1, (name, r.stdout, r.stderr)
+        assert message in r.stderr, (name, r.stderr)
+        assert "Traceback" not in r.stderr
+    r = rp("run", "--reference", "--steps", "0", str(ROOT / "examples" / "rl_loop.py"), check=False)
+    assert r.returncode == 1 and "--steps must be a positive integer" in r.stderr
+
+
+def test_running_on_the_cluster_says_plainly_that_it_is_not_available_yet() -> None:
+    r = rp("run", str(ROOT / "examples" / "rl_loop.py"), check=False)
+    assert r.returncode == 1 and "--reference" in r.stderr
