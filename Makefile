@@ -18,6 +18,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
+	$(VENV)/bin/rallypoint run --reference examples/pipeline_mlp.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
