@@ -104,13 +104,15 @@ class WorkerConfig:
 
 
 def discover_local_devices(count: int) -> list[dict[str, Any]]:
-    """The K local JAX devices, forced to ``count`` CPU devices on a CPU host."""
-    flag = f"--xla_force_host_platform_device_count={count}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    """The K local JAX devices (on a CPU host, JAX is asked for ``count`` CPU devices)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax  # imported late: the flag above must be set first
+    import jax
 
+    if jax.config.jax_num_cpu_devices < count:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:
+            pass  # JAX already started in this process: take what it has (checked below)
     devs = jax.local_devices()
     if len(devs) < count:
         raise ConfigError(f"asked for {count} devices but JAX sees {len(devs)}: {devs}")
