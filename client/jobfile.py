@@ -24,13 +24,15 @@ def load_program(path: str | Path, *, steps: int | None = None) -> Program:
     if spec is None or spec.loader is None:
         raise ProgramError(f"job file {str(path)!r} cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(p.resolve().parent))
+    job_dir = str(p.resolve().parent)
+    sys.path.insert(0, job_dir)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # user code: report it against the file
         raise ProgramError(f"job file {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
     finally:
-        sys.path.pop(0)
+        if job_dir in sys.path:
+            sys.path.remove(job_dir)
     program = getattr(module, "program", None)
     if program is None and callable(getattr(module, "build", None)):
         program = module.build()

@@ -185,9 +185,13 @@ class Program:
     metrics: dict[str, Ref] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_name("job", self.name)
+        try:
+            check_name("job", self.name)
+        except RallypointError as exc:
+            raise ProgramError(str(exc)) from None
         for attr in ("steps", "microbatches", "checkpoint_every"):
-            if not isinstance(getattr(self, attr), int) or getattr(self, attr) < 1:
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ProgramError(f"Program {self.name!r}: {attr} must be a positive integer, got {getattr(self, attr)!r}")
 
     # -- declarations ---------------------------------------------------------------
@@ -206,7 +210,7 @@ class Program:
         """Declare a virtual slice of ``devices`` devices; returns its name."""
         self._fresh("slice", name)
         shape = tuple(mesh_shape) if mesh_shape is not None else (devices,) + (1,) * (len(mesh_axes) - 1)
-        if not isinstance(devices, int) or devices < 1:
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ProgramError(f"slice {name!r}: devices must be a positive integer, got {devices!r}")
         if len(shape) != len(tuple(mesh_axes)):
             raise ProgramError(f"slice {name!r}: mesh_shape {shape} does not match mesh_axes {tuple(mesh_axes)}")
@@ -258,6 +262,8 @@ class Program:
 
     def metric(self, name: str, ref: Ref | NodeHandle) -> None:
         """Report ``ref`` (a scalar) as metric ``name`` each step (mean over microbatches)."""
+        if name in self.metrics:
+            raise ProgramError(f"metric {name!r} is already declared in program {self.name!r}")
         self.metrics[name] = _as_ref(ref)
 
     def _known_slice(self, what: str, slice_name: str) -> None:
@@ -271,8 +277,11 @@ class Program:
             raise ProgramError(f"node {spec.name!r}: per must be 'step' or 'microbatch', got {spec.per!r}")
         if not spec.outputs or len(set(spec.outputs)) != len(spec.outputs):
             raise ProgramError(f"node {spec.name!r}: outputs must be distinct names, got {list(spec.outputs)}")
-        if not isinstance(spec.every, int) or spec.every < 1:
+        if isinstance(spec.every, bool) or not isinstance(spec.every, int) or spec.every < 1:
             raise ProgramError(f"node {spec.name!r}: every must be a positive integer, got {spec.every!r}")
+        for key in spec.shardings:
+            if key not in spec.inputs and key not in spec.outputs:
+                raise ProgramError(f"node {spec.name!r}: shardings names {key!r}, which is neither an input nor an output")
         for out in spec.updates:
             if out not in spec.outputs:
                 raise ProgramError(f"node {spec.name!r}: updates names output {out!r}, which it does not have")

@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/rallypoint.proto\x12\rrallypoint.v1\"Q\n\x08Identity\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0c\n\x04term\x18\x04 \x01(\x03\"2\n\x0bPingRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\"V\n\x0cPingResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\"`\n\rAttachRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\"P\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x65nced\x18\x04 \x01(\x08\x32\x8d\x01\n\x06Worker\x12?\n\x04Ping\x12\x1a.rallypoint.v1.PingRequest\x1a\x1b.rallypoint.v1.PingResponse\x12\x42\n\x06\x41ttach\x12\x1c.rallypoint.v1.AttachRequest\x1a\x18.rallypoint.v1.Heartbeat0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/rallypoint.proto\x12\rrallypoint.v1\"Q\n\x08Identity\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0c\n\x04term\x18\x04 \x01(\x03\"2\n\x0bPingRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\"V\n\x0cPingResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\"`\n\rAttachRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\"P\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x65nced\x18\x04 \x01(\x08\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"X\n\x0fSliceAssignment\x12\r\n\x05slice\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\x05\x12\x12\n\nmesh_shape\x18\x03 \x03(\x05\x12\x11\n\tmesh_axes\x18\x04 \x03(\t\"\xeb\x01\n\x0cInputBinding\x12\x0b\n\x03\x61rg\x18\x01 \x01(\t\x12.\n\x04kind\x18\x02 \x01(\x0e\x32 .rallypoint.v1.InputBinding.Kind\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0e\n\x06output\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06leaves\x18\x06 \x01(\x05\x12\x1f\n\x17producer_per_microbatch\x18\x07 \x01(\x08\"@\n\x04Kind\x12\x07\n\x03REF\x10\x00\x12\t\n\x05STATE\x10\x01\x12\n\n\x06GATHER\x10\x02\x12\x08\n\x04STEP\x10\x03\x12\x0e\n\nMICROBATCH\x10\x04\"R\n\nOutputSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06leaves\x18\x02 \x01(\x05\x12\x15\n\rupdates_state\x18\x03 \x01(\t\x12\x0f\n\x07metrics\x18\x04 \x03(\t\"\xbc\x01\n\x0bNodeProgram\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05slice\x18\x02 \x01(\t\x12\x16\n\x0eper_microbatch\x18\x03 \x01(\x08\x12\r\n\x05\x65very\x18\x04 \x01(\x05\x12+\n\x06inputs\x18\x05 \x03(\x0b\x32\x1b.rallypoint.v1.InputBinding\x12*\n\x07outputs\x18\x06 \x03(\x0b\x32\x19.rallypoint.v1.OutputSpec\x12\x10\n\x08\x65xported\x18\x07 \x01(\x0c\"\x81\x01\n\x0cStateProgram\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05slice\x18\x02 \x01(\t\x12\x15\n\rexported_init\x18\x03 \x01(\x0c\x12\x0e\n\x06leaves\x18\x04 \x01(\x05\x12\x15\n\rproducer_node\x18\x05 \x01(\t\x12\x16\n\x0eproducer_every\x18\x06 \x01(\x05\"\x91\x01\n\x05Route\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x15\n\rconsumer_node\x18\x04 \x01(\t\x12\x0b\n\x03\x61rg\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\x03\"\x95\x02\n\x0eLoadJobRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x04 \x01(\x05\x12.\n\x06slices\x18\x05 \x03(\x0b\x32\x1e.rallypoint.v1.SliceAssignment\x12)\n\x05nodes\x18\x06 \x03(\x0b\x32\x1a.rallypoint.v1.NodeProgram\x12+\n\x06states\x18\x07 \x03(\x0b\x32\x1b.rallypoint.v1.StateProgram\x12$\n\x06routes\x18\x08 \x03(\x0b\x32\x14.rallypoint.v1.Route\"!\n\x0fLoadJobResponse\x12\x0e\n\x06load_s\x18\x01 \x01(\x01\"W\n\x0fRunStepsRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x12\n\nuntil_step\x18\x03 \x01(\x03\"\x12\n\x10RunStepsResponse\"\xf4\x01\n\x0eTransferHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0e\n\x06output\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x12\n\nmicrobatch\x18\x06 \x01(\x05\x12\x15\n\rconsumer_node\x18\x07 \x01(\t\x12\x0b\n\x03\x61rg\x18\x08 \x01(\t\x12\x0e\n\x06leaves\x18\t \x01(\x05\x12#\n\x02to\x18\n \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x13\n\x0b\x66rom_worker\x18\x0b \x01(\t\x12\x18\n\x10\x66rom_incarnation\x18\x0c \x01(\x03\"x\n\rTransferChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.rallypoint.v1.TransferHeader\x12\x0c\n\x04leaf\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"!\n\x0cPushResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"D\n\x10JobEventsRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x0b\n\x03job\x18\x02 \x01(\t\"\xcb\x01\n\x0cInstanceDone\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x05\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x39\n\x07metrics\x18\x05 \x03(\x0b\x32(.rallypoint.v1.InstanceDone.MetricsEntry\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\x11\x46\x65tchStateRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x0b\n\x03job\x18\x02 \x01(\t\"B\n\nStateValue\x12\r\n\x05state\x18\x01 \x01(\t\x12%\n\x06leaves\x18\x02 \x03(\x0b\x32\x15.rallypoint.v1.Tensor\"D\n\x10UnloadJobRequest\x12#\n\x02to\x18\x01 \x01(\x0b\x32\x17.rallypoint.v1.Identity\x12\x0b\n\x03job\x18\x02 \x01(\t\"\x13\n\x11UnloadJobResponse\"\xd3\x01\n\x07JobSpec\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x14\n\x0cmicrobatches\x18\x03 \x01(\x05\x12\x0e\n\x06window\x18\x04 \x01(\x05\x12.\n\x06slices\x18\x05 \x03(\x0b\x32\x1e.rallypoint.v1.SliceAssignment\x12)\n\x05nodes\x18\x06 \x03(\x0b\x32\x1a.rallypoint.v1.NodeProgram\x12+\n\x06states\x18\x07 \x03(\x0b\x32\x1b.rallypoint.v1.StateProgram\"\xd6\x01\n\x08JobEvent\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x35\n\x07metrics\x18\x04 \x03(\x0b\x32$.rallypoint.v1.JobEvent.MetricsEntry\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12)\n\x06states\x18\x06 \x03(\x0b\x32\x19.rallypoint.v1.StateValue\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x8d\x01\n\x06Worker\x12?\n\x04Ping\x12\x1a.rallypoint.v1.PingRequest\x1a\x1b.rallypoint.v1.PingResponse\x12\x42\n\x06\x41ttach\x12\x1c.rallypoint.v1.AttachRequest\x1a\x18.rallypoint.v1.Heartbeat0\x01\x32\xd5\x03\n\rWorkerRuntime\x12H\n\x07LoadJob\x12\x1d.rallypoint.v1.LoadJobRequest\x1a\x1e.rallypoint.v1.LoadJobResponse\x12K\n\x08RunSteps\x12\x1e.rallypoint.v1.RunStepsRequest\x1a\x1f.rallypoint.v1.RunStepsResponse\x12\x43\n\x04Push\x12\x1c.rallypoint.v1.TransferChunk\x1a\x1b.rallypoint.v1.PushResponse(\x01\x12K\n\tJobEvents\x12\x1f.rallypoint.v1.JobEventsRequest\x1a\x1b.rallypoint.v1.InstanceDone0\x01\x12K\n\nFetchState\x12 .rallypoint.v1.FetchStateRequest\x1a\x19.rallypoint.v1.StateValue0\x01\x12N\n\tUnloadJob\x12\x1f.rallypoint.v1.UnloadJobRequest\x1a .rallypoint.v1.UnloadJobResponse2M\n\x0b\x43oordinator\x12>\n\tSubmitJob\x12\x16.rallypoint.v1.JobSpec\x1a\x17.rallypoint.v1.JobEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.rallypoint_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_INSTANCEDONE_METRICSENTRY']._loaded_options = None
+  _globals['_INSTANCEDONE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_JOBEVENT_METRICSENTRY']._loaded_options = None
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_IDENTITY']._serialized_start=41
   _globals['_IDENTITY']._serialized_end=122
   _globals['_PINGREQUEST']._serialized_start=124
@@ -41,6 +45,60 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHREQUEST']._serialized_end=360
   _globals['_HEARTBEAT']._serialized_start=362
   _globals['_HEARTBEAT']._serialized_end=442
-  _globals['_WORKER']._serialized_start=445
-  _globals['_WORKER']._serialized_end=586
+  _globals['_TENSOR']._serialized_start=444
+  _globals['_TENSOR']._serialized_end=496
+  _globals['_SLICEASSIGNMENT']._serialized_start=498
+  _globals['_SLICEASSIGNMENT']._serialized_end=586
+  _globals['_INPUTBINDING']._serialized_start=589
+  _globals['_INPUTBINDING']._serialized_end=824
+  _globals['_INPUTBINDING_KIND']._serialized_start=760
+  _globals['_INPUTBINDING_KIND']._serialized_end=824
+  _globals['_OUTPUTSPEC']._serialized_start=826
+  _globals['_OUTPUTSPEC']._serialized_end=908
+  _globals['_NODEPROGRAM']._serialized_start=911
+  _globals['_NODEPROGRAM']._serialized_end=1099
+  _globals['_STATEPROGRAM']._serialized_start=1102
+  _globals['_STATEPROGRAM']._serialized_end=1231
+  _globals['_ROUTE']._serialized_start=1234
+  _globals['_ROUTE']._serialized_end=1379
+  _globals['_LOADJOBREQUEST']._serialized_start=1382
+  _globals['_LOADJOBREQUEST']._serialized_end=1659
+  _globals['_LOADJOBRESPONSE']._serialized_start=1661
+  _globals['_LOADJOBRESPONSE']._serialized_end=1694
+  _globals['_RUNSTEPSREQUEST']._serialized_start=1696
+  _globals['_RUNSTEPSREQUEST']._serialized_end=1783
+  _globals['_RUNSTEPSRESPONSE']._serialized_start=1785
+  _globals['_RUNSTEPSRESPONSE']._serialized_end=1803
+  _globals['_TRANSFERHEADER']._serialized_start=1806
+  _globals['_TRANSFERHEADER']._serialized_end=2050
+  _globals['_TRANSFERCHUNK']._serialized_start=2052
+  _globals['_TRANSFERCHUNK']._serialized_end=2172
+  _globals['_PUSHRESPONSE']._serialized_start=2174
+  _globals['_PUSHRESPONSE']._serialized_end=2207
+  _globals['_JOBEVENTSREQUEST']._serialized_start=2209
+  _globals['_JOBEVENTSREQUEST']._serialized_end=2277
+  _globals['_INSTANCEDONE']._serialized_start=2280
+  _globals['_INSTANCEDONE']._serialized_end=2483
+  _globals['_INSTANCEDONE_METRICSENTRY']._serialized_start=2437
+  _globals['_INSTANCEDONE_METRICSENTRY']._serialized_end=2483
+  _globals['_FETCHSTATEREQUEST']._serialized_start=2485
+  _globals['_FETCHSTATEREQUEST']._serialized_end=2554
+  _globals['_STATEVALUE']._serialized_start=2556
+  _globals['_STATEVALUE']._serialized_end=2622
+  _globals['_UNLOADJOBREQUEST']._serialized_start=2624
+  _globals['_UNLOADJOBREQUEST']._serialized_end=2692
+  _globals['_UNLOADJOBRESPONSE']._serialized_start=2694
+  _globals['_UNLOADJOBRESPONSE']._serialized_end=2713
+  _globals['_JOBSPEC']._serialized_start=2716
+  _globals['_JOBSPEC']._serialized_end=2927
+  _globals['_JOBEVENT']._serialized_start=2930
+  _globals['_JOBEVENT']._serialized_end=3144
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=2437
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=2483
+  _globals['_WORKER']._serialized_start=3147
+  _globals['_WORKER']._serialized_end=3288
+  _globals['_WORKERRUNTIME']._serialized_start=3291
+  _globals['_WORKERRUNTIME']._serialized_end=3760
+  _globals['_COORDINATOR']._serialized_start=3762
+  _globals['_COORDINATOR']._serialized_end=3839
 # @@protoc_insertion_point(module_scope)

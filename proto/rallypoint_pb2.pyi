@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -56,3 +58,309 @@ class Heartbeat(_message.Message):
     seq: int
     fenced: bool
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., fenced: _Optional[bool] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SliceAssignment(_message.Message):
+    __slots__ = ("slice", "devices", "mesh_shape", "mesh_axes")
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MESH_AXES_FIELD_NUMBER: _ClassVar[int]
+    slice: str
+    devices: _containers.RepeatedScalarFieldContainer[int]
+    mesh_shape: _containers.RepeatedScalarFieldContainer[int]
+    mesh_axes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, slice: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InputBinding(_message.Message):
+    __slots__ = ("arg", "kind", "node", "output", "state", "leaves", "producer_per_microbatch")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REF: _ClassVar[InputBinding.Kind]
+        STATE: _ClassVar[InputBinding.Kind]
+        GATHER: _ClassVar[InputBinding.Kind]
+        STEP: _ClassVar[InputBinding.Kind]
+        MICROBATCH: _ClassVar[InputBinding.Kind]
+    REF: InputBinding.Kind
+    STATE: InputBinding.Kind
+    GATHER: InputBinding.Kind
+    STEP: InputBinding.Kind
+    MICROBATCH: InputBinding.Kind
+    ARG_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    arg: str
+    kind: InputBinding.Kind
+    node: str
+    output: str
+    state: str
+    leaves: int
+    producer_per_microbatch: bool
+    def __init__(self, arg: _Optional[str] = ..., kind: _Optional[_Union[InputBinding.Kind, str]] = ..., node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., leaves: _Optional[int] = ..., producer_per_microbatch: _Optional[bool] = ...) -> None: ...
+
+class OutputSpec(_message.Message):
+    __slots__ = ("name", "leaves", "updates_state", "metrics")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_STATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    leaves: int
+    updates_state: str
+    metrics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., leaves: _Optional[int] = ..., updates_state: _Optional[str] = ..., metrics: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodeProgram(_message.Message):
+    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    slice: str
+    per_microbatch: bool
+    every: int
+    inputs: _containers.RepeatedCompositeFieldContainer[InputBinding]
+    outputs: _containers.RepeatedCompositeFieldContainer[OutputSpec]
+    exported: bytes
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ...) -> None: ...
+
+class StateProgram(_message.Message):
+    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_INIT_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_NODE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EVERY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    slice: str
+    exported_init: bytes
+    leaves: int
+    producer_node: str
+    producer_every: int
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("node", "output", "state", "consumer_node", "arg", "worker_id", "address", "incarnation")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_NODE_FIELD_NUMBER: _ClassVar[int]
+    ARG_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    output: str
+    state: str
+    consumer_node: str
+    arg: str
+    worker_id: str
+    address: str
+    incarnation: int
+    def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class LoadJobRequest(_message.Message):
+    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    steps: int
+    microbatches: int
+    slices: _containers.RepeatedCompositeFieldContainer[SliceAssignment]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeProgram]
+    states: _containers.RepeatedCompositeFieldContainer[StateProgram]
+    routes: _containers.RepeatedCompositeFieldContainer[Route]
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+
+class LoadJobResponse(_message.Message):
+    __slots__ = ("load_s",)
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    load_s: float
+    def __init__(self, load_s: _Optional[float] = ...) -> None: ...
+
+class RunStepsRequest(_message.Message):
+    __slots__ = ("to", "job", "until_step")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    until_step: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., until_step: _Optional[int] = ...) -> None: ...
+
+class RunStepsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TransferHeader(_message.Message):
+    __slots__ = ("job", "node", "output", "state", "step", "microbatch", "consumer_node", "arg", "leaves", "to", "from_worker", "from_incarnation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_NODE_FIELD_NUMBER: _ClassVar[int]
+    ARG_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    FROM_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: str
+    output: str
+    state: str
+    step: int
+    microbatch: int
+    consumer_node: str
+    arg: str
+    leaves: int
+    to: Identity
+    from_worker: str
+    from_incarnation: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., leaves: _Optional[int] = ..., to: _Optional[_Union[Identity, _Mapping]] = ..., from_worker: _Optional[str] = ..., from_incarnation: _Optional[int] = ...) -> None: ...
+
+class TransferChunk(_message.Message):
+    __slots__ = ("header", "leaf", "dtype", "shape", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LEAF_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: TransferHeader
+    leaf: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., leaf: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class JobEventsRequest(_message.Message):
+    __slots__ = ("to", "job")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
+
+class InstanceDone(_message.Message):
+    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    step: int
+    microbatch: int
+    compute_s: float
+    metrics: _containers.ScalarMap[str, float]
+    error: str
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FetchStateRequest(_message.Message):
+    __slots__ = ("to", "job")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
+
+class StateValue(_message.Message):
+    __slots__ = ("state", "leaves")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    leaves: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, state: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class UnloadJobRequest(_message.Message):
+    __slots__ = ("to", "job")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
+
+class UnloadJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    steps: int
+    microbatches: int
+    window: int
+    slices: _containers.RepeatedCompositeFieldContainer[SliceAssignment]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeProgram]
+    states: _containers.RepeatedCompositeFieldContainer[StateProgram]
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("job", "event", "step", "metrics", "detail", "states")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    event: str
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    detail: str
+    states: _containers.RepeatedCompositeFieldContainer[StateValue]
+    def __init__(self, job: _Optional[str] = ..., event: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., detail: _Optional[str] = ..., states: _Optional[_Iterable[_Union[StateValue, _Mapping]]] = ...) -> None: ...

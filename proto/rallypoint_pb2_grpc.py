@@ -138,3 +138,363 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerRuntimeStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadJob = channel.unary_unary(
+                '/rallypoint.v1.WorkerRuntime/LoadJob',
+                request_serializer=proto_dot_rallypoint__pb2.LoadJobRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.LoadJobResponse.FromString,
+                _registered_method=True)
+        self.RunSteps = channel.unary_unary(
+                '/rallypoint.v1.WorkerRuntime/RunSteps',
+                request_serializer=proto_dot_rallypoint__pb2.RunStepsRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.RunStepsResponse.FromString,
+                _registered_method=True)
+        self.Push = channel.stream_unary(
+                '/rallypoint.v1.WorkerRuntime/Push',
+                request_serializer=proto_dot_rallypoint__pb2.TransferChunk.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.JobEvents = channel.unary_stream(
+                '/rallypoint.v1.WorkerRuntime/JobEvents',
+                request_serializer=proto_dot_rallypoint__pb2.JobEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.InstanceDone.FromString,
+                _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/rallypoint.v1.WorkerRuntime/FetchState',
+                request_serializer=proto_dot_rallypoint__pb2.FetchStateRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.StateValue.FromString,
+                _registered_method=True)
+        self.UnloadJob = channel.unary_unary(
+                '/rallypoint.v1.WorkerRuntime/UnloadJob',
+                request_serializer=proto_dot_rallypoint__pb2.UnloadJobRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.UnloadJobResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerRuntimeServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def LoadJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunSteps(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchState(self, request, context):
+        """state values after the last step
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerRuntimeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.LoadJobRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.LoadJobResponse.SerializeToString,
+            ),
+            'RunSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunSteps,
+                    request_deserializer=proto_dot_rallypoint__pb2.RunStepsRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.RunStepsResponse.SerializeToString,
+            ),
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=proto_dot_rallypoint__pb2.TransferChunk.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.PushResponse.SerializeToString,
+            ),
+            'JobEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.JobEvents,
+                    request_deserializer=proto_dot_rallypoint__pb2.JobEventsRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.InstanceDone.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=proto_dot_rallypoint__pb2.FetchStateRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.StateValue.SerializeToString,
+            ),
+            'UnloadJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.UnloadJobRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.UnloadJobResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'rallypoint.v1.WorkerRuntime', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('rallypoint.v1.WorkerRuntime', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerRuntime:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def LoadJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/LoadJob',
+            proto_dot_rallypoint__pb2.LoadJobRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.LoadJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/RunSteps',
+            proto_dot_rallypoint__pb2.RunStepsRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.RunStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rallypoint.v1.WorkerRuntime/Push',
+            proto_dot_rallypoint__pb2.TransferChunk.SerializeToString,
+            proto_dot_rallypoint__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/JobEvents',
+            proto_dot_rallypoint__pb2.JobEventsRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.InstanceDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/FetchState',
+            proto_dot_rallypoint__pb2.FetchStateRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.StateValue.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/UnloadJob',
+            proto_dot_rallypoint__pb2.UnloadJobRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.UnloadJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class CoordinatorStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SubmitJob = channel.unary_stream(
+                '/rallypoint.v1.Coordinator/SubmitJob',
+                request_serializer=proto_dot_rallypoint__pb2.JobSpec.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.JobEvent.FromString,
+                _registered_method=True)
+
+
+class CoordinatorServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def SubmitJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CoordinatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SubmitJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.JobSpec.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.JobEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'rallypoint.v1.Coordinator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('rallypoint.v1.Coordinator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Coordinator:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rallypoint.v1.Coordinator/SubmitJob',
+            proto_dot_rallypoint__pb2.JobSpec.SerializeToString,
+            proto_dot_rallypoint__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
