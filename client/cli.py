@@ -267,42 +267,94 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--steps", type=int, default=None, help="Override the program's step count.")
 @click.option("--reference", is_flag=True, help="Run in this process, no cluster: the bitwise reference.")
+@click.option("--cluster", "cluster", default=None, metavar="[NAME@]HOST:PORT[,...]",
+              help="Run on this cluster (etcd endpoints) instead of an embedded one.")
+@click.option("--workers", type=int, default=None, help="Embedded cluster: workers (default: one per slice).")
+@click.option("--spares", type=int, default=1, show_default=True, help="Embedded cluster: spare workers.")
+@click.option("--devices-per-worker", type=int, default=None,
+              help="Embedded cluster: devices per worker (default: the largest slice).")
+@click.option("--window", type=int, default=2, show_default=True, help="Steps in flight.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
-def run(job_file: Path, steps: int | None, reference: bool, as_json: bool) -> None:
-    """Run the program built by JOB_FILE."""
+def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
+        devices_per_worker: int | None, window: int, as_json: bool) -> None:
+    """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from client.compile import ensure_host_devices
 
     ensure_host_devices(HOST_DEVICES)
     from client.jobfile import load_program
     from client.reference import ReferenceExecutor, compile_program
 
-    if not reference:
-        raise RallypointError(
-            "running a job on the cluster is not available yet (the graph executor is the next piece of work); "
-            "run it in-process with `rallypoint run --reference JOB.py`"
-        )
     program = load_program(job_file, steps=steps)
+    if reference and (cluster or workers is not None or devices_per_worker is not None):
+        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers or --devices-per-worker")
     compiled = compile_program(program)
+    where = "reference"
+    if reference:
+        def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
+            return ReferenceExecutor(compiled, on_step=on_step).run()
+    else:
+        where = "cluster" if cluster else "embedded cluster"
+
+        def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
+            return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json)
+
     if as_json:
         def on_step(step: int, metrics: dict[str, float]) -> None:
             click.echo(json.dumps({"event": "step", "job": program.name, "step": step, "metrics": metrics}))
 
-        result = ReferenceExecutor(compiled, on_step=on_step).run()
+        result = runner(on_step)
         click.echo(json.dumps(result.finished_event()))
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn()) as bar:
-        task = bar.add_task(f"{program.name} (reference)", total=program.steps, metrics="", rate="")
+        task = bar.add_task(f"{program.name} ({where})", total=program.steps, metrics="", rate="")
 
         def show(step: int, metrics: dict[str, float]) -> None:
             elapsed = bar.tasks[task].elapsed or 0.0
             rate = f"{(step + 1) / elapsed:.1f} steps/s" if elapsed > 0 else ""
             bar.update(task, advance=1, metrics=" ".join(f"{k} {v:.4f}" for k, v in metrics.items()), rate=rate)
 
-        result = ReferenceExecutor(compiled, on_step=show).run()
+        result = runner(show)
     click.echo(f"{program.name}: {result.steps} steps in {result.wall_s:.2f}s, state digest {result.state_digest}")
+
+
+def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spares: int,
+                    devices_per_worker: int | None, window: int,
+                    on_step: Callable[[int, dict[str, float]], None], quiet: bool) -> Any:
+    """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after."""
+    import tempfile
+
+    from client.submit import submit
+    from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
+
+    program = compiled.program
+    if cluster:
+        addr = resolve_cluster(Path(DEFAULT_STATE_DIR), cluster)
+        return submit(compiled, endpoints=addr.endpoints, cluster=addr.name, window=window, on_step=on_step)
+    n_workers = workers if workers is not None else len(program.slices)
+    k = devices_per_worker if devices_per_worker is not None else max(s.devices for s in program.slices.values())
+    program.validate_for_cluster(workers=n_workers, devices_per_worker=k)
+    configure_logs(level="warning")
+    state = Path(tempfile.mkdtemp(prefix=f"rallypoint-{program.name}-"))
+    if not quiet:
+        click.echo(f"starting an embedded cluster: {n_workers} workers + {spares} spares x {k} devices ({state})")
+    lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=n_workers, spares=spares,
+                                               devices_per_worker=k, coordinators=2))
+    ok = False
+    try:
+        result = submit(compiled, endpoints=lc.endpoints, cluster=lc.config.cluster, window=window, on_step=on_step)
+        ok = True
+        return result
+    finally:
+        lc.stop()
+        if ok:
+            import shutil
+
+            shutil.rmtree(state, ignore_errors=True)
+        else:
+            click.echo(f"the embedded cluster's logs are in {state / 'logs'}", err=True)
 
 
 # -- daemons ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
+from workers.programs import slice_mesh as mesh_over
 
 def ensure_host_devices(count: int) -> None:
     """Make JAX see at least ``count`` CPU devices; possible until JAX runs its first operation.
@@ -119,25 +120,12 @@ class CompiledProgram:
 def slice_mesh(program: Program, slice_name: str, devices: Sequence[Any] | None = None) -> Any:
     """The :class:`jax.sharding.Mesh` of a slice over ``devices`` (default: the first N local ones)."""
     import jax
-    import numpy as np
 
     spec = program.slices[slice_name]
-    devs = list(devices) if devices is not None else jax.devices()[: spec.devices]
+    devs = list(devices) if devices is not None else jax.devices()
     if len(devs) < spec.devices:
         raise ProgramError(f"slice {slice_name!r} needs {spec.devices} devices, this process has {len(devs)}")
-    return jax.sharding.Mesh(np.array(devs[: spec.devices]).reshape(spec.mesh_shape), spec.mesh_axes)
-
-
-def load_exported(blob: bytes, mesh: Any) -> Callable[..., Any]:
-    """Deserialize an exported program and bind it to ``mesh`` (a slice's devices).
-
-    The same bytes run on any devices of the slice's shape: in this process for the
-    reference, on a worker's devices on the cluster.
-    """
-    import jax
-
-    exp = jax.export.deserialize(bytearray(blob))
-    return jax.jit(exp.call, in_shardings=exp.in_shardings_jax(mesh), out_shardings=exp.out_shardings_jax(mesh))
+    return mesh_over(devs, spec.mesh_shape, spec.mesh_axes)
 
 
 def _sharding(mesh: Any, spec: Any) -> Any:

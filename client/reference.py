@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.compile import CompiledProgram, compile_program, load_exported, slice_mesh
+from client.compile import CompiledProgram, compile_program, slice_mesh
 from client.program import Gathered, Program, Ref, StateRef
+from workers.programs import load_exported
 
 
 def state_digest(states: Mapping[str, Any]) -> str:

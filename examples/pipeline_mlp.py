@@ -21,15 +21,15 @@ MICROBATCH_SIZE = 16
 optimizer = optax.adam(1e-2)
 
 
-def init_params(stage: int):
+def init_params(stage: int, width: int = WIDTH):
     def init():
         key = jax.random.PRNGKey(stage)
-        return {"w": jax.random.normal(key, (WIDTH, WIDTH)) / jnp.sqrt(WIDTH), "b": jnp.zeros((WIDTH,))}
+        return {"w": jax.random.normal(key, (width, width)) / jnp.sqrt(width), "b": jnp.zeros((width,))}
     return init
 
 
-def init_opt(stage: int):
-    return lambda: optimizer.init(init_params(stage)())
+def init_opt(stage: int, width: int = WIDTH):
+    return lambda: optimizer.init(init_params(stage, width)())
 
 
 def apply_stage(params, x, last: bool):
@@ -37,11 +37,13 @@ def apply_stage(params, x, last: bool):
     return h if last else jnp.tanh(h)
 
 
-def make_batch(step, microbatch):
-    """Deterministic data: a function of (step, microbatch) only."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(1234), step), microbatch)
-    x = jax.random.normal(key, (MICROBATCH_SIZE, WIDTH))
-    return {"x": x, "y": jnp.sin(2.0 * x)}
+def batches(width: int = WIDTH, microbatch_size: int = MICROBATCH_SIZE):
+    def make_batch(step, microbatch):
+        """Deterministic data: a function of (step, microbatch) only."""
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(1234), step), microbatch)
+        x = jax.random.normal(key, (microbatch_size, width))
+        return {"x": x, "y": jnp.sin(2.0 * x)}
+    return make_batch
 
 
 def forward(params, x):
@@ -68,12 +70,14 @@ def update(params, opt_state, grads):
     return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
 
 
-def build(steps: int = 30) -> Program:
-    prog = Program("pipeline-mlp", steps=steps, microbatches=MICROBATCHES, checkpoint_every=10)
+def build(steps: int = 30, *, width: int = WIDTH, microbatch_size: int = MICROBATCH_SIZE,
+          microbatches: int = MICROBATCHES) -> Program:
+    """The pipeline; ``width`` and ``microbatch_size`` set how much work each instance does."""
+    prog = Program("pipeline-mlp", steps=steps, microbatches=microbatches, checkpoint_every=10)
     slices = [prog.slice(f"stage{i}", devices=1) for i in range(STAGES)]
-    params = [prog.state(f"params{i}", slice=slices[i], init=init_params(i)) for i in range(STAGES)]
-    opts = [prog.state(f"opt{i}", slice=slices[i], init=init_opt(i)) for i in range(STAGES)]
-    batch = prog.source("batch", make_batch, slice=slices[0], outputs=("x", "y"))
+    params = [prog.state(f"params{i}", slice=slices[i], init=init_params(i, width)) for i in range(STAGES)]
+    opts = [prog.state(f"opt{i}", slice=slices[i], init=init_opt(i, width)) for i in range(STAGES)]
+    batch = prog.source("batch", batches(width, microbatch_size), slice=slices[0], outputs=("x", "y"))
 
     acts = [batch["x"]]  # input of each stage
     for i in range(STAGES - 1):

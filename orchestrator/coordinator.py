@@ -20,6 +20,7 @@ import json
 import queue
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,8 @@ class CoordinatorConfig:
         lease_ttl_s: leader lease TTL (a dead leader is replaced within about this).
         attach_interval_s: heartbeat period asked of workers on Attach streams.
         campaign_interval_s: how often a standby tries to take the lead.
+        host, port: where the coordinator's gRPC service (job submission) listens; port 0
+            picks a free one. The leader publishes the address in the leader key.
     """
 
     cluster: str
@@ -66,6 +69,8 @@ class CoordinatorConfig:
     lease_ttl_s: int = 2
     attach_interval_s: float = 0.5
     campaign_interval_s: float = 0.25
+    host: str = "127.0.0.1"
+    port: int = 0
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)
@@ -146,8 +151,13 @@ class Coordinator:
         self.keys = Keys(config.cluster)
         self.store = store or EtcdStore(config.endpoints)
         self.clock = clock
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
+        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
+        self.address = f"{config.host}:{port}"
         self.election = LeaderElection(
-            self.store, self.keys, config.coordinator_id, ttl_s=config.lease_ttl_s, clock=clock
+            self.store, self.keys, config.coordinator_id, ttl_s=config.lease_ttl_s, clock=clock, address=self.address
         )
         self.state = CoordinatorState.STANDBY
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -313,6 +323,10 @@ class Coordinator:
 
     def run(self) -> None:
         """Run until :meth:`stop`. etcd outages are retried, never fatal."""
+        from orchestrator.service import CoordinatorService
+
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self), self._server)
+        self._server.start()
         failures = 0
         while not self._stop.is_set():
             try:
@@ -327,6 +341,7 @@ class Coordinator:
                 self.log.error("coordinator.step_failed", error=str(exc))
                 self.clock.wait(self._stop, 0.5)
         self._stop_leading("stopping")
+        self._server.stop(grace=1.0)
         self.election.resign()
         self._set_state(CoordinatorState.STOPPED)
 

@@ -35,12 +35,15 @@ class LeaderElection:
         candidate_id: this coordinator's id.
         ttl_s: leader lease TTL; a dead leader is replaced within about this long.
         clock: injectable clock.
+        address: this coordinator's gRPC address, published in the leader key.
     """
 
     def __init__(
-        self, store: Store, keys: Keys, candidate_id: str, *, ttl_s: int = 2, clock: Clock = SYSTEM_CLOCK
+        self, store: Store, keys: Keys, candidate_id: str, *, ttl_s: int = 2, clock: Clock = SYSTEM_CLOCK,
+        address: str = "",
     ) -> None:
         self.store = store
+        self.address = address
         self.keys = keys
         self.candidate_id = candidate_id
         self.ttl_s = ttl_s
@@ -77,7 +80,7 @@ class LeaderElection:
             )
         self.keeper.fence.check()
         value = json.dumps(
-            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname()}
+            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(), "address": self.address}
         )
         r = self.store.txn(
             [key_missing(self.keys.leader)],

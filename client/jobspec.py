@@ -1,0 +1,49 @@
+"""A compiled program as the ``JobSpec`` message the coordinator receives."""
+
+from __future__ import annotations
+
+from client.compile import CompiledProgram
+from client.program import Gathered, ProgramError, Ref, StateRef
+from proto import rallypoint_pb2 as pb
+
+
+def job_spec(compiled: CompiledProgram, *, window: int = 2) -> pb.JobSpec:
+    """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits."""
+    if window < 1:
+        raise ProgramError(f"the window of steps in flight must be at least 1, got {window}")
+    program = compiled.program
+    metric_names: dict[tuple[str, str], list[str]] = {}
+    for name, ref in program.metrics.items():
+        metric_names.setdefault((ref.node, ref.output), []).append(name)
+    spec = pb.JobSpec(job=program.name, steps=program.steps, microbatches=program.microbatches, window=window)
+    for s in program.slices.values():
+        spec.slices.append(pb.SliceAssignment(slice=s.name, mesh_shape=s.mesh_shape, mesh_axes=s.mesh_axes))
+    for st in compiled.states.values():
+        producer = st.producer[0] if st.producer else ""
+        spec.states.append(pb.StateProgram(
+            name=st.name, slice=st.slice, exported_init=st.exported_init, leaves=st.tree.num_leaves,
+            producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
+        ))
+    for name in compiled.order:
+        node = compiled.nodes[name]
+        msg = pb.NodeProgram(name=name, slice=node.slice, per_microbatch=node.per == "microbatch", every=node.every,
+                             exported=node.exported)
+        for arg, tree in zip(node.input_names, node.in_trees, strict=True):
+            b = pb.InputBinding(arg=arg, leaves=tree.num_leaves)
+            if node.is_source:
+                b.kind = pb.InputBinding.STEP if arg == "step" else pb.InputBinding.MICROBATCH
+            else:
+                src = node.inputs[arg]
+                if isinstance(src, StateRef):
+                    b.kind, b.state = pb.InputBinding.STATE, src.name
+                else:
+                    ref: Ref = src.ref if isinstance(src, Gathered) else src
+                    b.kind = pb.InputBinding.GATHER if isinstance(src, Gathered) else pb.InputBinding.REF
+                    b.node, b.output = ref.node, ref.output
+                    b.producer_per_microbatch = compiled.nodes[ref.node].per == "microbatch"
+            msg.inputs.append(b)
+        for out, tree in zip(node.outputs, node.out_trees, strict=True):
+            msg.outputs.append(pb.OutputSpec(name=out, leaves=tree.num_leaves, updates_state=node.updates.get(out, ""),
+                                             metrics=metric_names.get((name, out), [])))
+        spec.nodes.append(msg)
+    return spec

@@ -1,0 +1,93 @@
+"""Submitting a compiled program to a cluster's leader coordinator and following it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from client.compile import CompiledProgram
+from client.jobspec import job_spec
+from client.reference import RunResult, state_digest
+from orchestrator.errors import RallypointError
+from orchestrator.keys import Keys
+from orchestrator.store import EtcdStore
+from proto import codec
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+
+
+class JobError(RallypointError):
+    """The job failed on the cluster; the message is the coordinator's reason."""
+
+
+def leader_address(endpoints: Sequence[str], cluster: str, *, wait_s: float = 15.0) -> str:
+    """The gRPC address of the cluster's leader coordinator (waits for an election)."""
+    store = EtcdStore(endpoints)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            kv = store.get(Keys(cluster).leader)
+            if kv is not None and kv.json().get("address"):
+                return str(kv.json()["address"])
+            if time.monotonic() > deadline:
+                raise RallypointError(
+                    f"cluster {cluster!r} has no leader coordinator (waited {wait_s:.0f}s); "
+                    "check `rallypoint workers` and the coordinators' logs"
+                )
+            time.sleep(0.2)
+    finally:
+        store.close()
+
+
+def submit(
+    compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_event: Callable[[pb.JobEvent], None] | None = None,
+) -> RunResult:
+    """Run ``compiled`` on the cluster; return its final state and digest.
+
+    Raises:
+        JobError: the job failed (the reason names what went wrong).
+    """
+    spec = job_spec(compiled, window=window)
+    address = leader_address(endpoints, cluster)
+    channel = grpc.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    )
+    t0 = time.perf_counter()
+    metrics_log: list[dict[str, float]] = []
+    try:
+        for ev in pb_grpc.CoordinatorStub(channel).SubmitJob(spec):
+            if on_event is not None:
+                on_event(ev)
+            if ev.event == "step.done":
+                metrics = dict(ev.metrics)
+                metrics_log.append(metrics)
+                if on_step is not None:
+                    on_step(ev.step, metrics)
+            elif ev.event == "job.failed":
+                raise JobError(f"job {spec.job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
+            elif ev.event == "job.finished":
+                states = _states(compiled, ev.states)
+                return RunResult(spec.job, spec.steps, states, state_digest(states), time.perf_counter() - t0,
+                                 metrics_log)
+    except grpc.RpcError as exc:
+        raise JobError(f"job {spec.job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
+    finally:
+        channel.close()
+    raise JobError(f"job {spec.job!r}: the coordinator closed the stream before the job ended")
+
+
+def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[str, Any]:
+    states = {}
+    for v in values:
+        cs = compiled.states[v.state]
+        states[v.state] = cs.tree.unflatten([codec.from_tensor(t) for t in v.leaves])
+    missing = set(compiled.states) - set(states)
+    if missing:
+        raise JobError(f"the final state lacks {sorted(missing)}")
+    return states

@@ -1,0 +1,62 @@
+"""The coordinator's gRPC service: clients submit jobs to the leader and watch them."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from orchestrator.executor import JobExecutor
+from orchestrator.logs import get_logger
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from orchestrator.coordinator import Coordinator
+
+TERMINAL_EVENTS = frozenset({"job.finished", "job.failed"})
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """``SubmitJob``: only the leader runs jobs; a job name runs once at a time."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+        self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
+                              coordinator=coordinator.config.coordinator_id)
+
+    def SubmitJob(self, request: pb.JobSpec, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        election = self.c.election
+        if not election.is_leader:
+            leader = election.current_leader()
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"coordinator {self.c.config.coordinator_id} does not lead (leader: {leader[0] if leader else 'none'})")
+        with self._lock:
+            if request.job in self._running:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"job {request.job!r} is already running; wait for it or pick another name")
+            self._running.add(request.job)
+        events: queue.Queue[pb.JobEvent] = queue.Queue()
+        executor = JobExecutor(request, store=self.c.store, keys=self.c.keys, election=election, emit=events.put,
+                               clock=self.c.clock)
+
+        def run() -> None:
+            try:
+                executor.run()
+            finally:
+                with self._lock:
+                    self._running.discard(request.job)
+
+        threading.Thread(target=run, name=f"job-{request.job}", daemon=True).start()
+        self.log.info("job.submitted", job=request.job, steps=request.steps, slices=len(request.slices))
+        while True:
+            ev = events.get()
+            if context.is_active():
+                yield ev
+            if ev.event in TERMINAL_EVENTS:
+                return
