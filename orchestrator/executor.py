@@ -173,6 +173,7 @@ class JobExecutor:
             try:
                 kind, payload = self._events.get(timeout=1.0)
             except queue.Empty:
+                self._check_workers(completed)  # a hung worker's stream stays open: ask etcd
                 continue
             worker, item = payload
             if kind == "ended":
@@ -196,6 +197,16 @@ class JobExecutor:
             if completed + window > granted and granted < steps:
                 granted = min(completed + window, steps)
                 self._grant(granted)
+
+    def _check_workers(self, step: int) -> None:
+        """Fail the job if a worker holding one of its slices is no longer that incarnation."""
+        for name, p in self.placement.items():
+            kv = self.store.get(self.keys.worker(p.worker))
+            if kv is None or kv.create_revision != p.incarnation:
+                raise JobFailed(
+                    f"worker {p.worker} holding slice {name!r} was lost at step {step} (incarnation "
+                    f"{p.incarnation} is gone). Recovery onto a spare is not available yet: the job fails"
+                )
 
     def _fetch(self) -> list[pb.StateValue]:
         states: list[pb.StateValue] = []
