@@ -82,6 +82,7 @@ class JobExecutor:
         self.clock = clock
         self.state = JobState.PLACING
         self.placement: dict[str, SlicePlace] = {}
+        self.step_done = 0  # steps finished on every worker
         self.term = election.term or 0
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
@@ -99,7 +100,8 @@ class JobExecutor:
 
     def _record(self, **fields: Any) -> None:
         record = {
-            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "term": self.term,
+            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": self.step_done,
+            "term": self.term,
             "placement": {s: {"worker": p.worker, "devices": list(p.devices)} for s, p in self.placement.items()},
             "at": time.time(), **fields,
         }
@@ -192,8 +194,9 @@ class JobExecutor:
                 }
                 self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=completed, metrics=step_metrics))
                 completed += 1
-                if completed % 10 == 0 or completed == steps:
-                    self._record(step_done=completed)
+                self.step_done = completed
+                if completed % 10 == 0:
+                    self._record()
             if completed + window > granted and granted < steps:
                 granted = min(completed + window, steps)
                 self._grant(granted)
@@ -236,8 +239,13 @@ class JobExecutor:
     # -- the whole run ----------------------------------------------------------------------
 
     def run(self) -> JobState:
-        """Run the job to its end. Never raises: a failure is a ``job.failed`` event and state."""
+        """Run the job to its end. Never raises: a failure is a ``job.failed`` event and state.
+
+        The terminal event goes out last, after the devices are released and the final
+        state is recorded in etcd, so a client that sees it sees a settled cluster.
+        """
         t0 = self.clock.monotonic()
+        terminal: pb.JobEvent
         try:
             self._set_state(JobState.PLACING)
             self._place()
@@ -248,18 +256,18 @@ class JobExecutor:
             self._set_state(JobState.FINISHING)
             states = self._fetch()
             wall = self.clock.monotonic() - t0
-            self.emit(pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
-                                  detail=json.dumps({"wall_s": round(wall, 3)})))
+            terminal = pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
+                                   detail=json.dumps({"wall_s": round(wall, 3)}))
             final, reason = JobState.SUCCEEDED, ""
         except (RallypointError, grpc.RpcError) as exc:
             reason = str(exc) if isinstance(exc, RallypointError) else f"{exc.code().name} {exc.details()}"
             self.log.error("job.failed", reason=reason)
-            self.emit(pb.JobEvent(job=self.spec.job, event="job.failed", detail=json.dumps({"reason": reason})))
+            terminal = pb.JobEvent(job=self.spec.job, event="job.failed", detail=json.dumps({"reason": reason}))
             final = JobState.FAILED
-        finally:
-            self._cleanup()
+        self._cleanup()
         try:
             self._set_state(final, **({"reason": reason} if reason else {}))
         except (StoreError, NotLeader) as exc:
             self.log.warning("job.record_failed", error=str(exc))
+        self.emit(terminal)
         return final

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -48,6 +49,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         def run() -> None:
             try:
                 executor.run()
+            except Exception as exc:  # a bug must not leave the client waiting forever
+                self.log.exception("job.internal_error", job=request.job)
+                events.put(pb.JobEvent(job=request.job, event="job.failed",
+                                       detail=json.dumps({"reason": f"internal error in the executor: {exc!r}"})))
             finally:
                 with self._lock:
                     self._running.discard(request.job)
