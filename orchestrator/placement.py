@@ -66,7 +66,7 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
                 route = pb.Route(state=b.state)
             else:
                 continue
-            route.consumer_node, route.arg = node.name, b.arg
+            route.consumer_node, route.arg, route.consumer_every = node.name, b.arg, node.every
             route.worker_id, route.address, route.incarnation = consumer.worker, consumer.address, consumer.incarnation
             request(producer.worker).routes.append(route)
     return requests

@@ -42,8 +42,9 @@ from orchestrator.lease import LeaseKeeper
 from orchestrator.logs import get_logger
 from orchestrator.store import EtcdStore, Store
 from proto import rallypoint_pb2 as pb
-from workers.registration import try_register
 from proto import rallypoint_pb2_grpc as pb_grpc
+from workers.registration import try_register
+from workers.runtime import WorkerRuntimeService
 
 
 class WorkerState(enum.Enum):
@@ -140,6 +141,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.registration: Registration | None = None
         self.devices: list[dict[str, Any]] = []
         self._server: grpc.Server | None = None
+        self.runtime: WorkerRuntimeService | None = None
         self.address = ""
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -166,14 +168,22 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             self.devices = discover_local_devices(self.config.devices)
         else:
             self.devices = [{"index": i, "platform": "cpu", "kind": "cpu"} for i in range(self.config.devices)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"))
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="worker-rpc"))
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
+        self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
+                                            incarnation=lambda: self.incarnation)
+        pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
         port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
         self.address = f"{self.config.host}:{port}"
         self._server.start()
         self.register()
+
+    def _jax_devices(self) -> list[Any]:
+        import jax
+
+        return list(jax.local_devices()[: self.config.devices])
 
     def _record(self) -> dict[str, Any]:
         return {
@@ -358,6 +368,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
                 self.log.warning("worker.leave_failed", error=str(exc))
         if reg is not None:
             reg.keeper.stop(revoke=True)
+        if self.runtime is not None:
+            self.runtime.close()  # unload jobs, close peer channels
         if self._server is not None:
             self._server.stop(grace=0.5)
         self.store.close()

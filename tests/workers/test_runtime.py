@@ -1,0 +1,358 @@
+"""The worker runtime over real gRPC: in-process workers run the examples bitwise like the reference.
+
+Two ``WorkerRuntimeService`` servers in this process (4 CPU devices each) load a job
+the way the coordinator will: ``load_requests`` per worker, ``JobEvents`` opened,
+steps granted with ``RunSteps``, then ``FetchState``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from client.compile import CompiledProgram, compile_program
+from client.jobspec import job_spec
+from client.reference import ReferenceExecutor, RunResult, state_digest
+from orchestrator.errors import Fenced
+from orchestrator.placement import SlicePlace, instances_per_step, load_requests
+from proto import codec
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
+from workers.daemon import StaleIncarnation
+from workers.runtime import WorkerRuntimeService
+from workers.runtime_state import NodeProgress, StateVersions
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS = {"pipeline_mlp": 4, "rl_loop": 7, "data_parallel": 4}
+# slice -> (worker, local device indices); workers wA and wB hold 4 devices each
+PLACEMENTS: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {
+    # stages alternate between the workers: every stage-to-stage edge crosses them,
+    # the source feeds fwd0 on its own slice (local delivery)
+    "pipeline_mlp": {"stage0": ("wA", (0,)), "stage1": ("wB", (0,)), "stage2": ("wA", (1,)), "stage3": ("wB", (1,))},
+    # sampler -> reward on one worker (another slice, delivered locally); the trainer's
+    # policy reaches `sync` on the sampler by a state push across workers
+    "rl_loop": {"sampler": ("wA", (0,)), "reward": ("wA", (1,)), "trainer": ("wB", (2,))},
+    "data_parallel": {"dp": ("wB", (0, 1, 2, 3))},
+}
+
+
+def example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_compiled: dict[str, tuple[CompiledProgram, RunResult]] = {}
+
+
+def compiled_and_reference(name: str) -> tuple[CompiledProgram, RunResult]:
+    if name not in _compiled:
+        compiled = compile_program(example(name).build(steps=STEPS[name]))
+        _compiled[name] = (compiled, ReferenceExecutor(compiled).run())
+    return _compiled[name]
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    address: str
+    incarnation: int
+    server: grpc.Server
+    service: WorkerRuntimeService
+    channel: grpc.Channel
+    stub: pb_grpc.WorkerRuntimeStub
+    fence: threading.Event
+
+    def to(self, incarnation: int | None = None) -> pb.Identity:
+        inc = self.incarnation if incarnation is None else incarnation
+        return pb.Identity(cluster="test", worker_id=self.worker_id, incarnation=inc, term=1)
+
+
+def make_admit(worker_id: str, incarnation: int, fence: threading.Event) -> Callable[[pb.Identity], None]:
+    def admit(to: pb.Identity) -> None:
+        if fence.is_set():
+            raise Fenced(f"worker {worker_id}", "test fence")
+        if to.incarnation and to.incarnation != incarnation:
+            raise StaleIncarnation(worker_id, to.incarnation, incarnation)
+    return admit
+
+
+@pytest.fixture
+def workers() -> Iterator[dict[str, Worker]]:
+    started: list[Worker] = []
+    devs = jax.devices()
+    for i, wid in enumerate(("wA", "wB")):
+        incarnation, fence = 100 + i, threading.Event()
+        service = WorkerRuntimeService(wid, admit=make_admit(wid, incarnation, fence), devices=devs[4 * i : 4 * i + 4],
+                                       incarnation=lambda inc=incarnation: inc)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        pb_grpc.add_WorkerRuntimeServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        started.append(Worker(wid, f"127.0.0.1:{port}", incarnation, server, service, channel,
+                              pb_grpc.WorkerRuntimeStub(channel), fence))
+    try:
+        yield {w.worker_id: w for w in started}
+    finally:
+        for w in started:
+            w.channel.close()
+            w.service.close()
+            w.server.stop(grace=None)
+
+
+@dataclass
+class Events:
+    """One worker's JobEvents stream, read on a thread."""
+
+    call: Any
+    items: list[pb.InstanceDone] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for ev in self.call:
+                self.items.append(ev)
+        except grpc.RpcError:
+            pass
+        finally:
+            self.ended.set()
+
+
+@dataclass
+class Job:
+    compiled: CompiledProgram
+    spec: pb.JobSpec
+    requests: dict[str, pb.LoadJobRequest]
+    workers: dict[str, Worker]
+    events: dict[str, Events]
+
+    def grant(self, until: int) -> None:
+        for wid in self.requests:
+            self.workers[wid].stub.RunSteps(pb.RunStepsRequest(to=self.workers[wid].to(), job=self.spec.job,
+                                                               until_step=until), timeout=10)
+
+    def done(self) -> list[pb.InstanceDone]:
+        return [ev for e in self.events.values() for ev in list(e.items)]
+
+    def wait_instances(self, until: int, timeout_s: float = 60) -> None:
+        want = sum(instances_per_step(self.spec, s) for s in range(until))
+        wait_until(lambda: len(self.done()) >= want, timeout_s, f"{want} instances of {self.spec.job}")
+        errors = [ev.error for ev in self.done() if ev.error]
+        assert errors == []
+        assert len(self.done()) == want
+
+    def fetch_states(self) -> dict[str, Any]:
+        states: dict[str, Any] = {}
+        for wid in self.requests:
+            w = self.workers[wid]
+            for sv in w.stub.FetchState(pb.FetchStateRequest(to=w.to(), job=self.spec.job), timeout=60):
+                leaves = [codec.from_tensor(t) for t in sv.leaves]
+                states[sv.state] = self.compiled.states[sv.state].tree.unflatten(leaves)
+        return states
+
+    def unload(self) -> None:
+        for wid in self.requests:
+            w = self.workers[wid]
+            w.stub.UnloadJob(pb.UnloadJobRequest(to=w.to(), job=self.spec.job), timeout=10)
+
+
+def load(name: str, workers: dict[str, Worker]) -> Job:
+    compiled, _ = compiled_and_reference(name)
+    spec = job_spec(compiled)
+    placement = {s: SlicePlace(wid, workers[wid].address, workers[wid].incarnation, devs)
+                 for s, (wid, devs) in PLACEMENTS[name].items()}
+    requests = load_requests(spec, placement, cluster="test", term=1)
+    for wid, req in requests.items():
+        resp = workers[wid].stub.LoadJob(req, timeout=120)
+        assert resp.load_s > 0
+    events = {wid: Events(workers[wid].stub.JobEvents(pb.JobEventsRequest(to=workers[wid].to(), job=spec.job)))
+              for wid in requests}
+    return Job(compiled, spec, requests, workers, events)
+
+
+def metrics_by_step(compiled: CompiledProgram, done: list[pb.InstanceDone], steps: int) -> list[dict[str, float]]:
+    """Per step, each metric as the reference reports it: the mean over microbatches (float64, in order)."""
+    out: list[dict[str, float]] = []
+    for step in range(steps):
+        evs = sorted((ev for ev in done if ev.step == step), key=lambda ev: (ev.node, ev.microbatch))
+        values: dict[str, list[float]] = {}
+        for ev in evs:
+            for k, v in ev.metrics.items():
+                values.setdefault(k, []).append(v)
+        out.append({k: float(np.mean(np.asarray(v, dtype=np.float64))) for k, v in values.items()})
+    return out
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_examples_end_in_bitwise_the_reference_state_with_its_metrics(name: str, workers: dict[str, Worker]) -> None:
+    _, ref = compiled_and_reference(name)
+    job = load(name, workers)
+    job.grant(job.spec.steps)
+    job.wait_instances(job.spec.steps)
+    states = job.fetch_states()
+    assert sorted(states) == sorted(ref.states)
+    assert state_digest(states) == ref.state_digest
+    assert metrics_by_step(job.compiled, job.done(), job.spec.steps) == ref.metrics
+    assert all(ev.compute_s > 0 for ev in job.done())
+    job.unload()
+
+
+def _zeros_like_output(compiled: CompiledProgram, node: str, output: str) -> list[np.ndarray]:
+    avals = jax.tree_util.tree_leaves(compiled.nodes[node].out_avals[output])
+    return [np.zeros(a.shape, a.dtype) for a in avals]
+
+
+def test_a_window_of_granted_steps_and_a_duplicate_push_leave_the_result_unchanged(workers: dict[str, Worker]) -> None:
+    _, ref = compiled_and_reference("pipeline_mlp")
+    job = load("pipeline_mlp", workers)
+    job.grant(1)
+    job.wait_instances(1)
+    time.sleep(0.2)
+    assert {ev.step for ev in job.done()} == {0}  # nothing of step 1 ran before it was granted
+    # A duplicate of a value already consumed at step 0, with different bytes: dropped.
+    route = next(r for r in job.requests["wA"].routes if r.node and r.worker_id == "wB")
+    producer = next(n for n in job.spec.nodes if n.name == route.node)
+    header = pb.TransferHeader(job=job.spec.job, node=route.node, output=route.output, step=0,
+                               microbatch=0 if producer.per_microbatch else -1, consumer_node=route.consumer_node,
+                               arg=route.arg, to=workers["wB"].to(), from_worker="wA", from_incarnation=100)
+    leaves = _zeros_like_output(job.compiled, route.node, route.output)
+    assert workers["wB"].stub.Push(codec.chunks(header, leaves), timeout=10).duplicate
+    job.grant(0)  # a lower grant changes nothing
+    job.grant(2)
+    job.wait_instances(2)
+    assert max(ev.step for ev in job.done()) == 1
+    job.grant(job.spec.steps)
+    job.wait_instances(job.spec.steps)
+    assert state_digest(job.fetch_states()) == ref.state_digest
+    job.unload()
+
+
+def test_stale_incarnations_unknown_jobs_and_double_loads_are_refused(workers: dict[str, Worker]) -> None:
+    compiled, _ = compiled_and_reference("rl_loop")
+    w = workers["wA"]
+    with pytest.raises(grpc.RpcError) as err:
+        w.stub.RunSteps(pb.RunStepsRequest(to=w.to(), job="nope", until_step=1), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
+    job = load("rl_loop", workers)
+    with pytest.raises(grpc.RpcError) as err:
+        w.stub.LoadJob(job.requests["wA"], timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "unload it first" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        w.stub.RunSteps(pb.RunStepsRequest(to=w.to(incarnation=7), job=job.spec.job, until_step=1), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "incarnation 7" in err.value.details()
+    header = pb.TransferHeader(job=job.spec.job, state="policy", step=0, microbatch=-1, consumer_node="sync",
+                               arg="policy", to=w.to(incarnation=7), from_worker="wB", from_incarnation=101)
+    leaves = jax.tree_util.tree_leaves(job.compiled.states["policy"].aval)
+    with pytest.raises(grpc.RpcError) as err:
+        w.stub.Push(codec.chunks(header, [np.zeros(a.shape, a.dtype) for a in leaves]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as err:
+        w.stub.LoadJob(pb.LoadJobRequest(to=w.to(incarnation=7), job="other"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    job.unload()
+
+
+def test_unload_ends_the_event_streams_and_is_idempotent(workers: dict[str, Worker]) -> None:
+    job = load("data_parallel", workers)
+    w = workers["wB"]
+    late = Events(w.stub.JobEvents(pb.JobEventsRequest(to=w.to(), job=job.spec.job)))
+    job.grant(1)
+    job.wait_instances(1)
+    job.unload()
+    assert job.events["wB"].ended.wait(5) and late.ended.wait(5)
+    job.unload()  # again: fine
+    with pytest.raises(grpc.RpcError) as err:
+        list(w.stub.FetchState(pb.FetchStateRequest(to=w.to(), job=job.spec.job), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    load("data_parallel", workers).unload()  # and it can be loaded again
+
+
+def test_state_versions_follow_the_producer_and_are_dropped_once_spent() -> None:
+    # produced every 3 steps, read by one per-step node every step, pushed to one consumer per step
+    sv = StateVersions("p", producer_every=3, steps=7, readers=[(1, 1)], push_everies=[1])
+    assert [sv.key(s) for s in range(8)] == [0, 1, 1, 1, 4, 4, 4, 7]
+    sv.add(0, ["init"])
+    sv.add(1, ["v1"])  # the producer ran at step 0 before step 0's readers: the init stays
+    assert sv.at(0) == ["init"] and sv.at(3) == ["v1"] and sv.at(4) is None
+    sv.use(0)
+    sv.use(0)
+    assert len(sv) == 1 and sv.at(0) is None  # read and pushed: gone
+    frozen = StateVersions("f", producer_every=0, steps=7, readers=[(1, 4)], push_everies=[])
+    frozen.add(0, ["w"])
+    for s in range(7):
+        assert frozen.use(s) == ["w"]
+    assert frozen.at(7) == ["w"]
+
+
+def test_node_progress_keeps_a_watermark() -> None:
+    p = NodeProgress(every=2, microbatches=(0, 1), steps=6)
+    p.mark_started(2, 0)
+    p.mark_started(0, 1)
+    assert p.low == 0 and p.is_started(0, 1) and not p.is_started(0, 0)
+    p.mark_started(0, 0)
+    assert p.low == 2 and p.is_started(0, 0)
+    p.mark_started(2, 1)
+    p.mark_started(4, 0)
+    p.mark_started(4, 1)
+    assert p.all_started
+
+
+def test_an_instance_that_raises_is_reported_and_stops_the_job(workers: dict[str, Worker]) -> None:
+    job = load("data_parallel", workers)
+    rt = workers["wB"].service.loaded(job.spec.job)
+    assert rt is not None
+
+    def broken(*args: Any) -> Any:
+        raise FloatingPointError("boom")
+
+    rt.nodes["train"].call = broken
+    job.grant(job.spec.steps)
+    events = job.events["wB"]
+    wait_until(lambda: any(ev.error for ev in list(events.items)), 30, "the failed instance")
+    failed = [ev for ev in events.items if ev.error]
+    assert [(ev.node, ev.step, ev.microbatch) for ev in failed] == [("train", 0, -1)]
+    assert "FloatingPointError: boom" in failed[0].error
+    time.sleep(0.2)
+    assert {(ev.node, ev.step) for ev in events.items} == {("batch", 0), ("train", 0)}  # nothing ran after it
+    w = workers["wB"]
+    with pytest.raises(grpc.RpcError) as err:
+        list(w.stub.FetchState(pb.FetchStateRequest(to=w.to(), job=job.spec.job), timeout=10))
+    assert err.value.code() == grpc.StatusCode.ABORTED and "boom" in err.value.details()
+    job.unload()
+
+
+def test_a_fenced_worker_neither_runs_nor_pushes_until_its_fence_lifts(workers: dict[str, Worker]) -> None:
+    _, ref = compiled_and_reference("rl_loop")
+    job = load("rl_loop", workers)
+    wA, wB = workers["wA"], workers["wB"]
+    wA.fence.set()
+    with pytest.raises(grpc.RpcError) as err:
+        wA.stub.RunSteps(pb.RunStepsRequest(to=wA.to(), job=job.spec.job, until_step=1), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fenced" in err.value.details()
+    wA.service.loaded(job.spec.job).grant(job.spec.steps)  # granted before the fence, say
+    wB.stub.RunSteps(pb.RunStepsRequest(to=wB.to(), job=job.spec.job, until_step=job.spec.steps), timeout=10)
+    time.sleep(0.5)
+    assert job.done() == []  # wA runs nothing, so the trainer on wB has no inputs either
+    wA.fence.clear()
+    job.wait_instances(job.spec.steps)
+    assert state_digest(job.fetch_states()) == ref.state_digest
+    job.unload()

@@ -1,0 +1,600 @@
+"""The worker runtime: loaded jobs, one device thread per slice, worker-to-worker pushes.
+
+The coordinator loads a job on each worker that holds one of its slices
+(``LoadJob``: exported programs, state inits and a routing table), grants steps
+(``RunSteps``), hears completions (``JobEvents``) and fetches the final state
+(``FetchState``). Tensors never go through it: a worker runs an instance as soon as
+its inputs have arrived and its step is granted, and pushes each output straight to
+the consuming worker (``Push``), or hands it over in memory when the consumer is its
+own. The semantics are those of :class:`client.reference.ReferenceExecutor`, so a run
+ends in bitwise the same state:
+
+* an instance is ``(node, step, microbatch)``; a node runs at steps divisible by its
+  ``every``; microbatch is -1 for per-step nodes;
+* a state read at step ``s`` is the value its producer made at the last step before
+  ``s`` (the init before that); resident states are read in place, others arrive by
+  push, once per step;
+* a gather stacks the step's microbatch values on a new axis 0 with numpy;
+* delivery is idempotent per ``(consumer, arg, step, microbatch)``.
+
+Instances of one slice run one at a time, lowest step first, then topological
+position, then microbatch; different slices run in parallel.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, NoReturn
+
+import grpc
+import numpy as np
+
+from orchestrator.errors import RallypointError
+from orchestrator.logs import get_logger
+from proto import codec
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+from workers.programs import load_exported, slice_mesh
+from workers.runtime_state import Inbox, Key, Leaves, NodeProgress, StateVersions, runs_at, running_steps
+from workers.transfer import NotAllowed, PeerChannels
+
+B = pb.InputBinding
+Admit = Callable[[pb.Identity], object]
+
+BACKLOG_EVENTS = 100_000  # events kept while no JobEvents stream is open
+
+
+class LoadError(RallypointError):
+    """A ``LoadJobRequest`` this worker cannot run (bad devices, slices, routes)."""
+
+
+class DeliveryError(RallypointError):
+    """A pushed value that matches no input of the job on this worker."""
+
+
+@dataclass
+class _Node:
+    prog: pb.NodeProgram  # without its exported bytes
+    call: Callable[..., Any]
+    mbs: tuple[int, ...]
+    progress: NodeProgress
+    routes: dict[str, list[pb.Route]] = field(default_factory=dict)
+
+
+@dataclass
+class _StateRoute:
+    route: pb.Route
+    next_step: int = 0
+
+
+class JobRuntime:
+    """One job loaded on this worker: its programs, inputs, resident states and threads.
+
+    Args:
+        req: what to load.
+        worker_id: this worker.
+        devices: this worker's local devices (``SliceAssignment.devices`` index them).
+        admit: the daemon's gate; raises when the worker may not act.
+        incarnation: this worker's current incarnation.
+        peers: the channels outputs are pushed on to other workers.
+        push_threads: threads pushing outputs to other workers.
+    """
+
+    def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
+                 incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4) -> None:
+        t0 = time.perf_counter()
+        self.job = req.job
+        self.steps = int(req.steps)
+        self.m = max(int(req.microbatches), 1)
+        self.worker_id = worker_id
+        self.cluster = req.to.cluster
+        self._admit = admit
+        self._current_incarnation = incarnation
+        self.incarnation = incarnation()
+        self._peers = peers
+        self.log = get_logger("rallypoint.runtime", job=self.job, worker=worker_id, incarnation=self.incarnation)
+        self._cv = threading.Condition()
+        self.until = 0
+        self.stopped = False
+        self.error = ""
+        self._inbox = Inbox()
+        self._subscribers: list[queue.Queue[pb.InstanceDone | None]] = []
+        self._backlog: deque[pb.InstanceDone] = deque(maxlen=BACKLOG_EVENTS)
+        self.completed = 0
+        self._load(req, devices)
+        self.expected = sum(running_steps(self.steps, n.prog.every) * len(n.mbs) for n in self.nodes.values())
+        self._pool = futures.ThreadPoolExecutor(max_workers=push_threads, thread_name_prefix=f"push-{self.job}")
+        self._threads = [
+            threading.Thread(target=self._slice_loop, args=(s,), name=f"run-{self.job}-{s}", daemon=True)
+            for s in self._slice_nodes
+        ]
+        self.load_s = time.perf_counter() - t0
+        self.log.info("job.loaded", slices=list(self._slice_nodes), nodes=len(self.nodes), states=list(self.states),
+                      steps=self.steps, load_s=round(self.load_s, 3))
+
+    # -- loading -------------------------------------------------------------------------
+
+    def _load(self, req: pb.LoadJobRequest, devices: Sequence[Any]) -> None:
+        meshes: dict[str, Any] = {}
+        for sa in req.slices:
+            bad = [i for i in sa.devices if not 0 <= i < len(devices)]
+            if bad or not sa.devices:
+                raise LoadError(f"slice {sa.slice!r}: local device indices {list(sa.devices)} do not fit worker "
+                                f"{self.worker_id}, which has {len(devices)} devices")
+            try:
+                meshes[sa.slice] = slice_mesh([devices[i] for i in sa.devices], sa.mesh_shape, sa.mesh_axes)
+            except ValueError as exc:
+                raise LoadError(f"slice {sa.slice!r}: {exc}") from exc
+
+        def mesh_of(what: str, slice_name: str) -> Any:
+            if slice_name not in meshes:
+                raise LoadError(f"{what} is on slice {slice_name!r}, which is not assigned to worker {self.worker_id}")
+            return meshes[slice_name]
+
+        self.nodes: dict[str, _Node] = {}
+        for n in req.nodes:  # topological order: the order instances of a step run in
+            call = load_exported(n.exported, mesh_of(f"node {n.name!r}", n.slice))
+            prog = pb.NodeProgram()
+            prog.CopyFrom(n)
+            prog.ClearField("exported")
+            mbs = tuple(range(self.m)) if n.per_microbatch else (-1,)
+            self.nodes[n.name] = _Node(prog, call, mbs, NodeProgress(n.every, mbs, self.steps))
+        self._slice_nodes = {sa.slice: [n for n in self.nodes.values() if n.prog.slice == sa.slice] for sa in req.slices}
+
+        resident = {st.name for st in req.states}
+        self._state_routes: list[_StateRoute] = []
+        for r in req.routes:
+            if r.state:
+                if r.state not in resident:
+                    raise LoadError(f"route of state {r.state!r}, which is not resident on worker {self.worker_id}")
+                if r.worker_id != self.worker_id:  # on this worker it is read in place
+                    self._state_routes.append(_StateRoute(r))
+            elif r.node in self.nodes:
+                self.nodes[r.node].routes.setdefault(r.output, []).append(r)
+            else:
+                raise LoadError(f"route from node {r.node!r}, which is not loaded on worker {self.worker_id}")
+
+        self.states: dict[str, StateVersions] = {}
+        for st in req.states:
+            readers = [(n.prog.every, len(n.mbs)) for n in self.nodes.values() for b in n.prog.inputs
+                       if b.kind == B.STATE and b.state == st.name]
+            pushes = [sr.route.consumer_every for sr in self._state_routes if sr.route.state == st.name]
+            sv = StateVersions(st.name, st.producer_every if st.producer_node else 0, self.steps, readers, pushes)
+            init = load_exported(st.exported_init, mesh_of(f"state {st.name!r}", st.slice))
+            leaves = [np.asarray(x) for x in init()]
+            if len(leaves) != st.leaves:
+                raise LoadError(f"init of state {st.name!r} gave {len(leaves)} leaves, expected {st.leaves}")
+            sv.add(0, leaves)
+            self.states[st.name] = sv
+
+    def start(self) -> None:
+        """Start the device threads; instances run once steps are granted."""
+        for t in self._threads:
+            t.start()
+
+    # -- what the RPCs call -------------------------------------------------------------
+
+    def grant(self, until_step: int) -> None:
+        """Let instances of steps below ``until_step`` run (never lowers the grant)."""
+        with self._cv:
+            if until_step > self.until and not self.stopped:
+                self.until = until_step
+                self._pump_state_pushes()
+                self._cv.notify_all()
+
+    def deliver(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
+        """A value for a consumer on this worker; returns True for a duplicate (dropped).
+
+        Raises:
+            DeliveryError: the value matches no input of this job here.
+        """
+        with self._cv:
+            duplicate = self._deliver_locked(header, leaves)
+            self._cv.notify_all()
+        return duplicate
+
+    def subscribe(self) -> queue.Queue[pb.InstanceDone | None]:
+        """A queue of this job's ``InstanceDone`` events (None: the job was unloaded).
+
+        Events that came while no stream was open are handed to the next subscriber.
+        """
+        q: queue.Queue[pb.InstanceDone | None] = queue.Queue()
+        with self._cv:
+            for ev in self._backlog:
+                q.put(ev)
+            self._backlog.clear()
+            if self.stopped:
+                q.put(None)
+            else:
+                self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue[pb.InstanceDone | None]) -> None:
+        with self._cv:
+            if q in self._subscribers:
+                self._subscribers.remove(q)
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait until every instance of this worker has run, the job failed or it was unloaded."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.completed >= self.expected or bool(self.error) or self.stopped, timeout_s)
+            return self.completed >= self.expected
+
+    def final_states(self) -> list[pb.StateValue]:
+        """Every resident state as it is at step ``steps`` (call once finished)."""
+        with self._cv:
+            return [pb.StateValue(state=name, leaves=[codec.to_tensor(a) for a in sv.at(self.steps) or []])
+                    for name, sv in self.states.items()]
+
+    def stop(self) -> None:
+        """Stop the threads, end the event streams and drop every value. Idempotent."""
+        with self._cv:
+            if self.stopped:
+                return
+            self.stopped = True
+            for q in self._subscribers:
+                q.put(None)
+            self._subscribers.clear()
+            self._inbox.clear()
+            for sv in self.states.values():
+                sv.clear()
+            self._cv.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(max(deadline - time.monotonic(), 0.0))
+        self.log.info("job.unloaded", completed=self.completed, expected=self.expected)
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def _slice_loop(self, slice_name: str) -> None:
+        nodes = self._slice_nodes[slice_name]
+        while True:
+            with self._cv:
+                while True:
+                    if self.stopped or self.error:
+                        return
+                    found = self._next_ready(nodes)
+                    if found is not None and self._may_act(*found):
+                        break
+                    self._cv.wait(1.0 if found is None else 0.1)
+                node, step, mb = found
+                node.progress.mark_started(step, mb)
+                try:
+                    args = self._take_inputs(node, step, mb)
+                except Exception as exc:  # a bookkeeping bug: fail the job loudly, not hang
+                    self._fail(node, step, mb, 0.0, f"gathering inputs: {type(exc).__name__}: {exc}")
+                    return
+            t0 = time.perf_counter()
+            try:
+                leaves = [np.asarray(x) for x in node.call(*args)]
+                want = sum(o.leaves for o in node.prog.outputs)
+                if len(leaves) != want:
+                    raise ValueError(f"the program returned {len(leaves)} leaves, its outputs declare {want}")
+            except Exception as exc:  # user code or XLA: the job fails with it
+                with self._cv:
+                    self._fail(node, step, mb, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+                return
+            compute_s = time.perf_counter() - t0
+            del args
+            with self._cv:
+                if self.stopped:
+                    return
+                try:
+                    self._complete(node, step, mb, leaves, compute_s)
+                except Exception as exc:  # a routing bug: fail the job loudly, not hang
+                    self._fail(node, step, mb, compute_s, f"delivering outputs: {type(exc).__name__}: {exc}")
+                    return
+                self._cv.notify_all()
+
+    def _next_ready(self, nodes: list[_Node]) -> tuple[_Node, int, int] | None:
+        """The first instance of the slice, in (step, position, microbatch) order, that may run."""
+        if not nodes:
+            return None
+        for step in range(min(n.progress.low for n in nodes), min(self.until, self.steps)):
+            for n in nodes:
+                if not runs_at(step, n.prog.every):
+                    continue
+                for mb in n.mbs:
+                    if not n.progress.is_started(step, mb) and self._ready(n, step, mb):
+                        return n, step, mb
+        return None
+
+    def _may_act(self, node: _Node, step: int, mb: int) -> bool:
+        """The daemon's fence, checked before each instance; an ended incarnation ends the job."""
+        try:
+            self._admit(pb.Identity(cluster=self.cluster, worker_id=self.worker_id, incarnation=self.incarnation))
+            return True
+        except RallypointError as exc:
+            if self._current_incarnation() != self.incarnation:
+                self._fail(node, step, mb, 0.0, f"incarnation {self.incarnation} of worker {self.worker_id} ended: {exc}")
+            return False
+
+    @staticmethod
+    def _arrival_mb(b: pb.InputBinding, mb: int) -> int:
+        return mb if b.kind == B.REF and b.producer_per_microbatch else -1
+
+    def _ready(self, n: _Node, step: int, mb: int) -> bool:
+        name = n.prog.name
+        for b in n.prog.inputs:
+            if b.kind in (B.STEP, B.MICROBATCH):
+                continue
+            if b.kind == B.STATE and b.state in self.states:
+                if self.states[b.state].at(step) is None:
+                    return False
+            elif b.kind == B.GATHER:
+                if any((name, b.arg, step, i) not in self._inbox for i in range(self.m)):
+                    return False
+            elif (name, b.arg, step, self._arrival_mb(b, mb)) not in self._inbox:
+                return False
+        return True
+
+    def _take_inputs(self, n: _Node, step: int, mb: int) -> list[Any]:
+        name = n.prog.name
+        args: list[Any] = []
+        for b in n.prog.inputs:
+            if b.kind == B.STEP:
+                args.append(np.int32(step))
+            elif b.kind == B.MICROBATCH:
+                args.append(np.int32(mb if mb >= 0 else 0))
+            elif b.kind == B.STATE and b.state in self.states:
+                args += self.states[b.state].use(step)
+            elif b.kind == B.GATHER:
+                parts = [self._inbox.take((name, b.arg, step, i)) for i in range(self.m)]
+                args += [np.stack(xs) for xs in zip(*parts, strict=True)]
+            else:
+                args += self._inbox.take((name, b.arg, step, self._arrival_mb(b, mb)))
+        return args
+
+    # -- results -------------------------------------------------------------------------
+
+    def _complete(self, n: _Node, step: int, mb: int, leaves: Leaves, compute_s: float) -> None:
+        self.completed += 1
+        done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s)
+        i = 0
+        new_state = False
+        for out in n.prog.outputs:
+            value, i = leaves[i : i + out.leaves], i + out.leaves
+            for metric in out.metrics:
+                done.metrics[metric] = float(value[0])
+            for r in n.routes.get(out.name, ()):
+                header = pb.TransferHeader(job=self.job, node=n.prog.name, output=out.name, step=step,
+                                           microbatch=mb, consumer_node=r.consumer_node, arg=r.arg)
+                self._route(r, header, value)
+            if out.updates_state:
+                self.states[out.updates_state].add(step + 1, value)
+                new_state = True
+        if new_state:
+            self._pump_state_pushes()
+        self._publish(done)
+
+    def _pump_state_pushes(self) -> None:
+        """Push each remote consumer every granted step's version of a state once it exists."""
+        hi = min(self.until, self.steps)
+        for sr in self._state_routes:
+            sv = self.states[sr.route.state]
+            while sr.next_step < hi:
+                if not runs_at(sr.next_step, sr.route.consumer_every):
+                    sr.next_step += 1  # the consumer does not run at this step: nothing to send
+                    continue
+                if sv.at(sr.next_step) is None:
+                    break
+                header = pb.TransferHeader(job=self.job, state=sr.route.state, step=sr.next_step, microbatch=-1,
+                                           consumer_node=sr.route.consumer_node, arg=sr.route.arg)
+                self._route(sr.route, header, sv.use(sr.next_step))
+                sr.next_step += 1
+
+    def _route(self, r: pb.Route, header: pb.TransferHeader, value: Leaves) -> None:
+        header.leaves = len(value)
+        header.to.CopyFrom(pb.Identity(cluster=self.cluster, worker_id=r.worker_id, incarnation=r.incarnation))
+        header.from_worker, header.from_incarnation = self.worker_id, self.incarnation
+        if r.worker_id == self.worker_id:
+            self._deliver_locked(header, value)
+        elif not self.stopped:
+            self._pool.submit(self._push, r.address, header, value)
+
+    def _push(self, address: str, header: pb.TransferHeader, value: Leaves) -> None:
+        def may_act() -> None:
+            try:
+                self._admit(pb.Identity(cluster=self.cluster, worker_id=self.worker_id, incarnation=self.incarnation))
+            except RallypointError as exc:
+                raise NotAllowed(str(exc)) from exc
+
+        self._peers.push(address, header, value, may_act=may_act, cancelled=lambda: self.stopped, log=self.log)
+
+    def _deliver_locked(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
+        if self.stopped:
+            return False
+        n = self.nodes.get(header.consumer_node)
+        if n is None:
+            raise DeliveryError(f"job {self.job!r}: node {header.consumer_node!r} is not loaded on worker {self.worker_id}")
+        b = next((b for b in n.prog.inputs if b.arg == header.arg), None)
+        if b is None or b.kind in (B.STEP, B.MICROBATCH) or (b.kind == B.STATE and b.state in self.states):
+            raise DeliveryError(f"job {self.job!r}: node {n.prog.name!r} takes no pushed input {header.arg!r}")
+        step, mb = int(header.step), int(header.microbatch)
+        per_mb_value = b.kind == B.GATHER or (b.kind == B.REF and b.producer_per_microbatch)
+        if not 0 <= step < self.steps or not (0 <= mb < self.m if per_mb_value else mb == -1):
+            raise DeliveryError(f"job {self.job!r}: {n.prog.name}.{header.arg} has no step {step} microbatch {mb}")
+        if len(leaves) != b.leaves:
+            raise DeliveryError(f"job {self.job!r}: {n.prog.name}.{header.arg} takes {b.leaves} leaves, got {len(leaves)}")
+        if not runs_at(step, n.prog.every):
+            return False  # the consumer does not run at this step: nothing needs it
+        key: Key = (n.prog.name, header.arg, step, mb)
+        consumer_mb = (mb if mb >= 0 else 0) if n.prog.per_microbatch else -1
+        if key in self._inbox or n.progress.is_started(step, consumer_mb):
+            return True
+        self._inbox.put(key, leaves, self.m if n.prog.per_microbatch and mb < 0 else 1)
+        return False
+
+    def _publish(self, ev: pb.InstanceDone) -> None:
+        if self._subscribers:
+            for q in self._subscribers:
+                q.put(ev)
+        else:
+            self._backlog.append(ev)
+
+    def _fail(self, n: _Node, step: int, mb: int, compute_s: float, error: str) -> None:
+        if self.error:
+            return
+        self.error = f"{n.prog.name} step {step} microbatch {mb}: {error}"
+        self.log.error("instance.failed", node=n.prog.name, step=step, microbatch=mb, error=error)
+        self._publish(pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s, error=error))
+        self._cv.notify_all()
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
+    """The ``WorkerRuntime`` gRPC service of one worker: one :class:`JobRuntime` per loaded job.
+
+    Every RPC first passes ``admit`` (the daemon's fence and incarnation gate);
+    refused requests get FAILED_PRECONDITION, unknown jobs NOT_FOUND.
+
+    Args:
+        worker_id: this worker.
+        admit: raises (a :class:`RallypointError`) when a request may not act.
+        devices: the local devices, or a callable returning them (resolved at the first load).
+        incarnation: this worker's current incarnation (0: not registered).
+        push_threads: threads per job pushing outputs to other workers.
+    """
+
+    def __init__(self, worker_id: str, *, admit: Admit, devices: Sequence[Any] | Callable[[], Sequence[Any]],
+                 incarnation: Callable[[], int], push_threads: int = 4) -> None:
+        self.worker_id = worker_id
+        self._admit_fn = admit
+        self._devices = devices
+        self._incarnation = incarnation
+        self._push_threads = push_threads
+        self._lock = threading.Lock()
+        self._jobs: dict[str, JobRuntime] = {}
+        self._loading: set[str] = set()
+        self.peers = PeerChannels()
+        self.log = get_logger("rallypoint.runtime", worker=worker_id)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _admit(self, to: pb.Identity, context: grpc.ServicerContext) -> None:
+        if to.worker_id and to.worker_id != self.worker_id:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                   f"request for worker {to.worker_id!r} reached worker {self.worker_id!r}")
+        try:
+            self._admit_fn(to)
+        except RallypointError as exc:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def _job(self, to: pb.Identity, job: str, context: grpc.ServicerContext) -> JobRuntime:
+        self._admit(to, context)
+        with self._lock:
+            rt = self._jobs.get(job)
+        if rt is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"job {job!r} is not loaded on worker {self.worker_id}")
+        return rt
+
+    def loaded(self, job: str) -> JobRuntime | None:
+        """The runtime of ``job`` if it is loaded here."""
+        with self._lock:
+            return self._jobs.get(job)
+
+    def _device_list(self) -> list[Any]:
+        devs = self._devices() if callable(self._devices) else self._devices
+        return list(devs)
+
+    def close(self) -> None:
+        """Unload every job and close the peer channels."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for rt in jobs:
+            rt.stop()
+        self.peers.close()
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    def LoadJob(self, request: pb.LoadJobRequest, context: grpc.ServicerContext) -> pb.LoadJobResponse:
+        self._admit(request.to, context)
+        with self._lock:
+            busy = request.job in self._jobs or request.job in self._loading
+            if not busy:
+                self._loading.add(request.job)
+        if busy:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                   f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")
+        failure: tuple[grpc.StatusCode, str] | None = None
+        try:
+            rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
+                            incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads)
+        except LoadError as exc:
+            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # deserializing or running an init: report it, do not kill the server
+            failure = (grpc.StatusCode.INTERNAL, f"loading job {request.job!r}: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._loading.discard(request.job)
+                if failure is None:
+                    self._jobs[request.job] = rt
+        if failure is not None:
+            self.log.error("job.load_failed", job=request.job, error=failure[1])
+            _abort(context, *failure)
+        rt.start()
+        return pb.LoadJobResponse(load_s=rt.load_s)
+
+    def RunSteps(self, request: pb.RunStepsRequest, context: grpc.ServicerContext) -> pb.RunStepsResponse:
+        self._job(request.to, request.job, context).grant(int(request.until_step))
+        return pb.RunStepsResponse()
+
+    def Push(self, request_iterator: Iterable[pb.TransferChunk], context: grpc.ServicerContext) -> pb.PushResponse:
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or not first.HasField("header"):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "transfer stream does not start with a header")
+        rt = self._job(first.header.to, first.header.job, context)
+        try:
+            header, leaves = codec.assemble(chain([first], it))
+            duplicate = rt.deliver(header, leaves)
+        except (ValueError, DeliveryError) as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.PushResponse(duplicate=duplicate)
+
+    def JobEvents(self, request: pb.JobEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.InstanceDone]:
+        rt = self._job(request.to, request.job, context)
+        q = rt.subscribe()
+        try:
+            while context.is_active():
+                try:
+                    ev = q.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                if ev is None:
+                    return
+                yield ev
+        finally:
+            rt.unsubscribe(q)
+
+    def FetchState(self, request: pb.FetchStateRequest, context: grpc.ServicerContext) -> Iterator[pb.StateValue]:
+        rt = self._job(request.to, request.job, context)
+        while not rt.wait_finished(0.25):
+            if rt.error:
+                _abort(context, grpc.StatusCode.ABORTED, f"job {rt.job!r} failed: {rt.error}")
+            if rt.stopped:
+                _abort(context, grpc.StatusCode.ABORTED, f"job {rt.job!r} was unloaded before it finished")
+            if not context.is_active():
+                return
+        yield from rt.final_states()
+
+    def UnloadJob(self, request: pb.UnloadJobRequest, context: grpc.ServicerContext) -> pb.UnloadJobResponse:
+        self._admit(request.to, context)
+        with self._lock:
+            rt = self._jobs.pop(request.job, None)
+        if rt is not None:
+            rt.stop()
+        return pb.UnloadJobResponse()

@@ -1,0 +1,95 @@
+"""Worker-to-worker pushes: one cached gRPC channel per peer address, bounded retries.
+
+A push is one ``Push`` stream (:func:`proto.codec.chunks`). Transient failures are
+retried with bounded exponential backoff (tenacity) for up to ``PUSH_RETRY_S``: the
+peer unreachable, a deadline, overload, this worker or the peer fenced (a fence
+lifts when etcd answers again and the lease is alive; FAILED_PRECONDITION is also
+what a peer's ended incarnation gets, and then the retries just run out). Anything
+else, or a push still failing after that, is logged and dropped: the coordinator
+sees the consumer stop progressing and recovers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from proto import codec
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+
+PUSH_TIMEOUT_S = 120.0
+PUSH_RETRY_S = 30.0
+RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+class NotAllowed(Exception):
+    """The sender may not act now (fenced); the push is retried."""
+
+
+class PeerChannels:
+    """The channels this worker pushes on, one per peer address, kept for the process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
+
+    def stub(self, address: str) -> pb_grpc.WorkerRuntimeStub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                self._channels[address] = grpc.insecure_channel(address)
+                stub = self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
+            return stub
+
+    def send(self, address: str, header: pb.TransferHeader, leaves: list[Any]) -> bool:
+        """One attempt: push the value; returns whether the peer already had it."""
+        return bool(self.stub(address).Push(codec.chunks(header, leaves), timeout=PUSH_TIMEOUT_S).duplicate)
+
+    def push(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, may_act: Callable[[], None],
+             cancelled: Callable[[], bool], log: Any) -> bool | None:
+        """Push with retries; returns ``duplicate``, or None when it was not delivered (logged).
+
+        ``may_act`` raises :class:`NotAllowed` while the sender is fenced; ``cancelled``
+        ends the retries (the job was unloaded).
+        """
+
+        def attempt() -> bool | None:
+            if cancelled():
+                return None
+            may_act()
+            return self.send(address, header, leaves)
+
+        def retryable(exc: BaseException) -> bool:
+            return not cancelled() and (
+                isinstance(exc, NotAllowed) or (isinstance(exc, grpc.RpcError) and exc.code() in RETRY_CODES)
+            )
+
+        where = {"to_worker": header.to.worker_id, "address": address, "consumer": header.consumer_node,
+                 "arg": header.arg, "step": header.step, "microbatch": header.microbatch}
+        try:
+            for tried in Retrying(retry=retry_if_exception(retryable), stop=stop_after_delay(PUSH_RETRY_S),
+                                  wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True):
+                with tried:
+                    return attempt()
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # the consumer's worker no longer holds the job
+                log.info("push.no_job", error=exc.details(), **where)
+            elif not cancelled():
+                log.warning("push.failed", code=exc.code().name, error=exc.details(), **where)
+        except Exception as exc:  # a push thread must never die silently
+            if not cancelled():
+                log.warning("push.failed", error=f"{type(exc).__name__}: {exc}", **where)
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for ch in channels:
+            ch.close()
