@@ -143,6 +143,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self._server: grpc.Server | None = None
         self.runtime: WorkerRuntimeService | None = None
         self.address = ""
+        self.max_term = 0  # the newest coordinator term a request came from
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -256,11 +257,15 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
     # -- acting --------------------------------------------------------------------
 
     def admit(self, to: pb.Identity) -> Registration:
-        """Gate of every action: fenced or wrong incarnation -> refused.
+        """Gate of every action: fenced, wrong incarnation or stale coordinator term -> refused.
+
+        Terms are fencing tokens: once a request from term T arrived, requests from a
+        coordinator of an older term (a deposed leader) are refused.
 
         Raises:
             Fenced: the local lease deadline passed, or the lease is gone.
             StaleIncarnation: the request was meant for another incarnation.
+            StaleTerm: the request came from a coordinator term older than one already seen.
         """
         reg = self.registration
         if reg is None:
@@ -275,12 +280,17 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             raise
         if to.incarnation and to.incarnation != reg.incarnation:
             raise StaleIncarnation(self.config.worker_id, to.incarnation, reg.incarnation)
+        if to.term:
+            with self._lock:
+                if to.term < self.max_term:
+                    raise StaleTerm(self.config.worker_id, to.term, self.max_term)
+                self.max_term = to.term
         return reg
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         try:
             reg = self.admit(request.to)
-        except (Fenced, StaleIncarnation) as exc:
+        except (Fenced, StaleIncarnation, StaleTerm) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.PingResponse(
             worker_id=self.config.worker_id,
@@ -293,7 +303,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         """A stream that lives as long as this process: its break is the fast loss signal."""
         try:
             reg = self.admit(request.to)
-        except (Fenced, StaleIncarnation) as exc:
+        except (Fenced, StaleIncarnation, StaleTerm) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         interval = min(max(request.interval_s, 0.05), 5.0)
         seq = 0
@@ -385,3 +395,14 @@ class StaleIncarnation(RallypointError):
         )
         self.asked = asked
         self.current = current
+
+
+class StaleTerm(RallypointError):
+    """A request came from a coordinator term older than one this worker already obeyed."""
+
+    def __init__(self, worker: str, asked: int, newest: int) -> None:
+        super().__init__(
+            f"worker {worker}: request from coordinator term {asked} refused, term {newest} already leads"
+        )
+        self.asked = asked
+        self.newest = newest

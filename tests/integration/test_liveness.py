@@ -193,3 +193,29 @@ def _get_or_none(store, key):  # type: ignore[no-untyped-def]
         return store.get(key)
     except StoreError:
         return None  # a request routed to the dead member; the next one goes elsewhere
+
+
+def test_a_worker_refuses_requests_from_a_coordinator_term_older_than_one_it_obeyed(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=1, coordinators=1)
+    store = lc.store()
+    try:
+        info = read_cluster(store, lc.keys).workers["w0"].info
+    finally:
+        store.close()
+    channel = grpc.insecure_channel(info.address)
+    try:
+        stub = pb_grpc.WorkerStub(channel)
+        newer = 10**9  # a term newer than the running leader's
+        assert stub.Ping(pb.PingRequest(to=pb.Identity(incarnation=info.incarnation, term=newer)), timeout=2)
+        try:
+            stub.Ping(pb.PingRequest(to=pb.Identity(incarnation=info.incarnation, term=newer - 1)), timeout=2)
+            raise AssertionError("a request from an older term was served")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert f"term {newer - 1} refused, term {newer} already leads" in (exc.details() or "")
+        # Requests that name no term (worker to worker transfers) are not term-fenced.
+        assert stub.Ping(pb.PingRequest(to=pb.Identity(incarnation=info.incarnation)), timeout=2)
+    finally:
+        channel.close()

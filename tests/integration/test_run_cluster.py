@@ -79,3 +79,42 @@ def test_a_job_the_cluster_cannot_place_fails_with_the_reason_and_holds_no_devic
         assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values())
     finally:
         store.close()
+
+
+def test_a_worker_killed_mid_job_fails_the_job_with_the_reason_instead_of_hanging(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    import signal
+    import threading
+
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
+    compiled = compile_program(example("pipeline_mlp").build(steps=400))
+    placed: dict[str, str] = {}
+    started = threading.Event()
+
+    def on_event(ev) -> None:  # type: ignore[no-untyped-def]
+        if ev.event == "job.placed":
+            placed.update({s: p["worker"] for s, p in json.loads(ev.detail).items()})
+        if ev.event == "step.done" and ev.step == 2:
+            started.set()
+
+    def kill_when_running() -> None:
+        if started.wait(120):
+            lc.signal(placed["stage2"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    try:
+        with pytest.raises(JobError, match=f"worker {placed.get('stage2', 'w')}|lost|stopped reporting"):
+            submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=on_event)
+    finally:
+        started.set()
+        killer.join()
+    store = lc.store()
+    try:
+        record = store.get(lc.keys.job("pipeline-mlp")).json()
+        assert record["state"] == "failed" and placed["stage2"] in record["reason"]
+        assert 2 < record["step_done"] < 400
+        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values())
+    finally:
+        store.close()
