@@ -18,13 +18,14 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
-	$(VENV)/bin/rallypoint run --reference examples/pipeline_mlp.py
+	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) bench/liveness.py
+	$(PY) bench/dispatch.py
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/rallypoint.proto

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,9 +312,13 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                   TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn()) as bar:
         task = bar.add_task(f"{program.name} ({where})", total=program.steps, metrics="", rate="")
 
+        first: list[float] = []
+
         def show(step: int, metrics: dict[str, float]) -> None:
-            elapsed = bar.tasks[task].elapsed or 0.0
-            rate = f"{(step + 1) / elapsed:.1f} steps/s" if elapsed > 0 else ""
+            now = time.perf_counter()
+            if not first:
+                first.append(now)
+            rate = f"{step / (now - first[0]):.1f} steps/s" if step and now > first[0] else ""  # from step 0's end
             bar.update(task, advance=1, metrics=" ".join(f"{k} {v:.4f}" for k, v in metrics.items()), rate=rate)
 
         result = runner(show)
