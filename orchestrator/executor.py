@@ -120,7 +120,7 @@ class JobExecutor:
             w = snap.workers.get(p.worker)
             if w is None or w.info.incarnation != p.incarnation:
                 raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
-            self.placement[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices)
+            self.placement[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
         detail = {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
                   for s, p in self.placement.items()}
         self.emit(pb.JobEvent(job=self.spec.job, event="job.placed", detail=json.dumps(detail)))

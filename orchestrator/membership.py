@@ -39,6 +39,7 @@ class WorkerInfo:
     devices: int
     state: str
     record: dict[str, Any]
+    data_address: str = ""
 
     @classmethod
     def from_kv(cls, worker: str, kv: KeyValue) -> WorkerInfo:
@@ -48,6 +49,7 @@ class WorkerInfo:
             incarnation=kv.create_revision,
             lease=kv.lease,
             address=rec.get("address", ""),
+            data_address=rec.get("data_address", ""),
             pid=int(rec.get("pid", 0)),
             devices=int(rec.get("devices", 0)),
             state=rec.get("state", "serving"),

@@ -20,6 +20,7 @@ class SlicePlace:
     address: str
     incarnation: int
     devices: tuple[int, ...]
+    data_address: str = ""
 
 
 def instances_per_step(spec: pb.JobSpec, step: int) -> int:
@@ -68,5 +69,6 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
                 continue
             route.consumer_node, route.arg, route.consumer_every = node.name, b.arg, node.every
             route.worker_id, route.address, route.incarnation = consumer.worker, consumer.address, consumer.incarnation
+            route.data_address = consumer.data_address
             request(producer.worker).routes.append(route)
     return requests

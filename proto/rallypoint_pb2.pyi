@@ -158,7 +158,7 @@ class StateProgram(_message.Message):
     def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("node", "output", "state", "consumer_node", "arg", "worker_id", "address", "incarnation", "consumer_every")
+    __slots__ = ("node", "output", "state", "consumer_node", "arg", "worker_id", "address", "incarnation", "consumer_every", "data_address")
     NODE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class Route(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_EVERY_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node: str
     output: str
     state: str
@@ -177,7 +178,8 @@ class Route(_message.Message):
     address: str
     incarnation: int
     consumer_every: int
-    def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class LoadJobRequest(_message.Message):
     __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes")

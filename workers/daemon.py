@@ -43,8 +43,9 @@ from orchestrator.logs import get_logger
 from orchestrator.store import EtcdStore, Store
 from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
+from workers.dataplane import DataPlaneServer
 from workers.registration import try_register
-from workers.runtime import WorkerRuntimeService
+from workers.runtime_service import WorkerRuntimeService
 
 
 class WorkerState(enum.Enum):
@@ -142,6 +143,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.devices: list[dict[str, Any]] = []
         self._server: grpc.Server | None = None
         self.runtime: WorkerRuntimeService | None = None
+        self.dataplane: DataPlaneServer | None = None
         self.address = ""
         self.max_term = 0  # the newest coordinator term a request came from
         self._wake = threading.Event()
@@ -174,6 +176,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
                                             incarnation=lambda: self.incarnation)
         pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
+        self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive)
+        self.dataplane.start()
         port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
@@ -190,6 +194,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         return {
             "worker": self.config.worker_id,
             "address": self.address,
+            "data_address": self.dataplane.address if self.dataplane else "",
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "devices": len(self.devices),
@@ -378,6 +383,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
                 self.log.warning("worker.leave_failed", error=str(exc))
         if reg is not None:
             reg.keeper.stop(revoke=True)
+        if self.dataplane is not None:
+            self.dataplane.stop()
         if self.runtime is not None:
             self.runtime.close()  # unload jobs, close peer channels
         if self._server is not None:

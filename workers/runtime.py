@@ -5,9 +5,10 @@ The coordinator loads a job on each worker that holds one of its slices
 (``RunSteps``), hears completions (``JobEvents``) and fetches the final state
 (``FetchState``). Tensors never go through it: a worker runs an instance as soon as
 its inputs have arrived and its step is granted, and pushes each output straight to
-the consuming worker (``Push``), or hands it over in memory when the consumer is its
-own. The semantics are those of :class:`client.reference.ReferenceExecutor`, so a run
-ends in bitwise the same state:
+the consuming worker (over its data plane, :mod:`workers.dataplane`, or a gRPC
+``Push``), or hands it over in memory when the consumer is its own. The gRPC and
+data-plane front is :mod:`workers.runtime_service`. The semantics are those of
+:class:`client.reference.ReferenceExecutor`, so a run ends in bitwise the same state:
 
 * an instance is ``(node, step, microbatch)``; a node runs at steps divisible by its
   ``every``; microbatch is -1 for per-step nodes;
@@ -27,20 +28,17 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Any, NoReturn
+from typing import Any
 
-import grpc
 import numpy as np
 
 from orchestrator.errors import RallypointError
 from orchestrator.logs import get_logger
 from proto import codec
 from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
 from workers.programs import load_exported, slice_mesh
 from workers.runtime_state import Inbox, Key, Leaves, NodeProgress, StateVersions, runs_at, running_steps
 from workers.transfer import NotAllowed, PeerChannels
@@ -399,16 +397,17 @@ class JobRuntime:
         if r.worker_id == self.worker_id:
             self._deliver_locked(header, value)
         elif not self.stopped:
-            self._pool.submit(self._push, r.address, header, value)
+            self._pool.submit(self._push, r.data_address or r.address, header, value, bool(r.data_address))
 
-    def _push(self, address: str, header: pb.TransferHeader, value: Leaves) -> None:
+    def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:
         def may_act() -> None:
             try:
                 self._admit(pb.Identity(cluster=self.cluster, worker_id=self.worker_id, incarnation=self.incarnation))
             except RallypointError as exc:
                 raise NotAllowed(str(exc)) from exc
 
-        self._peers.push(address, header, value, may_act=may_act, cancelled=lambda: self.stopped, log=self.log)
+        self._peers.push(address, header, value, may_act=may_act, cancelled=lambda: self.stopped, log=self.log,
+                         data_plane=data_plane)
 
     def _deliver_locked(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
         if self.stopped:
@@ -448,153 +447,3 @@ class JobRuntime:
         self.log.error("instance.failed", node=n.prog.name, step=step, microbatch=mb, error=error)
         self._publish(pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s, error=error))
         self._cv.notify_all()
-
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
-
-
-class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
-    """The ``WorkerRuntime`` gRPC service of one worker: one :class:`JobRuntime` per loaded job.
-
-    Every RPC first passes ``admit`` (the daemon's fence and incarnation gate);
-    refused requests get FAILED_PRECONDITION, unknown jobs NOT_FOUND.
-
-    Args:
-        worker_id: this worker.
-        admit: raises (a :class:`RallypointError`) when a request may not act.
-        devices: the local devices, or a callable returning them (resolved at the first load).
-        incarnation: this worker's current incarnation (0: not registered).
-        push_threads: threads per job pushing outputs to other workers.
-    """
-
-    def __init__(self, worker_id: str, *, admit: Admit, devices: Sequence[Any] | Callable[[], Sequence[Any]],
-                 incarnation: Callable[[], int], push_threads: int = 4) -> None:
-        self.worker_id = worker_id
-        self._admit_fn = admit
-        self._devices = devices
-        self._incarnation = incarnation
-        self._push_threads = push_threads
-        self._lock = threading.Lock()
-        self._jobs: dict[str, JobRuntime] = {}
-        self._loading: set[str] = set()
-        self.peers = PeerChannels()
-        self.log = get_logger("rallypoint.runtime", worker=worker_id)
-
-    # -- helpers -------------------------------------------------------------------------
-
-    def _admit(self, to: pb.Identity, context: grpc.ServicerContext) -> None:
-        if to.worker_id and to.worker_id != self.worker_id:
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                   f"request for worker {to.worker_id!r} reached worker {self.worker_id!r}")
-        try:
-            self._admit_fn(to)
-        except RallypointError as exc:
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-
-    def _job(self, to: pb.Identity, job: str, context: grpc.ServicerContext) -> JobRuntime:
-        self._admit(to, context)
-        with self._lock:
-            rt = self._jobs.get(job)
-        if rt is None:
-            _abort(context, grpc.StatusCode.NOT_FOUND, f"job {job!r} is not loaded on worker {self.worker_id}")
-        return rt
-
-    def loaded(self, job: str) -> JobRuntime | None:
-        """The runtime of ``job`` if it is loaded here."""
-        with self._lock:
-            return self._jobs.get(job)
-
-    def _device_list(self) -> list[Any]:
-        devs = self._devices() if callable(self._devices) else self._devices
-        return list(devs)
-
-    def close(self) -> None:
-        """Unload every job and close the peer channels."""
-        with self._lock:
-            jobs, self._jobs = list(self._jobs.values()), {}
-        for rt in jobs:
-            rt.stop()
-        self.peers.close()
-
-    # -- RPCs ------------------------------------------------------------------------------
-
-    def LoadJob(self, request: pb.LoadJobRequest, context: grpc.ServicerContext) -> pb.LoadJobResponse:
-        self._admit(request.to, context)
-        with self._lock:
-            busy = request.job in self._jobs or request.job in self._loading
-            if not busy:
-                self._loading.add(request.job)
-        if busy:
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                   f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")
-        failure: tuple[grpc.StatusCode, str] | None = None
-        try:
-            rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
-                            incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads)
-        except LoadError as exc:
-            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:  # deserializing or running an init: report it, do not kill the server
-            failure = (grpc.StatusCode.INTERNAL, f"loading job {request.job!r}: {type(exc).__name__}: {exc}")
-        finally:
-            with self._lock:
-                self._loading.discard(request.job)
-                if failure is None:
-                    self._jobs[request.job] = rt
-        if failure is not None:
-            self.log.error("job.load_failed", job=request.job, error=failure[1])
-            _abort(context, *failure)
-        rt.start()
-        return pb.LoadJobResponse(load_s=rt.load_s)
-
-    def RunSteps(self, request: pb.RunStepsRequest, context: grpc.ServicerContext) -> pb.RunStepsResponse:
-        self._job(request.to, request.job, context).grant(int(request.until_step))
-        return pb.RunStepsResponse()
-
-    def Push(self, request_iterator: Iterable[pb.TransferChunk], context: grpc.ServicerContext) -> pb.PushResponse:
-        it = iter(request_iterator)
-        first = next(it, None)
-        if first is None or not first.HasField("header"):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "transfer stream does not start with a header")
-        rt = self._job(first.header.to, first.header.job, context)
-        try:
-            header, leaves = codec.assemble(chain([first], it))
-            duplicate = rt.deliver(header, leaves)
-        except (ValueError, DeliveryError) as exc:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.PushResponse(duplicate=duplicate)
-
-    def JobEvents(self, request: pb.JobEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.InstanceDone]:
-        rt = self._job(request.to, request.job, context)
-        q = rt.subscribe()
-        try:
-            while context.is_active():
-                try:
-                    ev = q.get(timeout=0.25)
-                except queue.Empty:
-                    continue
-                if ev is None:
-                    return
-                yield ev
-        finally:
-            rt.unsubscribe(q)
-
-    def FetchState(self, request: pb.FetchStateRequest, context: grpc.ServicerContext) -> Iterator[pb.StateValue]:
-        rt = self._job(request.to, request.job, context)
-        while not rt.wait_finished(0.25):
-            if rt.error:
-                _abort(context, grpc.StatusCode.ABORTED, f"job {rt.job!r} failed: {rt.error}")
-            if rt.stopped:
-                _abort(context, grpc.StatusCode.ABORTED, f"job {rt.job!r} was unloaded before it finished")
-            if not context.is_active():
-                return
-        yield from rt.final_states()
-
-    def UnloadJob(self, request: pb.UnloadJobRequest, context: grpc.ServicerContext) -> pb.UnloadJobResponse:
-        self._admit(request.to, context)
-        with self._lock:
-            rt = self._jobs.pop(request.job, None)
-        if rt is not None:
-            rt.stop()
-        return pb.UnloadJobResponse()

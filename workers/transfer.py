@@ -1,6 +1,8 @@
-"""Worker-to-worker pushes: one cached gRPC channel per peer address, bounded retries.
+"""Worker-to-worker pushes: over the peer's data plane (plain TCP, zero-copy; see
+:mod:`workers.dataplane`) when it has one, else as a gRPC ``Push`` stream
+(:func:`proto.codec.chunks`) on one cached channel per peer; bounded retries.
 
-A push is one ``Push`` stream (:func:`proto.codec.chunks`). Transient failures are
+Transient failures are
 retried with bounded exponential backoff (tenacity) for up to ``PUSH_RETRY_S``: the
 peer unreachable, a deadline, overload, this worker or the peer fenced (a fence
 lifts when etcd answers again and the lease is alive; FAILED_PRECONDITION is also
@@ -21,6 +23,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_expone
 from proto import codec
 from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
+from workers.dataplane import DataPlaneClient, DataPlaneError, Status
 
 PUSH_TIMEOUT_S = 120.0
 PUSH_RETRY_S = 30.0
@@ -39,6 +42,7 @@ class PeerChannels:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
+        self._data = DataPlaneClient(timeout_s=PUSH_TIMEOUT_S)
 
     def stub(self, address: str) -> pb_grpc.WorkerRuntimeStub:
         with self._lock:
@@ -48,12 +52,14 @@ class PeerChannels:
                 stub = self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
             return stub
 
-    def send(self, address: str, header: pb.TransferHeader, leaves: list[Any]) -> bool:
+    def send(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, data_plane: bool = False) -> bool:
         """One attempt: push the value; returns whether the peer already had it."""
+        if data_plane:
+            return self._data.send(address, header, leaves)
         return bool(self.stub(address).Push(codec.chunks(header, leaves), timeout=PUSH_TIMEOUT_S).duplicate)
 
     def push(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, may_act: Callable[[], None],
-             cancelled: Callable[[], bool], log: Any) -> bool | None:
+             cancelled: Callable[[], bool], log: Any, data_plane: bool = False) -> bool | None:
         """Push with retries; returns ``duplicate``, or None when it was not delivered (logged).
 
         ``may_act`` raises :class:`NotAllowed` while the sender is fenced; ``cancelled``
@@ -64,11 +70,13 @@ class PeerChannels:
             if cancelled():
                 return None
             may_act()
-            return self.send(address, header, leaves)
+            return self.send(address, header, leaves, data_plane=data_plane)
 
         def retryable(exc: BaseException) -> bool:
             return not cancelled() and (
-                isinstance(exc, NotAllowed) or (isinstance(exc, grpc.RpcError) and exc.code() in RETRY_CODES)
+                isinstance(exc, NotAllowed)
+                or (isinstance(exc, grpc.RpcError) and exc.code() in RETRY_CODES)
+                or (isinstance(exc, DataPlaneError) and exc.retryable)
             )
 
         where = {"to_worker": header.to.worker_id, "address": address, "consumer": header.consumer_node,
@@ -78,6 +86,12 @@ class PeerChannels:
                                   wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True):
                 with tried:
                     return attempt()
+        except DataPlaneError as exc:
+            if exc.status is Status.NO_JOB:  # the consumer's worker no longer holds the job
+                log.info("push.no_job", error=str(exc), **where)
+            elif not cancelled():
+                log.warning("push.failed", code=exc.status.name if exc.status else "CONNECTION", error=str(exc),
+                            **where)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # the consumer's worker no longer holds the job
                 log.info("push.no_job", error=exc.details(), **where)
@@ -93,3 +107,4 @@ class PeerChannels:
             channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for ch in channels:
             ch.close()
+        self._data.close()

@@ -32,7 +32,7 @@ from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from workers.daemon import StaleIncarnation
-from workers.runtime import WorkerRuntimeService
+from workers.runtime_service import WorkerRuntimeService
 from workers.runtime_state import NodeProgress, StateVersions
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

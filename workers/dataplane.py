@@ -1,0 +1,238 @@
+"""The tensor data plane: values move worker to worker over plain TCP, zero-copy.
+
+gRPC stays the control plane (loading jobs, granting steps, completions). Tensor
+payloads take this path because Python gRPC tops out far below the loopback
+socket here (measured by ``bench/dispatch.py``: about 0.15x): each chunk is copied
+into a protobuf, serialized, copied again by gRPC and joined on receipt. Here the
+sender hands each leaf's own buffer to ``sendall`` and the receiver ``recv_into``
+a freshly allocated array of the right dtype and shape: no intermediate copy.
+
+One value is one frame on a connection (connections are pooled per peer and reused)::
+
+    b"RPV1" | u32 header length | TransferHeader (protobuf)
+    per leaf: u32 meta length | Tensor without data (dtype, shape) | raw C-order bytes
+
+and the receiver answers one status byte (``DELIVERED``, ``DUPLICATE``, ``REFUSED``,
+``NO_JOB``, ``INVALID``), followed for the last three by a u32 length and a message.
+The header carries the same identities as a gRPC ``Push`` (the receiving worker's
+incarnation), and the receiver admits it through the same gate.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from orchestrator.logs import get_logger
+from proto import rallypoint_pb2 as pb
+
+MAGIC = b"RPV1"
+_U32 = struct.Struct("!I")
+MAX_HEADER_BYTES = 1 << 20
+
+
+class Status(enum.IntEnum):
+    DELIVERED = 0
+    DUPLICATE = 1
+    REFUSED = 2  # the receiver may not act now, or the request names another incarnation
+    NO_JOB = 3  # the receiver does not hold the job
+    INVALID = 4  # malformed or unexpected value
+
+
+class DataPlaneError(Exception):
+    """A transfer did not go through. ``status`` is None when the connection failed."""
+
+    def __init__(self, status: Status | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status is Status.REFUSED
+
+
+Handler = Callable[[pb.TransferHeader, list[np.ndarray]], tuple[Status, str]]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        got += n
+
+
+def _c_order(a: Any) -> np.ndarray:
+    arr = np.asarray(a)
+    return arr if arr.flags.c_contiguous else np.array(arr, order="C")
+
+
+class DataPlaneServer:
+    """Accepts data-plane connections and hands each received value to ``handler``.
+
+    Args:
+        host: address to listen on.
+        handler: ``(header, leaves) -> (status, message)``; runs on the connection's thread.
+        port: 0 picks a free port.
+    """
+
+    def __init__(self, host: str, handler: Handler, port: int = 0) -> None:
+        self.handler = handler
+        self._sock = socket.create_server((host, port))
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.log = get_logger("rallypoint.dataplane", address=self.address)
+        self._thread = threading.Thread(target=self._accept, name="dataplane-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                magic = conn.recv(4, socket.MSG_WAITALL)
+                if not magic:
+                    return  # the peer closed an idle connection
+                if magic != MAGIC:
+                    raise ConnectionError(f"not a data-plane frame: {magic!r}")
+                header, leaves = self._read_value(conn)
+                try:
+                    status, message = self.handler(header, leaves)
+                except Exception as exc:  # a handler bug must not kill the connection silently
+                    self.log.warning("dataplane.handler_failed", error=f"{type(exc).__name__}: {exc}")
+                    status, message = Status.INVALID, f"{type(exc).__name__}: {exc}"
+                if status in (Status.DELIVERED, Status.DUPLICATE):
+                    conn.sendall(bytes([status]))
+                else:
+                    data = message.encode()
+                    conn.sendall(bytes([status]) + _U32.pack(len(data)) + data)
+        except (ConnectionError, OSError, ValueError) as exc:
+            if not self._stop.is_set():
+                self.log.info("dataplane.connection_closed", error=str(exc))
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    @staticmethod
+    def _read_value(conn: socket.socket) -> tuple[pb.TransferHeader, list[np.ndarray]]:
+        (hlen,) = _U32.unpack(_recv_exact(conn, 4))
+        if hlen > MAX_HEADER_BYTES:
+            raise ValueError(f"header of {hlen} bytes")
+        header = pb.TransferHeader.FromString(_recv_exact(conn, hlen))
+        leaves = []
+        for _ in range(header.leaves):
+            (mlen,) = _U32.unpack(_recv_exact(conn, 4))
+            meta = pb.Tensor.FromString(_recv_exact(conn, mlen))
+            arr = np.empty(tuple(meta.shape), dtype=np.dtype(meta.dtype))
+            if arr.nbytes:
+                _recv_into(conn, memoryview(arr).cast("B"))
+            leaves.append(arr)
+        return header, leaves
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+
+class DataPlaneClient:
+    """Sends values to peers' data planes over pooled connections (one per value in flight)."""
+
+    def __init__(self, *, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, queue.SimpleQueue[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def _connect(self, address: str) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _checkout(self, address: str) -> socket.socket:
+        with self._lock:
+            idle = self._idle.setdefault(address, queue.SimpleQueue())
+        try:
+            return idle.get_nowait()
+        except queue.Empty:
+            return self._connect(address)
+
+    def send(self, address: str, header: pb.TransferHeader, leaves: Sequence[Any]) -> bool:
+        """Send one value; returns whether the peer already had it (a duplicate).
+
+        Raises:
+            DataPlaneError: refused or invalid (``status`` set), or the connection failed.
+        """
+        header.leaves = len(leaves)
+        arrays = [_c_order(x) for x in leaves]
+        head = header.SerializeToString()
+        try:
+            sock = self._checkout(address)
+        except OSError as exc:
+            raise DataPlaneError(None, f"cannot connect to {address}: {exc}") from None
+        try:
+            sock.sendall(MAGIC + _U32.pack(len(head)) + head)
+            for a in arrays:
+                meta = pb.Tensor(dtype=a.dtype.name, shape=a.shape).SerializeToString()
+                sock.sendall(_U32.pack(len(meta)) + meta)
+                if a.nbytes:
+                    sock.sendall(memoryview(a).cast("B"))
+            status = Status(_recv_exact(sock, 1)[0])
+            message = ""
+            if status not in (Status.DELIVERED, Status.DUPLICATE):
+                (n,) = _U32.unpack(_recv_exact(sock, 4))
+                message = _recv_exact(sock, n).decode(errors="replace")
+        except (OSError, ConnectionError, ValueError) as exc:
+            sock.close()
+            raise DataPlaneError(None, f"transfer to {address} broke: {exc}") from None
+        self._idle[address].put(sock)
+        if status is Status.DUPLICATE:
+            return True
+        if status is not Status.DELIVERED:
+            raise DataPlaneError(status, message)
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._idle = list(self._idle.values()), {}
+        for pool in pools:
+            while True:
+                try:
+                    pool.get_nowait().close()
+                except queue.Empty:
+                    break
