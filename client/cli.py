@@ -279,11 +279,11 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
-    from client.compile import ensure_host_devices
+    from client.compile import compile_program, ensure_host_devices
 
     ensure_host_devices(HOST_DEVICES)
     from client.jobfile import load_program
-    from client.reference import ReferenceExecutor, compile_program
+    from client.reference import ReferenceExecutor
 
     program = load_program(job_file, steps=steps)
     if reference and (cluster or workers is not None or devices_per_worker is not None):

@@ -118,3 +118,22 @@ def test_a_worker_killed_mid_job_fails_the_job_with_the_reason_instead_of_hangin
         assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values())
     finally:
         store.close()
+
+
+def test_rallypoint_run_on_a_cluster_started_with_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from orchestrator.local_cluster import LocalCluster as Recorded
+
+    state = tmp_path / "state"
+    rp("up", "--state-dir", str(state), "--workers", "2", "--spares", "1", "--devices-per-worker", "2",
+       "--coordinators", "1")
+    try:
+        endpoints = ",".join(Recorded.load(state).endpoints)
+        job = str(ROOT / "examples" / "rl_loop.py")
+        on_cluster = rp("run", "--json", "--steps", "4", job, "--cluster", f"local@{endpoints}").stdout.splitlines()
+        reference = rp("run", "--reference", "--json", "--steps", "4", job).stdout.splitlines()
+        assert json.loads(on_cluster[-1])["state_digest"] == json.loads(reference[-1])["state_digest"]
+        # Three 1-device slices on 2-device workers: packed, so one whole worker stayed spare.
+        rows = [json.loads(x) for x in rp("workers", "--json", "--state-dir", str(state)).stdout.splitlines()]
+        assert all(r["state"] == "spare" for r in rows), "devices outlived the job"
+    finally:
+        rp("down", "--state-dir", str(state))
