@@ -132,7 +132,7 @@ def test_rallypoint_run_on_a_cluster_started_with_up(tmp_path) -> None:  # type:
         on_cluster = rp("run", "--json", "--steps", "4", job, "--cluster", f"local@{endpoints}").stdout.splitlines()
         reference = rp("run", "--reference", "--json", "--steps", "4", job).stdout.splitlines()
         assert json.loads(on_cluster[-1])["state_digest"] == json.loads(reference[-1])["state_digest"]
-        # Three 1-device slices on 2-device workers: packed, so one whole worker stayed spare.
+        # After the job every device is free again.
         rows = [json.loads(x) for x in rp("workers", "--json", "--state-dir", str(state)).stdout.splitlines()]
         assert all(r["state"] == "spare" for r in rows), "devices outlived the job"
     finally:
