@@ -13,6 +13,8 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     leader                      the elected coordinator, on its lease; its create
                                 revision is the leader's term (the fencing token)
     jobs/<job>                  job records (later issues)
+    jobs/<job>/checkpoints/<slice>/<step:012d>
+                                a committed slice checkpoint (workers.checkpoint)
 
 See ``docs/keys.md``.
 """
@@ -124,6 +126,14 @@ class Keys:
 
     def job(self, job: str) -> str:
         return f"{self.jobs}{job}"
+
+    def checkpoints(self, job: str) -> str:
+        """Prefix of every checkpoint commit of ``job`` (a prefix read lists them by slice, then step)."""
+        return f"{self.job(job)}/checkpoints/"
+
+    def checkpoint(self, job: str, slice_name: str, step: int) -> str:
+        """The commit of ``slice_name``'s checkpoint after ``step``; the zero-padded step sorts by number."""
+        return f"{self.checkpoints(job)}{slice_name}/{step:012d}"
 
     # parsing
     def tail(self, key: str, under: str) -> list[str]:

@@ -1,0 +1,430 @@
+"""Checkpoints of a slice's state: Orbax on disk, a checksum, a commit in etcd.
+
+One :class:`SliceCheckpointer` per (job, slice) on a worker. ``save(step, states)``
+hands Orbax the values of the slice's states after ``step`` and returns once Orbax
+holds its own host copy; Orbax writes and finalizes in the background. A checkpoint
+**counts only after** Orbax has finalized it (the step directory renamed from its
+temporary name) and its commit (job, slice, step, path, checksum, state names) has
+been handed to ``commit``, which :func:`etcd_commit` writes to etcd guarded on the
+worker's incarnation. A save killed half-way therefore leaves the previous commit
+in force. Commits are made by one background thread, in step order.
+
+Orbax checks no content checksums: :func:`state_checksum` (sha256 over every state
+name, leaf dtype, shape and bytes) is recorded with each commit and checked on
+restore; :func:`latest_committed` falls back to older commits past a corrupt one.
+
+On disk each step is a plain Orbax ``CheckpointManager`` step (item ``default``,
+``StandardSave`` of ``{state name: [leaf arrays]}``): see ``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from orchestrator.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
+from orchestrator.keys import Keys, check_name
+from orchestrator.logs import get_logger
+from orchestrator.store import Compare, Put, Store
+
+States = dict[str, list[np.ndarray]]
+"""A slice's states: state name -> its value as flat leaves (host arrays)."""
+
+COMMIT_RETRY_S = 30.0
+"""How long a commit is retried while etcd is unreachable."""
+
+
+class CheckpointError(RallypointError):
+    """A checkpoint could not be saved, committed or read."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint does not restore to the state its checksum names."""
+
+    def __init__(self, commit: CheckpointCommit, actual: str | None, reason: str = "") -> None:
+        got = actual if actual is not None else f"none: unreadable ({reason})"
+        super().__init__(
+            f"checkpoint of job {commit.job!r} slice {commit.slice_name!r} after step {commit.step} "
+            f"at {commit.path} is corrupt: committed checksum {commit.checksum}, restored {got}"
+        )
+        self.commit = commit
+        self.actual = actual
+
+
+class CommitRefused(Fenced):
+    """etcd refused a commit: the worker incarnation that made the checkpoint is over."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCommit:
+    """A checkpoint that counts: the state of ``slice_name`` after ``step``."""
+
+    job: str
+    slice_name: str
+    step: int
+    path: str
+    checksum: str
+    states: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["slice"] = d.pop("slice_name")
+        d["states"] = list(self.states)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CheckpointCommit:
+        return cls(job=d["job"], slice_name=d["slice"], step=int(d["step"]), path=d["path"],
+                   checksum=d["checksum"], states=tuple(d.get("states", ())))
+
+
+def state_checksum(states: Mapping[str, Sequence[Any]]) -> str:
+    """``sha256:<hex>`` over the states in name order: for each leaf a JSON header
+    ``{"state", "leaf", "dtype", "shape"}`` and a newline, then its C-order bytes."""
+    h = hashlib.sha256()
+    for name in sorted(states):
+        h.update(json.dumps({"state": name, "leaves": len(states[name])}).encode() + b"\n")
+        for i, leaf in enumerate(states[name]):
+            a = np.ascontiguousarray(leaf)
+            h.update(json.dumps({"state": name, "leaf": i, "dtype": a.dtype.name,
+                                 "shape": list(a.shape)}).encode() + b"\n")
+            h.update(a.reshape(-1).view(np.uint8).data)
+    return "sha256:" + h.hexdigest()
+
+
+def _restore_dir(step_dir: Path) -> States:
+    """Read one step directory written by a SliceCheckpointer, with Orbax alone."""
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        tree = ckptr.restore(step_dir / "default", args=ocp.args.StandardRestore())
+    return {name: [np.asarray(x) for x in leaves] for name, leaves in tree.items()}
+
+
+def restore_commit(commit: CheckpointCommit) -> States:
+    """The states a commit names, read from ``commit.path`` and checked against its checksum.
+
+    Raises :class:`CheckpointCorrupt` when the checkpoint cannot be read or its checksum differs.
+    """
+    log = get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name)
+    try:
+        states = _restore_dir(Path(commit.path))
+    except Exception as e:  # any failure to read is a corrupt checkpoint
+        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
+                    actual=None, error=f"{type(e).__name__}: {e}")
+        raise CheckpointCorrupt(commit, None, f"{type(e).__name__}: {e}") from e
+    actual = state_checksum(states)
+    if actual != commit.checksum:
+        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
+                    actual=actual)
+        raise CheckpointCorrupt(commit, actual)
+    return states
+
+
+@dataclass
+class LatestCommitted:
+    """What :func:`latest_committed` found: the newest good commit and what it skipped."""
+
+    commit: CheckpointCommit | None
+    states: States | None
+    skipped: list[tuple[CheckpointCommit, str]] = field(default_factory=list)
+
+
+def latest_committed(commits: Iterable[CheckpointCommit]) -> LatestCommitted:
+    """Restore the newest of one slice's ``commits`` that reads back with its checksum.
+
+    Corrupt or unreadable ones are skipped (logged ``checkpoint.corrupt``, listed in
+    ``skipped`` with the reason), falling back to older commits; ``commit`` is None
+    when none restores.
+    """
+    found = LatestCommitted(None, None)
+    ordered = sorted(commits, key=lambda c: c.step, reverse=True)
+    if len({(c.job, c.slice_name) for c in ordered}) > 1:
+        raise ValueError("latest_committed takes the commits of one slice of one job")
+    for c in ordered:
+        try:
+            found.states, found.commit = restore_commit(c), c
+            return found
+        except CheckpointCorrupt as e:
+            found.skipped.append((c, str(e)))
+    return found
+
+
+@dataclass
+class _Pending:
+    step: int
+    states: States | None
+    started: float
+
+
+class SliceCheckpointer:
+    """Asynchronous Orbax checkpoints of one slice's states, committed in step order.
+
+    Args:
+        directory: the slice's Orbax directory (e.g. ``<root>/<job>/<slice>``); step
+            ``s`` is written to ``directory/<s>``.
+        job, slice_name: whose state this is (in commits and log events).
+        max_to_keep: committed checkpoints kept on disk (None: all). Older ones are
+            deleted after a newer commit, except steps held with :meth:`protect`.
+        commit: called (on a background thread, in step order) once a checkpoint is
+            finalized; it makes the checkpoint count, e.g. :func:`etcd_commit`. An
+            exception means the checkpoint does not count; :meth:`wait` raises it.
+        log_fields: extra fields bound to every log event (worker, incarnation).
+    """
+
+    def __init__(self, directory: Path, *, job: str, slice_name: str, max_to_keep: int | None,
+                 commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise CheckpointError(f"max_to_keep must be None or at least 1, got {max_to_keep}")
+        self.job, self.slice_name = check_name("job", job), check_name("slice", slice_name)
+        self.directory = Path(directory).absolute()
+        self.max_to_keep = max_to_keep
+        self._commit = commit
+        self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, **(log_fields or {}))
+        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
+        self._orbax = threading.RLock()  # every CheckpointManager call; taken before _cond, never after
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._errors: list[BaseException] = []
+        self._committed: list[int] = []
+        self._protected: Counter[int] = Counter()
+        self._last_step: int | None = None
+        self._closing = False
+        self._closed = False
+        self.commits: list[CheckpointCommit] = []
+        self._thread = threading.Thread(target=self._commit_loop, daemon=True,
+                                        name=f"checkpoint-{job}-{slice_name}")
+        self._thread.start()
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, states: Mapping[str, Sequence[Any]]) -> None:
+        """Start saving the slice's states after ``step`` (version ``step + 1``).
+
+        Returns once Orbax has its host copy of every leaf; it writes and finalizes in
+        the background, then the commit is made. Steps must increase. Orbax runs one
+        save at a time: if the previous one is still writing, this waits for it.
+        """
+        if self._closing:
+            raise CheckpointError(f"checkpointer of {self.job}/{self.slice_name} is closed")
+        tree = {str(name): [np.asarray(x) for x in leaves] for name, leaves in states.items()}
+        started = time.monotonic()
+        with self._orbax:
+            if step < 0 or (self._last_step is not None and step <= self._last_step):
+                raise CheckpointError(f"checkpoint steps of {self.job}/{self.slice_name} must increase: "
+                                      f"{step} after {self._last_step}")
+            if step in self._manager.all_steps():
+                if self._protected[step]:
+                    raise CheckpointError(f"step {step} of {self.job}/{self.slice_name} exists and is protected")
+                self.log.info("checkpoint.replaced", step=step)  # from an earlier life of the slice
+                self._manager.delete(step)
+            try:
+                self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
+            except Exception as e:
+                self.log.error("checkpoint.save_failed", step=step, error=f"{type(e).__name__}: {e}")
+                raise CheckpointError(f"saving {self.job}/{self.slice_name} after step {step} failed: {e}") from e
+            self._last_step = step
+        self.log.debug("checkpoint.started", step=step, blocking_s=round(time.monotonic() - started, 4))
+        with self._cond:
+            self._queue.append(_Pending(step, tree, started))
+            self._cond.notify_all()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every save so far is finalized and committed (or failed).
+
+        Raises the first error since the last call (a failed save or a refused commit).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._queue, timeout=timeout_s):
+                raise CheckpointError(f"checkpoints of {self.job}/{self.slice_name} still pending "
+                                      f"after {timeout_s}s: steps {[p.step for p in self._queue]}")
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Finish pending saves and commits (errors are logged, not raised), then close Orbax."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._orbax:
+            self._manager.close()
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps saved but not yet finalized and committed."""
+        with self._cond:
+            return [p.step for p in self._queue]
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            try:
+                self._finish(item)
+                self._apply_retention()
+            except Exception as e:  # noqa: BLE001 - reported through wait()
+                with self._cond:
+                    self._errors.append(e)
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def _finish(self, item: _Pending) -> None:
+        try:
+            self._manager.wait_until_finished()  # no lock: joins Orbax's finalize thread
+        except Exception as e:  # noqa: BLE001 - the directory check below decides
+            self.log.warning("checkpoint.finalize_error", step=item.step, error=f"{type(e).__name__}: {e}")
+        path = self._finalized_path(item.step)
+        if path is None:
+            self.log.error("checkpoint.save_failed", step=item.step, reason="not finalized by Orbax")
+            raise CheckpointError(f"Orbax did not finalize the checkpoint of {self.job}/{self.slice_name} "
+                                  f"after step {item.step} in {self.directory}")
+        assert item.states is not None
+        nbytes = sum(int(x.nbytes) for v in item.states.values() for x in v)
+        self.log.info("checkpoint.saved", step=item.step, path=str(path), bytes=nbytes,
+                      save_s=round(time.monotonic() - item.started, 4))
+        c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), state_checksum(item.states),
+                             tuple(sorted(item.states)))
+        item.states = None
+        try:
+            self._commit(c)
+        except Exception as e:
+            self.log.error("checkpoint.commit_failed", step=c.step, error=f"{type(e).__name__}: {e}")
+            raise
+        with self._cond:
+            self._committed.append(c.step)
+            self.commits.append(c)
+        self.log.info("checkpoint.committed", step=c.step, path=c.path, checksum=c.checksum,
+                      commit_s=round(time.monotonic() - item.started, 4))
+
+    def _finalized_path(self, step: int) -> Path | None:
+        for p in ocp.path.step.checkpoint_steps_paths(self.directory):
+            if ocp.path.step.step_from_checkpoint_name(p.name) == step:
+                return Path(str(p))
+        return None
+
+    # -- retention ------------------------------------------------------------------------
+
+    def protect(self, step: int) -> None:
+        """Never delete ``step`` until as many :meth:`release` calls (a log or a restore needs it)."""
+        with self._cond:
+            self._protected[step] += 1
+
+    def release(self, step: int) -> None:
+        """Drop one :meth:`protect` of ``step``; retention may then delete it."""
+        with self._cond:
+            if self._protected[step] <= 0:
+                raise CheckpointError(f"step {step} of {self.job}/{self.slice_name} is not protected")
+            self._protected[step] -= 1
+            if not self._protected[step]:
+                del self._protected[step]
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Delete every step older than the ``max_to_keep``-th newest commit, unless protected."""
+        if self.max_to_keep is None:
+            return
+        with self._orbax:
+            with self._cond:
+                if len(self._committed) < self.max_to_keep:
+                    return
+                keep_from = sorted(self._committed)[-self.max_to_keep]
+                held = set(self._protected) | {p.step for p in self._queue}
+            for s in [s for s in self._manager.all_steps() if s < keep_from and s not in held]:
+                self._manager.delete(s)
+                self.log.info("checkpoint.deleted", step=s)
+                with self._cond:
+                    self._committed = [c for c in self._committed if c != s]
+
+    def steps_on_disk(self) -> list[int]:
+        """Steps Orbax has finalized in this slice's directory."""
+        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, step: int, expected_checksum: str) -> States:
+        """The states saved after ``step`` in this slice's directory, checked against the checksum.
+
+        Raises :class:`CheckpointCorrupt` (naming both checksums) on a mismatch or when
+        the checkpoint cannot be read.
+        """
+        c = CheckpointCommit(self.job, self.slice_name, step, str(self.directory / str(step)), expected_checksum)
+        with self._orbax:
+            return restore_commit(c)
+
+
+# -- commits in etcd ----------------------------------------------------------------------
+
+
+def etcd_commit(store: Store, keys: Keys, guard: Compare) -> Callable[[CheckpointCommit], None]:
+    """A ``commit`` for :class:`SliceCheckpointer` that writes the commit JSON at
+    ``keys.checkpoint(job, slice, step)`` in a transaction guarded by ``guard``:
+    ``created_at(keys.worker(worker_id), incarnation)``, so a zombie incarnation
+    cannot commit (:class:`CommitRefused`). Unreachable etcd is retried for
+    ``COMMIT_RETRY_S``; an indeterminate write is resolved by reading the key back.
+    """
+    if guard.target != "create" or guard.op != "==" or not guard.key.startswith(keys.workers):
+        raise ValueError(f"the commit guard must be created_at(keys.worker(worker_id), incarnation), got {guard}")
+    worker, incarnation = keys.tail(guard.key, keys.workers)[0], int(guard.value)
+
+    def commit(c: CheckpointCommit) -> None:
+        key = keys.checkpoint(c.job, c.slice_name, c.step)
+        value = json.dumps(c.to_json() | {"worker": worker, "incarnation": incarnation, "at": time.time()})
+        retry = Retrying(stop=stop_after_delay(COMMIT_RETRY_S), wait=wait_exponential(multiplier=0.05, max=1.0),
+                         retry=retry_if_exception_type(StoreUnavailable), reraise=True)
+        for attempt in retry:
+            with attempt:
+                try:
+                    r = store.txn([guard], [Put(key, value)])
+                except WriteIndeterminate:
+                    kv = store.get(key)
+                    if kv is not None and kv.value == value.encode():
+                        return
+                    raise
+                if not r.succeeded:
+                    raise CommitRefused(f"worker {worker} incarnation {incarnation}",
+                                        f"its incarnation is over; commit of {c.job}/{c.slice_name} "
+                                        f"step {c.step} refused")
+
+    return commit
+
+
+def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[CheckpointCommit]]:
+    """Every checkpoint commit of ``job`` in etcd: slice -> commits sorted by step."""
+    kvs, _ = store.get_prefix(keys.checkpoints(job))
+    out: dict[str, list[CheckpointCommit]] = {}
+    for kv in kvs:
+        c = CheckpointCommit.from_json(kv.json())
+        out.setdefault(c.slice_name, []).append(c)
+    for commits in out.values():
+        commits.sort(key=lambda c: c.step)
+    return out
+
+
+def consistent_cut(commits: Mapping[str, Sequence[CheckpointCommit]], slices: Iterable[str], *,
+                   before: int | None = None) -> int | None:
+    """The newest step every slice in ``slices`` has committed (below ``before`` when
+    given, to fall back past a cut that does not restore); None if there is none."""
+    common: set[int] | None = None
+    for s in slices:
+        steps = {c.step for c in commits.get(s, ()) if before is None or c.step < before}
+        common = steps if common is None else common & steps
+    return max(common) if common else None
