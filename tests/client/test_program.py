@@ -8,11 +8,9 @@ are tiny (slices of one device, arrays of a few elements) so the module runs fas
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ import pytest
 from client.compile import compile_program, ensure_host_devices
 from client.jobfile import load_program
 from client.program import Gathered, NodeHandle, Program, ProgramError, Ref, StateRef, gather
+from tests.examples import example as _example
 
 # tests/conftest.py gives this process 8 CPU devices; this is a no-op then, and makes
 # the module self-sufficient otherwise (it must run before any JAX operation).
@@ -614,14 +613,6 @@ def test_cluster_first_fit_largest_first() -> None:
 
 # ---------------------------------------------------------------------------
 # The examples
-
-
-def _example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}_program_test", EXAMPLES / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("name", ["pipeline_mlp", "rl_loop", "data_parallel"])

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import pickletools
-from pathlib import Path
-from types import ModuleType
 
 import jax
 import numpy as np
@@ -14,16 +11,8 @@ import pytest
 
 from client.compile import compile_program
 from client.reference import ReferenceExecutor, run_reference, state_digest
+from tests.examples import example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("name,metric,better", [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from client.reference import run_reference
 from tests.client.test_cli import ROOT, rp
-from tests.client.test_reference import example
+from tests.examples import example
 
 
 def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest() -> None:

@@ -14,7 +14,7 @@ from client.submit import JobError, submit
 from orchestrator.devices import read_cluster
 from orchestrator.local_cluster import LocalCluster
 from tests.client.test_cli import ROOT, rp
-from tests.client.test_reference import example
+from tests.examples import example
 
 
 @pytest.mark.parametrize("name,steps", [("pipeline_mlp", 6), ("rl_loop", 7), ("data_parallel", 5)])

@@ -10,7 +10,7 @@ from client.compile import compile_program
 from client.jobspec import job_spec
 from orchestrator.placement import SlicePlace, instances_per_step, load_requests
 from proto import rallypoint_pb2 as pb
-from tests.client.test_reference import example
+from tests.examples import example
 
 
 @pytest.fixture(scope="module")

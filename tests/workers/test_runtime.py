@@ -7,14 +7,11 @@ steps granted with ``RunSteps``, then ``FetchState``.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import grpc
@@ -34,8 +31,8 @@ from tests.conftest import wait_until
 from workers.daemon import StaleIncarnation
 from workers.runtime_service import WorkerRuntimeService
 from workers.runtime_state import NodeProgress, StateVersions
+from tests.examples import example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = {"pipeline_mlp": 4, "rl_loop": 7, "data_parallel": 4}
 # slice -> (worker, local device indices); workers wA and wB hold 4 devices each
 PLACEMENTS: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {
@@ -47,14 +44,6 @@ PLACEMENTS: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {
     "rl_loop": {"sampler": ("wA", (0,)), "reward": ("wA", (1,)), "trainer": ("wB", (2,))},
     "data_parallel": {"dp": ("wB", (0, 1, 2, 3))},
 }
-
-
-def example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 _compiled: dict[str, tuple[CompiledProgram, RunResult]] = {}
