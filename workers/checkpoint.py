@@ -218,6 +218,12 @@ class SliceCheckpointer:
         if self._closing:
             raise CheckpointError(f"checkpointer of {self.job}/{self.slice_name} is closed")
         tree = {str(name): [np.asarray(x) for x in leaves] for name, leaves in states.items()}
+        empty = [f"{name}[{i}]" for name, leaves in tree.items() for i, x in enumerate(leaves) if x.size == 0]
+        if empty:
+            # Orbax refuses zero size arrays only after it created the step's tmp directory, and
+            # cleaning that up races a retry of the same step: refuse before touching the disk.
+            raise CheckpointError(f"checkpoint of {self.job}/{self.slice_name} after step {step}: leaves "
+                                  f"{empty} have zero size, which Orbax cannot save")
         started = time.monotonic()
         with self._orbax:
             if step < 0 or (self._last_step is not None and step <= self._last_step):
