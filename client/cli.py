@@ -408,14 +408,16 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
 
 @main.command()
 @_daemon_options
-def coordinator(cluster: str, ident: str, lease_ttl_s: int) -> None:
+@click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
+              "(shared by every worker; empty: such jobs run without checkpoints).")
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str) -> None:
     """Run a coordinator (several run; one leads)."""
     from orchestrator.coordinator import Coordinator, CoordinatorConfig
 
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
-                                      lease_ttl_s=lease_ttl_s))
+                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir))
     done = threading.Event()
     _run_daemon(lambda: None, c.run, c.stop, done.set)
 

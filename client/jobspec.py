@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from client.compile import CompiledProgram
 from client.program import Gathered, ProgramError, Ref, StateRef
 from proto import rallypoint_pb2 as pb
 
 
-def job_spec(compiled: CompiledProgram, *, window: int = 2) -> pb.JobSpec:
-    """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits."""
+RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
+                   "log_limit_bytes")
+
+
+def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> pb.JobSpec:
+    """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits.
+
+    ``recovery``: any of :data:`RECOVERY_FIELDS` (``JobSpec`` fields; None: the
+    default; ``checkpoint_every`` defaults to the program's).
+    """
     if window < 1:
         raise ProgramError(f"the window of steps in flight must be at least 1, got {window}")
+    unknown = sorted(set(recovery) - set(RECOVERY_FIELDS))
+    if unknown:
+        raise ProgramError(f"unknown recovery settings {unknown}; known: {list(RECOVERY_FIELDS)}")
     program = compiled.program
     metric_names: dict[tuple[str, str], list[str]] = {}
     for name, ref in program.metrics.items():
         metric_names.setdefault((ref.node, ref.output), []).append(name)
-    spec = pb.JobSpec(job=program.name, steps=program.steps, microbatches=program.microbatches, window=window)
+    spec = pb.JobSpec(job=program.name, steps=program.steps, microbatches=program.microbatches, window=window,
+                      checkpoint_every=program.checkpoint_every)
+    for key, value in recovery.items():
+        if value is not None:
+            setattr(spec, key, value)
     for s in program.slices.values():
         spec.slices.append(pb.SliceAssignment(slice=s.name, mesh_shape=s.mesh_shape, mesh_axes=s.mesh_axes))
     for st in compiled.states.values():
@@ -23,6 +40,7 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2) -> pb.JobSpec:
         spec.states.append(pb.StateProgram(
             name=st.name, slice=st.slice, exported_init=st.exported_init, leaves=st.tree.num_leaves,
             producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
+            treedef=str(st.tree),
         ))
     for name in compiled.order:
         node = compiled.nodes[name]

@@ -12,7 +12,6 @@ between workers; a gather stacks the microbatches of a step on axis 0 with numpy
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,19 +24,13 @@ from workers.programs import load_exported
 
 def state_digest(states: Mapping[str, Any]) -> str:
     """sha256 over every state value, in a fixed order: state name, tree structure, then
-    each leaf's dtype, shape and bytes."""
+    each leaf's dtype, shape and bytes (:func:`proto.digest.leaves_digest`)."""
     import jax
-    import numpy as np
 
-    h = hashlib.sha256()
-    for name in sorted(states):
-        leaves, treedef = jax.tree_util.tree_flatten(states[name])
-        h.update(f"{name}\0{treedef}\0".encode())
-        for leaf in leaves:
-            a = np.ascontiguousarray(np.asarray(leaf))
-            h.update(f"{a.dtype}\0{a.shape}\0".encode())
-            h.update(a.tobytes())
-    return h.hexdigest()
+    from proto.digest import leaves_digest
+
+    flat = ((name, *jax.tree_util.tree_flatten(value)) for name, value in states.items())
+    return leaves_digest((name, str(treedef), leaves) for name, leaves, treedef in flat)
 
 
 def to_host(tree: Any) -> Any:
@@ -67,11 +60,12 @@ class RunResult:
     wall_s: float
     metrics: list[dict[str, float]] = field(default_factory=list)
     instances: dict[str, int] = field(default_factory=dict)
+    recovery: dict[str, Any] = field(default_factory=dict)  # on a cluster: failures, recoveries, replayed_instances
 
     def finished_event(self) -> dict[str, Any]:
         """The ``job.finished`` JSON event of ``rallypoint run --json``."""
         return {"event": "job.finished", "job": self.job, "steps": self.steps, "state_digest": self.state_digest,
-                "wall_s": round(self.wall_s, 3)}
+                "wall_s": round(self.wall_s, 3), **self.recovery}
 
 
 class ReferenceExecutor:

@@ -43,17 +43,22 @@ def leader_address(endpoints: Sequence[str], cluster: str, *, wait_s: float = 15
         store.close()
 
 
+RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "output_log_peak")
+
+
 def submit(
     compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
-    on_event: Callable[[pb.JobEvent], None] | None = None,
+    on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any,
 ) -> RunResult:
     """Run ``compiled`` on the cluster; return its final state and digest.
+
+    ``recovery``: the job's recovery settings (:data:`client.jobspec.RECOVERY_FIELDS`).
 
     Raises:
         JobError: the job failed (the reason names what went wrong).
     """
-    spec = job_spec(compiled, window=window)
+    spec = job_spec(compiled, window=window, **recovery)
     address = leader_address(endpoints, cluster)
     channel = grpc.insecure_channel(
         address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -73,8 +78,13 @@ def submit(
                 raise JobError(f"job {spec.job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
             elif ev.event == "job.finished":
                 states = _states(compiled, ev.states)
-                return RunResult(spec.job, spec.steps, states, state_digest(states), time.perf_counter() - t0,
-                                 metrics_log)
+                detail = json.loads(ev.detail or "{}")
+                digest = state_digest(states)
+                if detail.get("state_digest") and detail["state_digest"] != digest:
+                    raise JobError(f"job {spec.job!r}: the coordinator's state digest {detail['state_digest']} differs "
+                                   f"from the one of the states it sent ({digest})")
+                return RunResult(spec.job, spec.steps, states, digest, time.perf_counter() - t0, metrics_log,
+                                 recovery={k: detail[k] for k in RECOVERY_SUMMARY if k in detail})
     except grpc.RpcError as exc:
         raise JobError(f"job {spec.job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
     finally:
@@ -91,3 +101,33 @@ def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[
     if missing:
         raise JobError(f"the final state lacks {sorted(missing)}")
     return states
+
+
+def resume(
+    job: str, *, endpoints: Sequence[str], cluster: str, checkpoint_dir: str = "",
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_event: Callable[[pb.JobEvent], None] | None = None,
+) -> dict[str, Any]:
+    """Resume ``job`` from its newest consistent cut; return its ``job.finished`` detail
+    (``state_digest`` computed by the coordinator, ``start_step``, the recovery summary).
+
+    Raises:
+        JobError: the job could not be resumed or failed.
+    """
+    address = leader_address(endpoints, cluster)
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    try:
+        for ev in pb_grpc.CoordinatorStub(channel).ResumeJob(pb.ResumeRequest(job=job, checkpoint_dir=checkpoint_dir)):
+            if on_event is not None:
+                on_event(ev)
+            if ev.event == "step.done" and on_step is not None:
+                on_step(ev.step, dict(ev.metrics))
+            elif ev.event == "job.failed":
+                raise JobError(f"job {job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
+            elif ev.event == "job.finished":
+                return {"job": job, "steps": int(ev.step), **json.loads(ev.detail or "{}")}
+    except grpc.RpcError as exc:
+        raise JobError(f"job {job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
+    finally:
+        channel.close()
+    raise JobError(f"job {job!r}: the coordinator closed the stream before the job ended")

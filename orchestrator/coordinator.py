@@ -27,13 +27,14 @@ from typing import Any
 import grpc
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
+from orchestrator.devices import fence_worker
 from orchestrator.election import LeaderElection
 from orchestrator.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
 from orchestrator.failures import Verdict, classify_rpc_error
 from orchestrator.keys import Keys, check_name
 from orchestrator.logs import get_logger
 from orchestrator.membership import MembershipChange, MembershipMonitor, WorkerInfo
-from orchestrator.store import EtcdStore, Put, Store, created_at
+from orchestrator.store import EtcdStore, Put, Store
 from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -61,6 +62,8 @@ class CoordinatorConfig:
         campaign_interval_s: how often a standby tries to take the lead.
         host, port: where the coordinator's gRPC service (job submission) listens; port 0
             picks a free one. The leader publishes the address in the leader key.
+        checkpoint_dir: where jobs keep checkpoints when they name no directory
+            (a filesystem every worker shares; "": such jobs run without checkpoints).
     """
 
     cluster: str
@@ -71,6 +74,7 @@ class CoordinatorConfig:
     campaign_interval_s: float = 0.25
     host: str = "127.0.0.1"
     port: int = 0
+    checkpoint_dir: str = ""
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)
@@ -261,15 +265,13 @@ class Coordinator:
     def _handle_suspect(self, info: WorkerInfo, reason: str, detail: str, at: float) -> None:
         """Fence a worker whose process is gone: revoke its lease if it is still that incarnation."""
         self.election.check()
-        kv = self.store.get(self.keys.worker(info.worker))
-        if kv is None or kv.create_revision != info.incarnation:
-            return  # already gone (lease expired first) or re-registered
         self._revoked[(info.worker, info.incarnation)] = (reason, at)
-        # Revoking a lease cannot carry a compare; confirm the term just before it.
-        self.election.fenced_txn([created_at(self.keys.worker(info.worker), info.incarnation)], [])
-        self.store.revoke_lease(kv.lease)
+        lease = fence_worker(self.store, self.keys, self.election.fenced_txn, info.worker, info.incarnation)
+        if lease is None:
+            self._revoked.pop((info.worker, info.incarnation), None)
+            return  # already gone (lease expired first) or re-registered
         self.log.warning(
-            "lease.revoked", worker=info.worker, incarnation=info.incarnation, lease=f"{kv.lease:x}",
+            "lease.revoked", worker=info.worker, incarnation=info.incarnation, lease=f"{lease:x}",
             reason=reason, detail=detail,
         )
 

@@ -195,6 +195,29 @@ class DeviceLeases:
             f"{max_attempts} attempts: other allocators kept winning; retry later"
         )
 
+    def lease(self, job: str, slice_name: str, worker: str, devices: Sequence[int]) -> Placement | None:
+        """Lease exactly ``devices`` of ``worker`` to ``(job, slice_name)`` (a remap decision).
+
+        Returns None when the transaction lost: a device was taken, the worker is
+        cordoned or is no longer the incarnation in a fresh snapshot; decide again.
+        """
+        holder = Holder(job=check_name("job", job), slice=check_name("slice", slice_name), nonce=uuid.uuid4().hex,
+                        term=self.term)
+        snap = read_cluster(self.store, self.keys)
+        w = snap.workers.get(worker)
+        if w is None:
+            return None
+        info = w.info
+        compares = [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
+        compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
+        puts: list[Op] = [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
+        try:
+            r = self._txn(compares, puts, [])
+            applied, revision = r.succeeded, r.revision
+        except WriteIndeterminate:
+            applied, revision = self._ours(worker, list(devices), holder)
+        return Placement(job, slice_name, worker, info.incarnation, tuple(devices), revision) if applied else None
+
     def _ours(self, worker: str, devices: list[int], holder: Holder) -> tuple[bool, int]:
         """After an indeterminate write: did our transaction apply?"""
         r = self.store.txn([], [Get(self.keys.lease(worker, d)) for d in devices])
@@ -239,3 +262,19 @@ class DeviceLeases:
                 f"no worker {worker!r} is registered in cluster {self.keys.cluster!r}; "
                 "see `rallypoint workers` for the ids"
             )
+
+
+def fence_worker(store: Store, keys: Keys, fenced_txn: FencedTxn, worker: str, incarnation: int) -> int | None:
+    """Fence one incarnation of a worker: revoke its etcd lease, which deletes its
+    registration and every device lease hung on it in one etcd operation.
+
+    Returns the revoked lease id, or None when that incarnation is already gone
+    (its lease expired first, or it registered again). ``fenced_txn`` confirms the
+    caller's term first: revoking a lease cannot carry a compare.
+    """
+    kv = store.get(keys.worker(worker))
+    if kv is None or kv.create_revision != incarnation:
+        return None
+    fenced_txn([created_at(keys.worker(worker), incarnation)], [], [])
+    store.revoke_lease(kv.lease)
+    return kv.lease

@@ -1,15 +1,26 @@
-"""The graph executor: runs one job on the cluster, from the leader.
+"""The graph executor: runs one job on the cluster, from the leader, through host losses.
 
 It places every virtual slice on a worker's devices (device leases, fenced on the
 leader's term), records the placement in etcd, loads each worker with the exported
 programs of its slices and its routes, and then only **grants steps**: workers run
 instances as their inputs arrive and push outputs straight to each other, and a
-bounded window of steps is in flight. The executor hears completions (and the
-scalar metrics), never tensors, until it fetches the final state.
+bounded window of steps is in flight. The executor hears completions (and scalar
+metrics, and checkpoint commits), never tensors, until it fetches the final state.
+
+Recovery (docs/recovery.md). When a worker's event stream breaks, or its etcd
+registration is gone, the executor fences it (revokes its lease), moves its slices
+to spare devices (:func:`recovery.remap.plan_remap`), and asks the replay planner
+(:func:`recovery.replay.plan_replay`) what re-runs from the newest consistent cut
+``c``. Under ``partial`` the moved slices load their checkpoint at ``c`` and re-run
+from there, and every surviving worker is rewired: its routes point at the new
+places and its output log sends the replaying nodes their inputs of steps ``>= c``
+again; nothing else re-runs. Under ``restart-all`` (and when a partial plan would
+need a survivor to re-run, e.g. after falling back past a corrupt checkpoint) every
+slice reloads from ``c``. A failure during a recovery joins it.
 
 Lifecycle (one state machine, every transition through ``_set_state``)::
 
-    PLACING -> LOADING -> RUNNING -> FINISHING -> SUCCEEDED
+    PLACING -> LOADING -> RUNNING <-> RECOVERING, RUNNING -> FINISHING -> SUCCEEDED
         \\_________\\___________\\__________\\____-> FAILED (with a reason)
 """
 
@@ -18,35 +29,44 @@ from __future__ import annotations
 import enum
 import json
 import queue
-import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
 from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.devices import DeviceLeases, read_cluster
+from orchestrator.commits import CheckpointCommit, consistent_cut, read_commit_records, read_commits
+from orchestrator.devices import DeviceLeases, fence_worker, read_cluster
 from orchestrator.election import LeaderElection
 from orchestrator.errors import AllocationError, NotLeader, RallypointError, StoreError
+from orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from orchestrator.job_workers import JobWorkers, WorkerCallFailed
 from orchestrator.keys import Keys
 from orchestrator.logs import get_logger
 from orchestrator.placement import SlicePlace, instances_per_step, load_requests
-from orchestrator.store import Put, Store
+from orchestrator.store import Delete, Put, Store
 from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from proto.digest import flat_state_digest
+from recovery.remap import Fail, Remap, RemapPolicy, Wait, plan_remap
+from recovery.replay import Graph
 
-LOAD_TIMEOUT_S = 300.0
-FETCH_TIMEOUT_S = 300.0
+LOSS_GRACE_S = 0.2  # after one loss, how long to gather others that happened with it
+ETCD_CHECK_S = 1.0  # how often registrations are checked (a hung worker's stream stays open)
+MAX_RECOVERY_ATTEMPTS = 10
+JOBSPEC_FILE = "jobspec.pb"
+LATEST_FILE = "LATEST"
 
 
 class JobState(enum.Enum):
     PLACING = "placing"
     LOADING = "loading"
     RUNNING = "running"
+    RECOVERING = "recovering"
     FINISHING = "finishing"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -60,35 +80,64 @@ class JobFailed(RallypointError):
     """The job cannot go on; the message is the reason recorded and reported."""
 
 
+def run_dir(root: Path, job: str, *, create: bool) -> Path:
+    """The checkpoint directory of the job's newest run under ``root`` (a new one when ``create``)."""
+    base = root / job
+    if create:
+        name = time.strftime("run-%Y%m%dT%H%M%S-") + uuid.uuid4().hex[:6]
+        (base / name).mkdir(parents=True)
+        (base / LATEST_FILE).write_text(name + "\n")
+        return base / name
+    latest = base / LATEST_FILE
+    if not latest.exists():
+        raise JobFailed(f"no run of job {job!r} under {root}: nothing to resume (is --checkpoint-dir right?)")
+    return base / latest.read_text().strip()
+
+
 class JobExecutor:
-    """Runs one submitted job to its end; reports through ``emit``.
+    """Runs one submitted (or resumed) job to its end; reports through ``emit``.
 
     Args:
-        spec: the job, as the client submitted it.
-        store: the coordination store.
-        keys: the cluster's key schema.
+        spec: the job, as the client submitted it (or as saved, to resume).
+        store, keys: the coordination store and the cluster's key schema.
         election: the leader's election (its term fences every write).
-        emit: receives each :class:`pb.JobEvent` (``job.placed``, ``step.done``,
-            ``job.finished``, ``job.failed``).
+        emit: receives each :class:`pb.JobEvent`.
+        checkpoint_root: where runs keep checkpoints when the spec names no directory
+            ("": the job runs without checkpoints; recovery then replays from step 0).
+        resume: start every slice from the newest consistent cut of the job's last run.
     """
 
     def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
-                 emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK) -> None:
+                 emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
+                 resume: bool = False) -> None:
         self.spec = spec
-        self.store = store
-        self.keys = keys
-        self.election = election
-        self.emit = emit
-        self.clock = clock
+        self.store, self.keys, self.election, self.emit, self.clock = store, keys, election, emit, clock
+        self.resume = resume
         self.state = JobState.PLACING
         self.placement: dict[str, SlicePlace] = {}
-        self.step_done = 0  # steps finished on every worker
         self.term = election.term or 0
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
-        self._identities: dict[str, pb.Identity] = {}
-        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: list[Any] = []
+        root = spec.checkpoint_dir or checkpoint_root
+        self.checkpoint_root = Path(root).absolute() if root else None
+        self.run_dir: Path | None = None
+        self.workers = JobWorkers(spec.job)
+        self.graph = Graph.from_spec(spec)
+        self.settings: RecoverySettings | None = None
+        self.start = 0  # the step the current runtimes started from (resume)
+        self.completed = 0  # steps 0 .. completed-1 are done everywhere
+        self.granted = 0
+        self.cut = 0  # newest consistent cut the workers were told of
+        self._commits: dict[str, int] = {}
+        self._ckpt_slices = sorted({s.slice for s in spec.states})
+        self._done: dict[tuple[str, int], set[int]] = defaultdict(set)
+        self._step_count: Counter[int] = Counter()
+        self._metrics: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
+        self._last_heard: dict[str, float] = {}
+        self.failures: list[dict[str, Any]] = []
+        self.recoveries: list[RecoveryRecord] = []
+        self.replayed: Counter[str] = Counter()
+        self.redone_s = 0.0
+        self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
+        self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=self.term)
 
     # -- state ----------------------------------------------------------------------
@@ -100,20 +149,37 @@ class JobExecutor:
 
     def _record(self, **fields: Any) -> None:
         record = {
-            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": self.step_done,
-            "term": self.term,
+            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": self.completed,
+            "term": self.term, "run_dir": str(self.run_dir or ""), "cut": self.cut,
+            "policy": self.settings.policy if self.settings else "",
             "placement": {s: {"worker": p.worker, "devices": list(p.devices)} for s, p in self.placement.items()},
-            "at": time.time(), **fields,
+            "failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
+            "replayed_instances": dict(self.replayed), "at": time.time(), **fields,
         }
         self.election.fenced_txn([], [Put(self.keys.job(self.spec.job), json.dumps(record))])
 
-    # -- phases ------------------------------------------------------------------------
+    def _event(self, event: str, step: int = 0, **detail: Any) -> None:
+        self.emit(pb.JobEvent(job=self.spec.job, event=event, step=step, detail=json.dumps(detail)))
+
+    # -- start ------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        try:
+            self.settings = RecoverySettings.from_spec(self.spec)
+        except ValueError as exc:
+            raise JobFailed(str(exc)) from None
+        if self.resume:
+            return
+        # A new run: commits of an earlier run of this job name no longer count.
+        self.election.fenced_txn([], [Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
+        if self.checkpoint_root is not None:
+            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True)
+            (self.run_dir / JOBSPEC_FILE).write_bytes(self.spec.SerializeToString())
 
     def _place(self) -> None:
         leases = DeviceLeases(self.store, self.keys, fenced_txn=self.election.fenced_txn, term=self.term)
         for s in self.spec.slices:
-            devices = int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1
-            p = leases.allocate(self.spec.job, s.slice, devices)
+            p = leases.allocate(self.spec.job, s.slice, self._devices(s.slice))
             self.placement[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
         snap = read_cluster(self.store, self.keys)
         for name, p in self.placement.items():
@@ -121,120 +187,185 @@ class JobExecutor:
             if w is None or w.info.incarnation != p.incarnation:
                 raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
             self.placement[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
-        detail = {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
-                  for s, p in self.placement.items()}
-        self.emit(pb.JobEvent(job=self.spec.job, event="job.placed", detail=json.dumps(detail)))
+        self._event("job.placed", **{s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
+                                     for s, p in self.placement.items()})
 
-    def _load(self) -> None:
-        requests = load_requests(self.spec, self.placement, cluster=self.keys.cluster, term=self.term)
-        for worker, req in requests.items():
-            address = next(p.address for p in self.placement.values() if p.worker == worker)
-            self._channels[worker] = grpc.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-            )
-            self._stubs[worker] = pb_grpc.WorkerRuntimeStub(self._channels[worker])
-            self._identities[worker] = req.to
-        with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
-            futures = {w: pool.submit(self._stubs[w].LoadJob, req, timeout=LOAD_TIMEOUT_S) for w, req in requests.items()}
-            for w, f in futures.items():
-                try:
-                    f.result()
-                except grpc.RpcError as exc:
-                    raise JobFailed(f"worker {w} could not load the job: {exc.code().name} {exc.details()}") from None
-        for w in requests:
-            t = threading.Thread(target=self._listen, args=(w,), name=f"events-{w}", daemon=True)
-            t.start()
+    def _devices(self, slice_name: str) -> int:
+        s = next(s for s in self.spec.slices if s.slice == slice_name)
+        return int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1
 
-    def _listen(self, worker: str) -> None:
-        try:
-            stream = self._stubs[worker].JobEvents(pb.JobEventsRequest(to=self._identities[worker], job=self.spec.job))
-            self._streams.append(stream)
-            for done in stream:
-                self._events.put(("done", (worker, done)))
-            self._events.put(("ended", (worker, "stream ended")))
-        except grpc.RpcError as exc:
-            self._events.put(("ended", (worker, f"{exc.code().name} {exc.details()}")))
+    def requests(self, workers: set[str] | None, start: int, commits: Mapping[str, list[CheckpointCommit]]) -> dict[str, pb.LoadJobRequest]:
+        """Load requests (of ``workers``, or all) that start from the cut at ``start`` with the given commits."""
+        assert self.settings is not None
+        reqs = load_requests(self.spec, self.placement, cluster=self.keys.cluster, term=self.term)
+        for w, req in reqs.items():
+            req.checkpoint_every = self.settings.checkpoint_every
+            req.checkpoint_dir = str(self.run_dir or "")
+            req.keep_checkpoints = self.settings.keep_checkpoints
+            req.log_limit_bytes = self.settings.log_limit_bytes
+            req.start_step = start
+            for sa in req.slices:
+                for c in commits.get(sa.slice, ()):
+                    ref = pb.CheckpointRef(slice=c.slice_name, step=c.step, path=c.path, checksum=c.checksum)
+                    if c.step == start:
+                        req.restore.append(ref)
+                    elif c.step > start:
+                        req.committed.append(ref)
+        return {w: r for w, r in reqs.items() if workers is None or w in workers}
 
-    def _grant(self, until: int) -> None:
-        for w, stub in self._stubs.items():
-            try:
-                stub.RunSteps(pb.RunStepsRequest(to=self._identities[w], job=self.spec.job, until_step=until), timeout=10)
-            except grpc.RpcError as exc:
-                raise JobFailed(f"worker {w} is unreachable: {exc.code().name} {exc.details()}") from None
+    def load(self, workers: set[str] | None, start: int, commits: Mapping[str, list[CheckpointCommit]]) -> dict[str, WorkerCallFailed]:
+        reqs = self.requests(workers, start, commits)
+        addresses = {p.worker: p.address for p in self.placement.values()}
+        now = self.clock.monotonic()
+        for w in reqs:
+            self._last_heard[w] = now
+        return self.workers.load(reqs, addresses)
+
+    def commits(self) -> dict[str, list[CheckpointCommit]]:
+        """The commits of this run: etcd's, or (etcd lost them: a new cluster) the copies beside the checkpoints."""
+        commits = read_commits(self.store, self.keys, self.spec.job)
+        if not commits and self.resume and self.run_dir is not None:
+            commits = read_commit_records(self.run_dir)
+        return commits
+
+    def cut_step(self, commits: Mapping[str, list[CheckpointCommit]], before: int | None) -> int:
+        """The newest step every slice with states committed (below ``before``); 0: the inits."""
+        if not self._ckpt_slices:
+            return 0
+        return consistent_cut(commits, self._ckpt_slices, before=before) or 0
+
+    def _load_all_from_cut(self) -> None:
+        """Resume: every slice from the newest consistent cut that restores."""
+        assert self.checkpoint_root is not None
+        self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
+        commits, before = self.commits(), None
+        while True:
+            c = self.cut_step(commits, before)
+            failed = self.load(None, c, commits)
+            if not failed:
+                break
+            for w in self.workers.workers:
+                self.workers.unload(w)
+                self.workers.drop(w)
+            corrupt = [f for f in failed.values() if f.code == grpc.StatusCode.DATA_LOSS]
+            if not corrupt or c == 0:
+                raise JobFailed("; ".join(str(f) for f in failed.values()))
+            self.log.warning("resume.corrupt_checkpoint", step=c, error=str(corrupt[0]))
+            before = c
+        self.start = self.completed = self.cut = c
+        self._event("job.resumed", step=c, checkpoint_step=c)
+
+    # -- running ------------------------------------------------------------------------
+
+    def _grant(self, workers: list[str] | None = None) -> None:
+        failed = self.workers.grant(self.granted, self.cut, workers)
+        if failed:
+            self._recover({w: str(f) for w, f in failed.items()})
 
     def _run_steps(self) -> None:
         steps, window = self.spec.steps, max(1, self.spec.window)
-        expected = [instances_per_step(self.spec, s) for s in range(steps)]
-        done = [0] * steps
-        metrics: dict[int, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
-        completed = 0  # steps 0 .. completed-1 are done everywhere
-        granted = min(window, steps)
-        self._grant(granted)
-        while completed < steps:
+        self.granted = min(self.completed + window, steps)
+        self._grant()
+        checked = self.clock.monotonic()
+        while self.completed < steps:
             self.election.check()
+            if self.clock.monotonic() - checked >= ETCD_CHECK_S:
+                checked = self.clock.monotonic()
+                lost = self._lost_in_etcd()
+                if lost:
+                    self._recover(lost)
             try:
-                kind, payload = self._events.get(timeout=1.0)
+                kind, (worker, gen, item) = self.workers.events.get(timeout=0.25)
             except queue.Empty:
-                self._check_workers(completed)  # a hung worker's stream stays open: ask etcd
                 continue
-            worker, item = payload
+            if not self.workers.current(worker, gen):
+                continue  # a runtime given up on
+            self._last_heard[worker] = self.clock.monotonic()
             if kind == "ended":
-                raise JobFailed(
-                    f"worker {worker} stopped reporting at step {completed} ({item}); it was probably lost. "
-                    "Recovery onto a spare is not available yet: the job fails"
-                )
+                self._recover({worker: f"event stream ended: {item}"})
+                continue
+            if item.checkpoint_slice:
+                self._on_commit(item.checkpoint_slice, int(item.checkpoint_step))
+                continue
             if item.error:
                 raise JobFailed(f"node {item.node!r} failed at step {item.step} on worker {worker}: {item.error}")
-            done[item.step] += 1
-            for name, value in item.metrics.items():
-                metrics[item.step][name].append((item.microbatch, value))
-            while completed < steps and done[completed] == expected[completed]:
-                step_metrics = {
-                    name: float(np.mean([v for _, v in sorted(vals)])) for name, vals in metrics.pop(completed, {}).items()
-                }
-                self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=completed, metrics=step_metrics))
-                completed += 1
-                self.step_done = completed
-                if completed % 10 == 0:
-                    self._record()
-            if completed + window > granted and granted < steps:
-                granted = min(completed + window, steps)
-                self._grant(granted)
+            self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
+            self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
+            self._count(worker, gen, item)
+            self._advance()
 
-    def _check_workers(self, step: int) -> None:
-        """Fail the job if a worker holding one of its slices is no longer that incarnation."""
-        for name, p in self.placement.items():
-            kv = self.store.get(self.keys.worker(p.worker))
-            if kv is None or kv.create_revision != p.incarnation:
-                raise JobFailed(
-                    f"worker {p.worker} holding slice {name!r} was lost at step {step} (incarnation "
-                    f"{p.incarnation} is gone). Recovery onto a spare is not available yet: the job fails"
-                )
+    def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
+        step, node = int(item.step), item.node
+        for r in self.recoveries:
+            r.observe(worker, gen, node, step, r.checkpoint_step)
+        if step < self.completed or item.microbatch in self._done[(node, step)]:
+            self.replayed[node] += 1
+            self.redone_s += item.compute_s
+            return
+        self._done[(node, step)].add(item.microbatch)
+        self._step_count[step] += 1
+        self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
 
-    def _fetch(self) -> list[pb.StateValue]:
-        states: list[pb.StateValue] = []
-        for w, stub in self._stubs.items():
-            try:
-                states += list(stub.FetchState(pb.FetchStateRequest(to=self._identities[w], job=self.spec.job),
-                                               timeout=FETCH_TIMEOUT_S))
-            except grpc.RpcError as exc:
-                raise JobFailed(f"could not fetch the final state from worker {w}: {exc.code().name}") from None
-        return sorted(states, key=lambda s: s.state)
+    def _advance(self) -> None:
+        steps, window = self.spec.steps, max(1, self.spec.window)
+        while self.completed < steps and self._step_count[self.completed] == instances_per_step(self.spec, self.completed):
+            s = self.completed
+            by_name: dict[str, list[tuple[int, float]]] = defaultdict(list)
+            for name, mb, v in self._metrics.pop(s, []):
+                by_name[name].append((mb, v))
+            metrics = {name: float(np.mean([v for _, v in sorted(vals)])) for name, vals in by_name.items()}
+            self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=s, metrics=metrics))
+            for n in self.spec.nodes:
+                self._done.pop((n.name, s), None)
+            del self._step_count[s]
+            self.completed += 1
+            if self.completed % 10 == 0:
+                self._record()
+        self._track_catch_up()
+        if self.completed + window > self.granted and self.granted < steps:
+            self.granted = min(self.completed + window, steps)
+            self._grant()
 
-    def _cleanup(self) -> None:
-        for w, stub in self._stubs.items():
-            try:
-                stub.UnloadJob(pb.UnloadJobRequest(to=self._identities[w], job=self.spec.job), timeout=10)
-            except grpc.RpcError:
-                self.log.warning("job.unload_failed", worker=w)
-        for s in self._streams:
-            s.cancel()
-        for ch in self._channels.values():
-            ch.close()
-        try:
-            DeviceLeases(self.store, self.keys, fenced_txn=self.election.fenced_txn, term=self.term).release(self.spec.job)
-        except (StoreError, AllocationError, NotLeader) as exc:
-            self.log.warning("job.release_failed", error=str(exc))
+    def _on_commit(self, slice_name: str, step: int) -> None:
+        self._commits[slice_name] = max(step, self._commits.get(slice_name, 0))
+        cut = min((self._commits.get(s, 0) for s in self._ckpt_slices), default=0)
+        if cut > self.cut:
+            self.cut = cut
+            self.log.info("job.cut", step=cut)
+            self._grant()
+
+    def done_through(self, node: str) -> int:
+        """Every instance of ``node`` at steps below this has been reported done."""
+        n = self.graph.node(node)
+        s = self.completed
+        while s < self.spec.steps:
+            if s % n.every == 0 and len(self._done.get((node, s), ())) < self._mb[node]:
+                return s
+            s += 1
+        return self.spec.steps
+
+    def _lost_in_etcd(self) -> dict[str, str]:
+        """Workers of the job whose registration (that incarnation) is gone from etcd."""
+        lost = {}
+        for w in self.workers.workers:
+            kv = self.store.get(self.keys.worker(w))
+            if kv is None or kv.create_revision != self.workers.identity[w].incarnation:
+                lost[w] = "its etcd registration is gone (lease expired or fenced)"
+        return lost
+
+    def _track_catch_up(self) -> None:
+        for r in self.recoveries:
+            if "replay" in r.marks and not r.done and all(self.done_through(n) >= s for n, s in r.frontier.items()):
+                r.mark("catch_up")
+                self.log.info("recovery.caught_up", recovery=r.number, phases=r.phases())
+                self._record()
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    def _recover(self, lost: dict[str, str]) -> None:
+        from orchestrator.recovery_controller import RecoveryController
+
+        RecoveryController(self).recover(lost)
 
     # -- the whole run ----------------------------------------------------------------------
 
@@ -248,21 +379,38 @@ class JobExecutor:
         terminal: pb.JobEvent
         try:
             self._set_state(JobState.PLACING)
+            self._prepare()
             self._place()
             self._set_state(JobState.LOADING)
-            self._load()
+            if self.resume:
+                self._load_all_from_cut()
+            else:
+                failed = self.load(None, 0, {})
+                if failed:
+                    raise JobFailed(f"worker {next(iter(failed))} could not load the job: {next(iter(failed.values()))}")
             self._set_state(JobState.RUNNING)
             self._run_steps()
             self._set_state(JobState.FINISHING)
-            states = self._fetch()
+            try:
+                states = self.workers.fetch()
+            except WorkerCallFailed as exc:
+                raise JobFailed(f"could not fetch the final state: {exc}") from None
+            for r in self.recoveries:
+                for p in ("replay", "catch_up"):
+                    if p not in r.marks:
+                        r.mark(p)  # the job ended first
             wall = self.clock.monotonic() - t0
+            trees = {s.name: s.treedef for s in self.spec.states}
+            detail = {"wall_s": round(wall, 3), "state_digest": flat_state_digest(states, trees),
+                      "start_step": self.start, **self.summary()}
             terminal = pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
-                                   detail=json.dumps({"wall_s": round(wall, 3)}))
+                                   detail=json.dumps(detail))
             final, reason = JobState.SUCCEEDED, ""
         except (RallypointError, grpc.RpcError) as exc:
             reason = str(exc) if isinstance(exc, RallypointError) else f"{exc.code().name} {exc.details()}"
             self.log.error("job.failed", reason=reason)
-            terminal = pb.JobEvent(job=self.spec.job, event="job.failed", detail=json.dumps({"reason": reason}))
+            terminal = pb.JobEvent(job=self.spec.job, event="job.failed",
+                                   detail=json.dumps({"reason": reason, **self.summary()}))
             final = JobState.FAILED
         self._cleanup()
         try:
@@ -271,3 +419,55 @@ class JobExecutor:
             self.log.warning("job.record_failed", error=str(exc))
         self.emit(terminal)
         return final
+
+    def summary(self) -> dict[str, Any]:
+        """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
+        return {"failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
+                "replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
+                "output_log_peak": self.log_peak}
+
+    def _cleanup(self) -> None:
+        self.workers.close()
+        try:
+            DeviceLeases(self.store, self.keys, fenced_txn=self.election.fenced_txn, term=self.term).release(self.spec.job)
+        except (StoreError, AllocationError, NotLeader) as exc:
+            self.log.warning("job.release_failed", error=str(exc))
+
+    # used by the recovery controller
+    def fence(self, worker: str, incarnation: int) -> None:
+        fence_worker(self.store, self.keys, self.election.fenced_txn, worker, incarnation)
+
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
+        """Lease spare devices for each lost slice per the job's policy (waits, or fails the job)."""
+        assert self.settings is not None
+        policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
+        leases = DeviceLeases(self.store, self.keys, fenced_txn=self.election.fenced_txn, term=self.term)
+        placed: dict[str, SlicePlace] = {}
+        t0, told = self.clock.monotonic(), False
+        while True:
+            self.election.check()
+            todo = {s: n for s, n in need.items() if s not in placed}
+            if not todo:
+                return placed
+            snap = read_cluster(self.store, self.keys)
+            decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0)
+            if isinstance(decision, Remap):
+                for a in decision.assignments:
+                    p = leases.lease(self.spec.job, a.slice, a.worker, a.devices)
+                    if p is not None:
+                        info = snap.workers[a.worker].info
+                        placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+                continue
+            if isinstance(decision, Wait):
+                if not told:
+                    told = True
+                    self.log.warning("recovery.waiting", missing=dict(decision.missing), timeout_s=decision.timeout_s)
+                    self._event("job.waiting", recovery=record.number, missing=dict(decision.missing),
+                                timeout_s=decision.timeout_s,
+                                reason=f"no spare for {sorted(decision.missing)}: waiting up to {decision.timeout_s:g}s "
+                                       "for a worker with room to join")
+                self.clock.sleep(0.25)
+                continue
+            if isinstance(decision, Fail):
+                raise JobFailed(decision.reason)
+            raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")

@@ -188,7 +188,14 @@ class LocalCluster:
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker)]
+        else:
+            base += ["--checkpoint-dir", str(self.checkpoint_dir)]
         return base
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where this cluster's jobs keep checkpoints (kept across ``down`` and ``up``)."""
+        return (self.config.state_dir / "checkpoints").absolute()
 
     def spawn(self, role: str, name: str, *, extra_env: dict[str, str] | None = None) -> ProcessRecord:
         """Start one coordinator or worker process and record it."""

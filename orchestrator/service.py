@@ -6,11 +6,12 @@ import json
 import queue
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 
-from orchestrator.executor import JobExecutor
+from orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from orchestrator.logs import get_logger
 from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
@@ -32,6 +33,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                               coordinator=coordinator.config.coordinator_id)
 
     def SubmitJob(self, request: pb.JobSpec, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        yield from self._run(request, context, resume=False)
+
+    def ResumeJob(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        root = request.checkpoint_dir or self.c.config.checkpoint_dir
+        if not root:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "no checkpoint directory: give --checkpoint-dir (the one the job ran with)")
+        try:
+            spec_path = run_dir(Path(root).absolute(), request.job, create=False) / JOBSPEC_FILE
+            spec = pb.JobSpec.FromString(spec_path.read_bytes())
+        except (JobFailed, OSError) as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"cannot resume job {request.job!r}: {exc}")
+        if request.checkpoint_dir:
+            spec.checkpoint_dir = request.checkpoint_dir
+        yield from self._run(spec, context, resume=True)
+
+    def _run(self, request: pb.JobSpec, context: grpc.ServicerContext, *, resume: bool) -> Iterator[pb.JobEvent]:
         election = self.c.election
         if not election.is_leader:
             leader = election.current_leader()
@@ -44,7 +62,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._running.add(request.job)
         events: queue.Queue[pb.JobEvent] = queue.Queue()
         executor = JobExecutor(request, store=self.c.store, keys=self.c.keys, election=election, emit=events.put,
-                               clock=self.c.clock)
+                               clock=self.c.clock, checkpoint_root=self.c.config.checkpoint_dir, resume=resume)
 
         def run() -> None:
             try:

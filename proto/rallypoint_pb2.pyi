@@ -142,20 +142,22 @@ class NodeProgram(_message.Message):
     def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ...) -> None: ...
 
 class StateProgram(_message.Message):
-    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every")
+    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_INIT_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_NODE_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_EVERY_FIELD_NUMBER: _ClassVar[int]
+    TREEDEF_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     exported_init: bytes
     leaves: int
     producer_node: str
     producer_every: int
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ...) -> None: ...
+    treedef: str
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("node", "output", "state", "consumer_node", "arg", "worker_id", "address", "incarnation", "consumer_every", "data_address")
@@ -182,7 +184,7 @@ class Route(_message.Message):
     def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class LoadJobRequest(_message.Message):
-    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes")
+    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,13 @@ class LoadJobRequest(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     steps: int
@@ -199,7 +208,26 @@ class LoadJobRequest(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeProgram]
     states: _containers.RepeatedCompositeFieldContainer[StateProgram]
     routes: _containers.RepeatedCompositeFieldContainer[Route]
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+    checkpoint_every: int
+    checkpoint_dir: str
+    keep_checkpoints: int
+    log_limit_bytes: int
+    start_step: int
+    restore: _containers.RepeatedCompositeFieldContainer[CheckpointRef]
+    committed: _containers.RepeatedCompositeFieldContainer[CheckpointRef]
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ...) -> None: ...
+
+class CheckpointRef(_message.Message):
+    __slots__ = ("slice", "step", "path", "checksum")
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    slice: str
+    step: int
+    path: str
+    checksum: str
+    def __init__(self, slice: _Optional[str] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class LoadJobResponse(_message.Message):
     __slots__ = ("load_s",)
@@ -208,14 +236,16 @@ class LoadJobResponse(_message.Message):
     def __init__(self, load_s: _Optional[float] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
-    __slots__ = ("to", "job", "until_step")
+    __slots__ = ("to", "job", "until_step", "cut_step")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEP_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     until_step: int
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., until_step: _Optional[int] = ...) -> None: ...
+    cut_step: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., until_step: _Optional[int] = ..., cut_step: _Optional[int] = ...) -> None: ...
 
 class RunStepsResponse(_message.Message):
     __slots__ = ()
@@ -278,7 +308,7 @@ class JobEventsRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class InstanceDone(_message.Message):
-    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error")
+    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -292,13 +322,45 @@ class InstanceDone(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLICE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_SPILLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: str
     step: int
     microbatch: int
     compute_s: float
     metrics: _containers.ScalarMap[str, float]
     error: str
-    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...
+    checkpoint_slice: str
+    checkpoint_step: int
+    log_bytes: int
+    log_spilled_bytes: int
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ...) -> None: ...
+
+class RewireRequest(_message.Message):
+    __slots__ = ("to", "job", "routes", "resend_to", "from_step", "until_step")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    RESEND_TO_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    routes: _containers.RepeatedCompositeFieldContainer[Route]
+    resend_to: _containers.RepeatedScalarFieldContainer[str]
+    from_step: int
+    until_step: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., resend_to: _Optional[_Iterable[str]] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ...) -> None: ...
+
+class RewireResponse(_message.Message):
+    __slots__ = ("resent", "log_from")
+    RESENT_FIELD_NUMBER: _ClassVar[int]
+    LOG_FROM_FIELD_NUMBER: _ClassVar[int]
+    resent: int
+    log_from: int
+    def __init__(self, resent: _Optional[int] = ..., log_from: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("to", "job")
@@ -329,7 +391,7 @@ class UnloadJobResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +399,13 @@ class JobSpec(_message.Message):
     SLICES_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ON_NO_SPARE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOG_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -344,7 +413,22 @@ class JobSpec(_message.Message):
     slices: _containers.RepeatedCompositeFieldContainer[SliceAssignment]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeProgram]
     states: _containers.RepeatedCompositeFieldContainer[StateProgram]
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ...) -> None: ...
+    checkpoint_every: int
+    checkpoint_dir: str
+    keep_checkpoints: int
+    policy: str
+    on_no_spare: str
+    wait_timeout_s: float
+    log_limit_bytes: int
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("job", "checkpoint_dir")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    checkpoint_dir: str
+    def __init__(self, job: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("job", "event", "step", "metrics", "detail", "states")

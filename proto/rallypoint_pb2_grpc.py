@@ -179,6 +179,11 @@ class WorkerRuntimeStub:
                 request_serializer=proto_dot_rallypoint__pb2.UnloadJobRequest.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.UnloadJobResponse.FromString,
                 _registered_method=True)
+        self.Rewire = channel.unary_unary(
+                '/rallypoint.v1.WorkerRuntime/Rewire',
+                request_serializer=proto_dot_rallypoint__pb2.RewireRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.RewireResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerRuntimeServicer:
@@ -221,6 +226,12 @@ class WorkerRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +264,11 @@ def add_WorkerRuntimeServicer_to_server(servicer, server):
                     servicer.UnloadJob,
                     request_deserializer=proto_dot_rallypoint__pb2.UnloadJobRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.UnloadJobResponse.SerializeToString,
+            ),
+            'Rewire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewire,
+                    request_deserializer=proto_dot_rallypoint__pb2.RewireRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.RewireResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -427,6 +443,33 @@ class WorkerRuntime:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Rewire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/Rewire',
+            proto_dot_rallypoint__pb2.RewireRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.RewireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class CoordinatorStub:
     """Missing associated documentation comment in .proto file."""
@@ -442,6 +485,11 @@ class CoordinatorStub:
                 request_serializer=proto_dot_rallypoint__pb2.JobSpec.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_stream(
+                '/rallypoint.v1.Coordinator/ResumeJob',
+                request_serializer=proto_dot_rallypoint__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.JobEvent.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -453,12 +501,24 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """from the newest consistent cut
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubmitJob': grpc.unary_stream_rpc_method_handler(
                     servicer.SubmitJob,
                     request_deserializer=proto_dot_rallypoint__pb2.JobSpec.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.JobEvent.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.ResumeJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.ResumeRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.JobEvent.SerializeToString,
             ),
     }
@@ -488,6 +548,33 @@ class Coordinator:
             target,
             '/rallypoint.v1.Coordinator/SubmitJob',
             proto_dot_rallypoint__pb2.JobSpec.SerializeToString,
+            proto_dot_rallypoint__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rallypoint.v1.Coordinator/ResumeJob',
+            proto_dot_rallypoint__pb2.ResumeRequest.SerializeToString,
             proto_dot_rallypoint__pb2.JobEvent.FromString,
             options,
             channel_credentials,

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("client", "orchestrator", "workers", "recovery", "chaos", "proto")
 ETCD_LAYER = {"orchestrator", "orchestrator.store", "orchestrator.keys", "orchestrator.lease", "orchestrator.clock",
-              "orchestrator.logs", "orchestrator.errors", "orchestrator.etcd_server"}
+              "orchestrator.logs", "orchestrator.errors", "orchestrator.etcd_server", "orchestrator.commits"}
 
 ALLOWED = {
     "client": set(PACKAGES) - {"chaos"},

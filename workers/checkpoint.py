@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from orchestrator.commits import CheckpointCommit, consistent_cut, read_commits
 from orchestrator.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
 from orchestrator.keys import Keys, check_name
 from orchestrator.logs import get_logger
 from orchestrator.store import Compare, Put, Store
+
+__all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
+           "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
 
 States = dict[str, list[np.ndarray]]
 """A slice's states: state name -> its value as flat leaves (host arrays)."""
@@ -64,29 +68,6 @@ class CheckpointCorrupt(CheckpointError):
 
 class CommitRefused(Fenced):
     """etcd refused a commit: the worker incarnation that made the checkpoint is over."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointCommit:
-    """A checkpoint that counts: the state of ``slice_name`` after ``step``."""
-
-    job: str
-    slice_name: str
-    step: int
-    path: str
-    checksum: str
-    states: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["slice"] = d.pop("slice_name")
-        d["states"] = list(self.states)
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> CheckpointCommit:
-        return cls(job=d["job"], slice_name=d["slice"], step=int(d["step"]), path=d["path"],
-                   checksum=d["checksum"], states=tuple(d.get("states", ())))
 
 
 def state_checksum(states: Mapping[str, Sequence[Any]]) -> str:
@@ -411,26 +392,3 @@ def etcd_commit(store: Store, keys: Keys, guard: Compare) -> Callable[[Checkpoin
                                         f"step {c.step} refused")
 
     return commit
-
-
-def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[CheckpointCommit]]:
-    """Every checkpoint commit of ``job`` in etcd: slice -> commits sorted by step."""
-    kvs, _ = store.get_prefix(keys.checkpoints(job))
-    out: dict[str, list[CheckpointCommit]] = {}
-    for kv in kvs:
-        c = CheckpointCommit.from_json(kv.json())
-        out.setdefault(c.slice_name, []).append(c)
-    for commits in out.values():
-        commits.sort(key=lambda c: c.step)
-    return out
-
-
-def consistent_cut(commits: Mapping[str, Sequence[CheckpointCommit]], slices: Iterable[str], *,
-                   before: int | None = None) -> int | None:
-    """The newest step every slice in ``slices`` has committed (below ``before`` when
-    given, to fall back past a cut that does not restore); None if there is none."""
-    common: set[int] | None = None
-    for s in slices:
-        steps = {c.step for c in commits.get(s, ()) if before is None or c.step < before}
-        common = steps if common is None else common & steps
-    return max(common) if common else None

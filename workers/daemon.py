@@ -40,10 +40,12 @@ from orchestrator.errors import ConfigError, Fenced, RallypointError, StoreError
 from orchestrator.keys import Keys, check_name
 from orchestrator.lease import LeaseKeeper
 from orchestrator.logs import get_logger
-from orchestrator.store import EtcdStore, Store
+from orchestrator.store import EtcdStore, Store, created_at
 from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
+from workers.checkpoint import etcd_commit
 from workers.dataplane import DataPlaneServer
+from workers.job_checkpoints import CommitFn
 from workers.registration import try_register
 from workers.runtime_service import WorkerRuntimeService
 
@@ -174,7 +176,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="worker-rpc"))
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
-                                            incarnation=lambda: self.incarnation)
+                                            incarnation=lambda: self.incarnation, commit_factory=self._commit_factory)
         pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
         self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive)
         self.dataplane.start()
@@ -184,6 +186,10 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.address = f"{self.config.host}:{port}"
         self._server.start()
         self.register()
+
+    def _commit_factory(self) -> CommitFn:
+        """Checkpoint commits of the current incarnation: a later one's cannot be made by this one."""
+        return etcd_commit(self.store, self.keys, created_at(self.keys.worker(self.config.worker_id), self.incarnation))
 
     def _jax_devices(self) -> list[Any]:
         import jax

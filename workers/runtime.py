@@ -20,10 +20,17 @@ data-plane front is :mod:`workers.runtime_service`. The semantics are those of
 
 Instances of one slice run one at a time, lowest step first, then topological
 position, then microbatch; different slices run in parallel.
+
+For recovery (docs/recovery.md): every slice checkpoints its states at the job's
+checkpoint steps (:mod:`workers.job_checkpoints`); every value pushed to another
+worker is kept in the output log (:mod:`workers.outlog`) until the consistent cut
+passes it; a runtime can start from a checkpoint (``start_step``), and ``rewire``
+points routes at moved consumers and sends them their logged inputs again.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -39,6 +46,9 @@ from orchestrator.errors import RallypointError
 from orchestrator.logs import get_logger
 from proto import codec
 from proto import rallypoint_pb2 as pb
+from workers.checkpoint import CheckpointCorrupt
+from workers.job_checkpoints import CommitFn, JobCheckpoints, restore
+from workers.outlog import OutputLog
 from workers.programs import load_exported, slice_mesh
 from workers.runtime_state import Inbox, Key, Leaves, NodeProgress, StateVersions, runs_at, running_steps
 from workers.transfer import NotAllowed, PeerChannels
@@ -47,6 +57,7 @@ B = pb.InputBinding
 Admit = Callable[[pb.Identity], object]
 
 BACKLOG_EVENTS = 100_000  # events kept while no JobEvents stream is open
+DEFAULT_LOG_LIMIT = 256 << 20  # output log bytes in memory when the request names none
 
 
 class LoadError(RallypointError):
@@ -55,6 +66,10 @@ class LoadError(RallypointError):
 
 class DeliveryError(RallypointError):
     """A pushed value that matches no input of the job on this worker."""
+
+
+class RestoreError(LoadError):
+    """A checkpoint to start from does not read back as committed."""
 
 
 @dataclass
@@ -83,13 +98,16 @@ class JobRuntime:
         incarnation: this worker's current incarnation.
         peers: the channels outputs are pushed on to other workers.
         push_threads: threads pushing outputs to other workers.
+        commit_factory: makes this incarnation's checkpoint commit (None: no checkpoints).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
-                 incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4) -> None:
+                 incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
+                 commit_factory: Callable[[], CommitFn] | None = None) -> None:
         t0 = time.perf_counter()
         self.job = req.job
         self.steps = int(req.steps)
+        self.start_step = int(req.start_step)
         self.m = max(int(req.microbatches), 1)
         self.worker_id = worker_id
         self.cluster = req.to.cluster
@@ -106,8 +124,15 @@ class JobRuntime:
         self._subscribers: list[queue.Queue[pb.InstanceDone | None]] = []
         self._backlog: deque[pb.InstanceDone] = deque(maxlen=BACKLOG_EVENTS)
         self.completed = 0
+        self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
         self._load(req, devices)
-        self.expected = sum(running_steps(self.steps, n.prog.every) * len(n.mbs) for n in self.nodes.values())
+        start = self.start_step
+        self.expected = sum((running_steps(self.steps, n.prog.every) - running_steps(start, n.prog.every)) * len(n.mbs)
+                            for n in self.nodes.values())
+        self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed,
+                                          log_fields={"worker": worker_id, "incarnation": self.incarnation})
+        for name, sv in self.states.items():  # keep each state's value for its slice's next checkpoint
+            sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self.steps)))
         self._pool = futures.ThreadPoolExecutor(max_workers=push_threads, thread_name_prefix=f"push-{self.job}")
         self._threads = [
             threading.Thread(target=self._slice_loop, args=(s,), name=f"run-{self.job}-{s}", daemon=True)
@@ -115,7 +140,7 @@ class JobRuntime:
         ]
         self.load_s = time.perf_counter() - t0
         self.log.info("job.loaded", slices=list(self._slice_nodes), nodes=len(self.nodes), states=list(self.states),
-                      steps=self.steps, load_s=round(self.load_s, 3))
+                      steps=self.steps, start_step=start, load_s=round(self.load_s, 3))
 
     # -- loading -------------------------------------------------------------------------
 
@@ -143,34 +168,63 @@ class JobRuntime:
             prog.CopyFrom(n)
             prog.ClearField("exported")
             mbs = tuple(range(self.m)) if n.per_microbatch else (-1,)
-            self.nodes[n.name] = _Node(prog, call, mbs, NodeProgress(n.every, mbs, self.steps))
+            self.nodes[n.name] = _Node(prog, call, mbs, NodeProgress(n.every, mbs, self.steps, self.start_step))
         self._slice_nodes = {sa.slice: [n for n in self.nodes.values() if n.prog.slice == sa.slice] for sa in req.slices}
 
-        resident = {st.name for st in req.states}
+        self._resident = {st.name for st in req.states}
+        self._state_slice = {st.name: st.slice for st in req.states}
         self._state_routes: list[_StateRoute] = []
-        for r in req.routes:
-            if r.state:
-                if r.state not in resident:
-                    raise LoadError(f"route of state {r.state!r}, which is not resident on worker {self.worker_id}")
-                if r.worker_id != self.worker_id:  # on this worker it is read in place
-                    self._state_routes.append(_StateRoute(r))
-            elif r.node in self.nodes:
-                self.nodes[r.node].routes.setdefault(r.output, []).append(r)
-            else:
-                raise LoadError(f"route from node {r.node!r}, which is not loaded on worker {self.worker_id}")
+        self._set_routes(req.routes)
 
+        restored: dict[str, dict[str, list[Any]]] = {}
+        if self.start_step > 0:
+            missing = sorted({sa.slice for sa in req.slices if any(st.slice == sa.slice for st in req.states)}
+                             - {ref.slice for ref in req.restore})
+            if missing:
+                raise LoadError(f"start step {self.start_step} needs a checkpoint of slices {missing} to restore")
+            try:
+                restored = restore(req)
+            except CheckpointCorrupt as exc:
+                raise RestoreError(str(exc)) from exc
         self.states: dict[str, StateVersions] = {}
         for st in req.states:
             readers = [(n.prog.every, len(n.mbs)) for n in self.nodes.values() for b in n.prog.inputs
                        if b.kind == B.STATE and b.state == st.name]
             pushes = [sr.route.consumer_every for sr in self._state_routes if sr.route.state == st.name]
-            sv = StateVersions(st.name, st.producer_every if st.producer_node else 0, self.steps, readers, pushes)
-            init = load_exported(st.exported_init, mesh_of(f"state {st.name!r}", st.slice))
-            leaves = [np.asarray(x) for x in init()]
+            sv = StateVersions(st.name, st.producer_every if st.producer_node else 0, self.steps, readers, pushes,
+                               start=self.start_step)
+            if self.start_step > 0:
+                leaves = restored[st.slice].get(st.name)
+                if leaves is None:
+                    raise RestoreError(f"the checkpoint of slice {st.slice!r} at step {self.start_step} lacks "
+                                       f"state {st.name!r}")
+            else:
+                init = load_exported(st.exported_init, mesh_of(f"state {st.name!r}", st.slice))
+                leaves = [np.asarray(x) for x in init()]
             if len(leaves) != st.leaves:
-                raise LoadError(f"init of state {st.name!r} gave {len(leaves)} leaves, expected {st.leaves}")
-            sv.add(0, leaves)
+                raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
+            sv.add(sv.key(self.start_step), leaves)
             self.states[st.name] = sv
+
+    def _set_routes(self, routes: Sequence[pb.Route]) -> None:
+        """Install the routing table (at load, and again on ``rewire``); state pushes keep their progress."""
+        progress = {(sr.route.state, sr.route.consumer_node, sr.route.arg): sr.next_step for sr in self._state_routes}
+        for n in self.nodes.values():
+            n.routes = {}
+        state_routes: list[_StateRoute] = []
+        for r in routes:
+            if r.state:
+                if r.state not in self._resident:
+                    raise LoadError(f"route of state {r.state!r}, which is not resident on worker {self.worker_id}")
+                if r.worker_id != self.worker_id:  # on this worker it is read in place
+                    state_routes.append(_StateRoute(r, progress.get((r.state, r.consumer_node, r.arg),
+                                                                    self.start_step)))
+            elif r.node in self.nodes:
+                self.nodes[r.node].routes.setdefault(r.output, []).append(r)
+            else:
+                raise LoadError(f"route from node {r.node!r}, which is not loaded on worker {self.worker_id}")
+        self._state_routes = state_routes
+        self._targets = {(r.worker_id, r.incarnation) for r in routes}
 
     def start(self) -> None:
         """Start the device threads; instances run once steps are granted."""
@@ -179,13 +233,50 @@ class JobRuntime:
 
     # -- what the RPCs call -------------------------------------------------------------
 
-    def grant(self, until_step: int) -> None:
-        """Let instances of steps below ``until_step`` run (never lowers the grant)."""
+    def grant(self, until_step: int, cut_step: int = 0) -> None:
+        """Let instances of steps below ``until_step`` run (never lowers the grant).
+
+        ``cut_step``: the job's newest consistent cut; logged outputs and checkpoints
+        older than it are no longer needed by any recovery.
+        """
         with self._cv:
             if until_step > self.until and not self.stopped:
                 self.until = until_step
                 self._pump_state_pushes()
                 self._cv.notify_all()
+        if cut_step > self.outlog.low:
+            self.outlog.trim(cut_step)
+            self.checkpoints.set_cut(cut_step)
+
+    def rewire(self, routes: Sequence[pb.Route], resend_to: Sequence[str], from_step: int, until_step: int) -> int:
+        """New routes after recovery moved consumers; send ``resend_to`` their logged inputs of steps ``>= from_step``.
+
+        Pushes still retrying towards a worker no route names any more are dropped
+        (the log holds their values). Returns how many values were sent again.
+
+        Raises:
+            LoadError: a route that does not fit this job here.
+            DeliveryError: the log does not reach back to ``from_step``.
+        """
+        with self._cv:
+            if from_step < self.outlog.low and resend_to:
+                raise DeliveryError(f"job {self.job!r}: the output log of worker {self.worker_id} starts at step "
+                                    f"{self.outlog.low}, after the step {from_step} asked for")
+            self._set_routes(routes)
+            resent = 0
+            by_consumer: dict[tuple[str, str], list[pb.Route]] = {}
+            for r in routes:
+                by_consumer.setdefault((r.consumer_node, r.arg), []).append(r)
+            for header, leaves in self.outlog.entries(resend_to, from_step):
+                for r in by_consumer.get((header.consumer_node, header.arg), ()):
+                    self._route(r, header, leaves)
+                    resent += 1
+            if until_step > self.until:
+                self.until = until_step
+            self._pump_state_pushes()
+            self._cv.notify_all()
+        self.log.info("job.rewired", resend_to=list(resend_to), from_step=from_step, resent=resent)
+        return resent
 
     def deliver(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
         """A value for a consumer on this worker; returns True for a duplicate (dropped).
@@ -249,6 +340,8 @@ class JobRuntime:
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(max(deadline - time.monotonic(), 0.0))
+        self.checkpoints.close()
+        self.outlog.close()
         self.log.info("job.unloaded", completed=self.completed, expected=self.expected)
 
     # -- scheduling ----------------------------------------------------------------------
@@ -256,21 +349,32 @@ class JobRuntime:
     def _slice_loop(self, slice_name: str) -> None:
         nodes = self._slice_nodes[slice_name]
         while True:
+            cut: dict[str, Leaves | None] | None = None
             with self._cv:
                 while True:
                     if self.stopped or self.error:
                         return
-                    found = self._next_ready(nodes)
+                    due = self.checkpoints.due(slice_name, min((n.progress.low for n in nodes), default=self.steps))
+                    if due is not None:
+                        cut = {name: sv.at(due) for name, sv in self.states.items()
+                               if self._state_slice[name] == slice_name}
+                        break
+                    found = self._next_ready(nodes, self.checkpoints.barrier(slice_name))
                     if found is not None and self._may_act(*found):
                         break
                     self._cv.wait(1.0 if found is None else 0.1)
-                node, step, mb = found
-                node.progress.mark_started(step, mb)
-                try:
-                    args = self._take_inputs(node, step, mb)
-                except Exception as exc:  # a bookkeeping bug: fail the job loudly, not hang
-                    self._fail(node, step, mb, 0.0, f"gathering inputs: {type(exc).__name__}: {exc}")
-                    return
+                if cut is None:
+                    node, step, mb = found
+                    node.progress.mark_started(step, mb)
+                    try:
+                        args = self._take_inputs(node, step, mb)
+                    except Exception as exc:  # a bookkeeping bug: fail the job loudly, not hang
+                        self._fail(node, step, mb, 0.0, f"gathering inputs: {type(exc).__name__}: {exc}")
+                        return
+            if cut is not None:
+                assert due is not None
+                self._checkpoint(slice_name, due, cut)
+                continue
             t0 = time.perf_counter()
             try:
                 leaves = [np.asarray(x) for x in node.call(*args)]
@@ -293,11 +397,33 @@ class JobRuntime:
                     return
                 self._cv.notify_all()
 
-    def _next_ready(self, nodes: list[_Node]) -> tuple[_Node, int, int] | None:
+    def _checkpoint(self, slice_name: str, step: int, cut: dict[str, Leaves | None]) -> None:
+        """Save the slice's states as at the start of ``step``; a failure fails the job."""
+        try:
+            missing = sorted(name for name, v in cut.items() if v is None)
+            if missing:
+                raise RallypointError(f"states {missing} have no value for step {step}")
+            self.checkpoints.save(slice_name, step, {name: list(v or []) for name, v in cut.items()})
+        except Exception as exc:  # noqa: BLE001 - the job fails with it rather than run uncheckpointed
+            with self._cv:
+                node = self._slice_nodes[slice_name][0]
+                self._fail(node, step, -1, 0.0, f"checkpoint of slice {slice_name!r} at step {step}: {exc}")
+            return
+        with self._cv:
+            nxt = self.checkpoints.barrier(slice_name)
+            for name, sv in self.states.items():
+                if self._state_slice[name] == slice_name:
+                    sv.pin(int(min(nxt, self.steps)))
+
+    def _committed(self, slice_name: str, step: int) -> None:
+        with self._cv:
+            self._publish(pb.InstanceDone(checkpoint_slice=slice_name, checkpoint_step=step))
+
+    def _next_ready(self, nodes: list[_Node], barrier: float = math.inf) -> tuple[_Node, int, int] | None:
         """The first instance of the slice, in (step, position, microbatch) order, that may run."""
         if not nodes:
             return None
-        for step in range(min(n.progress.low for n in nodes), min(self.until, self.steps)):
+        for step in range(min(n.progress.low for n in nodes), int(min(self.until, self.steps, barrier))):
             for n in nodes:
                 if not runs_at(step, n.prog.every):
                     continue
@@ -397,6 +523,7 @@ class JobRuntime:
         if r.worker_id == self.worker_id:
             self._deliver_locked(header, value)
         elif not self.stopped:
+            self.outlog.put(header, value)
             self._pool.submit(self._push, r.data_address or r.address, header, value, bool(r.data_address))
 
     def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:
@@ -406,7 +533,12 @@ class JobRuntime:
             except RallypointError as exc:
                 raise NotAllowed(str(exc)) from exc
 
-        self._peers.push(address, header, value, may_act=may_act, cancelled=lambda: self.stopped, log=self.log,
+        target = (header.to.worker_id, header.to.incarnation)
+
+        def cancelled() -> bool:  # unloaded, or recovery moved the consumer (the log holds the value)
+            return self.stopped or target not in self._targets
+
+        self._peers.push(address, header, value, may_act=may_act, cancelled=cancelled, log=self.log,
                          data_plane=data_plane)
 
     def _deliver_locked(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
@@ -434,6 +566,7 @@ class JobRuntime:
         return False
 
     def _publish(self, ev: pb.InstanceDone) -> None:
+        ev.log_bytes, ev.log_spilled_bytes = self.outlog.memory_bytes, self.outlog.spilled_bytes
         if self._subscribers:
             for q in self._subscribers:
                 q.put(ev)

@@ -20,7 +20,8 @@ from proto import codec
 from proto import rallypoint_pb2 as pb
 from proto import rallypoint_pb2_grpc as pb_grpc
 from workers.dataplane import Status
-from workers.runtime import Admit, DeliveryError, JobRuntime, LoadError
+from workers.job_checkpoints import CommitFn
+from workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
 from workers.transfer import PeerChannels
 
 
@@ -41,10 +42,13 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         devices: the local devices, or a callable returning them (resolved at the first load).
         incarnation: this worker's current incarnation (0: not registered).
         push_threads: threads per job pushing outputs to other workers.
+        commit_factory: makes the checkpoint commit of the current incarnation (None: jobs do not checkpoint).
     """
 
     def __init__(self, worker_id: str, *, admit: Admit, devices: Sequence[Any] | Callable[[], Sequence[Any]],
-                 incarnation: Callable[[], int], push_threads: int = 4) -> None:
+                 incarnation: Callable[[], int], push_threads: int = 4,
+                 commit_factory: Callable[[], CommitFn] | None = None) -> None:
+        self._commit_factory = commit_factory
         self.worker_id = worker_id
         self._admit_fn = admit
         self._devices = devices
@@ -122,7 +126,10 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         failure: tuple[grpc.StatusCode, str] | None = None
         try:
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
-                            incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads)
+                            incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
+                            commit_factory=self._commit_factory)
+        except RestoreError as exc:
+            failure = (grpc.StatusCode.DATA_LOSS, str(exc))
         except LoadError as exc:
             failure = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # deserializing or running an init: report it, do not kill the server
@@ -139,8 +146,18 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         return pb.LoadJobResponse(load_s=rt.load_s)
 
     def RunSteps(self, request: pb.RunStepsRequest, context: grpc.ServicerContext) -> pb.RunStepsResponse:
-        self._job(request.to, request.job, context).grant(int(request.until_step))
+        self._job(request.to, request.job, context).grant(int(request.until_step), int(request.cut_step))
         return pb.RunStepsResponse()
+
+    def Rewire(self, request: pb.RewireRequest, context: grpc.ServicerContext) -> pb.RewireResponse:
+        rt = self._job(request.to, request.job, context)
+        try:
+            resent = rt.rewire(request.routes, request.resend_to, int(request.from_step), int(request.until_step))
+        except DeliveryError as exc:
+            _abort(context, grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except LoadError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.RewireResponse(resent=resent, log_from=rt.outlog.low)
 
     def Push(self, request_iterator: Iterable[pb.TransferChunk], context: grpc.ServicerContext) -> pb.PushResponse:
         it = iter(request_iterator)

@@ -35,11 +35,13 @@ class NodeProgress:
     Memory stays bounded by the instances in flight, however long the job runs.
     """
 
-    def __init__(self, every: int, microbatches: Sequence[int], steps: int) -> None:
+    def __init__(self, every: int, microbatches: Sequence[int], steps: int, start: int = 0) -> None:
         self.every = max(every, 1)
         self.microbatches = tuple(microbatches)
         self.steps = steps
-        self.low = 0  # every instance of every running step below ``low`` has started
+        # every instance of every running step below ``low`` has started (or, below
+        # ``start``, is not this runtime's: it resumed from a checkpoint at ``start``)
+        self.low = -(-start // self.every) * self.every
         self._partial: dict[int, set[int]] = {}
 
     def is_started(self, step: int, mb: int) -> bool:
@@ -72,13 +74,20 @@ class StateVersions:
         readers: per local reading input, ``(every, instances per running step)``.
         push_everies: per remote consumer it is pushed to, that consumer's ``every``
             (it is pushed the steps the consumer runs at).
+        start: the first step this runtime runs (a restored checkpoint's step); the
+            first version added is the one step ``start`` reads.
+
+    A version can be **pinned** (:meth:`pin`): it is kept until the pin moves, so the
+    checkpoint of a step can read it even after its uses are spent.
     """
 
     def __init__(self, name: str, producer_every: int, steps: int, readers: Sequence[tuple[int, int]],
-                 push_everies: Sequence[int]) -> None:
+                 push_everies: Sequence[int], start: int = 0) -> None:
         self.name = name
         self.k = max(producer_every, 0)
         self.steps = steps
+        self.start = start
+        self.pinned: int | None = None
         self.readers = list(readers)
         self.push_everies = list(push_everies)
         self._values: dict[int, Leaves] = {}
@@ -93,8 +102,13 @@ class StateVersions:
 
     def _served_steps(self, version: int) -> range:
         if version == 0:
-            return range(0, min(1, self.steps))
-        return range(version, min(version + self.k, self.steps))
+            return range(self.start, min(1, self.steps))
+        return range(max(version, self.start), min(version + self.k, self.steps))
+
+    def pin(self, step: int) -> None:
+        """Keep the version step ``step`` reads (and let the previous pin go)."""
+        self.pinned = self.key(step)
+        self._collect()
 
     def add(self, version: int, leaves: Leaves) -> None:
         """A new version arrived (the init, or a producer's output)."""
@@ -122,7 +136,7 @@ class StateVersions:
         return leaves
 
     def _collect(self) -> None:
-        for v in [v for v, n in self._uses.items() if n <= 0 and v != self.newest]:
+        for v in [v for v, n in self._uses.items() if n <= 0 and v != self.newest and v != self.pinned]:
             del self._uses[v]
             self._values.pop(v, None)
 

@@ -1,0 +1,85 @@
+"""Checkpoint commits: the records that make a slice's checkpoint count.
+
+A commit (job, slice, step, path, checksum, state names) is written to etcd at
+``keys.checkpoint(job, slice, step)`` by the worker that made the checkpoint, only
+after Orbax finalized it (:mod:`workers.checkpoint`); a copy goes beside the
+checkpoints (``<run>/commits/<slice>/<step:012d>.json``) for ``rallypoint resume``
+on a cluster whose etcd was lost. The coordinator reads them to find the newest
+consistent cut. Plain records and reads; no Orbax here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.keys import Keys
+from orchestrator.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCommit:
+    """A checkpoint that counts: the state of ``slice_name`` after ``step``."""
+
+    job: str
+    slice_name: str
+    step: int
+    path: str
+    checksum: str
+    states: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["slice"] = d.pop("slice_name")
+        d["states"] = list(self.states)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CheckpointCommit:
+        return cls(job=d["job"], slice_name=d["slice"], step=int(d["step"]), path=d["path"],
+                   checksum=d["checksum"], states=tuple(d.get("states", ())))
+
+
+def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[CheckpointCommit]]:
+    """Every checkpoint commit of ``job`` in etcd: slice -> commits sorted by step."""
+    kvs, _ = store.get_prefix(keys.checkpoints(job))
+    out: dict[str, list[CheckpointCommit]] = {}
+    for kv in kvs:
+        c = CheckpointCommit.from_json(kv.json())
+        out.setdefault(c.slice_name, []).append(c)
+    for commits in out.values():
+        commits.sort(key=lambda c: c.step)
+    return out
+
+
+def consistent_cut(commits: Mapping[str, Sequence[CheckpointCommit]], slices: Iterable[str], *,
+                   before: int | None = None) -> int | None:
+    """The newest step every slice in ``slices`` has committed (below ``before`` when
+    given, to fall back past a cut that does not restore); None if there is none."""
+    common: set[int] | None = None
+    for s in slices:
+        steps = {c.step for c in commits.get(s, ()) if before is None or c.step < before}
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def commit_record_path(run_dir: Path, slice_name: str, step: int) -> Path:
+    """Where the on-disk copy of a commit goes."""
+    return run_dir / "commits" / slice_name / f"{step:012d}.json"
+
+
+def read_commit_records(run_dir: Path) -> dict[str, list[CheckpointCommit]]:
+    """The on-disk copies of a run's commits: slice -> commits sorted by step."""
+    out: dict[str, list[CheckpointCommit]] = {}
+    for path in sorted((run_dir / "commits").glob("*/*.json")):
+        try:
+            c = CheckpointCommit.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError):
+            continue  # a half-written copy: the etcd commit is what counts
+        out.setdefault(c.slice_name, []).append(c)
+    for commits in out.values():
+        commits.sort(key=lambda c: c.step)
+    return out

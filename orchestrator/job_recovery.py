@@ -1,0 +1,128 @@
+"""A job's recovery settings and the record of each recovery: plain data, no I/O.
+
+:class:`RecoverySettings` is what a ``JobSpec`` asks for (defaults filled in,
+checked). :class:`RecoveryRecord` is one recovery as the executor measures it: the
+lost workers and slices, the checkpoint step, the plan, and its phases, each a
+duration in seconds:
+
+* ``detection``: the lost worker's last event to its loss being noticed (an upper
+  bound on how long the death went unseen; events flow constantly while it runs);
+* ``fencing``: revoking its lease (its device leases go with it);
+* ``remap``: choosing and leasing spare devices (includes waiting for a spare);
+* ``restore``: loading programs and the checkpoint on the spare, rewiring the survivors;
+* ``replay``: the replaying nodes re-running their instances from the checkpoint up
+  to where they had got (the lost slice is back at the step it had reached);
+* ``catch_up``: until every node is back where it was when the loss was noticed.
+
+``mttr_s`` is the sum of the first five: the loss to the lost work redone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from proto import rallypoint_pb2 as pb
+
+POLICIES = ("partial", "restart-all")
+ON_NO_SPARE = ("wait", "fail")
+DEFAULT_CHECKPOINT_EVERY = 10
+DEFAULT_KEEP = 3
+DEFAULT_WAIT_S = 60.0
+DEFAULT_LOG_LIMIT = 256 << 20
+PHASES = ("detection", "fencing", "remap", "restore", "replay", "catch_up")
+
+
+@dataclass(frozen=True)
+class RecoverySettings:
+    policy: str
+    on_no_spare: str
+    wait_timeout_s: float
+    checkpoint_every: int
+    keep_checkpoints: int
+    log_limit_bytes: int
+
+    @classmethod
+    def from_spec(cls, spec: pb.JobSpec) -> RecoverySettings:
+        """The settings a spec asks for, defaults filled in.
+
+        Raises:
+            ValueError: an unknown policy, or a negative number; the message names the field.
+        """
+        policy = spec.policy or "partial"
+        if policy not in POLICIES:
+            raise ValueError(f"recovery policy {policy!r} is not one of {list(POLICIES)}")
+        on_no_spare = spec.on_no_spare or "wait"
+        if on_no_spare == "shrink":
+            raise ValueError("on_no_spare='shrink' is not available: a slice's programs are exported for its device "
+                             "count and the coordinator cannot re-export them for fewer; use 'wait' or 'fail'")
+        if on_no_spare not in ON_NO_SPARE:
+            raise ValueError(f"on_no_spare {on_no_spare!r} is not one of {list(ON_NO_SPARE)}")
+        for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes"):
+            if getattr(spec, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
+        return cls(policy, on_no_spare, float(spec.wait_timeout_s or DEFAULT_WAIT_S),
+                   int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY), int(spec.keep_checkpoints or DEFAULT_KEEP),
+                   int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT))
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery, measured (see the module doc)."""
+
+    number: int
+    lost: dict[str, list[str]]  # worker -> its slices
+    reasons: dict[str, str]
+    detected_at: float  # wall clock
+    detected_mono: float
+    detection_s: float
+    policy: str = ""
+    checkpoint_step: int = 0
+    escalated: str = ""  # why partial became restart-all, if it did
+    moved: dict[str, str] = field(default_factory=dict)  # slice -> new worker
+    replay_nodes: list[str] = field(default_factory=list)
+    planned_instances: dict[str, int] = field(default_factory=dict)
+    attempts: int = 0
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> monotonic end
+    # replay tracking
+    targets: dict[str, int] = field(default_factory=dict)  # replaying node -> step it had reached
+    expected: Counter[str] = field(default_factory=Counter)
+    seen: Counter[str] = field(default_factory=Counter)
+    generations: dict[str, int] = field(default_factory=dict)  # worker -> generation that replays
+    frontier: dict[str, int] = field(default_factory=dict)  # every node -> step it had reached
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = time.monotonic()
+
+    def observe(self, worker: str, generation: int, node: str, step: int, start: int) -> None:
+        """An instance done by a runtime loaded for this recovery."""
+        if self.generations.get(worker) == generation and node in self.targets and start <= step < self.targets[node]:
+            self.seen[node] += 1
+            if "replay" not in self.marks and all(self.seen[n] >= k for n, k in self.expected.items()):
+                self.mark("replay")
+
+    @property
+    def done(self) -> bool:
+        return "catch_up" in self.marks
+
+    def phases(self) -> dict[str, float]:
+        out = {"detection": round(self.detection_s, 4)}
+        prev = self.detected_mono
+        for p in PHASES[1:]:
+            if p not in self.marks:
+                break
+            out[p] = round(self.marks[p] - prev, 4)
+            prev = self.marks[p]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        ph = self.phases()
+        mttr = sum(ph[p] for p in PHASES[:5] if p in ph) if "replay" in ph else None
+        return {
+            "recovery": self.number, "lost": self.lost, "reasons": self.reasons, "detected_at": self.detected_at,
+            "policy": self.policy, "checkpoint_step": self.checkpoint_step, "escalated": self.escalated,
+            "moved": self.moved, "replay_nodes": self.replay_nodes, "planned_instances": self.planned_instances,
+            "attempts": self.attempts, "phases": ph, "mttr_s": round(mttr, 4) if mttr is not None else None,
+        }

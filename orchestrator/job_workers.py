@@ -1,0 +1,163 @@
+"""The executor's side of the workers running one job: channels, RPCs, event streams.
+
+Each worker that holds a slice of the job is loaded (``LoadJob``), granted steps
+(``RunSteps``), rewired after a recovery (``Rewire``), asked for the final state
+(``FetchState``) and unloaded. Its ``JobEvents`` stream is read by a thread that
+puts ``(kind, (worker, generation, item))`` on one queue: ``"done"`` for each
+event, ``"ended"`` once the stream broke. A worker's **generation** changes every
+time it is (re)loaded or dropped, so the executor ignores whatever a runtime it
+gave up on still says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from orchestrator.logs import get_logger
+from proto import rallypoint_pb2 as pb
+from proto import rallypoint_pb2_grpc as pb_grpc
+
+LOAD_TIMEOUT_S = 300.0
+FETCH_TIMEOUT_S = 300.0
+RPC_TIMEOUT_S = 10.0
+
+Event = tuple[str, tuple[str, int, Any]]
+
+
+class WorkerCallFailed(Exception):
+    """An RPC to one worker failed; ``code`` says how (UNAVAILABLE: probably lost)."""
+
+    def __init__(self, worker: str, what: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"worker {worker}: {what} failed: {code.name} {details}")
+        self.worker, self.what, self.code, self.details = worker, what, code, details
+
+
+class JobWorkers:
+    """The workers of one job, as the executor talks to them."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._address: dict[str, str] = {}
+        self.identity: dict[str, pb.Identity] = {}
+        self.generation: dict[str, int] = {}
+        self._streams: list[Any] = []
+        self._gens = itertools.count(1)
+        self._lock = threading.Lock()
+        self.log = get_logger("rallypoint.executor", job=job)
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self.identity
+
+    @property
+    def workers(self) -> list[str]:
+        return sorted(self.identity)
+
+    def current(self, worker: str, generation: int) -> bool:
+        """Whether an event of ``generation`` from ``worker`` is from the runtime in use."""
+        return self.generation.get(worker) == generation
+
+    def _stub(self, worker: str, address: str | None = None) -> pb_grpc.WorkerRuntimeStub:
+        """The stub of ``worker`` (at ``address`` from now on, when given): one channel per address."""
+        if address is not None:
+            self._address[worker] = address
+        address = self._address[worker]
+        if address not in self._stubs:
+            self._channels[address] = grpc.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+            self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
+        return self._stubs[address]
+
+    def load(self, requests: Mapping[str, pb.LoadJobRequest], addresses: Mapping[str, str]) -> dict[str, WorkerCallFailed]:
+        """Load the job on each worker in parallel and follow its events. Returns the failures by worker."""
+        failed: dict[str, WorkerCallFailed] = {}
+        with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
+            futures = {w: pool.submit(self._stub(w, addresses[w]).LoadJob, req, timeout=LOAD_TIMEOUT_S)
+                       for w, req in requests.items()}
+            for w, f in futures.items():
+                try:
+                    f.result()
+                except grpc.RpcError as exc:
+                    failed[w] = WorkerCallFailed(w, "LoadJob", exc.code(), exc.details() or "")
+        for w, req in requests.items():
+            if w in failed:
+                continue
+            gen = next(self._gens)
+            self.identity[w], self.generation[w] = req.to, gen
+            threading.Thread(target=self._listen, args=(w, gen, req.to), name=f"events-{w}", daemon=True).start()
+        return failed
+
+    def _listen(self, worker: str, gen: int, to: pb.Identity) -> None:
+        try:
+            stream = self._stub(worker).JobEvents(pb.JobEventsRequest(to=to, job=self.job))
+            with self._lock:
+                self._streams.append(stream)
+            for item in stream:
+                self.events.put(("done", (worker, gen, item)))
+            self.events.put(("ended", (worker, gen, "stream ended")))
+        except grpc.RpcError as exc:
+            self.events.put(("ended", (worker, gen, f"{exc.code().name} {exc.details()}")))
+
+    def drop(self, worker: str) -> None:
+        """Forget a worker (lost, or about to be reloaded): its events are ignored from now on."""
+        self.identity.pop(worker, None)
+        self.generation.pop(worker, None)
+
+    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None) -> dict[str, WorkerCallFailed]:
+        failed = {}
+        for w in list(workers if workers is not None else self.workers):
+            try:
+                self._stub(w).RunSteps(pb.RunStepsRequest(to=self.identity[w], job=self.job, until_step=until,
+                                                           cut_step=cut), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                failed[w] = WorkerCallFailed(w, "RunSteps", exc.code(), exc.details() or "")
+        return failed
+
+    def rewire(self, worker: str, routes: Iterable[pb.Route], resend_to: Iterable[str], from_step: int,
+               until: int) -> pb.RewireResponse:
+        """Raises :class:`WorkerCallFailed`."""
+        req = pb.RewireRequest(to=self.identity[worker], job=self.job, routes=list(routes),
+                               resend_to=sorted(resend_to), from_step=from_step, until_step=until)
+        try:
+            return self._stub(worker).Rewire(req, timeout=LOAD_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise WorkerCallFailed(worker, "Rewire", exc.code(), exc.details() or "") from None
+
+    def unload(self, worker: str) -> None:
+        to = self.identity.get(worker)
+        if to is None or worker not in self._address:
+            return
+        try:
+            self._stub(worker).UnloadJob(pb.UnloadJobRequest(to=to, job=self.job), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError:
+            self.log.warning("job.unload_failed", worker=worker)
+
+    def fetch(self) -> list[pb.StateValue]:
+        """Every worker's final states, sorted by name. Raises :class:`WorkerCallFailed`."""
+        states: list[pb.StateValue] = []
+        for w in self.workers:
+            try:
+                states += list(self._stub(w).FetchState(pb.FetchStateRequest(to=self.identity[w], job=self.job),
+                                                         timeout=FETCH_TIMEOUT_S))
+            except grpc.RpcError as exc:
+                raise WorkerCallFailed(w, "FetchState", exc.code(), exc.details() or "") from None
+        return sorted(states, key=lambda s: s.state)
+
+    def close(self) -> None:
+        """Unload everywhere, end the streams, close the channels."""
+        for w in self.workers:
+            self.unload(w)
+        with self._lock:
+            for s in self._streams:
+                s.cancel()
+        for ch in self._channels.values():
+            ch.close()

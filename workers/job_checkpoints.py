@@ -1,0 +1,127 @@
+"""A loaded job's checkpoints on one worker: when each slice saves, what it restores.
+
+Every slice that holds states saves them at the steps divisible by the job's
+``checkpoint_every`` (the same steps on every slice, so together they form a
+consistent cut): the checkpoint at step ``c`` holds each state as at the start of
+step ``c``, saved once the slice has run all its instances of steps below ``c`` and
+before it runs any later one (:meth:`JobCheckpoints.barrier`). Saving is Orbax's
+asynchronous save through :class:`workers.checkpoint.SliceCheckpointer`; the commit
+(etcd, guarded on this worker's incarnation) is made after Orbax finalizes, then a
+copy of it is written beside the checkpoints (``<root>/commits/<slice>/<step>.json``,
+what ``rallypoint resume`` reads when etcd itself was lost) and the coordinator hears
+of it through the job's event stream.
+
+Layout of a run's checkpoint root: ``<root>/<slice>/<step>/`` (plain Orbax steps),
+``<root>/commits/<slice>/<step:012d>.json``, ``<root>/jobspec.pb``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from orchestrator.logs import get_logger
+from proto import rallypoint_pb2 as pb
+from orchestrator.commits import CheckpointCommit, commit_record_path
+from workers.checkpoint import SliceCheckpointer, States, restore_commit
+
+CommitFn = Callable[[CheckpointCommit], None]
+
+
+def restore(req: pb.LoadJobRequest) -> dict[str, States]:
+    """Each slice's states from its commit in ``req.restore`` (checksums checked).
+
+    Raises:
+        workers.checkpoint.CheckpointCorrupt: a checkpoint does not read back as committed.
+    """
+    return {ref.slice: restore_commit(CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum))
+            for ref in req.restore}
+
+
+class JobCheckpoints:
+    """The checkpointers of one job's slices on this worker.
+
+    Args:
+        req: the load request (checkpoint settings, slices, states, start step).
+        commit_factory: makes the etcd commit function of this incarnation; None
+            (or no ``checkpoint_every`` / ``checkpoint_dir``): no checkpoints.
+        on_commit: called with ``(slice, step)`` once a checkpoint counts.
+        log_fields: bound to every log event.
+    """
+
+    def __init__(self, req: pb.LoadJobRequest, *, commit_factory: Callable[[], CommitFn] | None,
+                 on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any]) -> None:
+        self.job = req.job
+        self.steps = int(req.steps)
+        self.every = int(req.checkpoint_every)
+        self.root = Path(req.checkpoint_dir) if req.checkpoint_dir else None
+        self._on_commit = on_commit
+        self.log = get_logger("rallypoint.checkpoint", job=req.job, **dict(log_fields))
+        assigned = {sa.slice for sa in req.slices}
+        self.slices = sorted({st.slice for st in req.states} & assigned)  # slices that hold states
+        self.enabled = bool(self.every > 0 and self.root is not None and commit_factory is not None and self.slices)
+        start = int(req.start_step)
+        first = (start // self.every + 1) * self.every if self.every > 0 else math.inf
+        self.next: dict[str, float] = {s: first for s in self.slices}
+        self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
+        self.cut = start
+        self._ckpt: dict[str, SliceCheckpointer] = {}
+        if self.enabled:
+            assert self.root is not None and commit_factory is not None
+            commit = commit_factory()
+            keep = int(req.keep_checkpoints) or None
+            for s in self.slices:
+                self._ckpt[s] = SliceCheckpointer(self.root / s, job=req.job, slice_name=s, max_to_keep=keep,
+                                                  commit=self._committer(commit), log_fields=log_fields)
+                self._ckpt[s].protect(self.cut)
+
+    def _committer(self, commit: CommitFn) -> CommitFn:
+        def done(c: CheckpointCommit) -> None:
+            commit(c)  # it counts from here
+            assert self.root is not None
+            path = commit_record_path(self.root, c.slice_name, c.step)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(c.to_json()))
+                os.replace(tmp, path)
+            except OSError as exc:
+                self.log.warning("checkpoint.record_failed", step=c.step, slice=c.slice_name, error=str(exc))
+            self._on_commit(c.slice_name, c.step)
+        return done
+
+    def barrier(self, slice_name: str) -> float:
+        """The slice may not run instances of this step or later until it saved it (inf: no checkpoints)."""
+        return self.next.get(slice_name, math.inf) if self.enabled else math.inf
+
+    def due(self, slice_name: str, low: int) -> int | None:
+        """The step to save now: every instance of the slice below it has run (``low``), none above."""
+        c = self.barrier(slice_name)
+        if c < self.steps and low >= c:
+            return int(c)
+        return None
+
+    def save(self, slice_name: str, step: int, states: States) -> None:
+        """Save ``states`` as the slice's checkpoint at ``step`` (asynchronous past the host copy)."""
+        self.next[slice_name] = step + self.every
+        if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
+            self._on_commit(slice_name, step)
+            return
+        self._ckpt[slice_name].save(step, states)
+
+    def set_cut(self, cut: int) -> None:
+        """The newest consistent cut: checkpoints from it on are kept, older ones may go."""
+        if cut <= self.cut:
+            return
+        old, self.cut = self.cut, cut
+        for ck in self._ckpt.values():
+            ck.protect(cut)
+            ck.release(old)
+
+    def close(self) -> None:
+        for ck in self._ckpt.values():
+            ck.close()
