@@ -14,80 +14,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from orchestrator.errors import ClusterNotFound, ConfigError, RallypointError
-from orchestrator.keys import Keys, all_clusters_prefix, check_name, cluster_of
+from client import jobs_cli
+from client.clusters import DEFAULT_STATE_DIR, cluster_options, parse_cluster, resolve_cluster, store_and_keys
+from orchestrator.errors import ConfigError, RallypointError
+from orchestrator.keys import check_name
 from orchestrator.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-DEFAULT_STATE_DIR = ".rallypoint"
-
-
-@dataclass(frozen=True)
-class ClusterAddress:
-    """Where a cluster's etcd is, and the cluster's name."""
-
-    name: str
-    endpoints: tuple[str, ...]
-
-
-def parse_cluster(addr: str) -> tuple[str | None, tuple[str, ...]]:
-    """Parse ``[NAME@]HOST:PORT[,HOST:PORT...]``."""
-    name, _, rest = addr.rpartition("@")
-    endpoints = tuple(e.strip() for e in rest.split(",") if e.strip())
-    if not endpoints:
-        raise ConfigError(f"--cluster {addr!r}: give etcd endpoints as [NAME@]HOST:PORT[,HOST:PORT...]")
-    for ep in endpoints:
-        host, _, port = ep.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"--cluster {addr!r}: {ep!r} is not HOST:PORT (e.g. 127.0.0.1:2379)")
-    if name:
-        check_name("cluster", name)
-    return name or None, endpoints
-
-
-def resolve_cluster(state_dir: Path, cluster: str | None) -> ClusterAddress:
-    """Find the cluster from ``--cluster`` or the state dir."""
-    from orchestrator.local_cluster import LocalCluster
-    from orchestrator.store import EtcdStore
-
-    if cluster:
-        name, endpoints = parse_cluster(cluster)
-        if name is None:
-            store = EtcdStore(endpoints)
-            try:
-                kvs, _ = store.get_prefix(all_clusters_prefix())
-            finally:
-                store.close()
-            names = sorted({cluster_of(kv.key) for kv in kvs})
-            if len(names) != 1:
-                raise ClusterNotFound(
-                    f"etcd at {','.join(endpoints)} holds clusters {names or 'none'}; "
-                    "name one with --cluster NAME@HOST:PORT"
-                )
-            name = names[0]
-        return ClusterAddress(name, endpoints)
-    lc = LocalCluster.load(state_dir)
-    return ClusterAddress(lc.config.cluster, tuple(lc.endpoints))
-
-
-def cluster_options(f: F) -> F:
-    f = click.option(
-        "--cluster", "cluster", default=None, metavar="[NAME@]HOST:PORT[,...]",
-        help="etcd endpoints of the cluster (instead of --state-dir).",
-    )(f)
-    f = click.option(
-        "--state-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_STATE_DIR,
-        envvar="RALLYPOINT_STATE_DIR", show_default=True, help="Where `rallypoint up` records its cluster.",
-    )(f)
-    return f
-
 
 class RallypointGroup(click.Group):
     """Turns every RallypointError into one clear line and exit status 1."""
@@ -155,13 +93,6 @@ def down(state_dir: Path) -> None:
 # -- operator commands ---------------------------------------------------------------------
 
 
-def _store_and_keys(state_dir: Path, cluster: str | None) -> tuple[Any, Keys]:
-    from orchestrator.store import EtcdStore
-
-    addr = resolve_cluster(state_dir, cluster)
-    return EtcdStore(addr.endpoints), Keys(addr.name)
-
-
 def worker_rows(snapshot: Any) -> list[dict[str, Any]]:
     """One row per worker (live or lost) for `rallypoint workers`."""
     rows = []
@@ -188,7 +119,7 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     """List workers: id, pid, incarnation, state, devices, lease holders."""
     from orchestrator.devices import read_cluster
 
-    store, keys = _store_and_keys(state_dir, cluster)
+    store, keys = store_and_keys(state_dir, cluster)
     try:
         snap = read_cluster(store, keys)
         leader = store.get(keys.leader)
@@ -219,7 +150,7 @@ def cordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     """Stop new device leases on WORKER (its current leases stay)."""
     from orchestrator.devices import DeviceLeases
 
-    store, keys = _store_and_keys(state_dir, cluster)
+    store, keys = store_and_keys(state_dir, cluster)
     try:
         DeviceLeases(store, keys).cordon(worker)
     finally:
@@ -234,7 +165,7 @@ def uncordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     """Allow new device leases on WORKER again."""
     from orchestrator.devices import DeviceLeases
 
-    store, keys = _store_and_keys(state_dir, cluster)
+    store, keys = store_and_keys(state_dir, cluster)
     try:
         was = DeviceLeases(store, keys).uncordon(worker)
     finally:
@@ -251,7 +182,7 @@ def release(state_dir: Path, cluster: str | None, job: str, slice_name: str | No
     from orchestrator.devices import DeviceLeases
 
     check_name("job", job)
-    store, keys = _store_and_keys(state_dir, cluster)
+    store, keys = store_and_keys(state_dir, cluster)
     try:
         n = DeviceLeases(store, keys).release(job, slice_name)
     finally:
@@ -276,20 +207,39 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               help="Embedded cluster: devices per worker (default: the largest slice).")
 @click.option("--window", type=int, default=2, show_default=True, help="Steps in flight.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
+@click.option("--fail", "fail", multiple=True, metavar="kill:NAME@STEP",
+              help="SIGKILL the worker holding slice or node NAME once the job reaches STEP (repeatable).")
+@click.option("--policy", type=click.Choice(["partial", "restart-all"]), default=None,
+              help="Recovery policy (default partial: only the affected nodes re-run).")
+@click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every K steps (default: the program's).")
+@click.option("--on-no-spare", type=click.Choice(["wait", "fail"]), default=None,
+              help="No spare for a lost slice: wait for one (default) or fail the job.")
+@click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
-        devices_per_worker: int | None, window: int, as_json: bool) -> None:
+        devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
+        checkpoint_every: int | None, on_no_spare: str | None, wait_timeout_s: float | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from client.compile import compile_program, ensure_host_devices
 
     ensure_host_devices(HOST_DEVICES)
+    from client.faults import parse_faults
     from client.jobfile import load_program
     from client.reference import ReferenceExecutor
 
     program = load_program(job_file, steps=steps)
-    if reference and (cluster or workers is not None or devices_per_worker is not None):
-        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers or --devices-per-worker")
+    if reference and (cluster or workers is not None or devices_per_worker is not None or fail):
+        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker "
+                          "or --fail")
+    for name, value in (("--checkpoint-every", checkpoint_every), ("--wait-timeout-s", wait_timeout_s)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
+                          steps=program.steps)
+    recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "on_no_spare": on_no_spare,
+                "wait_timeout_s": wait_timeout_s}
     compiled = compile_program(program)
     where = "reference"
+    say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
     if reference:
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
             return ReferenceExecutor(compiled, on_step=on_step).run()
@@ -297,7 +247,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         where = "cluster" if cluster else "embedded cluster"
 
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
-            return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json)
+            return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
+                                   faults=faults, say=say, recovery=recovery)
 
     if as_json:
         def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -311,6 +262,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn()) as bar:
         task = bar.add_task(f"{program.name} ({where})", total=program.steps, metrics="", rate="")
+        say = lambda d: bar.console.print(_describe(d))  # noqa: E731
 
         first: list[float] = []
 
@@ -322,22 +274,63 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
             bar.update(task, advance=1, metrics=" ".join(f"{k} {v:.4f}" for k, v in metrics.items()), rate=rate)
 
         result = runner(show)
-    click.echo(f"{program.name}: {result.steps} steps in {result.wall_s:.2f}s, state digest {result.state_digest}")
+    rec = result.recovery
+    extra = ""
+    if rec.get("failures"):
+        mttr = [r["mttr_s"] for r in rec.get("recoveries", []) if r.get("mttr_s") is not None]
+        extra = (f"; {len(rec['failures'])} failures, {len(rec.get('recoveries', []))} recoveries"
+                 + (f" (MTTR {', '.join(f'{m:.2f}s' for m in mttr)})" if mttr else "")
+                 + f", replayed {sum(rec.get('replayed_instances', {}).values())} instances")
+    click.echo(f"{program.name}: {result.steps} steps in {result.wall_s:.2f}s, state digest {result.state_digest}{extra}")
+
+
+def _describe(d: dict[str, Any]) -> str:
+    """One line for a fault or recovery event in the progress output."""
+    ev = d.get("event", "")
+    if ev == "fault.injected":
+        what = f"pid {d['pid']} SIGKILL" if "pid" in d else f"not fired: {d.get('error')}"
+        return f"[red]fault[/red] {d['fault']}: worker {d.get('worker')} ({what}) at step {d['step']}"
+    if ev == "job.recovering":
+        return f"[yellow]lost[/yellow] {', '.join(d.get('lost', {}))} at step {d.get('step')}: recovering"
+    if ev == "job.recovered":
+        moved = ", ".join(f"{s} -> {w}" for s, w in d.get("moved", {}).items())
+        return (f"[green]recovered[/green] ({d.get('policy')}): {moved}; restored the cut at step "
+                f"{d.get('checkpoint_step')}, replaying {sum(d.get('planned_instances', {}).values())} instances of "
+                f"{', '.join(d.get('planned_instances', {})) or 'no node'}")
+    if ev == "job.waiting":
+        return f"[yellow]waiting[/yellow] {d.get('reason')}"
+    return json.dumps(d)
 
 
 def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spares: int,
                     devices_per_worker: int | None, window: int,
-                    on_step: Callable[[int, dict[str, float]], None], quiet: bool) -> Any:
+                    on_step: Callable[[int, dict[str, float]], None], quiet: bool, *, faults: Any = (),
+                    say: Callable[[dict[str, Any]], None] = lambda _: None, recovery: dict[str, Any] | None = None) -> Any:
     """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after."""
     import tempfile
 
+    from client.faults import FaultInjector
     from client.submit import submit
     from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
+    from proto import rallypoint_pb2 as pb
 
     program = compiled.program
+    recovery = recovery or {}
+
+    def go(endpoints: Any, name: str) -> Any:
+        injector = FaultInjector(list(faults), endpoints, name, log=say)
+
+        def on_event(ev: pb.JobEvent) -> None:
+            injector.on_event(ev)
+            if ev.event in ("job.recovering", "job.recovered", "job.waiting"):
+                say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
+
+        return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
+                      **recovery)
+
     if cluster:
         addr = resolve_cluster(Path(DEFAULT_STATE_DIR), cluster)
-        return submit(compiled, endpoints=addr.endpoints, cluster=addr.name, window=window, on_step=on_step)
+        return go(addr.endpoints, addr.name)
     n_workers = workers if workers is not None else len(program.slices)
     k = devices_per_worker if devices_per_worker is not None else max(s.devices for s in program.slices.values())
     program.validate_for_cluster(workers=n_workers, devices_per_worker=k)
@@ -345,11 +338,14 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
     state = Path(tempfile.mkdtemp(prefix=f"rallypoint-{program.name}-"))
     if not quiet:
         click.echo(f"starting an embedded cluster: {n_workers} workers + {spares} spares x {k} devices ({state})")
+    if len(faults) > spares and recovery.get("on_no_spare") != "fail":
+        click.echo(f"note: {len(faults)} kills and {spares} spares: recovery will wait for spares that never come; "
+                   "add --spares", err=True)
     lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=n_workers, spares=spares,
                                                devices_per_worker=k, coordinators=2))
     ok = False
     try:
-        result = submit(compiled, endpoints=lc.endpoints, cluster=lc.config.cluster, window=window, on_step=on_step)
+        result = go(lc.endpoints, lc.config.cluster)
         ok = True
         return result
     finally:
@@ -421,6 +417,9 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str)
     done = threading.Event()
     _run_daemon(lambda: None, c.run, c.stop, done.set)
 
+
+main.add_command(jobs_cli.status)
+main.add_command(jobs_cli.resume)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,111 @@
+"""Operator commands for jobs: ``rallypoint status JOB`` and ``rallypoint resume JOB``.
+
+Added to the ``rallypoint`` group by :mod:`client.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from client.clusters import cluster_options, resolve_cluster, store_and_keys
+from orchestrator.errors import RallypointError
+from orchestrator.keys import check_name
+
+
+def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
+    """The job's record in etcd with its newest commit per slice.
+
+    Raises:
+        RallypointError: the cluster has no record of ``job``.
+    """
+    from orchestrator.commits import consistent_cut, read_commits
+
+    kv = store.get(keys.job(job))
+    if kv is None:
+        raise RallypointError(f"cluster {keys.cluster!r} has no job {job!r}; `rallypoint status` takes a job name "
+                              "that was submitted to this cluster")
+    record = kv.json()
+    commits = read_commits(store, keys, job)
+    record["last_commits"] = {s: {"step": cs[-1].step, "path": cs[-1].path, "checksum": cs[-1].checksum}
+                              for s, cs in sorted(commits.items()) if cs}
+    record["consistent_cut"] = consistent_cut(commits, list(record.get("placement") or commits)) if commits else None
+    return record
+
+
+@click.command()
+@cluster_options
+@click.argument("job")
+@click.option("--json", "as_json", is_flag=True, help="The record as one JSON object.")
+def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None:
+    """State, step, placement, last commits, failures and recoveries of JOB."""
+    check_name("job", job)
+    store, keys = store_and_keys(state_dir, cluster)
+    try:
+        rec = job_status(store, keys, job)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(rec))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120)
+    age = time.time() - float(rec.get("at", time.time()))
+    con.print(f"job [bold]{job}[/bold]: {rec['state']}, step {rec.get('step_done', 0)}/{rec.get('steps')}, policy "
+              f"{rec.get('policy') or '-'}, consistent cut {rec.get('consistent_cut')}, updated {age:.0f}s ago")
+    if rec.get("reason"):
+        con.print(f"reason: {rec['reason']}")
+    table = Table(title="placement and last commits")
+    for col in ("slice", "worker", "devices", "last commit", "checkpoint"):
+        table.add_column(col)
+    commits = rec.get("last_commits", {})
+    for s, p in sorted(rec.get("placement", {}).items()):
+        c = commits.get(s, {})
+        table.add_row(s, p["worker"], ",".join(map(str, p["devices"])), str(c.get("step", "-")), c.get("path", "-"))
+    con.print(table)
+    for f in rec.get("failures", []):
+        con.print(f"failure: worker {f['worker']} (incarnation {f['incarnation']}, slices {', '.join(f['slices'])}) "
+                  f"at step {f['step']}: {f['reason']}")
+    for r in rec.get("recoveries", []):
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in r.get("phases", {}).items())
+        con.print(f"recovery {r['recovery']} ({r['policy']}, from step {r['checkpoint_step']}): moved "
+                  f"{r.get('moved')}; replayed {r.get('planned_instances')}; {phases}"
+                  + (f"; MTTR {r['mttr_s']:.3f}s" if r.get("mttr_s") is not None else ""))
+
+
+@click.command()
+@cluster_options
+@click.argument("job")
+@click.option("--checkpoint-dir", default="", help="The checkpoint root the job ran with (default: the coordinator's).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON event per line.")
+def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, as_json: bool) -> None:
+    """Restart every slice of JOB from its newest consistent cut and finish it."""
+    from client.submit import resume as resume_job
+
+    check_name("job", job)
+    addr = resolve_cluster(state_dir, cluster)
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if as_json:
+            click.echo(json.dumps({"event": "step", "job": job, "step": step, "metrics": metrics}))
+
+    def on_event(ev: Any) -> None:
+        if ev.event == "job.resumed":
+            d = json.loads(ev.detail or "{}")
+            line = {"event": "job.resumed", "job": job, "step": int(ev.step), **d}
+            click.echo(json.dumps(line) if as_json else f"{job}: resumed from the consistent cut at step {ev.step}")
+
+    done = resume_job(job, endpoints=addr.endpoints, cluster=addr.name,
+                      checkpoint_dir=str(Path(checkpoint_dir).absolute()) if checkpoint_dir else "",
+                      on_step=on_step, on_event=on_event)
+    if as_json:
+        click.echo(json.dumps({"event": "job.finished", **done}))
+    else:
+        click.echo(f"{job}: {done['steps']} steps (resumed at {done.get('start_step')}), "
+                   f"state digest {done.get('state_digest')}")
