@@ -18,7 +18,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
-	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py
+	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -26,6 +26,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
+	$(PY) bench/recovery.py
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/rallypoint.proto

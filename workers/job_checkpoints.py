@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,11 @@ from orchestrator.commits import CheckpointCommit, commit_record_path
 from workers.checkpoint import SliceCheckpointer, States, restore_commit
 
 CommitFn = Callable[[CheckpointCommit], None]
+
+COMMIT_DELAY_ENV = "RALLYPOINT_FAULT_COMMIT_DELAY_S"
+"""Fault injection for tests and the chaos harness: seconds each commit waits after
+Orbax finalized the checkpoint, so a kill can land while a checkpoint is on disk
+but does not count yet."""
 
 
 def restore(req: pb.LoadJobRequest) -> dict[str, States]:
@@ -80,7 +86,11 @@ class JobCheckpoints:
                 self._ckpt[s].protect(self.cut)
 
     def _committer(self, commit: CommitFn) -> CommitFn:
+        delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
+
         def done(c: CheckpointCommit) -> None:
+            if delay > 0:  # fault injection: widen the window between Orbax's finalize and the commit
+                time.sleep(delay)
             commit(c)  # it counts from here
             assert self.root is not None
             path = commit_record_path(self.root, c.slice_name, c.step)

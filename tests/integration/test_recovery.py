@@ -1,0 +1,309 @@
+"""Recovery on a real local cluster: real etcd, real worker processes, real SIGKILLs.
+
+Every test kills workers while the 4-stage pipeline trains and checks that the job
+ends in bitwise the state of the fault-free reference (the state digest), and what
+re-ran (instances counted per node by the executor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.compile import CompiledProgram, compile_program
+from client.faults import Fault, FaultInjector
+from client.reference import ReferenceExecutor, RunResult
+from client.submit import JobError, submit
+from orchestrator.commits import consistent_cut, read_commits
+from orchestrator.devices import read_cluster
+from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
+from proto import rallypoint_pb2 as pb
+from tests.client.test_cli import rp
+from tests.examples import example
+from tests.workers.test_checkpoint import largest_file
+from workers.job_checkpoints import COMMIT_DELAY_ENV
+
+STEPS = 24
+EVERY = 5
+SLICES = ("stage0", "stage1", "stage2", "stage3")
+
+
+def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:
+    return {n for n, spec in compiled.program.nodes.items() if spec.slice == slice_name}
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> tuple[CompiledProgram, str]:
+    compiled = compile_program(example("pipeline_mlp").build(steps=STEPS))
+    return compiled, ReferenceExecutor(compiled).run().state_digest
+
+
+def run(lc: LocalCluster, compiled: CompiledProgram, faults: list[Fault], *,
+        on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any) -> tuple[RunResult, FaultInjector]:
+    injector = FaultInjector(faults, lc.endpoints, lc.keys.cluster)
+
+    def both(ev: pb.JobEvent) -> None:
+        injector.on_event(ev)
+        if on_event is not None:
+            on_event(ev)
+
+    recovery.setdefault("checkpoint_every", EVERY)
+    result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=both, **recovery)
+    assert all("pid" in f for f in injector.fired), injector.fired
+    return result, injector
+
+
+def assert_settled(lc: LocalCluster) -> None:
+    store = lc.store()
+    try:
+        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values()), "device leases outlived the job"
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("victim", SLICES)
+def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_and_replays_only_that_slice(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
+) -> None:
+    compiled, reference = pipeline
+    step = random.Random(f"kill-{victim}").randint(3, STEPS - 4)
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    result, injector = run(lc, compiled, [Fault(victim, victim, step)])
+    why = f"SIGKILL of {victim} at step {step}"
+    assert result.state_digest == reference, why
+    rec = result.recovery
+    assert [f["slices"] for f in rec["failures"]] == [[victim]], why
+    (r,) = rec["recoveries"]
+    assert r["policy"] == "partial" and not r["escalated"]
+    assert r["checkpoint_step"] % EVERY == 0 and r["checkpoint_step"] <= step
+    assert set(r["moved"]) == {victim} and r["moved"][victim] not in {injector.fired[0]["worker"]}
+    # Only the lost slice's nodes re-ran, each at most its instances since the checkpoint.
+    replayed = rec["replayed_instances"]
+    assert set(replayed) <= nodes_of(compiled, victim), why
+    assert set(r["replay_nodes"]) == nodes_of(compiled, victim)
+    for node, count in replayed.items():
+        assert count <= r["planned_instances"].get(node, 0), (node, count, r["planned_instances"])
+    assert set(r["phases"]) == {"detection", "fencing", "remap", "restore", "replay", "catch_up"}
+    assert r["mttr_s"] is not None and r["mttr_s"] > 0
+    # The operator's view says the same.
+    status = json.loads(rp("status", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}",
+                           compiled.program.name).stdout)
+    assert status["state"] == "succeeded" and status["step_done"] == STEPS
+    assert status["placement"][victim]["worker"] == r["moved"][victim]
+    assert [f["worker"] for f in status["failures"]] == [injector.fired[0]["worker"]]
+    assert status["recoveries"][0]["checkpoint_step"] == r["checkpoint_step"]
+    assert set(status["last_commits"]) == set(SLICES)
+    assert_settled(lc)
+
+
+def test_restart_all_reruns_every_node_from_the_cut_and_ends_bitwise_equal(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    result, _ = run(lc, compiled, [Fault("stage1", "stage1", 13)], policy="restart-all")
+    assert result.state_digest == reference
+    (r,) = result.recovery["recoveries"]
+    assert r["policy"] == "restart-all"
+    assert set(r["replay_nodes"]) == set(compiled.program.nodes)
+    # Every slice re-ran something, not only the lost one.
+    slices_replayed = {compiled.program.nodes[n].slice for n in result.recovery["replayed_instances"]}
+    assert slices_replayed == set(SLICES)
+
+
+def test_two_workers_killed_at_once_recover_together(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=2, devices_per_worker=1, coordinators=1)
+    result, _ = run(lc, compiled, [Fault("stage1", "stage1", 11), Fault("stage3", "stage3", 11)])
+    assert result.state_digest == reference
+    lost = {s for r in result.recovery["recoveries"] for ss in r["lost"].values() for s in ss}
+    assert lost == {"stage1", "stage3"}
+    assert set(result.recovery["replayed_instances"]) <= nodes_of(compiled, "stage1") | nodes_of(compiled, "stage3")
+    assert_settled(lc)
+
+
+def test_a_spare_killed_during_the_recovery_and_the_replacement_killed_during_replay(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    """Kill the spare the moment recovery starts (it is still registered: remap may
+    pick it and LoadJob then fails), then kill whichever worker took the slice."""
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=3, devices_per_worker=1, coordinators=1)
+    killed_spare: list[str] = []
+    second: list[str] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        detail = json.loads(ev.detail or "{}")
+        if ev.event == "job.recovering" and not killed_spare:
+            killed_spare.append("w4")
+            lc.signal("w4", signal.SIGKILL)
+        elif ev.event == "job.recovered" and detail["recovery"] == 1:
+            second.append(detail["moved"]["stage2"])
+            lc.signal(second[0], signal.SIGKILL)
+
+    result, _ = run(lc, compiled, [Fault("stage2", "stage2", 8)], on_event=on_event)
+    assert result.state_digest == reference
+    recs = result.recovery["recoveries"]
+    assert len(recs) >= 2
+    assert second[0] in recs[1]["lost"], recs
+    assert recs[-1]["moved"]["stage2"] not in {"w2", "w4", second[0]}
+    assert set(result.recovery["replayed_instances"]) <= nodes_of(compiled, "stage2")
+
+
+def test_no_spare_and_on_no_spare_fail_fails_the_job_naming_the_slice(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, _ = pipeline
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
+    with pytest.raises(JobError, match=r"lost slice 'stage2' \(1 devices\) finds no live, uncordoned worker.*"
+                                       r"on_no_spare='fail'"):
+        run(lc, compiled, [Fault("stage2", "stage2", 6)], on_no_spare="fail")
+    store = lc.store()
+    try:
+        record = store.get(lc.keys.job(compiled.program.name)).json()
+        assert record["state"] == "failed" and "stage2" in record["reason"]
+        assert [f["slices"] for f in record["failures"]] == [["stage2"]]
+    finally:
+        store.close()
+    assert_settled(lc)
+
+
+def test_no_spare_waits_says_why_and_goes_on_when_a_worker_joins(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
+    waiting: list[dict[str, Any]] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "job.waiting":
+            waiting.append(json.loads(ev.detail))
+            threading.Thread(target=lc.spawn, args=("worker", "late")).start()
+
+    result, _ = run(lc, compiled, [Fault("stage0", "stage0", 7)], on_event=on_event, wait_timeout_s=120)
+    assert result.state_digest == reference
+    assert waiting and waiting[0]["missing"] == {"stage0": 1} and "waiting up to 120s" in waiting[0]["reason"]
+    assert result.recovery["recoveries"][0]["moved"] == {"stage0": "late"}
+
+
+def test_no_spare_within_the_wait_timeout_fails_with_the_reason(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, _ = pipeline
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
+    with pytest.raises(JobError, match=r"waited \d+ s of wait_timeout_s=1.*raise wait_timeout_s"):
+        run(lc, compiled, [Fault("stage3", "stage3", 5)], wait_timeout_s=1)
+
+
+def test_a_kill_while_a_checkpoint_is_saved_but_not_committed_restores_the_previous_commit(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Commits wait 3 s after Orbax finalized: the kill at step 12 lands while the
+    checkpoint at step 10 is on disk and does not count; recovery uses an older cut
+    (step 5's commit, or the inits when that one is still waiting too)."""
+    compiled, reference = pipeline
+    monkeypatch.setenv(COMMIT_DELAY_ENV, "3")
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    seen_on_disk: list[bool] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "job.recovering":
+            store = lc.store()
+            try:
+                run_dir = Path(store.get(lc.keys.job(compiled.program.name)).json()["run_dir"])
+            finally:
+                store.close()
+            seen_on_disk.append((run_dir / "stage1" / "10").exists())
+
+    result, _ = run(lc, compiled, [Fault("stage1", "stage1", 12)], on_event=on_event)
+    assert result.state_digest == reference
+    (r,) = result.recovery["recoveries"]
+    assert r["checkpoint_step"] in (0, 5), r
+    assert seen_on_disk == [True], "the uncommitted checkpoint at step 10 should have been on disk"
+
+
+def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    corrupted: list[int] = []
+    injector_box: list[FaultInjector] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "step.done" and ev.step == 16 and not corrupted:
+            store = lc.store()
+            try:
+                commits = read_commits(store, lc.keys, compiled.program.name)
+            finally:
+                store.close()
+            cut = consistent_cut(commits, SLICES)
+            assert cut is not None and cut > 0
+            c = next(c for c in commits["stage2"] if c.step == cut)
+            f = largest_file(Path(c.path))
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2: len(data) // 2 + 64] = b"\x5a" * 64
+            f.write_bytes(bytes(data))
+            corrupted.append(cut)
+            injector_box[0].kill(Fault("stage2", "stage2", 17), 17)
+
+    injector = FaultInjector([], lc.endpoints, lc.keys.cluster)
+    injector_box.append(injector)
+
+    def both(ev: pb.JobEvent) -> None:
+        injector.on_event(ev)
+        on_event(ev)
+
+    result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=both, checkpoint_every=EVERY)
+    assert result.state_digest == reference
+    r = result.recovery["recoveries"][-1]
+    assert r["checkpoint_step"] < corrupted[0], (r, corrupted)
+    assert "did not restore" in r["escalated"] and "checksum" in r["escalated"]
+
+
+def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
+    tmp_path: Path, pipeline: tuple[CompiledProgram, str],
+) -> None:
+    """SIGKILL every process of the cluster (etcd, coordinator, workers) mid-job; a new
+    cluster on the same state dir (a fresh etcd: the commits come from their copies
+    beside the checkpoints) resumes the job from the newest consistent cut."""
+    compiled, reference = pipeline
+    config = LocalClusterConfig(state_dir=tmp_path / "cluster", workers=4, spares=0, devices_per_worker=1,
+                                coordinators=1)
+    lc = LocalCluster.start(config)
+    try:
+        def on_event(ev: pb.JobEvent) -> None:
+            if ev.event == "step.done" and ev.step == 15:
+                for p in lc.processes:
+                    try:
+                        os.kill(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+        with pytest.raises(JobError):
+            submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=on_event,
+                   checkpoint_every=EVERY)
+    finally:
+        lc.stop()
+    lc2 = LocalCluster.start(config)
+    try:
+        out = rp("resume", "--json", "--state-dir", str(config.state_dir), compiled.program.name, timeout=300)
+        lines = [json.loads(x) for x in out.stdout.splitlines()]
+        resumed = next(x for x in lines if x["event"] == "job.resumed")
+        assert resumed["step"] in (10, 15)
+        assert [x["step"] for x in lines if x["event"] == "step"] == list(range(resumed["step"], STEPS))
+        assert lines[-1]["event"] == "job.finished" and lines[-1]["state_digest"] == reference
+        assert lines[-1]["start_step"] == resumed["step"]
+    finally:
+        lc2.stop()
