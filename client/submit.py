@@ -43,7 +43,7 @@ def leader_address(endpoints: Sequence[str], cluster: str, *, wait_s: float = 15
         store.close()
 
 
-RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "output_log_peak")
+RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak")
 
 
 def submit(

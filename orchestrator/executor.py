@@ -136,6 +136,7 @@ class JobExecutor:
         self.recoveries: list[RecoveryRecord] = []
         self.replayed: Counter[str] = Counter()
         self.redone_s = 0.0
+        self.compute_s: Counter[str] = Counter()  # per node, device-seconds of first runs
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=self.term)
@@ -304,6 +305,7 @@ class JobExecutor:
             return
         self._done[(node, step)].add(item.microbatch)
         self._step_count[step] += 1
+        self.compute_s[node] += item.compute_s
         self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
 
     def _advance(self) -> None:
@@ -424,6 +426,7 @@ class JobExecutor:
         """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
         return {"failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
                 "replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
+                "compute_s": {n: round(v, 4) for n, v in sorted(self.compute_s.items())},
                 "output_log_peak": self.log_peak}
 
     def _cleanup(self) -> None:

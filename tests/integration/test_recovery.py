@@ -307,3 +307,21 @@ def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
         assert lines[-1]["start_step"] == resumed["step"]
     finally:
         lc2.stop()
+
+
+def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json() -> None:
+    from tests.client.test_cli import ROOT
+
+    job = str(ROOT / "examples" / "pipeline_mlp.py")
+    out = rp("run", "--json", "--steps", "14", "--checkpoint-every", "4", "--fail", "kill:bwd1@6", job, timeout=300)
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    kinds = [x["event"] for x in lines if x["event"] != "step"]
+    assert kinds == ["fault.injected", "job.recovering", "job.recovered", "job.finished"], kinds
+    reference = json.loads(rp("run", "--reference", "--json", "--steps", "14", job).stdout.splitlines()[-1])
+    final = lines[-1]
+    assert final["state_digest"] == reference["state_digest"]
+    assert [f["slices"] for f in final["failures"]] == [["stage1"]]
+    assert final["recoveries"][0]["checkpoint_step"] in (0, 4)
+    assert set(final["replayed_instances"]) <= {"fwd1", "bwd1", "update1"}
+    bad = rp("run", "--fail", "kill:stage9@3", job, check=False)
+    assert bad.returncode == 1 and "'stage9' is neither a slice" in bad.stderr

@@ -1,0 +1,55 @@
+"""Recovery settings and records: pure data, checked without processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from client.faults import Fault, parse_faults
+from orchestrator.errors import ConfigError
+from orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from proto import rallypoint_pb2 as pb
+
+
+def test_settings_fill_defaults_and_name_the_bad_field() -> None:
+    s = RecoverySettings.from_spec(pb.JobSpec(job="j"))
+    assert (s.policy, s.on_no_spare, s.checkpoint_every, s.keep_checkpoints) == ("partial", "wait", 10, 3)
+    assert RecoverySettings.from_spec(pb.JobSpec(job="j", policy="restart-all", checkpoint_every=4)).checkpoint_every == 4
+    with pytest.raises(ValueError, match="recovery policy 'spmd' is not one of"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", policy="spmd"))
+    with pytest.raises(ValueError, match="shrink.*not available.*exported for its device count"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink"))
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 0"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", checkpoint_every=-1))
+
+
+def test_a_record_reports_phases_in_order_and_mttr_only_once_replay_ended() -> None:
+    now = time.monotonic()
+    r = RecoveryRecord(number=1, lost={"w1": ["s"]}, reasons={"w1": "x"}, detected_at=0.0, detected_mono=now,
+                       detection_s=0.05)
+    r.marks.update({"fencing": now + 0.1, "remap": now + 0.15, "restore": now + 0.45})
+    assert r.to_json()["mttr_s"] is None
+    assert list(r.phases()) == ["detection", "fencing", "remap", "restore"]
+    r.targets, r.generations = {"n": 10}, {"w9": 3}
+    r.expected.update({"n": 2})
+    r.observe("w9", 3, "n", 5, start=5)
+    r.observe("w9", 2, "n", 6, start=5)  # an older runtime: not this recovery's replay
+    r.observe("w9", 3, "n", 10, start=5)  # past where the node had got: not replay
+    assert "replay" not in r.marks
+    r.observe("w9", 3, "n", 6, start=5)
+    assert "replay" in r.marks
+    out = r.to_json()
+    assert out["mttr_s"] == pytest.approx(sum(out["phases"][p] for p in ("detection", "fencing", "remap", "restore",
+                                                                         "replay")), abs=1e-3)
+
+
+def test_fail_specs_name_a_slice_or_a_node_and_a_step_inside_the_job() -> None:
+    kw = {"slices": ["s0", "s1"], "node_slices": {"fwd": "s1"}, "steps": 10}
+    assert parse_faults(["kill:s0@3", "kill:fwd@9"], **kw) == [Fault("s0", "s0", 3), Fault("fwd", "s1", 9)]
+    with pytest.raises(ConfigError, match="write it as kill:NAME@STEP"):
+        parse_faults(["stop:s0@3"], **kw)
+    with pytest.raises(ConfigError, match="'nope' is neither a slice"):
+        parse_faults(["kill:nope@3"], **kw)
+    with pytest.raises(ConfigError, match="between 1 and 9"):
+        parse_faults(["kill:s0@10"], **kw)

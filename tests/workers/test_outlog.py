@@ -1,0 +1,85 @@
+"""The output log: kept until the cut passes, bounded in memory by spilling, sent again in step order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from proto import rallypoint_pb2 as pb
+from workers.outlog import OutputLog
+from workers.runtime_state import NodeProgress, StateVersions
+
+
+def header(consumer: str, step: int, mb: int = -1, arg: str = "x", leaves: int = 1) -> pb.TransferHeader:
+    return pb.TransferHeader(job="j", node="p", output="o", step=step, microbatch=mb, consumer_node=consumer, arg=arg,
+                             leaves=leaves)
+
+
+def value(step: int, n: int = 256) -> list[np.ndarray]:
+    return [np.full(n, step, dtype=np.float32)]
+
+
+def test_entries_for_replaying_consumers_from_a_step_in_step_order_and_trim_drops_below_the_cut() -> None:
+    log = OutputLog(1 << 20)
+    for step in (3, 1, 2, 0):
+        log.put(header("a", step), value(step))
+        log.put(header("b", step), value(step))
+    got = log.entries(["a"], 1)
+    assert [(h.consumer_node, h.step) for h, _ in got] == [("a", 1), ("a", 2), ("a", 3)]
+    assert all(np.array_equal(leaves[0], value(h.step)[0]) for h, leaves in got)
+    assert log.trim(2) == 4 and log.low == 2
+    assert [h.step for h, _ in log.entries(["a", "b"], 0)] == [2, 2, 3, 3]
+    log.put(header("a", 1), value(1))  # below the cut: nothing can ask for it
+    assert len(log) == 4
+    assert log.memory_bytes == 4 * 256 * 4
+
+
+def test_past_the_limit_the_oldest_values_spill_to_disk_and_read_back_bitwise(tmp_path: Path) -> None:
+    log = OutputLog(3 * 1024, spill_dir=tmp_path)
+    for step in range(8):
+        log.put(header("a", step), value(step))  # 1 KiB each
+    assert log.memory_bytes <= 3 * 1024 and log.spilled_bytes == 5 * 1024
+    assert log.peak_memory_bytes <= 4 * 1024
+    got = log.entries(["a"], 0)
+    assert [h.step for h, _ in got] == list(range(8))
+    for h, leaves in got:
+        assert leaves[0].dtype == np.float32 and np.array_equal(leaves[0], value(h.step)[0])
+    log.trim(6)
+    assert log.spilled_bytes == 0 and log.memory_bytes == 2 * 1024
+    log.close()
+    assert not any(tmp_path.iterdir()), "spilled files outlived the log"
+
+
+def test_a_value_logged_again_replaces_the_old_one_and_the_counters_stay_true() -> None:
+    log = OutputLog(1 << 20)
+    log.put(header("a", 0), value(0))
+    log.put(header("a", 0), value(5))
+    assert len(log) == 1 and log.memory_bytes == 1024
+    assert log.entries(["a"], 0)[0][1][0][0] == 5
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        OutputLog(-1)
+
+
+def test_a_restored_runtime_starts_its_progress_and_state_versions_at_the_checkpoint_step() -> None:
+    p = NodeProgress(every=3, microbatches=(0, 1), steps=20, start=10)
+    assert p.low == 12 and p.is_started(9, 0) and not p.is_started(12, 0)
+    sv = StateVersions("s", producer_every=1, steps=20, readers=[(1, 1)], push_everies=[], start=10)
+    sv.add(sv.key(10), ["v10"])
+    assert sv.at(10) == ["v10"] and sv.key(10) == 10
+    sv.add(11, ["v11"])
+    sv.use(10)  # its one read at step 10 spends version 10
+    assert sv.at(10) is None
+
+
+def test_a_pinned_version_is_kept_for_the_checkpoint_after_its_uses_are_spent() -> None:
+    sv = StateVersions("s", producer_every=1, steps=20, readers=[], push_everies=[1])
+    sv.pin(5)
+    for t in range(0, 7):
+        sv.add(t + 1, [f"v{t + 1}"])
+        sv.use(t + 1)  # pushed once: spent
+    assert sv.at(5) == ["v5"], "the version step 5 reads was dropped before its checkpoint"
+    assert sv.at(4) is None
+    sv.pin(10)
+    assert sv.at(5) is None
