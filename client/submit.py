@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -43,6 +44,33 @@ def leader_address(endpoints: Sequence[str], cluster: str, *, wait_s: float = 15
         store.close()
 
 
+def leader_stream(endpoints: Sequence[str], cluster: str, call: Callable[[Any], Iterator[pb.JobEvent]], *,
+                  wait_s: float = 15.0) -> tuple[str, Iterator[pb.JobEvent], grpc.Channel]:
+    """Open ``call`` (a Coordinator RPC streaming job events) on the leader.
+
+    A leader that just died still owns the leader key until its lease expires: while
+    the leader refuses connections before its first event, ask etcd again (up to ``wait_s``).
+    Returns the leader's address, the stream (its first event put back in front) and the channel.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        address = leader_address(endpoints, cluster, wait_s=wait_s)
+        channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+        stream = call(pb_grpc.CoordinatorStub(channel))
+        try:
+            first = next(stream)
+        except StopIteration:
+            return address, iter(()), channel
+        except grpc.RpcError as exc:
+            channel.close()
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
+        return address, itertools.chain([first], stream), channel
+
+
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak")
 
 
@@ -59,14 +87,12 @@ def submit(
         JobError: the job failed (the reason names what went wrong).
     """
     spec = job_spec(compiled, window=window, **recovery)
-    address = leader_address(endpoints, cluster)
-    channel = grpc.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-    )
     t0 = time.perf_counter()
     metrics_log: list[dict[str, float]] = []
+    address, channel = "the leader", None
     try:
-        for ev in pb_grpc.CoordinatorStub(channel).SubmitJob(spec):
+        address, events, channel = leader_stream(endpoints, cluster, lambda stub: stub.SubmitJob(spec))
+        for ev in events:
             if on_event is not None:
                 on_event(ev)
             if ev.event == "step.done":
@@ -88,7 +114,8 @@ def submit(
     except grpc.RpcError as exc:
         raise JobError(f"job {spec.job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
     finally:
-        channel.close()
+        if channel is not None:
+            channel.close()
     raise JobError(f"job {spec.job!r}: the coordinator closed the stream before the job ended")
 
 
@@ -114,10 +141,11 @@ def resume(
     Raises:
         JobError: the job could not be resumed or failed.
     """
-    address = leader_address(endpoints, cluster)
-    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    address, channel = "the leader", None
     try:
-        for ev in pb_grpc.CoordinatorStub(channel).ResumeJob(pb.ResumeRequest(job=job, checkpoint_dir=checkpoint_dir)):
+        address, events, channel = leader_stream(
+            endpoints, cluster, lambda stub: stub.ResumeJob(pb.ResumeRequest(job=job, checkpoint_dir=checkpoint_dir)))
+        for ev in events:
             if on_event is not None:
                 on_event(ev)
             if ev.event == "step.done" and on_step is not None:
@@ -129,5 +157,6 @@ def resume(
     except grpc.RpcError as exc:
         raise JobError(f"job {job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
     finally:
-        channel.close()
+        if channel is not None:
+            channel.close()
     raise JobError(f"job {job!r}: the coordinator closed the stream before the job ended")

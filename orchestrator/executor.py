@@ -170,12 +170,21 @@ class JobExecutor:
         except ValueError as exc:
             raise JobFailed(str(exc)) from None
         if self.resume:
+            self._take_over()
             return
         # A new run: commits of an earlier run of this job name no longer count.
         self.election.fenced_txn([], [Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
         if self.checkpoint_root is not None:
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True)
             (self.run_dir / JOBSPEC_FILE).write_bytes(self.spec.SerializeToString())
+
+    def _take_over(self) -> None:
+        """Resume after a lost leader: what its executor left (device leases, loaded runtimes) goes first."""
+        DeviceLeases(self.store, self.keys, fenced_txn=self.election.fenced_txn, term=self.term).release(self.spec.job)
+        snap = read_cluster(self.store, self.keys)
+        for w, ws in snap.workers.items():
+            self.workers.unload_stale(w, ws.info.address, pb.Identity(cluster=self.keys.cluster, worker_id=w,
+                                                                      incarnation=ws.info.incarnation, term=self.term))
 
     def _place(self) -> None:
         leases = DeviceLeases(self.store, self.keys, fenced_txn=self.election.fenced_txn, term=self.term)

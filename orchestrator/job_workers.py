@@ -141,6 +141,13 @@ class JobWorkers:
         except grpc.RpcError:
             self.log.warning("job.unload_failed", worker=worker)
 
+    def unload_stale(self, worker: str, address: str, to: pb.Identity) -> None:
+        """Unload the job from a worker this executor did not load (a lost leader's); best effort."""
+        try:
+            self._stub(worker, address).UnloadJob(pb.UnloadJobRequest(to=to, job=self.job), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            self.log.warning("job.unload_failed", worker=worker, code=exc.code().name)
+
     def fetch(self) -> list[pb.StateValue]:
         """Every worker's final states, sorted by name. Raises :class:`WorkerCallFailed`."""
         states: list[pb.StateValue] = []

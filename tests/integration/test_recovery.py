@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orbax.checkpoint as ocp
 import pytest
 
 from client.compile import CompiledProgram, compile_program
@@ -29,6 +30,7 @@ from proto import rallypoint_pb2 as pb
 from tests.client.test_cli import rp
 from tests.examples import example
 from tests.workers.test_checkpoint import largest_file
+from workers.checkpoint import state_checksum
 from workers.job_checkpoints import COMMIT_DELAY_ENV
 
 STEPS = 24
@@ -90,7 +92,10 @@ def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_an
     assert set(replayed) <= nodes_of(compiled, victim), why
     assert set(r["replay_nodes"]) == nodes_of(compiled, victim)
     for node, count in replayed.items():
-        assert count <= r["planned_instances"].get(node, 0), (node, count, r["planned_instances"])
+        # The plan counts up to the first instance not reported done; the lost worker may also have run
+        # instances of the next steps of the window (2) out of order, which re-run too.
+        per_step = 4 if compiled.program.nodes[node].per == "microbatch" else 1
+        assert count <= r["planned_instances"].get(node, 0) + 2 * per_step, (node, count, r["planned_instances"])
     assert set(r["phases"]) == {"detection", "fencing", "remap", "restore", "replay", "catch_up"}
     assert r["mttr_s"] is not None and r["mttr_s"] > 0
     # The operator's view says the same.
@@ -101,6 +106,19 @@ def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_an
     assert [f["worker"] for f in status["failures"]] == [injector.fired[0]["worker"]]
     assert status["recoveries"][0]["checkpoint_step"] == r["checkpoint_step"]
     assert set(status["last_commits"]) == set(SLICES)
+    # The checkpoints are plain Orbax (docs/checkpoints.md): a surviving slice's newest commit loads with
+    # Orbax alone and matches its checksum; retention kept the cut and at most keep_checkpoints (3) besides.
+    survivor = next(s for s in SLICES if s != victim)
+    commit = status["last_commits"][survivor]
+    slice_dir = Path(commit["path"]).parent
+    mngr = ocp.CheckpointManager(slice_dir, options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        loaded = mngr.restore(commit["step"], args=ocp.args.StandardRestore())
+        on_disk = list(mngr.all_steps())
+    finally:
+        mngr.close()
+    assert state_checksum(loaded) == commit["checksum"]
+    assert status["consistent_cut"] in on_disk and len(on_disk) <= 4, on_disk
     assert_settled(lc)
 
 
@@ -325,3 +343,31 @@ def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json
     assert set(final["replayed_instances"]) <= {"fwd1", "bwd1", "update1"}
     bad = rp("run", "--fail", "kill:stage9@3", job, check=False)
     assert bad.returncode == 1 and "'stage9' is neither a slice" in bad.stderr
+
+
+def test_leader_coordinator_killed_mid_job_then_resume_on_the_new_leader_finishes_bitwise_equal(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    """The workers keep the dead leader's runtimes and device leases; resume takes them over."""
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=2)
+    store = lc.store()
+    try:
+        leader = store.get(lc.keys.leader).json()["coordinator"]
+    finally:
+        store.close()
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "step.done" and ev.step == 12:
+            lc.signal(leader, signal.SIGKILL)
+
+    with pytest.raises(JobError):
+        submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=on_event, checkpoint_every=EVERY)
+    cluster = f"{lc.keys.cluster}@{lc.endpoints[0]}"
+    out = rp("resume", "--json", "--cluster", cluster, compiled.program.name, timeout=300)
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert lines[-1]["state_digest"] == reference
+    assert lines[-1]["start_step"] in (5, 10)
+    status = json.loads(rp("status", "--json", "--cluster", cluster, compiled.program.name).stdout)
+    assert status["state"] == "succeeded" and status["step_done"] == STEPS
+    assert_settled(lc)
