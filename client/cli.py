@@ -212,12 +212,15 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--policy", type=click.Choice(["partial", "restart-all"]), default=None,
               help="Recovery policy (default partial: only the affected nodes re-run).")
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every K steps (default: the program's).")
+@click.option("--keep-checkpoints", type=int, default=None,
+              help="Committed checkpoints kept per slice besides the cut (default 3).")
 @click.option("--on-no-spare", type=click.Choice(["wait", "fail"]), default=None,
               help="No spare for a lost slice: wait for one (default) or fail the job.")
 @click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
-        checkpoint_every: int | None, on_no_spare: str | None, wait_timeout_s: float | None) -> None:
+        checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
+        wait_timeout_s: float | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from client.compile import compile_program, ensure_host_devices
 
@@ -230,13 +233,14 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     if reference and (cluster or workers is not None or devices_per_worker is not None or fail):
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker "
                           "or --fail")
-    for name, value in (("--checkpoint-every", checkpoint_every), ("--wait-timeout-s", wait_timeout_s)):
+    for name, value in (("--checkpoint-every", checkpoint_every), ("--keep-checkpoints", keep_checkpoints),
+                        ("--wait-timeout-s", wait_timeout_s)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
                           steps=program.steps)
-    recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "on_no_spare": on_no_spare,
-                "wait_timeout_s": wait_timeout_s}
+    recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
+                "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731

@@ -298,7 +298,8 @@ class JobExecutor:
                 self._on_commit(item.checkpoint_slice, int(item.checkpoint_step))
                 continue
             if item.error:
-                raise JobFailed(f"node {item.node!r} failed at step {item.step} on worker {worker}: {item.error}")
+                where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"
+                raise JobFailed(f"{where} on worker {worker}: {item.error}")
             self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
             self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
             self._count(worker, gen, item)

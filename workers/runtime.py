@@ -406,8 +406,7 @@ class JobRuntime:
             self.checkpoints.save(slice_name, step, {name: list(v or []) for name, v in cut.items()})
         except Exception as exc:  # noqa: BLE001 - the job fails with it rather than run uncheckpointed
             with self._cv:
-                node = self._slice_nodes[slice_name][0]
-                self._fail(node, step, -1, 0.0, f"checkpoint of slice {slice_name!r} at step {step}: {exc}")
+                self._fail_job(f"checkpoint of slice {slice_name!r} at step {step}: {exc}")
             return
         with self._cv:
             nxt = self.checkpoints.barrier(slice_name)
@@ -572,6 +571,13 @@ class JobRuntime:
                 q.put(ev)
         else:
             self._backlog.append(ev)
+
+    def _fail_job(self, error: str) -> None:
+        if not self.error:
+            self.error = error
+            self.log.error("job.failed", error=error)
+            self._publish(pb.InstanceDone(error=error))
+            self._cv.notify_all()
 
     def _fail(self, n: _Node, step: int, mb: int, compute_s: float, error: str) -> None:
         if self.error:
