@@ -71,7 +71,8 @@ def leader_stream(endpoints: Sequence[str], cluster: str, call: Callable[[Any], 
         return address, itertools.chain([first], stream), channel
 
 
-RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak")
+RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
+                    "corrupt_checkpoints")
 
 
 def submit(

@@ -34,7 +34,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -56,9 +56,11 @@ from recovery.remap import Fail, Remap, RemapPolicy, Wait, plan_remap
 from recovery.replay import Graph
 
 LOSS_GRACE_S = 0.2  # after one loss, how long to gather others that happened with it
+ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
 ETCD_CHECK_S = 1.0  # how often registrations are checked (a hung worker's stream stays open)
 MAX_RECOVERY_ATTEMPTS = 10
 JOBSPEC_FILE = "jobspec.pb"
+T = TypeVar("T")
 LATEST_FILE = "LATEST"
 
 
@@ -131,11 +133,13 @@ class JobExecutor:
         self._done: dict[tuple[str, int], set[int]] = defaultdict(set)
         self._step_count: Counter[int] = Counter()
         self._metrics: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
+        self._ungranted: set[str] = set()
         self._last_heard: dict[str, float] = {}
         self.failures: list[dict[str, Any]] = []
         self.recoveries: list[RecoveryRecord] = []
         self.replayed: Counter[str] = Counter()
         self.redone_s = 0.0
+        self.corrupt: list[dict[str, Any]] = []  # checkpoints that did not restore (their commits dropped)
         self.compute_s: Counter[str] = Counter()  # per node, device-seconds of first runs
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
@@ -158,6 +162,13 @@ class JobExecutor:
             "replayed_instances": dict(self.replayed), "at": time.time(), **fields,
         }
         self.election.fenced_txn([], [Put(self.keys.job(self.spec.job), json.dumps(record))])
+
+    def _record_quietly(self) -> None:
+        """Record progress, unless etcd is away (the next record catches up)."""
+        try:
+            self._record()
+        except (StoreError, NotLeader) as exc:
+            self.log.warning("job.record_failed", error=str(exc))
 
     def _event(self, event: str, step: int = 0, **detail: Any) -> None:
         self.emit(pb.JobEvent(job=self.spec.job, event=event, step=step, detail=json.dumps(detail)))
@@ -261,6 +272,9 @@ class JobExecutor:
             if not corrupt or c == 0:
                 raise JobFailed("; ".join(str(f) for f in failed.values()))
             self.log.warning("resume.corrupt_checkpoint", step=c, error=str(corrupt[0]))
+            from orchestrator.recovery_controller import RecoveryController
+
+            RecoveryController(self)._drop_commit(str(corrupt[0]))
             before = c
         self.start = self.completed = self.cut = c
         self._event("job.resumed", step=c, checkpoint_step=c)
@@ -268,9 +282,46 @@ class JobExecutor:
     # -- running ------------------------------------------------------------------------
 
     def _grant(self, workers: list[str] | None = None) -> None:
+        """Grant every worker (or ``workers``) the current window and cut.
+
+        A worker that cannot be reached is lost; one that refuses (fenced while etcd is
+        away) is granted again later (``_ungranted``).
+        """
         failed = self.workers.grant(self.granted, self.cut, workers)
-        if failed:
-            self._recover({w: str(f) for w, f in failed.items()})
+        lost = {w: str(f) for w, f in failed.items()
+                if f.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)}
+        self._ungranted = {w for w in failed if w not in lost}
+        if self._ungranted:
+            self.log.info("job.grant_refused", workers=sorted(self._ungranted))
+        if lost:
+            self._recover(lost)
+
+    def _hold_term(self) -> None:
+        """Return while this executor's term holds; wait out an etcd outage; fail if the term is gone.
+
+        A leader whose lease deadline passed (etcd unreachable, or its quorum lost) is
+        not deposed yet: if etcd answers before the lease expires, the coordinator takes
+        the same term again and the job goes on where it was.
+        """
+        try:
+            self.election.check()
+            return
+        except NotLeader as exc:
+            reason = exc.reason
+        self.log.warning("job.paused", reason=reason)
+        deadline = self.clock.monotonic() + ETCD_OUTAGE_S
+        while self.clock.monotonic() < deadline:
+            keeper = self.election.keeper
+            if self.election.term not in (None, self.term) or keeper is None or keeper.fence.dead:
+                raise JobFailed(f"the coordinator lost its leadership (term {self.term}): {reason}; "
+                                f"resume the job with `rallypoint resume {self.spec.job}`")
+            if self.election.term == self.term and self.election.is_leader:
+                self.log.info("job.unpaused", paused_for=reason)
+                self._grant()
+                return
+            self.clock.sleep(0.25)
+        raise JobFailed(f"etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({reason}); resume the job with "
+                        f"`rallypoint resume {self.spec.job}` once it is back")
 
     def _run_steps(self) -> None:
         steps, window = self.spec.steps, max(1, self.spec.window)
@@ -278,12 +329,14 @@ class JobExecutor:
         self._grant()
         checked = self.clock.monotonic()
         while self.completed < steps:
-            self.election.check()
+            self._hold_term()
             if self.clock.monotonic() - checked >= ETCD_CHECK_S:
                 checked = self.clock.monotonic()
                 lost = self._lost_in_etcd()
                 if lost:
                     self._recover(lost)
+                elif self._ungranted:
+                    self._grant(sorted(self._ungranted))
             try:
                 kind, (worker, gen, item) = self.workers.events.get(timeout=0.25)
             except queue.Empty:
@@ -332,11 +385,24 @@ class JobExecutor:
             del self._step_count[s]
             self.completed += 1
             if self.completed % 10 == 0:
-                self._record()
+                self._record_quietly()
         self._track_catch_up()
         if self.completed + window > self.granted and self.granted < steps:
             self.granted = min(self.completed + window, steps)
             self._grant()
+
+    def until_etcd(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried while etcd is unreachable (up to ``ETCD_OUTAGE_S``) and the term holds."""
+        deadline = self.clock.monotonic() + ETCD_OUTAGE_S
+        while True:
+            try:
+                return fn()
+            except StoreError as exc:
+                if self.clock.monotonic() > deadline:
+                    raise JobFailed(f"{what}: etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({exc})") from None
+                self.log.warning("job.waiting_for_etcd", what=what, error=str(exc))
+                self.clock.sleep(0.5)
+                self._hold_term()
 
     def _on_commit(self, slice_name: str, step: int) -> None:
         self._commits[slice_name] = max(step, self._commits.get(slice_name, 0))
@@ -360,7 +426,10 @@ class JobExecutor:
         """Workers of the job whose registration (that incarnation) is gone from etcd."""
         lost = {}
         for w in self.workers.workers:
-            kv = self.store.get(self.keys.worker(w))
+            try:
+                kv = self.store.get(self.keys.worker(w))
+            except StoreError:
+                return {}  # etcd is away: nobody is declared lost because of that
             if kv is None or kv.create_revision != self.workers.identity[w].incarnation:
                 lost[w] = "its etcd registration is gone (lease expired or fenced)"
         return lost
@@ -370,7 +439,7 @@ class JobExecutor:
             if "replay" in r.marks and not r.done and all(self.done_through(n) >= s for n, s in r.frontier.items()):
                 r.mark("catch_up")
                 self.log.info("recovery.caught_up", recovery=r.number, phases=r.phases())
-                self._record()
+                self._record_quietly()
 
     # -- recovery ---------------------------------------------------------------------------
 
@@ -437,6 +506,7 @@ class JobExecutor:
         return {"failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
                 "replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
                 "compute_s": {n: round(v, 4) for n, v in sorted(self.compute_s.items())},
+                "corrupt_checkpoints": self.corrupt,
                 "output_log_peak": self.log_peak}
 
     def _cleanup(self) -> None:

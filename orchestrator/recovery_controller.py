@@ -26,14 +26,17 @@ a corrupt checkpoint moves the cut back one.
 from __future__ import annotations
 
 import queue
+import re
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
+from orchestrator.commits import commit_record_path
 from orchestrator.executor import LOSS_GRACE_S, MAX_RECOVERY_ATTEMPTS, JobFailed, JobState
 from orchestrator.job_recovery import RecoveryRecord
 from orchestrator.job_workers import WorkerCallFailed
+from orchestrator.store import Delete
 from recovery.replay import ReplayPlan, plan_replay, restart_all_plan
 
 if TYPE_CHECKING:
@@ -80,7 +83,9 @@ class RecoveryController:
         x.recoveries.append(rec)
         frontier = {n.name: x.done_through(n.name) for n in x.graph.nodes}
         old_state = x.state
-        x._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
+        x.state = JobState.RECOVERING
+        self.log.info("job.state", previous=old_state.value, state=x.state.value, recovery=rec.number, lost=sorted(lost))
+        x._record_quietly()
         x._event("job.recovering", step=x.completed, recovery=rec.number, lost=lost)
         lost_workers = dict(lost)
         lost_slices: set[str] = set()  # every slice this recovery moves
@@ -98,7 +103,7 @@ class RecoveryController:
                 if slices:
                     inc = x.placement[slices[0]].incarnation
                     rec.lost.setdefault(w, slices)
-                    x.fence(w, inc)
+                    x.until_etcd(f"fencing worker {w}", lambda: x.fence(w, inc))
                     if not any(f["worker"] == w and f["incarnation"] == inc for f in x.failures):
                         x.failures.append({"worker": w, "incarnation": inc, "slices": slices, "at": time.time(),
                                            "step": x.completed, "reason": lost_workers[w]})
@@ -107,7 +112,7 @@ class RecoveryController:
                 x.workers.drop(w)
             rec.mark("fencing")
             # 2. the cut
-            commits = x.commits()
+            commits = x.until_etcd("reading checkpoint commits", x.commits)
             c = x.cut_step(commits, bad_cut)
             # 3. plan
             done_through = {n.name: max(x.done_through(n.name), c) for n in x.graph.nodes}
@@ -115,7 +120,7 @@ class RecoveryController:
             # 4. remap
             need = {s: x._devices(s) for s in sorted(unplaced)}
             exclude = frozenset(set(x.workers.workers) | set(lost_workers))  # fenced ones are gone from etcd
-            placed = x.remap(need, exclude, rec)
+            placed = x.until_etcd("leasing spare devices", lambda: x.remap(need, exclude, rec))
             x.placement.update(placed)
             unplaced -= set(placed)
             rec.moved.update({s: p.worker for s, p in placed.items()})
@@ -132,6 +137,7 @@ class RecoveryController:
                     self._check(x.load(None, c, commits))
             except _Corrupt as exc:
                 self.log.warning("recovery.corrupt_checkpoint", step=c, error=str(exc))
+                self._drop_commit(str(exc))
                 if c == 0:
                     raise JobFailed(f"recovery {rec.number}: cannot restore: {exc}") from None
                 bad_cut, policy = c, "restart-all"
@@ -153,8 +159,9 @@ class RecoveryController:
         rec.frontier = frontier
         if not rec.expected:
             rec.mark("replay")
-        x.state = old_state
-        x._set_state(JobState.RUNNING, recovery=rec.number)
+        x.state = JobState.RUNNING
+        self.log.info("job.state", previous=JobState.RECOVERING.value, state=x.state.value, recovery=rec.number)
+        x._record_quietly()
         x._event("job.recovered", step=x.completed, **rec.to_json(),
                  placement={s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
                             for s, p in x.placement.items()})
@@ -194,6 +201,20 @@ class RecoveryController:
                 lost[w] = str(exc)
         if lost:
             raise _Lost(lost)
+
+    def _drop_commit(self, error: str) -> None:
+        """A checkpoint that does not restore stops counting: its commit goes (and is reported)."""
+        m = re.search(r"corrupt checkpoint slice=(\S+) step=(\d+)", error)
+        if m is None:
+            return
+        x = self.x
+        slice_name, step = m[1], int(m[2])
+        x.until_etcd("dropping a corrupt commit", lambda: x.election.fenced_txn(
+            [], [Delete(x.keys.checkpoint(x.spec.job, slice_name, step))], []))
+        if x.run_dir is not None:
+            commit_record_path(x.run_dir, slice_name, step).unlink(missing_ok=True)
+        x.corrupt.append({"slice": slice_name, "step": step, "error": error})
+        self.log.warning("checkpoint.decommitted", slice=slice_name, step=step)
 
     @staticmethod
     def _check(failed: dict[str, WorkerCallFailed]) -> None:

@@ -37,10 +37,10 @@ from orchestrator.commits import CheckpointCommit, consistent_cut, read_commits
 from orchestrator.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
 from orchestrator.keys import Keys, check_name
 from orchestrator.logs import get_logger
-from orchestrator.store import Compare, Put, Store
+from orchestrator.store import Compare, Delete, Put, Store
 
 __all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
-           "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
+           "EtcdCommitter", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
 
 States = dict[str, list[np.ndarray]]
 """A slice's states: state name -> its value as flat leaves (host arrays)."""
@@ -59,7 +59,7 @@ class CheckpointCorrupt(CheckpointError):
     def __init__(self, commit: CheckpointCommit, actual: str | None, reason: str = "") -> None:
         got = actual if actual is not None else f"none: unreadable ({reason})"
         super().__init__(
-            f"checkpoint of job {commit.job!r} slice {commit.slice_name!r} after step {commit.step} "
+            f"checkpoint of job {commit.job!r} slice {commit.slice_name!r} at step {commit.step} "
             f"at {commit.path} is corrupt: committed checksum {commit.checksum}, restored {got}"
         )
         self.commit = commit
@@ -160,16 +160,19 @@ class SliceCheckpointer:
             finalized; it makes the checkpoint count, e.g. :func:`etcd_commit`. An
             exception means the checkpoint does not count; :meth:`wait` raises it.
         log_fields: extra fields bound to every log event (worker, incarnation).
+        forget: called with a step before retention deletes it (to delete its commit).
     """
 
     def __init__(self, directory: Path, *, job: str, slice_name: str, max_to_keep: int | None,
-                 commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None) -> None:
+                 commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None,
+                 forget: Callable[[int], None] | None = None) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be None or at least 1, got {max_to_keep}")
         self.job, self.slice_name = check_name("job", job), check_name("slice", slice_name)
         self.directory = Path(directory).absolute()
         self.max_to_keep = max_to_keep
         self._commit = commit
+        self._forget = forget
         self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, **(log_fields or {}))
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
@@ -336,6 +339,8 @@ class SliceCheckpointer:
                 keep_from = sorted(self._committed)[-self.max_to_keep]
                 held = set(self._protected) | {p.step for p in self._queue}
             for s in [s for s in self._manager.all_steps() if s < keep_from and s not in held]:
+                if self._forget is not None:
+                    self._forget(s)  # it stops counting before its data goes
                 self._manager.delete(s)
                 self.log.info("checkpoint.deleted", step=s)
                 with self._cond:
@@ -361,34 +366,49 @@ class SliceCheckpointer:
 # -- commits in etcd ----------------------------------------------------------------------
 
 
-def etcd_commit(store: Store, keys: Keys, guard: Compare) -> Callable[[CheckpointCommit], None]:
+class EtcdCommitter:
     """A ``commit`` for :class:`SliceCheckpointer` that writes the commit JSON at
     ``keys.checkpoint(job, slice, step)`` in a transaction guarded by ``guard``:
     ``created_at(keys.worker(worker_id), incarnation)``, so a zombie incarnation
     cannot commit (:class:`CommitRefused`). Unreachable etcd is retried for
     ``COMMIT_RETRY_S``; an indeterminate write is resolved by reading the key back.
+    :meth:`forget` deletes a commit (before retention deletes its checkpoint).
     """
-    if guard.target != "create" or guard.op != "==" or not guard.key.startswith(keys.workers):
-        raise ValueError(f"the commit guard must be created_at(keys.worker(worker_id), incarnation), got {guard}")
-    worker, incarnation = keys.tail(guard.key, keys.workers)[0], int(guard.value)
 
-    def commit(c: CheckpointCommit) -> None:
-        key = keys.checkpoint(c.job, c.slice_name, c.step)
-        value = json.dumps(c.to_json() | {"worker": worker, "incarnation": incarnation, "at": time.time()})
-        retry = Retrying(stop=stop_after_delay(COMMIT_RETRY_S), wait=wait_exponential(multiplier=0.05, max=1.0),
-                         retry=retry_if_exception_type(StoreUnavailable), reraise=True)
-        for attempt in retry:
+    def __init__(self, store: Store, keys: Keys, guard: Compare) -> None:
+        if guard.target != "create" or guard.op != "==" or not guard.key.startswith(keys.workers):
+            raise ValueError(f"the commit guard must be created_at(keys.worker(worker_id), incarnation), got {guard}")
+        self.store, self.keys, self.guard = store, keys, guard
+        self.worker, self.incarnation = keys.tail(guard.key, keys.workers)[0], int(guard.value)
+
+    def _retrying(self) -> Retrying:
+        return Retrying(stop=stop_after_delay(COMMIT_RETRY_S), wait=wait_exponential(multiplier=0.05, max=1.0),
+                        retry=retry_if_exception_type(StoreUnavailable), reraise=True)
+
+    def __call__(self, c: CheckpointCommit) -> None:
+        key = self.keys.checkpoint(c.job, c.slice_name, c.step)
+        value = json.dumps(c.to_json() | {"worker": self.worker, "incarnation": self.incarnation, "at": time.time()})
+        for attempt in self._retrying():
             with attempt:
                 try:
-                    r = store.txn([guard], [Put(key, value)])
+                    r = self.store.txn([self.guard], [Put(key, value)])
                 except WriteIndeterminate:
-                    kv = store.get(key)
+                    kv = self.store.get(key)
                     if kv is not None and kv.value == value.encode():
                         return
                     raise
                 if not r.succeeded:
-                    raise CommitRefused(f"worker {worker} incarnation {incarnation}",
+                    raise CommitRefused(f"worker {self.worker} incarnation {self.incarnation}",
                                         f"its incarnation is over; commit of {c.job}/{c.slice_name} "
                                         f"step {c.step} refused")
 
-    return commit
+    def forget(self, job: str, slice_name: str, step: int) -> None:
+        """Delete the commit of ``slice_name`` at ``step``: that checkpoint no longer counts."""
+        for attempt in self._retrying():
+            with attempt:
+                self.store.txn([self.guard], [Delete(self.keys.checkpoint(job, slice_name, step))])
+
+
+def etcd_commit(store: Store, keys: Keys, guard: Compare) -> EtcdCommitter:
+    """The :class:`EtcdCommitter` of one worker incarnation."""
+    return EtcdCommitter(store, keys, guard)

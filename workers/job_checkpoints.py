@@ -82,7 +82,8 @@ class JobCheckpoints:
             keep = int(req.keep_checkpoints) or None
             for s in self.slices:
                 self._ckpt[s] = SliceCheckpointer(self.root / s, job=req.job, slice_name=s, max_to_keep=keep,
-                                                  commit=self._committer(commit), log_fields=log_fields)
+                                                  commit=self._committer(commit), log_fields=log_fields,
+                                                  forget=self._forgetter(commit, s))
                 self._ckpt[s].protect(self.cut)
 
     def _committer(self, commit: CommitFn) -> CommitFn:
@@ -103,6 +104,15 @@ class JobCheckpoints:
                 self.log.warning("checkpoint.record_failed", step=c.step, slice=c.slice_name, error=str(exc))
             self._on_commit(c.slice_name, c.step)
         return done
+
+    def _forgetter(self, commit: CommitFn, slice_name: str) -> Callable[[int], None]:
+        def forget(step: int) -> None:
+            assert self.root is not None
+            forget_commit = getattr(commit, "forget", None)
+            if forget_commit is not None:
+                forget_commit(self.job, slice_name, step)
+            commit_record_path(self.root, slice_name, step).unlink(missing_ok=True)
+        return forget
 
     def barrier(self, slice_name: str) -> float:
         """The slice may not run instances of this step or later until it saved it (inf: no checkpoints)."""

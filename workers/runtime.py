@@ -50,6 +50,7 @@ from workers.checkpoint import CheckpointCorrupt
 from workers.job_checkpoints import CommitFn, JobCheckpoints, restore
 from workers.outlog import OutputLog
 from workers.programs import load_exported, slice_mesh
+from workers.records import InstanceRecords
 from workers.runtime_state import Inbox, Key, Leaves, NodeProgress, StateVersions, runs_at, running_steps
 from workers.transfer import NotAllowed, PeerChannels
 
@@ -131,6 +132,9 @@ class JobRuntime:
                             for n in self.nodes.values())
         self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed,
                                           log_fields={"worker": worker_id, "incarnation": self.incarnation})
+        self.records = InstanceRecords(self.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
+                                       slices=list(self._slice_nodes), start_step=start,
+                                       restored_from=min((int(r.step) for r in req.restore), default=None))
         for name, sv in self.states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self.steps)))
         self._pool = futures.ThreadPoolExecutor(max_workers=push_threads, thread_name_prefix=f"push-{self.job}")
@@ -184,8 +188,9 @@ class JobRuntime:
                 raise LoadError(f"start step {self.start_step} needs a checkpoint of slices {missing} to restore")
             try:
                 restored = restore(req)
-            except CheckpointCorrupt as exc:
-                raise RestoreError(str(exc)) from exc
+            except CheckpointCorrupt as exc:  # the executor parses slice= and step= to drop the commit
+                raise RestoreError(f"corrupt checkpoint slice={exc.commit.slice_name} step={exc.commit.step}: "
+                                   f"{exc}") from exc
         self.states: dict[str, StateVersions] = {}
         for st in req.states:
             readers = [(n.prog.every, len(n.mbs)) for n in self.nodes.values() for b in n.prog.inputs
@@ -342,6 +347,7 @@ class JobRuntime:
                 t.join(max(deadline - time.monotonic(), 0.0))
         self.checkpoints.close()
         self.outlog.close()
+        self.records.close()
         self.log.info("job.unloaded", completed=self.completed, expected=self.expected)
 
     # -- scheduling ----------------------------------------------------------------------
@@ -398,16 +404,21 @@ class JobRuntime:
                 self._cv.notify_all()
 
     def _checkpoint(self, slice_name: str, step: int, cut: dict[str, Leaves | None]) -> None:
-        """Save the slice's states as at the start of ``step``; a failure fails the job."""
-        try:
-            missing = sorted(name for name, v in cut.items() if v is None)
-            if missing:
-                raise RallypointError(f"states {missing} have no value for step {step}")
-            self.checkpoints.save(slice_name, step, {name: list(v or []) for name, v in cut.items()})
-        except Exception as exc:  # noqa: BLE001 - the job fails with it rather than run uncheckpointed
+        """Save the slice's states as at the start of ``step``.
+
+        A save that fails (storage full or read-only, say) is skipped and logged: the
+        cut stays where it was, recovery keeps using older checkpoints, and the next
+        checkpoint step tries again.
+        """
+        missing = sorted(name for name, v in cut.items() if v is None)
+        if missing:  # a bookkeeping bug: fail the job loudly
             with self._cv:
-                self._fail_job(f"checkpoint of slice {slice_name!r} at step {step}: {exc}")
+                self._fail_job(f"checkpoint of slice {slice_name!r} at step {step}: states {missing} have no value")
             return
+        try:
+            self.checkpoints.save(slice_name, step, {name: list(v or []) for name, v in cut.items()})
+        except Exception as exc:  # noqa: BLE001 - training goes on; the checkpoint just does not count
+            self.log.error("checkpoint.skipped", slice=slice_name, step=step, error=f"{type(exc).__name__}: {exc}")
         with self._cv:
             nxt = self.checkpoints.barrier(slice_name)
             for name, sv in self.states.items():
@@ -481,6 +492,7 @@ class JobRuntime:
 
     def _complete(self, n: _Node, step: int, mb: int, leaves: Leaves, compute_s: float) -> None:
         self.completed += 1
+        self.records.ran(n.prog.name, step, mb, compute_s)
         done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s)
         i = 0
         new_state = False

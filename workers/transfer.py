@@ -3,22 +3,25 @@
 (:func:`proto.codec.chunks`) on one cached channel per peer; bounded retries.
 
 Transient failures are
-retried with bounded exponential backoff (tenacity) for up to ``PUSH_RETRY_S``: the
-peer unreachable, a deadline, overload, this worker or the peer fenced (a fence
-lifts when etcd answers again and the lease is alive; FAILED_PRECONDITION is also
-what a peer's ended incarnation gets, and then the retries just run out). Anything
-else, or a push still failing after that, is logged and dropped: the coordinator
-sees the consumer stop progressing and recovers.
+retried with exponential backoff (tenacity, at most 1 s apart) until the push is
+cancelled: the peer unreachable, a deadline, overload, this worker or the peer
+fenced (a fence lifts when etcd answers again and the lease is alive, however long
+etcd was away; FAILED_PRECONDITION is also what a peer's ended incarnation gets).
+A push is cancelled when its job is unloaded or recovery moved its consumer (the
+producer's output log still holds the value and sends it to the new place), so a
+value is never dropped while its consumer may still need it. A failure that is not
+transient is logged and dropped.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
 from proto import codec
 from proto import rallypoint_pb2 as pb
@@ -26,7 +29,7 @@ from proto import rallypoint_pb2_grpc as pb_grpc
 from workers.dataplane import DataPlaneClient, DataPlaneError, Status
 
 PUSH_TIMEOUT_S = 120.0
-PUSH_RETRY_S = 30.0
+PUSH_WARN_S = 30.0  # a push still retrying is logged this often
 RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
 
@@ -81,8 +84,17 @@ class PeerChannels:
 
         where = {"to_worker": header.to.worker_id, "address": address, "consumer": header.consumer_node,
                  "arg": header.arg, "step": header.step, "microbatch": header.microbatch}
+        warned = [time.monotonic()]
+
+        def still_retrying(state: RetryCallState) -> None:
+            if time.monotonic() - warned[0] >= PUSH_WARN_S:
+                warned[0] = time.monotonic()
+                exc = state.outcome.exception() if state.outcome else None
+                log.warning("push.retrying", attempts=state.attempt_number, error=f"{type(exc).__name__}: {exc}",
+                            **where)
+
         try:
-            for tried in Retrying(retry=retry_if_exception(retryable), stop=stop_after_delay(PUSH_RETRY_S),
+            for tried in Retrying(retry=retry_if_exception(retryable), before_sleep=still_retrying,
                                   wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True):
                 with tried:
                     return attempt()

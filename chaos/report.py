@@ -1,0 +1,270 @@
+"""Reports of chaos runs: one folder per run, for people and for code.
+
+A report folder holds two files::
+
+    DIRECTORY/
+      summary.json    the run's summary as the harness recorded it (the source of truth)
+      timeline.html   a self-contained page: an inline SVG chart of the step each node
+                      reached over time, with faults and recoveries marked, then the
+                      invariants and the outcome
+
+:func:`write_report` writes both, :func:`load_report` reads ``summary.json`` back and
+:func:`format_table` renders a summary as plain text for a terminal. Each file is written
+to a temporary name and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import RallypointError
+
+SUMMARY_FILE = "summary.json"
+TIMELINE_FILE = "timeline.html"
+PHASES = ("detection", "fencing", "remap", "restore", "replay", "catch_up")
+PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939")
+EVIDENCE_CHARS = 100
+
+# Chart geometry, in SVG user units.
+_W, _H = 960, 440
+_LEFT, _RIGHT, _TOP, _BOTTOM = 60, 780, 30, 390
+
+
+class ReportError(RallypointError):
+    """A report folder is missing or its summary cannot be read."""
+
+
+def write_report(directory: Path, summary: dict[str, Any]) -> Path:
+    """Write ``summary.json`` and ``timeline.html`` for one chaos run.
+
+    Args:
+        directory: the report folder; created with its parents when absent.
+        summary: the run's summary (see the module docstring of the harness).
+
+    Returns:
+        ``directory``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_atomic(directory / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
+    _write_atomic(directory / TIMELINE_FILE, render_html(summary))
+    return directory
+
+
+def load_report(directory: Path) -> dict[str, Any]:
+    """Read back the summary of a report folder written by :func:`write_report`.
+
+    Raises:
+        ReportError: the folder or its ``summary.json`` is missing, unreadable or
+            not a JSON object; the message names the path.
+    """
+    directory = Path(directory)
+    path = directory / SUMMARY_FILE
+    if not directory.is_dir():
+        raise ReportError(f"report folder {directory} does not exist; pass the folder "
+                          f"that write_report created (it holds {SUMMARY_FILE})")
+    if not path.is_file():
+        raise ReportError(f"{path} is missing: {directory} is not a complete report "
+                          "folder; rerun the chaos scenario to write it again")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"cannot read {path}: {exc}; check its permissions") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path} is not valid JSON ({exc}); the file was damaged or "
+                          "written by something else, rerun the chaos scenario") from exc
+    if not isinstance(summary, dict):
+        raise ReportError(f"{path} holds a JSON {type(summary).__name__}, not an object; "
+                          "rerun the chaos scenario to write it again")
+    return summary
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """Render a summary as plain text: header, faults, recoveries, invariants, goodput."""
+    t0 = float(summary.get("started_at") or 0.0)
+    outcome = summary.get("outcome") or {}
+    network = (summary.get("cluster") or {}).get("network", "-")
+    state = outcome.get("state", "-")
+    header = (f"{summary.get('scenario', '?')}  seed={summary.get('seed', '-')}  "
+              f"network={network}  outcome={state} (expected {outcome.get('expected', '-')})  "
+              f"wall {_num(outcome.get('wall_s'), '.1f')}s / bound {_num(outcome.get('time_bound_s'), 'g')}s")
+    lines = [header]
+    if outcome.get("reason"):
+        lines.append(f"reason: {outcome['reason']}")
+
+    faults = summary.get("faults") or []
+    lines += ["", f"faults ({len(faults)})"]
+    lines += _table(("kind", "target", "worker", "step", "at_s", "healed_after_s"), [
+        (f.get("kind"), f.get("target"), f.get("worker"), f.get("step"),
+         _num(_since(f.get("at"), t0), ".2f"), _num(_since(f.get("healed_at"), f.get("at")), ".2f"))
+        for f in faults])
+
+    recoveries = summary.get("recoveries") or []
+    lines += ["", f"recoveries ({len(recoveries)})"]
+    lines += _table(("#", "lost", "policy", "ckpt_step", *PHASES, "mttr_s"), [
+        (r.get("recovery"), _lost(r.get("lost")), r.get("policy"), r.get("checkpoint_step"),
+         *(_num((r.get("phases") or {}).get(p), ".3f") for p in PHASES), _num(r.get("mttr_s"), ".3f"))
+        for r in recoveries])
+
+    invariants = summary.get("invariants") or []
+    lines += ["", f"invariants ({len(invariants)})"]
+    lines += _table(("name", "result", "evidence"), [
+        (i.get("name"), "OK" if i.get("ok") else "FAILED", _truncate(i.get("evidence")))
+        for i in invariants])
+
+    g = summary.get("goodput") or {}
+    m = summary.get("mttr_s") or {}
+    lines += ["", f"goodput {_num(g.get('goodput'), '.3f')}  (useful {_num(g.get('useful_device_s'), '.2f')} "
+                  f"device-s, redone {_num(g.get('redone_device_s'), '.2f')} device-s, "
+                  f"{_num(g.get('steps_per_s'), '.2f')} steps/s, fault-free wall "
+                  f"{_num(g.get('fault_free_wall_s'), '.2f')}s)",
+              f"MTTR median {_num(m.get('median'), '.3f')}s  max {_num(m.get('max'), '.3f')}s"]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(summary: dict[str, Any]) -> str:
+    """The self-contained ``timeline.html`` page of a summary."""
+    esc = html.escape
+    title = esc(str(summary.get("scenario", "chaos run")))
+    outcome = summary.get("outcome") or {}
+    rows = "".join(
+        f"<tr><td>{esc(str(i.get('name', '')))}</td>"
+        f"<td class=\"{'ok' if i.get('ok') else 'failed'}\">{'OK' if i.get('ok') else 'FAILED'}</td>"
+        f"<td>{esc(str(i.get('evidence', '')))}</td></tr>"
+        for i in summary.get("invariants") or [])
+    outcome_text = (f"{outcome.get('state', '-')} (expected {outcome.get('expected', '-')}) in "
+                    f"{_num(outcome.get('wall_s'), '.1f')}s of a {_num(outcome.get('time_bound_s'), 'g')}s bound")
+    if outcome.get("reason"):
+        outcome_text += f": {outcome['reason']}"
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+        f"<title>{title}</title><style>"
+        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;vertical-align:top}"
+        ".ok{color:#2a7f2a}.failed{color:#c00;font-weight:bold}"
+        "</style></head><body>\n"
+        f"<h1>{title}</h1>\n<p>{esc(str(summary.get('description', '')))}</p>\n"
+        f"<p>seed {esc(str(summary.get('seed', '-')))}</p>\n"
+        f"{_svg(summary)}\n"
+        f"<h2>Outcome</h2>\n<p>{esc(outcome_text)}</p>\n"
+        "<h2>Invariants</h2>\n<table><tr><th>invariant</th><th>result</th><th>evidence</th></tr>"
+        f"{rows}</table>\n</body></html>\n")
+
+
+def _svg(summary: dict[str, Any]) -> str:
+    """The inline SVG timeline: step against seconds since ``started_at``."""
+    esc = html.escape
+    t0 = float(summary.get("started_at") or 0.0)
+    progress = summary.get("progress") or []
+    faults = summary.get("faults") or []
+    recoveries = summary.get("recoveries") or []
+    ends = [_since(summary.get("ended_at"), t0) or 0.0]
+    ends += [p["t"] - t0 for p in progress]
+    ends += [_since(f.get(k), t0) or 0.0 for f in faults for k in ("at", "healed_at")]
+    ends += [(_since(r.get("detected_at"), t0) or 0.0) + (r.get("mttr_s") or 0.0) for r in recoveries]
+    x_max = max([1.0, *ends])
+    y_max = max([1, (summary.get("job") or {}).get("steps") or 0, *(p["step"] for p in progress)])
+
+    def x(t: float) -> float:
+        return _LEFT + (_RIGHT - _LEFT) * max(0.0, t) / x_max
+
+    def y(step: float) -> float:
+        return _BOTTOM - (_BOTTOM - _TOP) * step / y_max
+
+    out = [f'<svg width="{_W}" height="{_H}" viewBox="0 0 {_W} {_H}" font-size="11" '
+           'font-family="sans-serif" role="img">']
+    for i in range(6):  # axes with ticks
+        tx, sy = x_max * i / 5, y_max * i / 5
+        out.append(f'<line x1="{x(tx):.1f}" y1="{_BOTTOM}" x2="{x(tx):.1f}" y2="{_BOTTOM + 4}" stroke="#000"/>'
+                   f'<text x="{x(tx):.1f}" y="{_BOTTOM + 16}" text-anchor="middle">{tx:.3g}</text>'
+                   f'<line x1="{_LEFT - 4}" y1="{y(sy):.1f}" x2="{_RIGHT}" y2="{y(sy):.1f}" stroke="#eee"/>'
+                   f'<text x="{_LEFT - 6}" y="{y(sy) + 4:.1f}" text-anchor="end">{sy:.3g}</text>')
+    out.append(f'<line x1="{_LEFT}" y1="{_BOTTOM}" x2="{_RIGHT}" y2="{_BOTTOM}" stroke="#000"/>'
+               f'<line x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{_BOTTOM}" stroke="#000"/>'
+               f'<text x="{(_LEFT + _RIGHT) / 2}" y="{_BOTTOM + 34}" text-anchor="middle">'
+               'seconds since start</text>'
+               f'<text x="14" y="{(_TOP + _BOTTOM) / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 14 {(_TOP + _BOTTOM) / 2})">step</text>')
+    for n, r in enumerate(recoveries):
+        start = _since(r.get("detected_at"), t0) or 0.0
+        label = esc(f"recovery {r.get('recovery', n + 1)}")
+        mttr = r.get("mttr_s")
+        if mttr is None:
+            out.append(f'<line x1="{x(start):.1f}" y1="{_TOP}" x2="{x(start):.1f}" y2="{_BOTTOM}" '
+                       'stroke="#2a9d2a" stroke-width="2"/>')
+        else:
+            width = max(1.0, x(start + mttr) - x(start))
+            out.append(f'<rect x="{x(start):.1f}" y="{_TOP}" width="{width:.1f}" height="{_BOTTOM - _TOP}" '
+                       'fill="#2a9d2a" fill-opacity="0.25"/>')
+        out.append(f'<text x="{x(start) + 3:.1f}" y="{_BOTTOM - 6 - 12 * (n % 4)}" fill="#1e6e1e">{label}</text>')
+    for n, f in enumerate(faults):
+        at = _since(f.get("at"), t0) or 0.0
+        healed = _since(f.get("healed_at"), t0)
+        if healed is not None:
+            out.append(f'<rect x="{x(at):.1f}" y="{_TOP}" width="{max(1.0, x(healed) - x(at)):.1f}" '
+                       f'height="{_BOTTOM - _TOP}" fill="#d62728" fill-opacity="0.1"/>')
+        out.append(f'<line x1="{x(at):.1f}" y1="{_TOP}" x2="{x(at):.1f}" y2="{_BOTTOM}" stroke="#d62728" '
+                   'stroke-width="1.5" stroke-dasharray="5,4"/>'
+                   f'<text x="{x(at) + 3:.1f}" y="{_TOP + 12 + 12 * (n % 4)}" fill="#d62728">'
+                   f'{esc(str(f.get("kind", "")) + " " + str(f.get("target", "")))}</text>')
+    by_node: dict[str, list[tuple[float, int]]] = {}
+    for p in progress:
+        by_node.setdefault(str(p["node"]), []).append((p["t"] - t0, p["step"]))
+    for n, (node, points) in enumerate(by_node.items()):
+        colour = PALETTE[n % len(PALETTE)]
+        points.sort()
+        if len(points) == 1:
+            points.append(points[0])
+        coords = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in points)
+        out.append(f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                   f'<title>{esc(node)}</title></polyline>'
+                   f'<rect x="{_RIGHT + 20}" y="{_TOP + 16 * n}" width="12" height="12" fill="{colour}"/>'
+                   f'<text x="{_RIGHT + 38}" y="{_TOP + 16 * n + 10}">{esc(node)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Fixed-width columns, left aligned, with a rule under the header."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    if len(cells) == 1:
+        return ["  (none)"]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    fmt = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return [fmt[0], "  " + "  ".join("-" * w for w in widths), *fmt[1:]]
+
+
+def _num(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` when it is missing."""
+    if value is None:
+        return "-"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _since(t: float | None, origin: float | None) -> float | None:
+    return None if t is None or origin is None else float(t) - float(origin)
+
+
+def _lost(lost: dict[str, list[str]] | None) -> str:
+    """``{"w2": ["stage2"]}`` as ``w2->stage2``."""
+    return "; ".join(f"{w}->{','.join(map(str, s))}" for w, s in (lost or {}).items()) or "-"
+
+
+def _truncate(text: Any, limit: int = EVIDENCE_CHARS) -> str:
+    flat = " ".join(str(text or "").split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,73 @@
+"""Instance records: one line per instance a runtime ran, written where the job's checkpoints live.
+
+Evidence for the chaos harness's "every step applied exactly once per node"
+(chaos/invariants.py) that outlives any process: the worker that ran an instance
+writes its record, so a lost coordinator or worker loses none that were written.
+Each loaded runtime writes ``<run>/instances/<worker>-<incarnation>-<token>.jsonl``:
+a first line describing the runtime (worker, incarnation, slices, the step it
+started from and the checkpoint step it restored), then one line per instance
+``{"n": node, "s": step, "m": microbatch, "t": unix time, "c": compute seconds}``.
+Lines are written unbuffered (a SIGKILL loses none already written); a run without
+a checkpoint directory keeps no records.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+
+class InstanceRecords:
+    """The record file of one runtime (or nothing when ``run_dir`` is None)."""
+
+    def __init__(self, run_dir: Path | None, *, worker: str, incarnation: int, slices: Sequence[str], start_step: int,
+                 restored_from: int | None) -> None:
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        if run_dir is None:
+            return
+        path = run_dir / "instances" / f"{worker}-{incarnation}-{uuid.uuid4().hex[:8]}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._write({"runtime": path.stem, "worker": worker, "incarnation": incarnation, "slices": list(slices),
+                     "start_step": start_step, "restored_from": restored_from, "loaded_at": time.time()})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def ran(self, node: str, step: int, microbatch: int, compute_s: float) -> None:
+        self._write({"n": node, "s": step, "m": microbatch, "t": round(time.time(), 4), "c": round(compute_s, 6)})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every runtime's records under ``run_dir``: ``{**header, "instances": [...]}``, in load order."""
+    runtimes = []
+    for path in sorted((run_dir / "instances").glob("*.jsonl")):
+        lines = path.read_text().splitlines()
+        if not lines:
+            continue
+        try:
+            header = json.loads(lines[0])
+        except ValueError:
+            continue
+        instances = []
+        for line in lines[1:]:
+            try:
+                instances.append(json.loads(line))
+            except ValueError:
+                break  # a line cut short by a kill: the instance did not count as recorded
+        runtimes.append({**header, "instances": instances})
+    return sorted(runtimes, key=lambda r: r["loaded_at"])
