@@ -44,3 +44,129 @@ def check_exclusive_device_leases(events: Iterable[WatchEvent]) -> list[Violatio
         else:
             held.pop(key, None)
     return violations
+
+
+# -- the chaos suite's invariants (chaos/runner.py gathers the evidence) ------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One invariant's verdict, with the evidence a person can check."""
+
+    name: str
+    ok: bool
+    evidence: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "ok": self.ok, "evidence": self.evidence}
+
+
+def check_digest(got: str | None, expected: str) -> Check:
+    """1. The final state is bitwise the fault-free run's."""
+    if not got:
+        return Check("final-state-digest", False, f"the job produced no final state; fault-free digest {expected}")
+    return Check("final-state-digest", got == expected,
+                 f"digest {got} {'==' if got == expected else '!='} fault-free {expected} (bitwise; no scenario "
+                 "changes device counts, so no tolerance applies)")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    slice: str
+    every: int
+    per_microbatch: bool
+
+
+def _instances(node: str, info: NodeInfo, start: int, stop: int, microbatches: int) -> set[tuple[str, int, int]]:
+    first = -(-start // info.every) * info.every
+    mbs = range(microbatches) if info.per_microbatch else (-1,)
+    return {(node, s, m) for s in range(first, stop, info.every) for m in mbs}
+
+
+def check_applied_once(runtimes: list[dict], nodes: dict[str, NodeInfo], *, microbatches: int, steps: int) -> Check:
+    """2. Every step applied exactly once per node, from the workers' instance records.
+
+    Per slice, the runtimes that held it form a lineage in load order. Each must
+    start at step 0 or at the checkpoint step it restored (anything else skips or
+    repeats state updates); none may run an instance twice; and each must run every
+    instance of its slice's nodes from its start up to where the next runtime of the
+    slice took over (the end of the job for the last). Work a lost runtime did past
+    that point was thrown away with it and is not counted.
+    """
+    problems: list[str] = []
+    slices = sorted({i.slice for i in nodes.values()})
+    runs_checked = 0
+    for s in slices:
+        lineage = [r for r in runtimes if s in r.get("slices", ())]
+        if not lineage:
+            problems.append(f"slice {s}: no runtime recorded any instance")
+            continue
+        if lineage[0]["start_step"] != 0:
+            problems.append(f"slice {s}: the first runtime {lineage[0]['runtime']} started at step "
+                            f"{lineage[0]['start_step']}, not 0")
+        for i, r in enumerate(lineage):
+            runs_checked += 1
+            start = int(r["start_step"])
+            if start > 0 and r.get("restored_from") != start:
+                problems.append(f"slice {s}: runtime {r['runtime']} started at step {start} but restored the "
+                                f"checkpoint of step {r.get('restored_from')}: the steps between were not applied")
+            mine = [(x["n"], int(x["s"]), int(x["m"])) for x in r["instances"] if x["n"] in nodes
+                    and nodes[x["n"]].slice == s]
+            seen: set[tuple[str, int, int]] = set()
+            for key in mine:
+                if key in seen:
+                    problems.append(f"slice {s}: runtime {r['runtime']} ran {key[0]} step {key[1]} microbatch "
+                                    f"{key[2]} twice")
+                seen.add(key)
+            stop = int(lineage[i + 1]["start_step"]) if i + 1 < len(lineage) else steps
+            want: set[tuple[str, int, int]] = set()
+            for n, info in nodes.items():
+                if info.slice == s:
+                    want |= _instances(n, info, start, stop, microbatches)
+            missing = sorted(want - seen, key=lambda k: (k[1], k[0], k[2]))
+            if missing:
+                shown = ", ".join(f"{n}@{st}/{m}" for n, st, m in missing[:5])
+                problems.append(f"slice {s}: runtime {r['runtime']} (steps {start}..{stop}) never ran "
+                                f"{len(missing)} instances: {shown}{' ...' if len(missing) > 5 else ''}")
+    if problems:
+        return Check("applied-exactly-once", False, "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+    return Check("applied-exactly-once", True, f"{runs_checked} runtimes over {len(slices)} slices: every instance of "
+                 f"steps 0..{steps - 1} applied once along each slice's lineage")
+
+
+def check_lease_history(events: list[WatchEvent], complete: bool) -> Check:
+    """3. No physical device leased to two holders at once (the etcd watch history of the whole run)."""
+    bad = check_exclusive_device_leases(events)
+    if bad:
+        v = bad[0]
+        return Check("exclusive-device-leases", False, f"{len(bad)} violations; first at revision {v.revision} on "
+                     f"{v.key}: {v.detail}")
+    note = "" if complete else " (the history has a gap: the watch was compacted)"
+    return Check("exclusive-device-leases", complete, f"{len(events)} lease changes, never two holders{note}")
+
+
+def check_checkpoints(results: list[tuple[str, int, str | None]]) -> Check:
+    """4. Every committed checkpoint restores and matches its checksum: ``(slice, step, error or None)``."""
+    bad = [(s, st, e) for s, st, e in results if e]
+    if bad:
+        s, st, e = bad[0]
+        return Check("committed-checkpoints-restore", False, f"{len(bad)} of {len(results)} commits do not restore; "
+                     f"first {s}@{st}: {e}")
+    return Check("committed-checkpoints-restore", True, f"{len(results)} commits restore with their checksums")
+
+
+def check_outcome(state: str, reason: str, wall_s: float, *, expect: str, expect_reason: str,
+                  time_bound_s: float) -> Check:
+    """5. The job finished within the time bound, or failed with the reason the scenario expects."""
+    import re
+
+    if state != expect:
+        return Check("outcome", False, f"expected {expect}, got {state} after {wall_s:.1f}s"
+                     + (f": {reason}" if reason else ""))
+    if expect == "failed" and expect_reason and not re.search(expect_reason, reason):
+        return Check("outcome", False, f"failed as expected, but the reason {reason!r} does not match "
+                     f"{expect_reason!r}")
+    if wall_s > time_bound_s:
+        return Check("outcome", False, f"{state} after {wall_s:.1f}s, past the bound of {time_bound_s:.0f}s")
+    return Check("outcome", True, f"{state} in {wall_s:.1f}s (bound {time_bound_s:.0f}s)"
+                 + (f": {reason}" if reason else ""))

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import click
 
+from chaos import cli as chaos_cli
 from client import jobs_cli
 from client.clusters import DEFAULT_STATE_DIR, cluster_options, parse_cluster, resolve_cluster, store_and_keys
 from orchestrator.errors import ConfigError, RallypointError
@@ -393,15 +394,22 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 @click.option("--port", type=int, default=0, help="gRPC port (0: a free one).")
 @click.option("--register-timeout-s", type=float, default=30.0, show_default=True,
               help="How long to wait for an older incarnation of this id to expire.")
+@click.option("--data-port", type=int, default=0, help="Data-plane port (0: a free one).")
+@click.option("--advertise-address", default="", metavar="HOST:PORT",
+              help="Where others reach the gRPC server, if not where it binds (e.g. behind a proxy).")
+@click.option("--advertise-data-address", default="", metavar="HOST:PORT",
+              help="Where others reach the data plane, if not where it binds.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
-           register_timeout_s: float) -> None:
+           register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str) -> None:
     """Run the worker daemon (one per accelerator host)."""
     from workers.daemon import WorkerConfig, WorkerDaemon
 
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     cfg = WorkerConfig(cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
-                       lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s)
+                       lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
+                       data_port=data_port, advertise_address=advertise_address,
+                       advertise_data_address=advertise_data_address)
     d = WorkerDaemon(cfg)
     _run_daemon(d.start, d.run, d.request_stop, d.stop)
 
@@ -410,20 +418,22 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
 @_daemon_options
 @click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
               "(shared by every worker; empty: such jobs run without checkpoints).")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str) -> None:
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str) -> None:
     """Run a coordinator (several run; one leads)."""
     from orchestrator.coordinator import Coordinator, CoordinatorConfig
 
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
-                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir))
+                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host))
     done = threading.Event()
     _run_daemon(lambda: None, c.run, c.stop, done.set)
 
 
 main.add_command(jobs_cli.status)
 main.add_command(jobs_cli.resume)
+main.add_command(chaos_cli.chaos)  # the top of the layers: the CLI drives the chaos harness too
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ Layout of a run's checkpoint root: ``<root>/<slice>/<step>/`` (plain Orbax steps
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -31,6 +32,10 @@ from orchestrator.commits import CheckpointCommit, commit_record_path
 from workers.checkpoint import SliceCheckpointer, States, restore_commit
 
 CommitFn = Callable[[CheckpointCommit], None]
+
+STORAGE_FLAG_ENV = "RALLYPOINT_FAULT_STORAGE_FLAG"
+"""Fault injection (chaos/storage.py without root): while the file this names exists,
+every checkpoint save fails with the errno written in it (ENOSPC or EROFS)."""
 
 COMMIT_DELAY_ENV = "RALLYPOINT_FAULT_COMMIT_DELAY_S"
 """Fault injection for tests and the chaos harness: seconds each commit waits after
@@ -128,6 +133,10 @@ class JobCheckpoints:
     def save(self, slice_name: str, step: int, states: States) -> None:
         """Save ``states`` as the slice's checkpoint at ``step`` (asynchronous past the host copy)."""
         self.next[slice_name] = step + self.every
+        flag = os.environ.get(STORAGE_FLAG_ENV)
+        if flag and os.path.exists(flag):
+            code = getattr(errno, Path(flag).read_text().strip() or "EIO", errno.EIO)
+            raise OSError(code, f"{os.strerror(code)} (injected by {STORAGE_FLAG_ENV})", str(self.root))
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)
             return

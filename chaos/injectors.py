@@ -1,0 +1,286 @@
+"""Fault injectors: each fires one real fault on the embedded local cluster and counts it.
+
+Every injector is a method of :class:`Injectors` named after the fault's kind (see
+:data:`chaos.scenario.KINDS`). It fires the fault, returns a record of what it did
+(the worker, pid, signal, member, path ...) and, for faults with a duration, a
+``heal`` callable the scheduler runs when the duration is over. ``fired`` and
+``healed`` count per kind what actually happened.
+
+* ``kill``: SIGKILL of the worker process holding the target (a slice, a node's
+  slice, or a worker by name). ``hang``: SIGSTOP, SIGCONT when healed; the worker's
+  lease expires meanwhile, so the woken process is a zombie that must be refused:
+  the heal records whether it came back as a new incarnation. ``straggler``: a
+  stop/continue duty cycle (stopped half of every 0.2 s) for the duration.
+* ``partition``: the worker's network cut while its process lives
+  (:mod:`chaos.network`: network namespaces when root, else loopback proxies).
+* ``leader_kill`` / ``leader_hang``: SIGKILL / SIGSTOP of the leader coordinator.
+* ``etcd_kill``: SIGKILL of one etcd member (of three; the job goes on).
+  ``etcd_quorum``: SIGKILL of two members, restarted from their data when healed.
+* ``corrupt_checkpoint`` / ``truncate_checkpoint``: overwrite bytes in (or cut in
+  half) the largest file of the target slice's newest committed checkpoint, then
+  SIGKILL its worker so that a recovery has to restore it.
+* ``disk_full`` / ``disk_readonly``: the checkpoint directory fills up or turns
+  read-only (:class:`chaos.storage.Storage`: a small tmpfs when root, else an error
+  injected at the storage layer).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos.scenario import FaultSpec
+from orchestrator.commits import read_commits
+from orchestrator.errors import RallypointError
+from orchestrator.local_cluster import LocalCluster
+
+Heal = Callable[[], dict[str, Any]]
+
+
+class InjectionError(RallypointError):
+    """A fault could not be fired (its target is unknown or already gone)."""
+
+
+@dataclass
+class Target:
+    """What the injectors act on: the cluster, the job's placement, and the optional controls."""
+
+    lc: LocalCluster
+    job: str
+    node_slice: dict[str, str]
+    placement: dict[str, str] = field(default_factory=dict)  # slice -> worker, kept current from job events
+    network: Any = None  # chaos.network partition control, when the scenario partitions
+    storage: Any = None  # chaos.storage.Storage, when the scenario fills or freezes the disk
+
+    def worker_of(self, target: str) -> str:
+        if target in self.placement:
+            return self.placement[target]
+        if target in self.node_slice and self.node_slice[target] in self.placement:
+            return self.placement[self.node_slice[target]]
+        if any(p.name == target and p.role == "worker" for p in self.lc.processes):
+            return target
+        raise InjectionError(f"fault target {target!r} is neither a placed slice, a node nor a worker "
+                             f"(placement: {self.placement})")
+
+    def slice_of(self, target: str) -> str:
+        if target in self.placement:
+            return target
+        if target in self.node_slice:
+            return self.node_slice[target]
+        by_worker = [s for s, w in self.placement.items() if w == target]
+        if by_worker:
+            return sorted(by_worker)[0]
+        raise InjectionError(f"fault target {target!r} names no slice of the job")
+
+    def leader(self) -> str:
+        store = self.lc.store()
+        try:
+            kv = store.get(self.lc.keys.leader)
+        finally:
+            store.close()
+        if kv is None:
+            raise InjectionError("the cluster has no leader coordinator right now")
+        return str(kv.json()["coordinator"])
+
+    def incarnation(self, worker: str) -> int | None:
+        store = self.lc.store()
+        try:
+            kv = store.get(self.lc.keys.worker(worker))
+        finally:
+            store.close()
+        return None if kv is None else kv.create_revision
+
+
+class Injectors:
+    """Fires faults on a :class:`Target`; ``fired`` / ``healed`` count them per kind."""
+
+    def __init__(self, target: Target) -> None:
+        self.t = target
+        self.fired: Counter[str] = Counter()
+        self.healed: Counter[str] = Counter()
+
+    def fire(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        """Fire one fault. Raises :class:`InjectionError` when it cannot be fired."""
+        fn = getattr(self, spec.kind, None)
+        if fn is None:
+            raise InjectionError(f"no injector for fault kind {spec.kind!r}")
+        detail, heal = fn(spec)
+        self.fired[spec.kind] += 1
+        if heal is None:
+            return detail, None
+
+        def counted() -> dict[str, Any]:
+            out = heal()
+            self.healed[spec.kind] += 1
+            return out
+
+        return detail, counted
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _signal(self, name: str, sig: int) -> int:
+        rec = self.t.lc.process(name)
+        os.kill(rec.pid, sig)
+        return rec.pid
+
+    def kill(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        w = self.t.worker_of(spec.target)
+        return {"worker": w, "pid": self._signal(w, signal.SIGKILL), "signal": "SIGKILL"}, None
+
+    def hang(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        w = self.t.worker_of(spec.target)
+        incarnation = self.t.incarnation(w)
+        pid = self._signal(w, signal.SIGSTOP)
+
+        def heal() -> dict[str, Any]:
+            os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            now = self.t.incarnation(w)
+            while now in (None, incarnation) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                now = self.t.incarnation(w)
+            return {"signal": "SIGCONT", "incarnation_before": incarnation, "incarnation_after": now,
+                    "zombie_refused": now is not None and now != incarnation}
+
+        return {"worker": w, "pid": pid, "signal": "SIGSTOP", "incarnation": incarnation}, heal
+
+    def straggler(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        w = self.t.worker_of(spec.target)
+        pid = self.t.lc.process(w).pid
+        stop = threading.Event()
+        cycles = [0]
+
+        def duty() -> None:
+            while not stop.is_set():
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(0.1)
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    return
+                cycles[0] += 1
+                stop.wait(0.1)
+
+        thread = threading.Thread(target=duty, name=f"straggler-{w}", daemon=True)
+        thread.start()
+
+        def heal() -> dict[str, Any]:
+            stop.set()
+            thread.join()
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            return {"cycles": cycles[0]}
+
+        return {"worker": w, "pid": pid, "duty": "stopped 0.1 s of every 0.2 s"}, heal
+
+    def partition(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        if self.t.network is None:
+            raise InjectionError("this cluster was not started partitionable (no network control)")
+        w = self.t.worker_of(spec.target)
+        self.t.network.partition(w)
+
+        def heal() -> dict[str, Any]:
+            self.t.network.heal(w)
+            return {"healed": w}
+
+        return {"worker": w, "mode": self.t.network.mode}, heal
+
+    # -- coordinators and etcd -------------------------------------------------------------------
+
+    def leader_kill(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        leader = self.t.leader()
+        return {"coordinator": leader, "pid": self._signal(leader, signal.SIGKILL), "signal": "SIGKILL"}, None
+
+    def leader_hang(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        leader = self.t.leader()
+        pid = self._signal(leader, signal.SIGSTOP)
+
+        def heal() -> dict[str, Any]:
+            os.kill(pid, signal.SIGCONT)
+            return {"signal": "SIGCONT"}
+
+        return {"coordinator": leader, "pid": pid, "signal": "SIGSTOP"}, heal
+
+    def _etcd(self) -> Any:
+        if self.t.lc.etcd is None or len(self.t.lc.etcd.members) < 3:
+            raise InjectionError("etcd faults need the embedded etcd with 3 members, started by this process")
+        return self.t.lc.etcd
+
+    def etcd_kill(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        etcd = self._etcd()
+        i = int(spec.target) if spec.target.isdigit() else len(etcd.members) - 1
+        etcd.kill_member(i)
+        return {"member": etcd.members[i].name, "signal": "SIGKILL"}, None
+
+    def etcd_quorum(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        etcd = self._etcd()
+        victims = [1, 2]
+        for i in victims:
+            etcd.kill_member(i)
+
+        def heal() -> dict[str, Any]:
+            for i in victims:
+                etcd.start_member(i)
+            return {"restarted": [etcd.members[i].name for i in victims]}
+
+        return {"members": [etcd.members[i].name for i in victims], "signal": "SIGKILL"}, heal
+
+    # -- storage ---------------------------------------------------------------------------------
+
+    def _newest_commit(self, slice_name: str) -> Any:
+        store = self.t.lc.store()
+        try:
+            commits = read_commits(store, self.t.lc.keys, self.t.job).get(slice_name, [])
+        finally:
+            store.close()
+        if not commits:
+            raise InjectionError(f"slice {slice_name!r} has no committed checkpoint yet")
+        return commits[-1]
+
+    def _damage(self, spec: FaultSpec, how: str) -> tuple[dict[str, Any], Heal | None]:
+        s = self.t.slice_of(spec.target)
+        c = self._newest_commit(s)
+        files = [p for p in Path(c.path).rglob("*") if p.is_file()]
+        if not files:
+            raise InjectionError(f"the checkpoint at {c.path} has no files")
+        f = max(files, key=lambda p: p.stat().st_size)
+        data = bytearray(f.read_bytes())
+        if how == "corrupt":
+            mid = len(data) // 2
+            data[mid: mid + 64] = bytes(b ^ 0xFF for b in data[mid: mid + 64])
+        else:
+            data = data[: len(data) // 2]
+        f.write_bytes(bytes(data))
+        w = self.t.worker_of(s)
+        pid = self._signal(w, signal.SIGKILL)  # a recovery now has to restore it
+        return {"slice": s, "step": c.step, "file": str(f), "how": how, "worker": w, "pid": pid}, None
+
+    def corrupt_checkpoint(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        return self._damage(spec, "corrupt")
+
+    def truncate_checkpoint(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        return self._damage(spec, "truncate")
+
+    def _storage(self) -> Any:
+        if self.t.storage is None:
+            raise InjectionError("this cluster's checkpoint directory is not under storage control")
+        return self.t.storage
+
+    def disk_full(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        st = self._storage()
+        detail = st.fill()
+        return detail, st.unfill
+
+    def disk_readonly(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        st = self._storage()
+        detail = st.freeze()
+        return detail, st.thaw

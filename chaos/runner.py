@@ -1,0 +1,390 @@
+"""Running a chaos scenario: the job under real faults, the evidence, the invariants, the report.
+
+:func:`run_scenario` starts an embedded local cluster as the scenario describes
+(partitionable when it partitions, with a controlled checkpoint directory when it
+fills or freezes the disk), records the etcd watch history of device leases,
+submits the job and fires the scheduled faults as the job reaches their steps or
+times, follows the job through leader losses (an operator's ``rallypoint resume`` on
+the new leader, done by the harness and reported), then checks the invariants of
+:mod:`chaos.invariants` against a fault-free run of the same job (the in-process
+reference, bitwise equal to a fault-free cluster run) and writes the report
+(:mod:`chaos.report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from chaos.injectors import InjectionError, Injectors, Target
+from chaos.invariants import (Check, NodeInfo, check_applied_once, check_checkpoints, check_digest,
+                              check_lease_history, check_outcome)
+from chaos.report import write_report
+from chaos.scenario import FaultSpec, Scenario
+from chaos.storage import Storage
+from orchestrator.commits import read_commits
+from orchestrator.errors import RallypointError, StoreError, WatchCompacted
+from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
+from orchestrator.recovery_controller import BREAK_REPLAY_ENV
+from orchestrator.store import EtcdStore, WatchEvent
+from proto import rallypoint_pb2 as pb
+from workers.checkpoint import CheckpointCorrupt, restore_commit
+from workers.records import read_records
+
+RESUMES = 5  # leader losses the harness resumes the job through
+
+
+class LeaseHistory:
+    """Every change under ``leases/`` from now on, recorded live (re-watching across etcd outages)."""
+
+    def __init__(self, endpoints: list[str], prefix: str) -> None:
+        self.events: list[WatchEvent] = []
+        self.complete = True
+        self._prefix, self._stop = prefix, threading.Event()
+        self._store = EtcdStore(endpoints)
+        self._next = self._store.get_prefix(prefix)[1] + 1
+        self._watch: Any = None
+        self._thread = threading.Thread(target=self._run, name="lease-history", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._watch = self._store.watch_prefix(self._prefix, self._next)
+                for batch in self._watch:
+                    self.events.extend(batch.events)
+                    self._next = max(self._next, batch.revision + 1)
+                    if self._stop.is_set():
+                        return
+            except WatchCompacted:
+                self.complete = False
+                self._next = self._store.get_prefix(self._prefix)[1] + 1
+            except (StoreError, ValueError):
+                self._stop.wait(0.5)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        self._thread.join(timeout=5)
+        self._store.close()
+
+
+class ScenarioRun:
+    """One run of a scenario (see the module doc)."""
+
+    def __init__(self, scenario: Scenario, compiled: Any, *, say: Callable[[dict[str, Any]], None],
+                 break_replay: bool = False) -> None:
+        self.s, self.compiled, self.say = scenario, compiled, say
+        self.program = compiled.program
+        self.break_replay = break_replay
+        self.completed = 0
+        self.done = threading.Event()
+        self.faults: list[dict[str, Any]] = []
+        self.recoveries: dict[tuple[int, float], dict[str, Any]] = {}
+        self.resumes: list[dict[str, Any]] = []
+        self.outcome: dict[str, Any] = {"state": "failed", "reason": "not run"}
+        self.detail: dict[str, Any] = {}
+        self._channel: grpc.Channel | None = None
+        self._last_event = time.monotonic()
+
+    # -- the job --------------------------------------------------------------------------
+
+    def _on_event(self, ev: pb.JobEvent) -> None:
+        self._last_event = time.monotonic()
+        detail = json.loads(ev.detail or "{}")
+        if ev.event in ("job.placed", "job.recovered"):
+            where = detail.get("placement", detail)
+            self.target.placement.update({s: p["worker"] for s, p in where.items()
+                                          if isinstance(p, dict) and "worker" in p})
+        if ev.event == "step.done":
+            self.completed = max(self.completed, int(ev.step) + 1)
+        elif ev.event == "job.recovered":
+            self.recoveries[(detail["recovery"], detail["detected_at"])] = detail
+            self.say({"event": "chaos.recovered", "recovery": detail["recovery"], "lost": detail["lost"],
+                      "checkpoint_step": detail["checkpoint_step"]})
+        elif ev.event == "job.resumed":
+            self.completed = max(self.completed, int(ev.step))
+
+    def _follow(self, spec: pb.JobSpec) -> None:
+        """Submit, then follow the job to its end through leader losses."""
+        from client.submit import leader_stream
+
+        lc = self.lc
+        call: Callable[[Any], Any] = lambda stub: stub.SubmitJob(spec)  # noqa: E731
+        for attempt in range(RESUMES + 1):
+            try:
+                _, events, self._channel = leader_stream(lc.endpoints, lc.keys.cluster, call, wait_s=60)
+                for ev in events:
+                    self._on_event(ev)
+                    if ev.event in ("job.finished", "job.failed"):
+                        self.detail = json.loads(ev.detail or "{}")
+                        state = "finished" if ev.event == "job.finished" else "failed"
+                        reason = self.detail.get("reason", "")
+                        if state == "failed" and "lost its leadership" in reason and attempt < RESUMES:
+                            break  # the old leader woke up deposed: the job goes on through resume
+                        self.outcome = {"state": state, "reason": reason}
+                        return
+            except (grpc.RpcError, RallypointError) as exc:
+                code = exc.code().name if isinstance(exc, grpc.RpcError) else ""
+                if self.done.is_set():
+                    return
+                self.say({"event": "chaos.stream_lost", "error": f"{code} {exc}"[:300]})
+            finally:
+                if self._channel is not None:
+                    self._channel.close()
+            if self.done.is_set():
+                return
+            leader_faults = [f for f in self.faults if f["kind"] in ("leader_kill", "leader_hang")]
+            if not leader_faults:
+                self.outcome = {"state": "failed", "reason": "the coordinator's event stream ended without a result"}
+                return
+            self.resumes.append({"at": time.time(), "step": self.completed})
+            self.say({"event": "chaos.resume", "job": spec.job, "after_step": self.completed})
+            call = lambda stub: stub.ResumeJob(pb.ResumeRequest(job=spec.job))  # noqa: E731
+        self.outcome = {"state": "failed", "reason": f"still not finished after {RESUMES} resumes"}
+
+    def _watchdog(self, t0: float) -> None:
+        """Cancel the stream past the time bound, or when a new leader took over a silent job."""
+        store = self.lc.store()
+        term = None
+        try:
+            while not self.done.wait(0.5):
+                if time.monotonic() - t0 > self.s.time_bound_s * 1.5 + 30:
+                    self.outcome = {"state": "failed", "reason": f"timed out after {time.monotonic() - t0:.0f}s"}
+                    self.done.set()
+                    if self._channel is not None:
+                        self._channel.close()
+                    return
+                try:
+                    kv = store.get(self.lc.keys.leader)
+                except StoreError:
+                    continue
+                now = kv.create_revision if kv else None
+                if term is None:
+                    term = now
+                elif now is not None and now != term:
+                    term = now
+                    if time.monotonic() - self._last_event > 1.0 and self._channel is not None:
+                        self._channel.close()  # the hung leader's stream stays open: switch to the new one
+        finally:
+            store.close()
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def _scheduler(self, schedule: list[FaultSpec], t0: float) -> None:
+        pending = sorted(schedule, key=lambda f: (f.at_s if f.at_s is not None else 0.0, f.at_step or 0))
+        heals: list[tuple[float, dict[str, Any], Callable[[], dict[str, Any]]]] = []
+        try:
+            while not self.done.is_set() and (pending or heals):
+                now = time.monotonic() - t0
+                for f in [f for f in pending if (f.at_step is not None and self.completed >= f.at_step)
+                          or (f.at_s is not None and now >= f.at_s)]:
+                    pending.remove(f)
+                    rec: dict[str, Any] = {"kind": f.kind, "target": f.target, "origin": f.origin, "at": time.time(),
+                                           "step": self.completed, "healed_at": None, "scheduled": f.describe()}
+                    try:
+                        detail, heal = self.injectors.fire(f)
+                        rec["worker"] = detail.get("worker", detail.get("coordinator", ""))
+                        rec["detail"] = detail
+                        if heal is not None:
+                            heals.append((time.monotonic() + f.duration_s, rec, heal))
+                    except (InjectionError, OSError, RallypointError) as exc:
+                        rec["error"] = str(exc)
+                    self.faults.append(rec)
+                    self.say({"event": "chaos.fault", **{k: v for k, v in rec.items() if k != "detail"}})
+                for h in [h for h in heals if time.monotonic() >= h[0]]:
+                    heals.remove(h)
+                    self._heal(*h[1:])
+                self.done.wait(0.05)
+        finally:
+            for _, rec, heal in heals:  # the job ended first: undo what is still in force
+                self._heal(rec, heal)
+
+    def _heal(self, rec: dict[str, Any], heal: Callable[[], dict[str, Any]]) -> None:
+        try:
+            rec["detail"] = {**rec.get("detail", {}), **heal()}
+        except (OSError, RallypointError) as exc:
+            rec["detail"] = {**rec.get("detail", {}), "heal_error": str(exc)}
+        rec["healed_at"] = time.time()
+        self.say({"event": "chaos.healed", "kind": rec["kind"], "target": rec["target"]})
+
+    # -- the whole run ------------------------------------------------------------------------
+
+    def run(self, state_dir: Path) -> dict[str, Any]:
+        from client.jobspec import job_spec
+        from client.reference import ReferenceExecutor
+
+        s, program = self.s, self.program
+        t_ref = time.perf_counter()
+        reference = ReferenceExecutor(self.compiled).run()
+        fault_free_wall = time.perf_counter() - t_ref
+        schedule = s.schedule(list(program.slices))
+        network = None
+        storage = Storage(state_dir / "checkpoints") if {"disk_full", "disk_readonly"} & s.kinds else None
+        config = LocalClusterConfig(
+            state_dir=state_dir, workers=s.workers or len(program.slices), spares=s.spares,
+            devices_per_worker=s.devices_per_worker or max(sl.devices for sl in program.slices.values()),
+            coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s)
+        env = {**(storage.env if storage else {}), **({BREAK_REPLAY_ENV: "1"} if self.break_replay else {})}
+        old_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            if "partition" in s.kinds:
+                from chaos.network import start_partitionable_cluster
+
+                self.lc, network = start_partitionable_cluster(config)
+            else:
+                self.lc = LocalCluster.start(config)
+        finally:
+            for k, v in old_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        lc = self.lc
+        self.target = Target(lc, program.name, {n: sp.slice for n, sp in program.nodes.items()},
+                             network=network, storage=storage)
+        self.injectors = Injectors(self.target)
+        history = LeaseHistory(lc.endpoints, lc.keys.leases)
+        started = time.time()
+        t0 = time.monotonic()
+        try:
+            spec = job_spec(self.compiled, window=s.window, policy=s.policy, checkpoint_every=s.checkpoint_every,
+                            on_no_spare="wait", wait_timeout_s=min(60.0, s.time_bound_s))
+            threads = [threading.Thread(target=self._scheduler, args=(schedule, t0), daemon=True),
+                       threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]
+            for th in threads:
+                th.start()
+            self._follow(spec)
+            wall = time.monotonic() - t0
+            self.done.set()
+            for th in threads:
+                th.join(timeout=30)
+            evidence = self._evidence()
+        finally:
+            self.done.set()
+            history.close()
+            lc.stop()
+            if network is not None:
+                network.close()
+            if storage is not None:
+                storage.close()
+        checks = [
+            check_digest(self.detail.get("state_digest") if self.outcome["state"] == "finished" else None,
+                         reference.state_digest),
+            check_applied_once(evidence["runtimes"], {n: NodeInfo(sp.slice, sp.every, sp.per == "microbatch")
+                                                      for n, sp in program.nodes.items()},
+                               microbatches=program.microbatches, steps=program.steps),
+            check_lease_history(history.events, history.complete),
+            check_checkpoints(evidence["commits"]),
+            check_outcome(self.outcome["state"], self.outcome.get("reason", ""), wall, expect=s.expect_outcome,
+                          expect_reason=s.expect_reason, time_bound_s=s.time_bound_s),
+        ]
+        if s.expect_outcome == "failed":  # the state of a job expected to fail is not compared
+            checks[0] = Check("final-state-digest", True, "not compared: the scenario expects the job to fail")
+            checks[1] = Check("applied-exactly-once", True, "not checked: the scenario expects the job to fail")
+        return self._summary(started, wall, fault_free_wall, checks, evidence, network, storage)
+
+    def _evidence(self) -> dict[str, Any]:
+        store = self.lc.store()
+        try:
+            record = store.get(self.lc.keys.job(self.program.name))
+            commits = read_commits(store, self.lc.keys, self.program.name)
+        finally:
+            store.close()
+        run_dir = Path(record.json()["run_dir"]) if record and record.json().get("run_dir") else None
+        results: list[tuple[str, int, str | None]] = []
+        for sl, cs in sorted(commits.items()):
+            for c in cs:
+                try:
+                    restore_commit(c)
+                    results.append((sl, c.step, None))
+                except CheckpointCorrupt as exc:
+                    results.append((sl, c.step, str(exc)))
+        runtimes = read_records(run_dir) if run_dir else []
+        return {"commits": results, "runtimes": runtimes, "record": record.json() if record else {}}
+
+    def _summary(self, started: float, wall: float, fault_free_wall: float, checks: list[Check],
+                 evidence: dict[str, Any], network: Any, storage: Any) -> dict[str, Any]:
+        s, program = self.s, self.program
+        total = useful = 0.0
+        seen: set[tuple[str, int, int]] = set()
+        progress: list[dict[str, Any]] = []
+        for r in evidence["runtimes"]:
+            for x in r["instances"]:
+                total += x["c"]
+                key = (x["n"], x["s"], x["m"])
+                if key not in seen:
+                    seen.add(key)
+                    useful += x["c"]
+                progress.append({"t": x["t"], "node": x["n"], "step": x["s"]})
+        progress.sort(key=lambda p: p["t"])
+        per_node: dict[str, list[dict[str, Any]]] = {}
+        for p in progress:
+            per_node.setdefault(p["node"], []).append(p)
+        thinned = [p for pts in per_node.values() for p in pts[:: max(1, len(pts) // 300)]]
+        recoveries = sorted({**self.recoveries, **{(r["recovery"], r["detected_at"]): r
+                                                   for r in self.detail.get("recoveries", [])}}.values(),
+                            key=lambda r: r["detected_at"])
+        mttrs = [r["mttr_s"] for r in recoveries if r.get("mttr_s") is not None]
+        return {
+            "scenario": s.name, "description": s.description, "seed": s.seed, "started_at": started,
+            "ended_at": time.time(),
+            "job": {"name": program.name, "steps": program.steps, "policy": s.policy,
+                    "checkpoint_every": s.checkpoint_every or program.checkpoint_every},
+            "cluster": {"workers": s.workers or len(program.slices), "spares": s.spares,
+                        "devices_per_worker": s.devices_per_worker or 1, "etcd_members": s.etcd_members,
+                        "network": network.mode if network is not None else "loopback",
+                        "storage": storage.mode if storage is not None else "local disk"},
+            "outcome": {**self.outcome, "wall_s": round(wall, 3), "expected": s.expect_outcome,
+                        "time_bound_s": s.time_bound_s},
+            "faults": self.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
+            "resumes": self.resumes, "recoveries": recoveries,
+            "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
+            "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
+                        "goodput": round(useful / total, 4) if total else None,
+                        "steps_per_s": round(program.steps / wall, 3) if wall else None,
+                        "fault_free_wall_s": round(fault_free_wall, 3)},
+            "mttr_s": {"median": round(statistics.median(mttrs), 4) if mttrs else None,
+                       "max": round(max(mttrs), 4) if mttrs else None},
+            "progress": thinned,
+        }
+
+
+def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callable[[dict[str, Any]], None] = print,
+                 break_replay: bool = False) -> tuple[dict[str, Any], Path]:
+    """Run ``scenario``; return its summary and the report folder written."""
+    from client.compile import compile_program, ensure_host_devices
+
+    ensure_host_devices(8)
+    from client.jobfile import load_program
+
+    program = load_program(scenario.job_file, steps=scenario.steps)
+    if scenario.checkpoint_every:
+        program.checkpoint_every = scenario.checkpoint_every
+    compiled = compile_program(program)
+    state = Path(tempfile.mkdtemp(prefix=f"rallypoint-chaos-{scenario.name}-"))
+    ok = False
+    try:
+        summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay).run(state)
+        ok = bool(summary["ok"])
+        if not ok:
+            summary["logs"] = str(state / "logs")  # kept for whoever reads the report
+    finally:
+        if ok:
+            shutil.rmtree(state, ignore_errors=True)
+        else:
+            say({"event": "chaos.logs", "dir": str(state / "logs")})
+    out = out_dir or Path("chaos-reports") / f"{scenario.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    return summary, write_report(out, summary)

@@ -1,0 +1,253 @@
+"""Chaos scenarios: a TOML file naming a job, a cluster and the faults to inject.
+
+```toml
+name = "kill-one-worker"
+description = "SIGKILL the worker of one pipeline stage mid-run"
+
+[job]
+file = "examples/pipeline_mlp.py"   # relative to the scenario file, else to the project root
+steps = 40                          # optional: override the program's
+checkpoint_every = 5
+policy = "partial"                  # or "restart-all"
+window = 2
+
+[cluster]
+workers = 4                         # default: one per slice
+spares = 1
+devices_per_worker = 1
+coordinators = 2
+etcd_members = 1                    # 3 for the etcd faults
+lease_ttl_s = 2
+
+[expect]
+outcome = "finished"                # or "failed", with `reason` a regular expression
+time_bound_s = 180
+
+[[faults]]                          # at a step, or at a time since the job started
+kind = "kill"
+target = "stage2"                   # a slice, a node, or a worker (w0, ...)
+at_step = 12                        # or at_s = 5.0
+# duration_s = 3                    # hang, straggler, partition, leader_hang, etcd_quorum, disk_*
+
+[random]                            # optional: faults at random, the same schedule for the same seed
+seed = 7
+mtbf_s = 8.0                        # mean time between failures
+duration_s = 60.0                   # faults are drawn over this long
+kinds = ["kill", "hang"]
+targets = ["stage0", "stage1"]      # default: every slice
+```
+
+:func:`load_scenario` checks everything and names the offending field;
+:meth:`Scenario.schedule` turns the fixed and random faults into one list, the
+random part drawn from ``random.Random(seed)`` so one seed gives one schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KINDS = {
+    # kind: (needs a target, takes a duration)
+    "kill": (True, False), "hang": (True, True), "straggler": (True, True), "partition": (True, True),
+    "leader_kill": (False, False), "leader_hang": (False, True),
+    "etcd_kill": (False, False), "etcd_quorum": (False, True),
+    "corrupt_checkpoint": (True, False), "truncate_checkpoint": (True, False),
+    "disk_full": (False, True), "disk_readonly": (False, True),
+}
+DEFAULT_DURATION_S = 3.0
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    target: str = ""
+    at_step: int | None = None
+    at_s: float | None = None
+    duration_s: float = 0.0
+    origin: str = "fixed"  # or "random"
+
+    def describe(self) -> str:
+        when = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:.2f}s"
+        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}"
+
+
+@dataclass(frozen=True)
+class RandomFaults:
+    seed: int
+    mtbf_s: float
+    duration_s: float
+    kinds: tuple[str, ...]
+    targets: tuple[str, ...] = ()
+    fault_duration_s: float = DEFAULT_DURATION_S
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    path: Path
+    job_file: Path
+    steps: int | None = None
+    checkpoint_every: int | None = None
+    policy: str = "partial"
+    window: int = 2
+    workers: int | None = None
+    spares: int = 1
+    devices_per_worker: int | None = None
+    coordinators: int = 2
+    etcd_members: int = 1
+    lease_ttl_s: int = 2
+    expect_outcome: str = "finished"
+    expect_reason: str = ""
+    time_bound_s: float = 300.0
+    faults: tuple[FaultSpec, ...] = ()
+    random: RandomFaults | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def with_seed(self, seed: int) -> Scenario:
+        """The scenario with its random faults drawn from ``seed`` instead."""
+        if self.random is None:
+            return self
+        return replace(self, random=replace(self.random, seed=seed))
+
+    @property
+    def seed(self) -> int | None:
+        return self.random.seed if self.random else None
+
+    def schedule(self, slices: list[str]) -> list[FaultSpec]:
+        """Every fault to inject: the fixed ones, then the random ones (by time)."""
+        out = list(self.faults)
+        r = self.random
+        if r is not None:
+            rng = random.Random(r.seed)
+            targets = list(r.targets) or sorted(slices)
+            t = rng.expovariate(1.0 / r.mtbf_s)
+            while t < r.duration_s:
+                kind = rng.choice(r.kinds)
+                target = rng.choice(targets) if KINDS[kind][0] else ""
+                out.append(FaultSpec(kind, target, at_s=round(t, 3),
+                                     duration_s=r.fault_duration_s if KINDS[kind][1] else 0.0, origin="random"))
+                t += rng.expovariate(1.0 / r.mtbf_s)
+        return out
+
+    @property
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.faults} | set(self.random.kinds if self.random else ())
+
+
+def _get(table: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str, default: Any = None) -> Any:
+    if key not in table:
+        return default
+    value = table[key]
+    if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
+        names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        raise ConfigError(f"{where}.{key}: expected {names}, got {value!r}")
+    return value
+
+
+def _unknown(table: dict[str, Any], known: set[str], where: str) -> None:
+    extra = sorted(set(table) - known)
+    if extra:
+        raise ConfigError(f"{where}: unknown keys {extra}; known: {sorted(known)}")
+
+
+def load_scenario(path: Path) -> Scenario:
+    """Read and check a scenario file.
+
+    Raises:
+        ConfigError: unreadable TOML, a missing or mistyped field, an unknown fault
+            kind, or a fault without the trigger or target it needs; the message
+            names the file and the field.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read scenario {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"scenario {path} is not valid TOML: {exc}") from None
+    w = str(path)
+    _unknown(data, {"name", "description", "job", "cluster", "expect", "faults", "random"}, w)
+    name = _get(data, "name", str, w) or path.stem
+    job = _get(data, "job", dict, w, {})
+    _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window"}, f"{w} [job]")
+    file = _get(job, "file", str, f"{w} [job]")
+    if not file:
+        raise ConfigError(f"{w} [job].file: name the job file (e.g. examples/pipeline_mlp.py)")
+    job_file = (path.parent / file) if (path.parent / file).exists() else ROOT / file
+    if not job_file.exists():
+        raise ConfigError(f"{w} [job].file: {file!r} exists neither beside the scenario nor in {ROOT}")
+    policy = _get(job, "policy", str, f"{w} [job]", "partial")
+    if policy not in ("partial", "restart-all"):
+        raise ConfigError(f"{w} [job].policy: {policy!r} is not 'partial' or 'restart-all'")
+    cluster = _get(data, "cluster", dict, w, {})
+    _unknown(cluster, {"workers", "spares", "devices_per_worker", "coordinators", "etcd_members", "lease_ttl_s"},
+             f"{w} [cluster]")
+    expect = _get(data, "expect", dict, w, {})
+    _unknown(expect, {"outcome", "reason", "time_bound_s"}, f"{w} [expect]")
+    outcome = _get(expect, "outcome", str, f"{w} [expect]", "finished")
+    if outcome not in ("finished", "failed"):
+        raise ConfigError(f"{w} [expect].outcome: {outcome!r} is not 'finished' or 'failed'")
+    faults = []
+    for i, f in enumerate(_get(data, "faults", list, w, [])):
+        where = f"{w} [[faults]] #{i + 1}"
+        if not isinstance(f, dict):
+            raise ConfigError(f"{where}: expected a table")
+        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s"}, where)
+        kind = _get(f, "kind", str, where, "")
+        if kind not in KINDS:
+            raise ConfigError(f"{where}.kind: {kind!r} is not one of {sorted(KINDS)}")
+        target = _get(f, "target", str, where, "")
+        if KINDS[kind][0] and not target:
+            raise ConfigError(f"{where}.target: a {kind} fault needs a target (a slice, node or worker)")
+        at_step, at_s = _get(f, "at_step", int, where), _get(f, "at_s", (int, float), where)
+        if (at_step is None) == (at_s is None):
+            raise ConfigError(f"{where}: give exactly one of at_step and at_s")
+        if (at_step is not None and at_step < 1) or (at_s is not None and at_s < 0):
+            raise ConfigError(f"{where}: at_step must be >= 1 and at_s >= 0")
+        duration = float(_get(f, "duration_s", (int, float), where, DEFAULT_DURATION_S if KINDS[kind][1] else 0.0))
+        faults.append(FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), duration))
+    rnd = None
+    if "random" in data:
+        r = _get(data, "random", dict, w)
+        where = f"{w} [random]"
+        _unknown(r, {"seed", "mtbf_s", "duration_s", "kinds", "targets", "fault_duration_s"}, where)
+        kinds = tuple(_get(r, "kinds", list, where, ["kill"]))
+        bad = [k for k in kinds if k not in KINDS]
+        if bad or not kinds:
+            raise ConfigError(f"{where}.kinds: {bad or 'empty'}: pick from {sorted(KINDS)}")
+        mtbf = float(_get(r, "mtbf_s", (int, float), where, 10.0))
+        if mtbf <= 0:
+            raise ConfigError(f"{where}.mtbf_s must be > 0")
+        rnd = RandomFaults(int(_get(r, "seed", int, where, 0)), mtbf, float(_get(r, "duration_s", (int, float), where, 60.0)),
+                           kinds, tuple(_get(r, "targets", list, where, [])),
+                           float(_get(r, "fault_duration_s", (int, float), where, DEFAULT_DURATION_S)))
+    etcd_members = _get(cluster, "etcd_members", int, f"{w} [cluster]", 1)
+    if etcd_members not in (1, 3):
+        raise ConfigError(f"{w} [cluster].etcd_members: 1 or 3, got {etcd_members}")
+    s = Scenario(
+        name=name, description=_get(data, "description", str, w, ""), path=path, job_file=job_file,
+        steps=_get(job, "steps", int, f"{w} [job]"), checkpoint_every=_get(job, "checkpoint_every", int, f"{w} [job]"),
+        policy=policy, window=_get(job, "window", int, f"{w} [job]", 2),
+        workers=_get(cluster, "workers", int, f"{w} [cluster]"), spares=_get(cluster, "spares", int, f"{w} [cluster]", 1),
+        devices_per_worker=_get(cluster, "devices_per_worker", int, f"{w} [cluster]"),
+        coordinators=_get(cluster, "coordinators", int, f"{w} [cluster]", 2), etcd_members=etcd_members,
+        lease_ttl_s=_get(cluster, "lease_ttl_s", int, f"{w} [cluster]", 2),
+        expect_outcome=outcome, expect_reason=_get(expect, "reason", str, f"{w} [expect]", ""),
+        time_bound_s=float(_get(expect, "time_bound_s", (int, float), f"{w} [expect]", 300.0)),
+        faults=tuple(faults), random=rnd,
+    )
+    etcd_kinds = {"etcd_kill", "etcd_quorum"} & s.kinds
+    if etcd_kinds and s.etcd_members != 3:
+        raise ConfigError(f"{w}: faults {sorted(etcd_kinds)} need [cluster].etcd_members = 3")
+    if {"leader_kill", "leader_hang"} & s.kinds and s.coordinators < 2:
+        raise ConfigError(f"{w}: leader faults need [cluster].coordinators >= 2 (a standby to take over)")
+    return s

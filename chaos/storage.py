@@ -1,0 +1,99 @@
+"""Storage faults for the checkpoint directory: full, or read-only, mid-run.
+
+As root, the cluster's checkpoint directory is a small tmpfs mounted for the run:
+``fill`` writes a file until the filesystem answers ENOSPC, ``freeze`` remounts it
+read-only; ``unfill`` / ``thaw`` undo them. Otherwise the fault is injected at the
+storage layer: workers started with ``RALLYPOINT_FAULT_STORAGE_FLAG=<file>`` fail
+every checkpoint save with the errno named in that file while it exists
+(``workers/job_checkpoints.py``). ``mode`` says which was used.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import RallypointError
+from workers.job_checkpoints import STORAGE_FLAG_ENV
+
+TMPFS_SIZE = "64m"
+
+
+class StorageError(RallypointError):
+    """The checkpoint directory could not be set up or faulted."""
+
+
+def _run(*argv: str) -> None:
+    r = subprocess.run(list(argv), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise StorageError(f"`{' '.join(argv)}` failed ({r.returncode}): {r.stderr.strip()}")
+
+
+class Storage:
+    """Controls the checkpoint directory ``directory`` of one local cluster."""
+
+    def __init__(self, directory: Path, *, prefer_tmpfs: bool = True) -> None:
+        self.directory = Path(directory).absolute()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.flag = self.directory.parent / "storage-fault"
+        self.mode = "injected-error"
+        self.mounted = False
+        if prefer_tmpfs and os.geteuid() == 0:
+            try:
+                _run("mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(self.directory))
+                self.mounted, self.mode = True, f"tmpfs ({TMPFS_SIZE})"
+            except StorageError:
+                self.mode = "injected-error"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What workers need in their environment (the injected-error mode)."""
+        return {} if self.mounted else {STORAGE_FLAG_ENV: str(self.flag)}
+
+    def fill(self) -> dict[str, Any]:
+        if not self.mounted:
+            self.flag.write_text("ENOSPC")
+            return {"mode": self.mode, "errno": "ENOSPC"}
+        written = 0
+        with open(self.directory / ".chaos-filler", "wb") as f:
+            chunk = b"\0" * (1 << 20)
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+                    written += len(chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+        return {"mode": self.mode, "filled_bytes": written}
+
+    def unfill(self) -> dict[str, Any]:
+        if not self.mounted:
+            self.flag.unlink(missing_ok=True)
+        else:
+            (self.directory / ".chaos-filler").unlink(missing_ok=True)
+        return {"freed": True}
+
+    def freeze(self) -> dict[str, Any]:
+        if not self.mounted:
+            self.flag.write_text("EROFS")
+        else:
+            _run("mount", "-o", "remount,ro", str(self.directory))
+        return {"mode": self.mode, "read_only": True}
+
+    def thaw(self) -> dict[str, Any]:
+        if not self.mounted:
+            self.flag.unlink(missing_ok=True)
+        else:
+            _run("mount", "-o", "remount,rw", str(self.directory))
+        return {"read_only": False}
+
+    def close(self) -> None:
+        """Undo everything; the directory's content goes with the tmpfs."""
+        self.flag.unlink(missing_ok=True)
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.directory)], capture_output=True)
+            self.mounted = False
