@@ -146,7 +146,7 @@ class Injectors:
             while now in (None, incarnation) and time.monotonic() < deadline:
                 time.sleep(0.2)
                 now = self.t.incarnation(w)
-            return {"signal": "SIGCONT", "incarnation_before": incarnation, "incarnation_after": now,
+            return {"healed_with": "SIGCONT", "incarnation_before": incarnation, "incarnation_after": now,
                     "zombie_refused": now is not None and now != incarnation}
 
         return {"worker": w, "pid": pid, "signal": "SIGSTOP", "incarnation": incarnation}, heal
@@ -206,7 +206,7 @@ class Injectors:
 
         def heal() -> dict[str, Any]:
             os.kill(pid, signal.SIGCONT)
-            return {"signal": "SIGCONT"}
+            return {"healed_with": "SIGCONT"}
 
         return {"coordinator": leader, "pid": pid, "signal": "SIGSTOP"}, heal
 

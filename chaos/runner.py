@@ -261,7 +261,7 @@ class ScenarioRun:
         t0 = time.monotonic()
         try:
             spec = job_spec(self.compiled, window=s.window, policy=s.policy, checkpoint_every=s.checkpoint_every,
-                            on_no_spare="wait", wait_timeout_s=min(60.0, s.time_bound_s))
+                            on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s)
             threads = [threading.Thread(target=self._scheduler, args=(schedule, t0), daemon=True),
                        threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]
             for th in threads:

@@ -10,6 +10,7 @@ steps = 40                          # optional: override the program's
 checkpoint_every = 5
 policy = "partial"                  # or "restart-all"
 window = 2
+on_no_spare = "wait"                # or "fail"; wait_timeout_s = 60
 
 [cluster]
 workers = 4                         # default: one per slice
@@ -99,6 +100,8 @@ class Scenario:
     checkpoint_every: int | None = None
     policy: str = "partial"
     window: int = 2
+    on_no_spare: str = "wait"
+    wait_timeout_s: float = 60.0
     workers: int | None = None
     spares: int = 1
     devices_per_worker: int | None = None
@@ -178,7 +181,11 @@ def load_scenario(path: Path) -> Scenario:
     _unknown(data, {"name", "description", "job", "cluster", "expect", "faults", "random"}, w)
     name = _get(data, "name", str, w) or path.stem
     job = _get(data, "job", dict, w, {})
-    _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window"}, f"{w} [job]")
+    _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s"},
+             f"{w} [job]")
+    on_no_spare = _get(job, "on_no_spare", str, f"{w} [job]", "wait")
+    if on_no_spare not in ("wait", "fail"):
+        raise ConfigError(f"{w} [job].on_no_spare: {on_no_spare!r} is not 'wait' or 'fail'")
     file = _get(job, "file", str, f"{w} [job]")
     if not file:
         raise ConfigError(f"{w} [job].file: name the job file (e.g. examples/pipeline_mlp.py)")
@@ -236,7 +243,8 @@ def load_scenario(path: Path) -> Scenario:
     s = Scenario(
         name=name, description=_get(data, "description", str, w, ""), path=path, job_file=job_file,
         steps=_get(job, "steps", int, f"{w} [job]"), checkpoint_every=_get(job, "checkpoint_every", int, f"{w} [job]"),
-        policy=policy, window=_get(job, "window", int, f"{w} [job]", 2),
+        policy=policy, window=_get(job, "window", int, f"{w} [job]", 2), on_no_spare=on_no_spare,
+        wait_timeout_s=float(_get(job, "wait_timeout_s", (int, float), f"{w} [job]", 60.0)),
         workers=_get(cluster, "workers", int, f"{w} [cluster]"), spares=_get(cluster, "spares", int, f"{w} [cluster]", 1),
         devices_per_worker=_get(cluster, "devices_per_worker", int, f"{w} [cluster]"),
         coordinators=_get(cluster, "coordinators", int, f"{w} [cluster]", 2), etcd_members=etcd_members,

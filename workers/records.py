@@ -7,19 +7,22 @@ Each loaded runtime writes ``<run>/instances/<worker>-<incarnation>-<token>.json
 a first line describing the runtime (worker, incarnation, slices, the step it
 started from and the checkpoint step it restored), then one line per instance
 ``{"n": node, "s": step, "m": microbatch, "t": unix time, "c": compute seconds}``.
-Lines are written unbuffered (a SIGKILL loses none already written); a run without
-a checkpoint directory keeps no records.
+Lines are written unbuffered (a SIGKILL loses none already written). A line the
+filesystem refuses (full, read-only) is kept in memory and written before the next
+one once it can be; a record never fails the job. A run without a checkpoint
+directory keeps no records.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 
 class InstanceRecords:
@@ -28,28 +31,41 @@ class InstanceRecords:
     def __init__(self, run_dir: Path | None, *, worker: str, incarnation: int, slices: Sequence[str], start_step: int,
                  restored_from: int | None) -> None:
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
+        self._pending = b""  # bytes the filesystem has not taken yet
         if run_dir is None:
             return
         path = run_dir / "instances" / f"{worker}-{incarnation}-{uuid.uuid4().hex[:8]}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._write({"runtime": path.stem, "worker": worker, "incarnation": incarnation, "slices": list(slices),
                      "start_step": start_step, "restored_from": restored_from, "loaded_at": time.time()})
 
     def _write(self, record: dict[str, Any]) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            if self._fd is None:
+                return
+            self._pending += (json.dumps(record, separators=(",", ":")) + "\n").encode()
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self._fd is not None
+        try:
+            while self._pending:
+                n = os.write(self._fd, self._pending)
+                self._pending = self._pending[n:]
+        except OSError:
+            pass  # kept: written with the next record once the filesystem takes it
 
     def ran(self, node: str, step: int, microbatch: int, compute_s: float) -> None:
         self._write({"n": node, "s": step, "m": microbatch, "t": round(time.time(), 4), "c": round(compute_s, 6)})
 
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                self._flush()
+                os.close(self._fd)
+                self._fd = None
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -68,6 +84,6 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
             try:
                 instances.append(json.loads(line))
             except ValueError:
-                break  # a line cut short by a kill: the instance did not count as recorded
+                continue  # a line cut short by a kill: the instance did not count as recorded
         runtimes.append({**header, "instances": instances})
     return sorted(runtimes, key=lambda r: r["loaded_at"])

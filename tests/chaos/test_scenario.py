@@ -1,0 +1,101 @@
+"""Scenario files and the pure invariant checks: no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chaos.invariants import NodeInfo, check_applied_once, check_outcome
+from chaos.scenario import KINDS, load_scenario
+from orchestrator.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))
+
+
+def test_the_shipped_scenarios_load_and_cover_every_fault_kind() -> None:
+    assert len(SCENARIOS) >= 8
+    kinds: set[str] = set()
+    for path in SCENARIOS:
+        s = load_scenario(path)
+        assert s.name == path.stem and s.job_file.exists()
+        kinds |= s.kinds
+    assert kinds == set(KINDS), f"no scenario fires {sorted(set(KINDS) - kinds)}"
+
+
+def test_the_same_seed_gives_the_same_random_schedule_and_another_seed_another() -> None:
+    soak = load_scenario(ROOT / "scenarios" / "soak.toml")
+    slices = ["stage0", "stage1", "stage2", "stage3"]
+    first, again = soak.schedule(slices), soak.with_seed(soak.seed or 0).schedule(slices)
+    assert first == again and len(first) >= 5
+    assert soak.with_seed(12345).schedule(slices) != first
+    assert all(f.origin == "random" and f.at_s is not None and 0 <= f.at_s < 150 for f in first)
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "s.toml"
+    p.write_text('[job]\nfile = "examples/pipeline_mlp.py"\n' + body)
+    return p
+
+
+@pytest.mark.parametrize("body,message", [
+    ('[[faults]]\nkind = "explode"\nat_step = 3\n', r"#1\.kind: 'explode' is not one of"),
+    ('[[faults]]\nkind = "kill"\nat_step = 3\n', r"#1\.target: a kill fault needs a target"),
+    ('[[faults]]\nkind = "kill"\ntarget = "stage0"\n', r"#1: give exactly one of at_step and at_s"),
+    ('[[faults]]\nkind = "etcd_kill"\nat_step = 3\n', r"need \[cluster\]\.etcd_members = 3"),
+    ('[cluster]\nworkers = "four"\n', r"\[cluster\]\.workers: expected int, got 'four'"),
+    ('[expect]\noutcome = "maybe"\n', r"\[expect\]\.outcome: 'maybe'"),
+    ('[jobb]\n', r"unknown keys \['jobb'\]"),
+    ('[random]\nkinds = []\n', r"\[random\]\.kinds"),
+])
+def test_a_bad_scenario_is_refused_naming_the_field(tmp_path: Path, body: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_scenario(write(tmp_path, body))
+
+
+def test_unreadable_or_invalid_toml_is_refused_with_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read scenario"):
+        load_scenario(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = [unclosed\n")
+    with pytest.raises(ConfigError, match=f"scenario {bad} is not valid TOML"):
+        load_scenario(bad)
+
+
+NODES = {"a": NodeInfo("s0", 1, False), "b": NodeInfo("s1", 1, True)}
+
+
+def runtime(name: str, slices: list[str], start: int, restored: int | None, inst: list[tuple[str, int, int]],
+            at: float) -> dict:
+    return {"runtime": name, "slices": slices, "start_step": start, "restored_from": restored, "loaded_at": at,
+            "instances": [{"n": n, "s": s, "m": m} for n, s, m in inst]}
+
+
+def full(node: str, lo: int, hi: int, mbs: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    return [(node, s, m) for s in range(lo, hi) for m in mbs]
+
+
+def test_applied_once_accepts_a_lineage_restored_at_a_cut_and_catches_gaps_skips_and_repeats() -> None:
+    a_all = runtime("w0", ["s0"], 0, None, full("a", 0, 6, (-1,)), 1.0)
+    b_dead = runtime("w1", ["s1"], 0, None, full("b", 0, 4, (0, 1)) + [("b", 5, 0)], 1.0)  # ran ahead, then died
+    b_new = runtime("w2", ["s1"], 3, 3, full("b", 3, 6, (0, 1)), 2.0)
+    ok = check_applied_once([a_all, b_dead, b_new], NODES, microbatches=2, steps=6)
+    assert ok.ok, ok.evidence
+    skipped = runtime("w2", ["s1"], 4, 3, full("b", 4, 6, (0, 1)), 2.0)  # restored 3, started at 4: no replay
+    bad = check_applied_once([a_all, b_dead, skipped], NODES, microbatches=2, steps=6)
+    assert not bad.ok and "started at step 4 but restored the checkpoint of step 3" in bad.evidence
+    gap = runtime("w2", ["s1"], 3, 3, full("b", 3, 6, (0, 1))[:-1], 2.0)
+    bad = check_applied_once([a_all, b_dead, gap], NODES, microbatches=2, steps=6)
+    assert not bad.ok and "never ran 1 instances: b@5/1" in bad.evidence
+    twice = runtime("w0", ["s0"], 0, None, full("a", 0, 6, (-1,)) + [("a", 2, -1)], 1.0)
+    bad = check_applied_once([twice, b_dead, b_new], NODES, microbatches=2, steps=6)
+    assert not bad.ok and "ran a step 2 microbatch -1 twice" in bad.evidence
+
+
+def test_outcome_checks_state_reason_and_time_bound() -> None:
+    assert check_outcome("finished", "", 10, expect="finished", expect_reason="", time_bound_s=60).ok
+    assert not check_outcome("finished", "", 70, expect="finished", expect_reason="", time_bound_s=60).ok
+    assert check_outcome("failed", "lost slice 's1'", 5, expect="failed", expect_reason="lost slice", time_bound_s=60).ok
+    late = check_outcome("failed", "timed out", 5, expect="failed", expect_reason="lost slice", time_bound_s=60)
+    assert not late.ok and "does not match" in late.evidence

@@ -1,0 +1,96 @@
+"""The chaos suite: every shipped scenario, short, on real processes with real faults.
+
+Each run must pass all five invariants, and each injector must have fired (and
+healed) what its scenario scheduled. A deliberately broken recovery (replay turned
+off by a test-only switch) must be caught. ``make chaos`` runs the full set, the
+long soak included; here the soak is cut to a few random faults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from chaos.report import load_report
+from chaos.runner import run_scenario
+from chaos.scenario import KINDS, load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = sorted(p.stem for p in (ROOT / "scenarios").glob("*.toml") if p.stem != "soak")
+
+
+def scheduled(s) -> Counter[str]:  # type: ignore[no-untyped-def]
+    return Counter(f.kind for f in s.schedule(["stage0", "stage1", "stage2", "stage3"]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tmp_path: Path) -> None:
+    s = load_scenario(ROOT / "scenarios" / f"{name}.toml")
+    summary, folder = run_scenario(s, out_dir=tmp_path / "report", say=lambda d: None)
+    failed = {c["name"]: c["evidence"] for c in summary["invariants"] if not c["ok"]}
+    assert not failed, (failed, summary["faults"], summary.get("logs"))
+    assert summary["ok"]
+    errors = [f for f in summary["faults"] if f.get("error")]
+    assert not errors, errors
+    assert Counter(summary["fired"]) == scheduled(s)
+    assert Counter(summary["healed"]) == Counter({k: n for k, n in scheduled(s).items() if KINDS[k][1]})
+    assert load_report(folder)["scenario"] == name and (folder / "timeline.html").exists()
+    kinds = set(summary["fired"])
+    if s.expect_outcome == "finished" and kinds & {"kill", "hang", "partition", "corrupt_checkpoint",
+                                                   "truncate_checkpoint"}:
+        assert summary["recoveries"], "a lost worker should have been recovered from"
+    if "hang" in kinds:
+        assert all(f["detail"]["zombie_refused"] for f in summary["faults"] if f["kind"] == "hang")
+    if kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
+        assert not summary["recoveries"], "nobody may be declared lost for a straggler or an etcd outage"
+    if kinds & {"leader_kill", "leader_hang"}:
+        assert summary["resumes"], "the job should have been resumed on the new leader"
+    if "partition" in kinds:
+        assert summary["cluster"]["network"] in ("netns", "proxy")
+    if kinds & {"corrupt_checkpoint", "truncate_checkpoint"}:
+        (fault,) = [f for f in summary["faults"] if "checkpoint" in f["kind"]]
+        assert all(r["checkpoint_step"] < fault["detail"]["step"] for r in summary["recoveries"])
+
+
+def test_a_short_soak_of_random_faults_passes_every_invariant(tmp_path: Path) -> None:
+    s = load_scenario(ROOT / "scenarios" / "soak.toml")
+    assert s.random is not None
+    short = dataclasses.replace(s, steps=400, time_bound_s=240,
+                                random=dataclasses.replace(s.random, duration_s=20.0, mtbf_s=5.0))
+    summary, _ = run_scenario(short, out_dir=tmp_path / "report", say=lambda d: None)
+    failed = {c["name"]: c["evidence"] for c in summary["invariants"] if not c["ok"]}
+    assert not failed, (failed, summary["faults"], summary.get("logs"))
+    assert sum(summary["fired"].values()) + sum(1 for f in summary["faults"] if f.get("error")) == len(
+        short.schedule(["stage0", "stage1", "stage2", "stage3"]))
+
+
+def test_a_broken_recovery_is_caught_by_the_invariants(tmp_path: Path) -> None:
+    s = load_scenario(ROOT / "scenarios" / "kill-worker.toml")
+    summary, _ = run_scenario(s, out_dir=tmp_path / "report", say=lambda d: None, break_replay=True)
+    verdict = {c["name"]: c for c in summary["invariants"]}
+    assert not summary["ok"]
+    assert not verdict["final-state-digest"]["ok"]
+    assert not verdict["applied-exactly-once"]["ok"]
+    assert "restored the checkpoint of step" in verdict["applied-exactly-once"]["evidence"]
+
+
+def test_chaos_cli_runs_a_scenario_and_prints_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    r = subprocess.run([sys.executable, "-m", "client.cli", "chaos", "run", "--json", "--out", str(out),
+                        str(ROOT / "scenarios" / "kill-worker.toml")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.splitlines()[-1])
+    assert last["event"] == "chaos.summary" and last["ok"] and last["report"] == str(out)
+    table = subprocess.run([sys.executable, "-m", "client.cli", "chaos", "report", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "kill-worker" in table.stdout and "final-state-digest" in table.stdout
+    bad = subprocess.run([sys.executable, "-m", "client.cli", "chaos", "run", str(tmp_path / "nope.toml")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "cannot read scenario" in bad.stderr
