@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench proto clean
+.PHONY: install demo test bench chaos proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ bench: $(STAMP)
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
 	$(PY) bench/recovery.py
+
+chaos: $(STAMP)
+	@fail=0; for s in scenarios/*.toml; do echo "== $$s"; $(VENV)/bin/rallypoint chaos run $$s || fail=1; done; exit $$fail
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/rallypoint.proto
