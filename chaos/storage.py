@@ -1,8 +1,10 @@
 """Storage faults for the checkpoint directory: full, or read-only, mid-run.
 
 As root, the cluster's checkpoint directory is a small tmpfs mounted for the run:
-``fill`` writes a file until the filesystem answers ENOSPC, ``freeze`` remounts it
-read-only; ``unfill`` / ``thaw`` undo them. Otherwise the fault is injected at the
+``fill`` writes a file until the filesystem answers ENOSPC; ``freeze`` bind-mounts
+the directory over itself read-only (a plain ``remount,ro`` is refused while files
+are open for writing), so every new write through the path fails with EROFS;
+``unfill`` / ``thaw`` undo them. Otherwise the fault is injected at the
 storage layer: workers started with ``RALLYPOINT_FAULT_STORAGE_FLAG=<file>`` fail
 every checkpoint save with the errno named in that file while it exists
 (``workers/job_checkpoints.py``). ``mode`` says which was used.
@@ -41,6 +43,7 @@ class Storage:
         self.flag = self.directory.parent / "storage-fault"
         self.mode = "injected-error"
         self.mounted = False
+        self.frozen = False
         if prefer_tmpfs and os.geteuid() == 0:
             try:
                 _run("mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(self.directory))
@@ -81,19 +84,29 @@ class Storage:
         if not self.mounted:
             self.flag.write_text("EROFS")
         else:
-            _run("mount", "-o", "remount,ro", str(self.directory))
+            _run("mount", "--bind", str(self.directory), str(self.directory))
+            try:
+                _run("mount", "-o", "remount,bind,ro", str(self.directory))
+            except StorageError:
+                _run("umount", "-l", str(self.directory))
+                raise
+            self.frozen = True
         return {"mode": self.mode, "read_only": True}
 
     def thaw(self) -> dict[str, Any]:
         if not self.mounted:
             self.flag.unlink(missing_ok=True)
-        else:
-            _run("mount", "-o", "remount,rw", str(self.directory))
+        elif self.frozen:
+            _run("umount", "-l", str(self.directory))  # the read-only bind mount; the tmpfs below stays
+            self.frozen = False
         return {"read_only": False}
 
     def close(self) -> None:
         """Undo everything; the directory's content goes with the tmpfs."""
         self.flag.unlink(missing_ok=True)
+        if self.frozen:
+            subprocess.run(["umount", "-l", str(self.directory)], capture_output=True)
+            self.frozen = False
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.directory)], capture_output=True)
             self.mounted = False

@@ -43,6 +43,7 @@ from recovery.replay import ReplayPlan, plan_replay, restart_all_plan
 if TYPE_CHECKING:
     from orchestrator.executor import JobExecutor
 
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 BREAK_REPLAY_ENV = "RALLYPOINT_TEST_BREAK_REPLAY"
 """Test-only switch (the coordinator's environment): a moved slice restores its checkpoint
 but starts where it had got, skipping the replay. The chaos suite proves its invariants
@@ -154,6 +155,11 @@ class RecoveryController:
                 lost_workers = exc.lost
                 self.log.warning("recovery.lost_again", recovery=rec.number, lost=exc.lost)
                 continue
+            except _Refused as exc:  # the worker lives but could not load (storage, say): try again
+                lost_workers = {}
+                self.log.warning("recovery.load_refused", recovery=rec.number, error=str(exc))
+                time.sleep(1.0)
+                continue
             break
         rec.mark("restore")
         rec.policy, rec.checkpoint_step = plan.policy, c
@@ -208,6 +214,8 @@ class RecoveryController:
             except WorkerCallFailed as exc:
                 if exc.code == grpc.StatusCode.OUT_OF_RANGE:
                     raise _Corrupt(str(exc)) from None  # the log does not reach back: restart-all from the cut
+                if exc.code not in LOST_CODES:
+                    raise _Refused(str(exc)) from None
                 lost[w] = str(exc)
         if lost:
             raise _Lost(lost)
@@ -231,12 +239,19 @@ class RecoveryController:
         corrupt = [f for f in failed.values() if f.code == grpc.StatusCode.DATA_LOSS]
         if corrupt:
             raise _Corrupt(str(corrupt[0]))
+        lost = {w: str(f) for w, f in failed.items() if f.code in LOST_CODES}
+        if lost:
+            raise _Lost(lost)
         if failed:
-            raise _Lost({w: str(f) for w, f in failed.items()})
+            raise _Refused("; ".join(str(f) for f in failed.values()))
 
 
 class _Corrupt(Exception):
     """A checkpoint of the cut did not restore."""
+
+
+class _Refused(Exception):
+    """A live worker could not load its part; the attempt is repeated, nobody is fenced for it."""
 
 
 class _Lost(Exception):

@@ -81,15 +81,27 @@ class JobCheckpoints:
         self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
         self.cut = start
         self._ckpt: dict[str, SliceCheckpointer] = {}
+        self._keep = int(req.keep_checkpoints) or None
+        self._log_fields = dict(log_fields)
         if self.enabled:
-            assert self.root is not None and commit_factory is not None
-            commit = commit_factory()
-            keep = int(req.keep_checkpoints) or None
+            assert commit_factory is not None
+            self._commit = commit_factory()
             for s in self.slices:
-                self._ckpt[s] = SliceCheckpointer(self.root / s, job=req.job, slice_name=s, max_to_keep=keep,
-                                                  commit=self._committer(commit), log_fields=log_fields,
-                                                  forget=self._forgetter(commit, s))
-                self._ckpt[s].protect(self.cut)
+                try:
+                    self._checkpointer(s)
+                except OSError as exc:  # storage full or read-only: the first save tries again
+                    self.log.error("checkpoint.unavailable", slice=s, error=f"{type(exc).__name__}: {exc}")
+
+    def _checkpointer(self, s: str) -> SliceCheckpointer:
+        """The slice's checkpointer, made on first use (its directory may not be writable at load)."""
+        if s not in self._ckpt:
+            assert self.root is not None
+            ck = SliceCheckpointer(self.root / s, job=self.job, slice_name=s, max_to_keep=self._keep,
+                                   commit=self._committer(self._commit), log_fields=self._log_fields,
+                                   forget=self._forgetter(self._commit, s))
+            ck.protect(self.cut)
+            self._ckpt[s] = ck
+        return self._ckpt[s]
 
     def _committer(self, commit: CommitFn) -> CommitFn:
         delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
@@ -140,7 +152,7 @@ class JobCheckpoints:
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)
             return
-        self._ckpt[slice_name].save(step, states)
+        self._checkpointer(slice_name).save(step, states)
 
     def set_cut(self, cut: int) -> None:
         """The newest consistent cut: checkpoints from it on are kept, older ones may go."""

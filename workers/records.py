@@ -32,25 +32,27 @@ class InstanceRecords:
                  restored_from: int | None) -> None:
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._path: Path | None = None
         self._pending = b""  # bytes the filesystem has not taken yet
         if run_dir is None:
             return
-        path = run_dir / "instances" / f"{worker}-{incarnation}-{uuid.uuid4().hex[:8]}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._write({"runtime": path.stem, "worker": worker, "incarnation": incarnation, "slices": list(slices),
+        self._path = run_dir / "instances" / f"{worker}-{incarnation}-{uuid.uuid4().hex[:8]}.jsonl"
+        self._write({"runtime": self._path.stem, "worker": worker, "incarnation": incarnation, "slices": list(slices),
                      "start_step": start_step, "restored_from": restored_from, "loaded_at": time.time()})
 
     def _write(self, record: dict[str, Any]) -> None:
         with self._lock:
-            if self._fd is None:
+            if self._path is None:
                 return
             self._pending += (json.dumps(record, separators=(",", ":")) + "\n").encode()
             self._flush()
 
     def _flush(self) -> None:
-        assert self._fd is not None
+        assert self._path is not None
         try:
+            if self._fd is None:  # opened on first use, again after the filesystem refused it
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             while self._pending:
                 n = os.write(self._fd, self._pending)
                 self._pending = self._pending[n:]
@@ -62,10 +64,12 @@ class InstanceRecords:
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
+            if self._path is not None:
                 self._flush()
+            if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            self._path = None
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
