@@ -13,10 +13,11 @@ Two ways to cut one worker off while its process keeps running:
   this module should not flip, and which is 0 here.)
 
 * :class:`TcpProxy` (anyone; the fallback): a loopback TCP proxy whose ``cut()``
-  resets every open connection and black-holes new ones. In ``proxy`` mode each
-  worker reaches etcd through its own proxies and is reached through proxies in front
-  of its gRPC server and data plane (it advertises their addresses). Unlike netns,
-  the worker's own outgoing connections to *other workers* are not cut.
+  resets every open connection and black-holes new ones (``cut(freeze=True)``
+  stalls open ones instead). In ``proxy`` mode each worker reaches etcd through its
+  own proxies and is reached through proxies in front of its gRPC server and data
+  plane (it advertises their addresses); a partition freezes all of them. Unlike
+  netns, the worker's own outgoing connections to *other workers* are not cut.
 
 :func:`start_partitionable_cluster` starts a :class:`~orchestrator.local_cluster.LocalCluster`
 either way and returns a :class:`PartitionControl` (``partition``/``heal``/``close``).
@@ -266,9 +267,12 @@ class TcpProxy:
     """A TCP proxy on a free 127.0.0.1 port forwarding to ``target`` (threads and sockets).
 
     :meth:`cut` resets every open connection and black-holes new ones (accepted, never
-    forwarded, reset on :meth:`restore`); :meth:`restore` forwards again. ``target`` may
-    be changed while it runs (new connections go there). Counters: ``forwarded``
-    (connections), ``dropped`` (connections refused while cut), ``cuts``.
+    forwarded, reset on :meth:`restore`). ``cut(freeze=True)`` is the partition-like
+    variant: open connections stay open but nothing moves in either direction, new
+    ones hang, and :meth:`restore` lets all of them flow again (as TCP does after a
+    healed partition). ``target`` may be changed while it runs (new connections go
+    there). Counters: ``forwarded`` (connections), ``dropped`` (connections accepted
+    while cut), ``cuts``.
     """
 
     def __init__(self, target: tuple[str, int] | str, *, host: str = "127.0.0.1") -> None:
@@ -280,7 +284,10 @@ class TcpProxy:
         self._listener.settimeout(0.2)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self.cut_now = False
+        self.frozen = False
         self.forwarded = self.dropped = self.cuts = 0
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._pairs: set[_Pair] = set()
         self._held: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -315,20 +322,22 @@ class TcpProxy:
             return
         pair = _Pair(conn, upstream)
         with self._lock:
-            if self.cut_now or self._closed.is_set():
+            if (self.cut_now and not self.frozen) or self._closed.is_set():
                 pair.kill()
                 return
             self._pairs.add(pair)
             self.forwarded += 1
-        for s in pair.socks:
-            s.settimeout(0.2)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for sock in pair.socks:
+            sock.settimeout(0.2)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=self._pump, args=(pair, conn, upstream), daemon=True).start()
         self._pump(pair, upstream, conn)
 
     def _pump(self, pair: _Pair, src: socket.socket, dst: socket.socket) -> None:
         try:
             while not pair.dead.is_set():
+                if not self._flowing.wait(0.2):
+                    continue  # frozen: leave the bytes where they are
                 try:
                     data = src.recv(65536)
                 except TimeoutError:
@@ -342,6 +351,8 @@ class TcpProxy:
                 while view:
                     if pair.dead.is_set():
                         return
+                    if not self._flowing.wait(0.2):
+                        continue
                     try:
                         view = view[dst.send(view):]
                     except TimeoutError:
@@ -353,22 +364,32 @@ class TcpProxy:
                 with self._lock:
                     self._pairs.discard(pair)
 
-    def cut(self) -> None:
-        """Reset every open connection; black-hole new ones until :meth:`restore`."""
+    def cut(self, *, freeze: bool = False) -> None:
+        """Reset every open connection (``freeze``: stall it) and black-hole new ones until :meth:`restore`."""
         with self._lock:
-            self.cut_now = True
+            self.cut_now, self.frozen = True, freeze
             self.cuts += 1
-            pairs, self._pairs = list(self._pairs), set()
+            self._flowing.clear()
+            pairs = [] if freeze else list(self._pairs)
+            if not freeze:
+                self._pairs = set()
         for p in pairs:
             p.kill()
+        if not freeze:
+            self._flowing.set()  # nothing is left open to stall
 
     def restore(self) -> None:
-        """Forward again; connections accepted while cut are reset."""
+        """Forward again. Connections accepted while cut are reset, or (after a freeze) forwarded."""
         with self._lock:
-            self.cut_now = False
+            frozen = self.frozen and not self._closed.is_set()
+            self.cut_now = self.frozen = False
             held, self._held = self._held, []
-        for s in held:
-            _reset(s)
+            self._flowing.set()
+        for conn in held:
+            if frozen:
+                threading.Thread(target=self._open, args=(conn,), daemon=True).start()
+            else:
+                _reset(conn)
 
     def close(self) -> None:
         """Stop listening and reset everything (idempotent)."""
@@ -471,7 +492,10 @@ class ProxyPartitions(PartitionControl):
         if worker not in self.proxies:
             raise ConfigError(f"worker {worker!r} has no proxies here; known: {sorted(self.proxies)}")
         for p in self.proxies[worker].all():
-            (p.cut if cut else p.restore)()
+            if cut:
+                p.cut(freeze=True)  # stall, not reset: a reset would look like a crash to the coordinator
+            else:
+                p.restore()
 
     def close(self) -> None:
         for px in self.proxies.values():
@@ -495,12 +519,12 @@ def start_partitionable_cluster(config: LocalClusterConfig, *, mode: str | None 
     Raises:
         ConfigError: netns asked for but unavailable (not root, or ``ip netns`` fails).
     """
+    netns_ok = NetnsNetwork.available() if mode in (None, "netns") else False
     if mode is None:
-        mode = config.network if config.network != "loopback" else (
-            "netns" if NetnsNetwork.available() else "proxy")
+        mode = config.network if config.network != "loopback" else ("netns" if netns_ok else "proxy")
     control: PartitionControl
     if mode == "netns":
-        if not NetnsNetwork.available():
+        if not netns_ok:
             raise ConfigError("network='netns' needs root and a working `ip netns add`; use mode='proxy'")
         net = NetnsNetwork()
         try:

@@ -5,10 +5,18 @@ started (pid and kernel start time) in ``<state-dir>/cluster.json``;
 ``rallypoint down`` stops exactly those processes and no others (a pid reused
 by an unrelated process has another start time and is left alone). Tests use
 the same class in-process.
+
+Networks (``LocalClusterConfig.network``): ``loopback`` (every process on
+127.0.0.1); ``netns`` and ``proxy`` put each worker where the chaos harness can
+cut it off (``chaos/network.py``). This module knows nothing of namespaces or
+proxies: etcd and coordinators bind ``config.host``, and a ``worker_network``
+hook (:data:`WorkerNetworkHook`) says, per worker, what to run the worker under,
+where it binds, how it reaches etcd and what it advertises.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -16,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +38,8 @@ from orchestrator.store import EtcdStore
 
 STATE_FILE = "cluster.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+NETWORKS = ("loopback", "netns", "proxy")
+DEFAULT_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +56,11 @@ class LocalClusterConfig:
         lease_ttl_s: worker and leader lease TTL. The embedded etcd runs with a
             50 ms heartbeat and 500 ms election timeout, so 1 s is allowed.
         cluster: cluster name.
+        network: ``loopback`` (default), ``netns`` (each worker in its own network
+            namespace) or ``proxy`` (each worker behind TCP proxies); the last two need
+            a ``worker_network`` hook, see ``chaos.network.start_partitionable_cluster``.
+        host: the IPv4 address etcd and the coordinators bind and advertise; with
+            ``netns`` an address of the root namespace the workers can reach.
     """
 
     state_dir: Path
@@ -55,9 +71,21 @@ class LocalClusterConfig:
     etcd_members: int = 1
     lease_ttl_s: int = 2
     cluster: str = "local"
+    network: str = "loopback"
+    host: str = DEFAULT_HOST
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
+        if self.network not in NETWORKS:
+            raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
+        try:
+            addr = ipaddress.IPv4Address(self.host)
+        except ValueError:
+            raise ConfigError(f"host must be an IPv4 address (etcd and coordinators bind it), "
+                              f"got {self.host!r}") from None
+        if self.network == "netns" and addr.is_loopback:
+            raise ConfigError(f"network='netns' needs a host address the namespaces can reach, not {self.host}: "
+                              "use chaos.network.start_partitionable_cluster, which sets it")
         for name in ("workers", "devices_per_worker", "coordinators"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -67,6 +95,46 @@ class LocalClusterConfig:
             raise ConfigError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
         if self.lease_ttl_s < 1:
             raise ConfigError(f"--lease-ttl-s must be at least 1, got {self.lease_ttl_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerNetwork:
+    """Where one worker process lives on the network (what a ``worker_network`` hook returns).
+
+    Attributes:
+        prefix: argv the worker command runs under, e.g. ``("ip", "netns", "exec", NS)``.
+            It must exec the command in place (same pid, as ``ip netns exec`` does):
+            the cluster records and stops that pid.
+        host: address the worker's gRPC server and data plane bind.
+        endpoints: etcd endpoints as this worker reaches them (empty: the cluster's).
+        port, data_port: ports to bind (0: free ones).
+        advertise_address, advertise_data_address: ``host:port`` others reach the worker
+            at, when not where it binds ("" advertises the bound address).
+    """
+
+    prefix: tuple[str, ...] = ()
+    host: str = DEFAULT_HOST
+    endpoints: tuple[str, ...] = ()
+    port: int = 0
+    data_port: int = 0
+    advertise_address: str = ""
+    advertise_data_address: str = ""
+
+    def args(self) -> list[str]:
+        """The ``rallypoint worker`` options this placement adds (none for the defaults)."""
+        out: list[str] = []
+        for opt, value, default in (("--host", self.host, DEFAULT_HOST), ("--port", self.port, 0),
+                                    ("--data-port", self.data_port, 0),
+                                    ("--advertise-address", self.advertise_address, ""),
+                                    ("--advertise-data-address", self.advertise_data_address, "")):
+            if value != default:
+                out += [opt, str(value)]
+        return out
+
+
+WorkerNetworkHook = Callable[[str, Sequence[str]], WorkerNetwork]
+"""``(worker name, the cluster's etcd endpoints) -> WorkerNetwork``; called before every
+start of that worker (also a restart), so it must give the same worker the same place."""
 
 
 @dataclass
@@ -135,10 +203,14 @@ def _reap(pid: int) -> None:
 class LocalCluster:
     """A running local cluster (started here, or loaded from its state dir)."""
 
-    def __init__(self, config: LocalClusterConfig, endpoints: list[str], processes: list[ProcessRecord]) -> None:
+    def __init__(self, config: LocalClusterConfig, endpoints: list[str], processes: list[ProcessRecord], *,
+                 worker_network: WorkerNetworkHook | None = None,
+                 worker_networks: dict[str, WorkerNetwork] | None = None) -> None:
         self.config = config
         self.endpoints = endpoints
         self.processes = processes
+        self.worker_network = worker_network
+        self.worker_networks: dict[str, WorkerNetwork] = dict(worker_networks or {})
         self.keys = Keys(config.cluster)
         self.etcd: EtcdCluster | None = None
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
@@ -147,8 +219,21 @@ class LocalCluster:
     # -- starting ---------------------------------------------------------------------
 
     @classmethod
-    def start(cls, config: LocalClusterConfig, *, wait_s: float = 90.0) -> LocalCluster:
-        """Start etcd, coordinators and workers; return once every worker is registered."""
+    def start(cls, config: LocalClusterConfig, *, wait_s: float = 90.0,
+              worker_network: WorkerNetworkHook | None = None) -> LocalCluster:
+        """Start etcd, coordinators and workers; return once every worker is registered.
+
+        Args:
+            worker_network: places each worker on the network; required unless
+                ``config.network`` is ``loopback``.
+
+        Raises:
+            ConfigError: a ``netns``/``proxy`` network without ``worker_network``.
+            RallypointError: a cluster of this state dir still runs, or it did not come up.
+        """
+        if config.network != "loopback" and worker_network is None:
+            raise ConfigError(f"network={config.network!r} needs a worker_network hook: start the cluster with "
+                              "chaos.network.start_partitionable_cluster")
         state = config.state_dir
         existing = state / STATE_FILE
         if existing.exists():
@@ -163,13 +248,13 @@ class LocalCluster:
         for sub in ("etcd", "logs"):
             shutil.rmtree(state / sub, ignore_errors=True)
         (state / "logs").mkdir()
-        etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd")
+        etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host)
         etcd.detach()
         processes = [
             ProcessRecord("etcd", m.name, m.pid or 0, process_start_time(m.pid or 0) or 0, str(m.log_path))
             for m in etcd.members
         ]
-        cluster = cls(config, etcd.endpoints, processes)
+        cluster = cls(config, etcd.endpoints, processes, worker_network=worker_network)
         cluster.etcd = etcd  # the in-process handle: tests stop and restart members through it
         try:
             for i in range(config.coordinators):
@@ -183,14 +268,30 @@ class LocalCluster:
             raise
         return cluster
 
-    def argv(self, role: str, name: str) -> list[str]:
-        base = [sys.executable, "-m", "client.cli", role, "--cluster", f"{self.config.cluster}@{','.join(self.endpoints)}",
+    def argv(self, role: str, name: str, net: WorkerNetwork | None = None) -> list[str]:
+        """The command line of one coordinator or worker (``net``: the worker's placement)."""
+        endpoints = list(net.endpoints) if net is not None and net.endpoints else self.endpoints
+        base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "client.cli", role,
+                "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker)]
+            base += net.args() if net is not None else []
         else:
             base += ["--checkpoint-dir", str(self.checkpoint_dir)]
+            if self.config.host != DEFAULT_HOST:
+                base += ["--host", self.config.host]
         return base
+
+    def _place(self, name: str) -> WorkerNetwork | None:
+        if self.worker_network is None:
+            if self.config.network != "loopback":
+                raise ConfigError(f"this cluster runs network={self.config.network!r}: only the process that "
+                                  "started it (holding its worker_network hook) can start a worker")
+            return None
+        net = self.worker_network(name, tuple(self.endpoints))
+        self.worker_networks[name] = net
+        return net
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -200,7 +301,7 @@ class LocalCluster:
     def spawn(self, role: str, name: str, *, extra_env: dict[str, str] | None = None) -> ProcessRecord:
         """Start one coordinator or worker process and record it."""
         log_path = self.config.state_dir / "logs" / f"{name}.log"
-        argv = self.argv(role, name)
+        argv = self.argv(role, name, self._place(name) if role == "worker" else None)
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
         with open(log_path, "ab") as log:
@@ -245,6 +346,8 @@ class LocalCluster:
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()},
             "processes": [asdict(p) for p in self.processes],
         }
+        if self.worker_networks:
+            data["worker_networks"] = {w: asdict(n) for w, n in self.worker_networks.items()}
         path = self.config.state_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
@@ -261,7 +364,10 @@ class LocalCluster:
             )
         data = json.loads(path.read_text())
         cfg: dict[str, Any] = data["config"] | {"state_dir": Path(data["config"]["state_dir"])}
-        return cls(LocalClusterConfig(**cfg), data["endpoints"], [ProcessRecord(**p) for p in data["processes"]])
+        nets = {w: WorkerNetwork(**(n | {"prefix": tuple(n["prefix"]), "endpoints": tuple(n["endpoints"])}))
+                for w, n in data.get("worker_networks", {}).items()}
+        return cls(LocalClusterConfig(**cfg), data["endpoints"], [ProcessRecord(**p) for p in data["processes"]],
+                   worker_networks=nets)
 
     # -- using and stopping -------------------------------------------------------------------
 

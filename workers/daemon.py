@@ -80,8 +80,13 @@ class WorkerConfig:
         devices: number of local devices K (JAX CPU devices here).
         lease_ttl_s: etcd lease TTL; a hung worker is declared lost about this long
             after its last keepalive. etcd raises values below its minimum.
-        host: address the gRPC server binds and advertises.
+        host: address the gRPC server and the data plane bind (and advertise, unless
+            overridden below).
         port: gRPC port (0 picks a free one).
+        data_port: data-plane port (0 picks a free one).
+        advertise_address: ``host:port`` others reach the gRPC server at, when that is
+            not where it binds (e.g. behind a proxy); "" advertises the bound address.
+        advertise_data_address: the same for the data plane.
         register_timeout_s: how long to wait for an older incarnation's lease to
             expire before giving up on registration.
         discover_devices: list devices through JAX (True) or only count them.
@@ -94,6 +99,9 @@ class WorkerConfig:
     lease_ttl_s: int = 2
     host: str = "127.0.0.1"
     port: int = 0
+    data_port: int = 0
+    advertise_address: str = ""
+    advertise_data_address: str = ""
     register_timeout_s: float = 30.0
     discover_devices: bool = True
 
@@ -178,12 +186,12 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
                                             incarnation=lambda: self.incarnation, commit_factory=self._commit_factory)
         pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
-        self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive)
+        self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive, port=self.config.data_port)
         self.dataplane.start()
         port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
-        self.address = f"{self.config.host}:{port}"
+        self.address = self.config.advertise_address or f"{self.config.host}:{port}"
         self._server.start()
         self.register()
 
@@ -200,7 +208,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         return {
             "worker": self.config.worker_id,
             "address": self.address,
-            "data_address": self.dataplane.address if self.dataplane else "",
+            "data_address": (self.config.advertise_data_address or self.dataplane.address) if self.dataplane else "",
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "devices": len(self.devices),
