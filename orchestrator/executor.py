@@ -288,17 +288,19 @@ class JobExecutor:
     def _grant(self, workers: list[str] | None = None) -> None:
         """Grant every worker (or ``workers``) the current window and cut.
 
-        A worker that cannot be reached is lost; one that refuses (fenced while etcd is
-        away) is granted again later (``_ungranted``).
+        Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
         """
-        failed = self.workers.grant(self.granted, self.cut, workers)
-        lost = {w: str(f) for w, f in failed.items()
-                if f.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)}
-        self._ungranted = {w for w in failed if w not in lost}
-        if self._ungranted:
-            self.log.info("job.grant_refused", workers=sorted(self._ungranted))
-        if lost:
-            self._recover(lost)
+        self.workers.grant(self.granted, self.cut, workers)
+
+    def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
+        """A refused worker is granted again later (``_ungranted``); one that refuses
+        connections is lost; one that does not answer in time (hung, partitioned) is
+        lost once its etcd registration is gone, which the periodic check sees."""
+        if failure.code == grpc.StatusCode.UNAVAILABLE:
+            self._recover({worker: str(failure)})
+            return
+        self._ungranted.add(worker)
+        self.log.info("job.grant_refused", worker=worker, code=failure.code.name)
 
     def _hold_term(self) -> None:
         """Return while this executor's term holds; wait out an etcd outage; fail if the term is gone.
@@ -340,13 +342,17 @@ class JobExecutor:
                 if lost:
                     self._recover(lost)
                 elif self._ungranted:
-                    self._grant(sorted(self._ungranted))
+                    retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
+                    self._grant(retry)
             try:
                 kind, (worker, gen, item) = self.workers.events.get(timeout=0.25)
             except queue.Empty:
                 continue
             if not self.workers.current(worker, gen):
                 continue  # a runtime given up on
+            if kind == "grant_failed":
+                self._grant_failed(worker, item)
+                continue
             self._last_heard[worker] = self.clock.monotonic()
             if kind == "ended":
                 self._recover({worker: f"event stream ended: {item}"})

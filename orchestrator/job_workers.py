@@ -112,15 +112,24 @@ class JobWorkers:
         self.identity.pop(worker, None)
         self.generation.pop(worker, None)
 
-    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None) -> dict[str, WorkerCallFailed]:
-        failed = {}
+    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None) -> None:
+        """Grant steps below ``until`` (and the cut) without waiting: a worker that does not
+        answer must not hold up the others. A failure arrives on the event queue as
+        ``("grant_failed", (worker, generation, WorkerCallFailed))``."""
         for w in list(workers if workers is not None else self.workers):
-            try:
-                self._stub(w).RunSteps(pb.RunStepsRequest(to=self.identity[w], job=self.job, until_step=until,
-                                                           cut_step=cut), timeout=RPC_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                failed[w] = WorkerCallFailed(w, "RunSteps", exc.code(), exc.details() or "")
-        return failed
+            gen = self.generation.get(w)
+            future = self._stub(w).RunSteps.future(
+                pb.RunStepsRequest(to=self.identity[w], job=self.job, until_step=until, cut_step=cut),
+                timeout=RPC_TIMEOUT_S)
+
+            def done(f: Any, w: str = w, gen: int | None = gen) -> None:
+                exc = f.exception()
+                if exc is not None and gen is not None:
+                    code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNKNOWN
+                    details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+                    self.events.put(("grant_failed", (w, gen, WorkerCallFailed(w, "RunSteps", code, details or ""))))
+
+            future.add_done_callback(done)
 
     def rewire(self, worker: str, routes: Iterable[pb.Route], resend_to: Iterable[str], from_step: int,
                until: int) -> pb.RewireResponse:

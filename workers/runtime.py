@@ -51,7 +51,10 @@ from workers.job_checkpoints import CommitFn, JobCheckpoints, restore
 from workers.outlog import OutputLog
 from workers.programs import load_exported, slice_mesh
 from workers.records import InstanceRecords
-from workers.runtime_state import Inbox, Key, Leaves, NodeProgress, StateVersions, runs_at, running_steps
+from workers.runtime_state import (DeliveryError, Inbox, Key, Leaves, LoadError, NodeProgress, RestoreError,
+                                   StateVersions, runs_at, running_steps)
+
+__all__ = ["DeliveryError", "JobRuntime", "LoadError", "RestoreError"]
 from workers.transfer import NotAllowed, PeerChannels
 
 B = pb.InputBinding
@@ -59,18 +62,6 @@ Admit = Callable[[pb.Identity], object]
 
 BACKLOG_EVENTS = 100_000  # events kept while no JobEvents stream is open
 DEFAULT_LOG_LIMIT = 256 << 20  # output log bytes in memory when the request names none
-
-
-class LoadError(RallypointError):
-    """A ``LoadJobRequest`` this worker cannot run (bad devices, slices, routes)."""
-
-
-class DeliveryError(RallypointError):
-    """A pushed value that matches no input of the job on this worker."""
-
-
-class RestoreError(LoadError):
-    """A checkpoint to start from does not read back as committed."""
 
 
 @dataclass
@@ -126,6 +117,8 @@ class JobRuntime:
         self._backlog: deque[pb.InstanceDone] = deque(maxlen=BACKLOG_EVENTS)
         self.completed = 0
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
+        self._push_threads = push_threads
+        self._pools: dict[tuple[str, int], futures.ThreadPoolExecutor] = {}  # per consumer worker incarnation
         self._load(req, devices)
         start = self.start_step
         self.expected = sum((running_steps(self.steps, n.prog.every) - running_steps(start, n.prog.every)) * len(n.mbs)
@@ -137,7 +130,6 @@ class JobRuntime:
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
         for name, sv in self.states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self.steps)))
-        self._pool = futures.ThreadPoolExecutor(max_workers=push_threads, thread_name_prefix=f"push-{self.job}")
         self._threads = [
             threading.Thread(target=self._slice_loop, args=(s,), name=f"run-{self.job}-{s}", daemon=True)
             for s in self._slice_nodes
@@ -230,6 +222,8 @@ class JobRuntime:
                 raise LoadError(f"route from node {r.node!r}, which is not loaded on worker {self.worker_id}")
         self._state_routes = state_routes
         self._targets = {(r.worker_id, r.incarnation) for r in routes}
+        for target in [t for t in self._pools if t not in self._targets]:
+            self._pools.pop(target).shutdown(wait=False, cancel_futures=True)  # moved away: the log has its values
 
     def start(self) -> None:
         """Start the device threads; instances run once steps are granted."""
@@ -340,7 +334,8 @@ class JobRuntime:
             for sv in self.states.values():
                 sv.clear()
             self._cv.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + 5.0
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
@@ -535,7 +530,11 @@ class JobRuntime:
             self._deliver_locked(header, value)
         elif not self.stopped:
             self.outlog.put(header, value)
-            self._pool.submit(self._push, r.data_address or r.address, header, value, bool(r.data_address))
+            target = (r.worker_id, int(r.incarnation))
+            if target not in self._pools:  # one pool per consumer: a stuck peer holds up no other
+                self._pools[target] = futures.ThreadPoolExecutor(max_workers=self._push_threads,
+                                                                 thread_name_prefix=f"push-{self.job}-{r.worker_id}")
+            self._pools[target].submit(self._push, r.data_address or r.address, header, value, bool(r.data_address))
 
     def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:
         def may_act() -> None:

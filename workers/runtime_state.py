@@ -11,6 +11,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from orchestrator.errors import RallypointError
+
+
+class LoadError(RallypointError):
+    """A ``LoadJobRequest`` this worker cannot run (bad devices, slices, routes)."""
+
+
+class DeliveryError(RallypointError):
+    """A pushed value that matches no input of the job on this worker."""
+
+
+class RestoreError(LoadError):
+    """A checkpoint to start from does not read back as committed."""
+
 Leaves = list[Any]
 """One value as its flat leaves (host numpy arrays)."""
 
