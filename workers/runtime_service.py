@@ -117,9 +117,17 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
     def LoadJob(self, request: pb.LoadJobRequest, context: grpc.ServicerContext) -> pb.LoadJobResponse:
         self._admit(request.to, context)
         with self._lock:
+            stale = self._jobs.get(request.job)
+            if stale is not None and stale.incarnation != self._incarnation():
+                del self._jobs[request.job]  # left by an incarnation that ended: it can no longer act
+            else:
+                stale = None
             busy = request.job in self._jobs or request.job in self._loading
             if not busy:
                 self._loading.add(request.job)
+        if stale is not None:
+            self.log.info("job.stale_unloaded", job=request.job, incarnation=stale.incarnation)
+            stale.stop()
         if busy:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")

@@ -374,7 +374,7 @@ def test_leader_coordinator_killed_mid_job_then_resume_on_the_new_leader_finishe
     out = rp("resume", "--json", "--cluster", cluster, compiled.program.name, timeout=300)
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert lines[-1]["state_digest"] == reference
-    assert lines[-1]["start_step"] in (5, 10)
+    assert lines[-1]["start_step"] in (5, 10, 15)  # workers may finish the granted window after the leader died
     status = json.loads(rp("status", "--json", "--cluster", cluster, compiled.program.name).stdout)
     assert status["state"] == "succeeded" and status["step_done"] == STEPS
     assert_settled(lc)
