@@ -60,8 +60,9 @@ ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it 
 ETCD_CHECK_S = 1.0  # how often registrations are checked (a hung worker's stream stays open)
 MAX_RECOVERY_ATTEMPTS = 10
 JOBSPEC_FILE = "jobspec.pb"
-T = TypeVar("T")
 LATEST_FILE = "LATEST"
+
+T = TypeVar("T")
 
 
 class JobState(enum.Enum):

@@ -155,10 +155,14 @@ class RecoveryController:
                 lost_workers = exc.lost
                 self.log.warning("recovery.lost_again", recovery=rec.number, lost=exc.lost)
                 continue
-            except _Refused as exc:  # the worker lives but could not load (storage, say): try again
-                lost_workers = {}
-                self.log.warning("recovery.load_refused", recovery=rec.number, error=str(exc))
-                time.sleep(1.0)
+            except _Refused as exc:
+                # An ended incarnation refuses too: that worker is lost. One that lives but could not
+                # load (its storage refused, say) is asked again.
+                lost_workers = {w: why for w, why in exc.failed.items() if not self._registered(w)}
+                self.log.warning("recovery.load_refused", recovery=rec.number, error=str(exc),
+                                 lost=sorted(lost_workers))
+                if not lost_workers:
+                    time.sleep(1.0)
                 continue
             break
         rec.mark("restore")
@@ -215,7 +219,7 @@ class RecoveryController:
                 if exc.code == grpc.StatusCode.OUT_OF_RANGE:
                     raise _Corrupt(str(exc)) from None  # the log does not reach back: restart-all from the cut
                 if exc.code not in LOST_CODES:
-                    raise _Refused(str(exc)) from None
+                    raise _Refused({w: str(exc)}) from None
                 lost[w] = str(exc)
         if lost:
             raise _Lost(lost)
@@ -243,7 +247,14 @@ class RecoveryController:
         if lost:
             raise _Lost(lost)
         if failed:
-            raise _Refused("; ".join(str(f) for f in failed.values()))
+            raise _Refused({w: str(f) for w, f in failed.items()})
+
+    def _registered(self, worker: str) -> bool:
+        """Whether the incarnation the job placed on ``worker`` is still registered in etcd."""
+        x = self.x
+        incarnations = {p.incarnation for p in x.placement.values() if p.worker == worker}
+        kv = x.until_etcd(f"reading worker {worker}", lambda: x.store.get(x.keys.worker(worker)))
+        return kv is not None and kv.create_revision in incarnations
 
 
 class _Corrupt(Exception):
@@ -251,7 +262,11 @@ class _Corrupt(Exception):
 
 
 class _Refused(Exception):
-    """A live worker could not load its part; the attempt is repeated, nobody is fenced for it."""
+    """Workers refused a load or rewire: lost if their incarnation ended, else asked again."""
+
+    def __init__(self, failed: dict[str, str]) -> None:
+        super().__init__("; ".join(failed.values()))
+        self.failed = failed
 
 
 class _Lost(Exception):
