@@ -21,11 +21,10 @@ data-plane front is :mod:`workers.runtime_service`. The semantics are those of
 Instances of one slice run one at a time, lowest step first, then topological
 position, then microbatch; different slices run in parallel.
 
-For recovery (docs/recovery.md): every slice checkpoints its states at the job's
-checkpoint steps (:mod:`workers.job_checkpoints`); every value pushed to another
-worker is kept in the output log (:mod:`workers.outlog`) until the consistent cut
-passes it; a runtime can start from a checkpoint (``start_step``), and ``rewire``
-points routes at moved consumers and sends them their logged inputs again.
+Recovery (docs/recovery.md): slices checkpoint at the job's checkpoint steps
+(:mod:`workers.job_checkpoints`), pushed values stay in the output log (:mod:`workers.outlog`)
+until the cut passes them, a runtime can start from a checkpoint (``start_step``), and
+``rewire`` points routes at moved consumers and sends them their logged inputs again.
 """
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ from workers.programs import load_exported, slice_mesh
 from workers.records import InstanceRecords
 from workers.runtime_state import (DeliveryError, Inbox, Key, Leaves, LoadError, NodeProgress, RestoreError,
                                    StateVersions, runs_at, running_steps)
-
-__all__ = ["DeliveryError", "JobRuntime", "LoadError", "RestoreError"]
 from workers.transfer import NotAllowed, PeerChannels
 
 B = pb.InputBinding
@@ -306,8 +303,7 @@ class JobRuntime:
 
     def unsubscribe(self, q: queue.Queue[pb.InstanceDone | None]) -> None:
         with self._cv:
-            if q in self._subscribers:
-                self._subscribers.remove(q)
+            self._subscribers = [s for s in self._subscribers if s is not q]
 
     def wait_finished(self, timeout_s: float) -> bool:
         """Wait until every instance of this worker has run, the job failed or it was unloaded."""
@@ -340,9 +336,11 @@ class JobRuntime:
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(max(deadline - time.monotonic(), 0.0))
-        self.checkpoints.close()
-        self.outlog.close()
-        self.records.close()
+        for part in (self.checkpoints, self.outlog, self.records):
+            try:
+                part.close()
+            except Exception as exc:  # noqa: BLE001 - e.g. a save a fenced incarnation cannot finalize
+                self.log.warning("job.close_failed", part=type(part).__name__, error=f"{type(exc).__name__}: {exc}")
         self.log.info("job.unloaded", completed=self.completed, expected=self.expected)
 
     # -- scheduling ----------------------------------------------------------------------
@@ -356,6 +354,9 @@ class JobRuntime:
                     if self.stopped or self.error:
                         return
                     due = self.checkpoints.due(slice_name, min((n.progress.low for n in nodes), default=self.steps))
+                    if due is not None and nodes and not self._may_act(nodes[0], due, -1):
+                        self._cv.wait(0.1)  # fenced: a save now could replace the checkpoint of the slice's new owner
+                        continue
                     if due is not None:
                         cut = {name: sv.at(due) for name, sv in self.states.items()
                                if self._state_slice[name] == slice_name}

@@ -127,7 +127,13 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
                 self._loading.add(request.job)
         if stale is not None:
             self.log.info("job.stale_unloaded", job=request.job, incarnation=stale.incarnation)
-            stale.stop()
+            try:
+                stale.stop()
+            except Exception:
+                if not busy:
+                    with self._lock:
+                        self._loading.discard(request.job)
+                raise
         if busy:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")
