@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import RallypointError
+from orchestrator.job_recovery import PHASES
 
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.html"
-PHASES = ("detection", "fencing", "remap", "restore", "replay", "catch_up")
 PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
            "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939")
 EVIDENCE_CHARS = 100
