@@ -90,34 +90,49 @@ def submit(
     spec = job_spec(compiled, window=window, **recovery)
     t0 = time.perf_counter()
     metrics_log: list[dict[str, float]] = []
+
+    def step(s: int, metrics: dict[str, float]) -> None:
+        metrics_log.append(metrics)
+        if on_step is not None:
+            on_step(s, metrics)
+
+    ev = _follow(spec.job, endpoints, cluster, lambda stub: stub.SubmitJob(spec), on_step=step, on_event=on_event)
+    states = _states(compiled, ev.states)
+    detail = json.loads(ev.detail or "{}")
+    digest = state_digest(states)
+    if detail.get("state_digest") and detail["state_digest"] != digest:
+        raise JobError(f"job {spec.job!r}: the coordinator's state digest {detail['state_digest']} differs "
+                       f"from the one of the states it sent ({digest})")
+    return RunResult(spec.job, spec.steps, states, digest, time.perf_counter() - t0, metrics_log,
+                     recovery={k: detail[k] for k in RECOVERY_SUMMARY if k in detail})
+
+
+def _follow(job: str, endpoints: Sequence[str], cluster: str, call: Callable[[Any], Iterator[pb.JobEvent]], *,
+            on_step: Callable[[int, dict[str, float]], None] | None,
+            on_event: Callable[[pb.JobEvent], None] | None) -> pb.JobEvent:
+    """Follow a job's event stream from the leader to its ``job.finished`` event.
+
+    Raises:
+        JobError: the job failed, or the coordinator failed or left before it ended.
+    """
     address, channel = "the leader", None
     try:
-        address, events, channel = leader_stream(endpoints, cluster, lambda stub: stub.SubmitJob(spec))
+        address, events, channel = leader_stream(endpoints, cluster, call)
         for ev in events:
             if on_event is not None:
                 on_event(ev)
-            if ev.event == "step.done":
-                metrics = dict(ev.metrics)
-                metrics_log.append(metrics)
-                if on_step is not None:
-                    on_step(ev.step, metrics)
+            if ev.event == "step.done" and on_step is not None:
+                on_step(ev.step, dict(ev.metrics))
             elif ev.event == "job.failed":
-                raise JobError(f"job {spec.job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
+                raise JobError(f"job {job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
             elif ev.event == "job.finished":
-                states = _states(compiled, ev.states)
-                detail = json.loads(ev.detail or "{}")
-                digest = state_digest(states)
-                if detail.get("state_digest") and detail["state_digest"] != digest:
-                    raise JobError(f"job {spec.job!r}: the coordinator's state digest {detail['state_digest']} differs "
-                                   f"from the one of the states it sent ({digest})")
-                return RunResult(spec.job, spec.steps, states, digest, time.perf_counter() - t0, metrics_log,
-                                 recovery={k: detail[k] for k in RECOVERY_SUMMARY if k in detail})
+                return ev
     except grpc.RpcError as exc:
-        raise JobError(f"job {spec.job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
+        raise JobError(f"job {job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
     finally:
         if channel is not None:
             channel.close()
-    raise JobError(f"job {spec.job!r}: the coordinator closed the stream before the job ended")
+    raise JobError(f"job {job!r}: the coordinator closed the stream before the job ended")
 
 
 def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[str, Any]:
@@ -142,22 +157,7 @@ def resume(
     Raises:
         JobError: the job could not be resumed or failed.
     """
-    address, channel = "the leader", None
-    try:
-        address, events, channel = leader_stream(
-            endpoints, cluster, lambda stub: stub.ResumeJob(pb.ResumeRequest(job=job, checkpoint_dir=checkpoint_dir)))
-        for ev in events:
-            if on_event is not None:
-                on_event(ev)
-            if ev.event == "step.done" and on_step is not None:
-                on_step(ev.step, dict(ev.metrics))
-            elif ev.event == "job.failed":
-                raise JobError(f"job {job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
-            elif ev.event == "job.finished":
-                return {"job": job, "steps": int(ev.step), **json.loads(ev.detail or "{}")}
-    except grpc.RpcError as exc:
-        raise JobError(f"job {job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
-    finally:
-        if channel is not None:
-            channel.close()
-    raise JobError(f"job {job!r}: the coordinator closed the stream before the job ended")
+    ev = _follow(job, endpoints, cluster,
+                 lambda stub: stub.ResumeJob(pb.ResumeRequest(job=job, checkpoint_dir=checkpoint_dir)),
+                 on_step=on_step, on_event=on_event)
+    return {"job": job, "steps": int(ev.step), **json.loads(ev.detail or "{}")}

@@ -178,18 +178,9 @@ class DeviceLeases:
             if choice is None:
                 largest = max((len(s.free) for s in snap.workers.values() if not s.cordoned), default=0)
                 raise NoSpareDevices(job, slice_name, count, largest)
-            worker, devices = choice
-            info = snap.workers[worker].info
-            compares = [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
-            compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
-            puts: list[Op] = [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
-            try:
-                r = self._txn(compares, puts, [])
-                applied, revision = r.succeeded, r.revision
-            except WriteIndeterminate:
-                applied, revision = self._ours(worker, devices, holder)
-            if applied:
-                return Placement(job, slice_name, worker, info.incarnation, tuple(devices), revision)
+            placed = self._try_lease(snap, holder, *choice)
+            if placed is not None:
+                return placed
         raise AllocationError(
             f"could not lease {count} devices for slice {slice_name!r} of job {job!r} after "
             f"{max_attempts} attempts: other allocators kept winning; retry later"
@@ -204,10 +195,13 @@ class DeviceLeases:
         holder = Holder(job=check_name("job", job), slice=check_name("slice", slice_name), nonce=uuid.uuid4().hex,
                         term=self.term)
         snap = read_cluster(self.store, self.keys)
-        w = snap.workers.get(worker)
-        if w is None:
+        if worker not in snap.workers:
             return None
-        info = w.info
+        return self._try_lease(snap, holder, worker, list(devices))
+
+    def _try_lease(self, snap: ClusterSnapshot, holder: Holder, worker: str, devices: list[int]) -> Placement | None:
+        """One compare-and-swap: ``devices`` of ``worker`` (as ``snap`` saw it) to ``holder``; None if it lost."""
+        info = snap.workers[worker].info
         compares = [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
         compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
         puts: list[Op] = [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
@@ -215,8 +209,10 @@ class DeviceLeases:
             r = self._txn(compares, puts, [])
             applied, revision = r.succeeded, r.revision
         except WriteIndeterminate:
-            applied, revision = self._ours(worker, list(devices), holder)
-        return Placement(job, slice_name, worker, info.incarnation, tuple(devices), revision) if applied else None
+            applied, revision = self._ours(worker, devices, holder)
+        if not applied:
+            return None
+        return Placement(holder.job, holder.slice, worker, info.incarnation, tuple(devices), revision)
 
     def _ours(self, worker: str, devices: list[int], holder: Holder) -> tuple[bool, int]:
         """After an indeterminate write: did our transaction apply?"""
