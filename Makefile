@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench chaos proto clean
+.PHONY: install demo test layers bench chaos soak proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,16 @@ demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
 	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
-test: $(STAMP)
+test: $(STAMP) layers
 	$(PY) -m pytest -q tests
+
+# The import-linter contracts of .importlinter, checked against the package as a wheel
+# installs it (grimp needs one folder holding all of `rallypoint`; the repository maps
+# the layer folders onto it, see pyproject.toml).
+layers: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp" build' EXIT && \
+	$(PY) -m pip install --quiet --no-deps --target "$$tmp/site" . >/dev/null && \
+	cd "$$tmp" && PYTHONPATH="$$tmp/site" $(CURDIR)/$(VENV)/bin/lint-imports --no-logo --no-cache $(CURDIR)/.importlinter
 
 bench: $(STAMP)
 	$(PY) bench/liveness.py
@@ -33,6 +41,7 @@ chaos: $(STAMP)
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/rallypoint.proto
+	sed -i 's/^from proto import/from rallypoint.proto import/' proto/rallypoint_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) .rallypoint build *.egg-info

@@ -1,9 +1,9 @@
 """Receiving peers for the transfer benchmark, each in its own process.
 
 ``measure_dataplane`` drives the workers' tensor data plane
-(:mod:`workers.dataplane`: the receiver allocates each array and ``recv_into`` it);
-``measure_grpc_push`` the gRPC ``Push`` fallback (:func:`proto.codec.chunks` /
-:func:`proto.codec.assemble`). Both send ``count`` values of ``value_mb`` MiB.
+(:mod:`rallypoint.workers.dataplane`: the receiver allocates each array and ``recv_into`` it);
+``measure_grpc_push`` the gRPC ``Push`` fallback (:func:`rallypoint.proto.codec.chunks` /
+:func:`rallypoint.proto.codec.assemble`). Both send ``count`` values of ``value_mb`` MiB.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message
 def _serve_grpc(port_q: Any, stop: Any) -> None:
     import grpc
 
-    from proto import codec
-    from proto import rallypoint_pb2 as pb
-    from proto import rallypoint_pb2_grpc as pb_grpc
+    from rallypoint.proto import codec
+    from rallypoint.proto import rallypoint_pb2 as pb
+    from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
     class Receiver(pb_grpc.WorkerRuntimeServicer):
         def Push(self, request_iterator, context):  # type: ignore[no-untyped-def]
@@ -43,7 +43,7 @@ def _serve_grpc(port_q: Any, stop: Any) -> None:
 
 
 def _serve_dataplane(port_q: Any, stop: Any) -> None:
-    from workers.dataplane import DataPlaneServer, Status
+    from rallypoint.workers.dataplane import DataPlaneServer, Status
 
     server = DataPlaneServer("127.0.0.1", lambda header, leaves: (Status.DELIVERED, ""))
     server.start()
@@ -77,8 +77,8 @@ def _measure(serve: Callable[[Any, Any], None], send: Callable[[str, list[Any]],
 
 def measure_dataplane(value_mb: int, count: int) -> float:
     """MB/s of ``count`` values of ``value_mb`` MiB over the data plane to a peer process."""
-    from proto import rallypoint_pb2 as pb
-    from workers.dataplane import DataPlaneClient
+    from rallypoint.proto import rallypoint_pb2 as pb
+    from rallypoint.workers.dataplane import DataPlaneClient
 
     client = DataPlaneClient()
     try:
@@ -91,9 +91,9 @@ def measure_grpc_push(value_mb: int, count: int) -> float:
     """MB/s of the same values as gRPC ``Push`` streams."""
     import grpc
 
-    from proto import codec
-    from proto import rallypoint_pb2 as pb
-    from proto import rallypoint_pb2_grpc as pb_grpc
+    from rallypoint.proto import codec
+    from rallypoint.proto import rallypoint_pb2 as pb
+    from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
     channels: dict[str, Any] = {}
 

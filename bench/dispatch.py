@@ -33,17 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from client.compile import ensure_host_devices  # noqa: E402
+from rallypoint.client.compile import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)
 
 import importlib.util  # noqa: E402
 
-from client.compile import CompiledProgram, compile_program  # noqa: E402
-from client.reference import ReferenceExecutor  # noqa: E402
-from client.submit import submit  # noqa: E402
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
-from orchestrator.logs import configure  # noqa: E402
+from rallypoint.client.compile import CompiledProgram, compile_program  # noqa: E402
+from rallypoint.client.reference import ReferenceExecutor  # noqa: E402
+from rallypoint.client.submit import submit  # noqa: E402
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
+from rallypoint.etcd.logs import configure  # noqa: E402
 
 
 def pipeline_module():  # type: ignore[no-untyped-def]
@@ -71,7 +71,7 @@ def instance_ms(compiled: CompiledProgram) -> float:
     """Median compute time of one forward instance of stage 1 in this process."""
     import numpy as np
 
-    from workers.programs import load_exported, slice_mesh
+    from rallypoint.workers.programs import load_exported, slice_mesh
     import jax
 
     node = compiled.nodes["fwd1"]

@@ -2,8 +2,8 @@
 
 Starts one real etcd (temp dir), ``--hosts`` child processes ("hosts") that
 together hold ``--workers`` lightweight registered workers (threads: one etcd
-lease + :class:`~orchestrator.lease.LeaseKeeper` + worker record each; no JAX, no
-gRPC server), and a :class:`~orchestrator.membership.MembershipMonitor` in this
+lease + :class:`~rallypoint.etcd.lease.LeaseKeeper` + worker record each; no JAX, no
+gRPC server), and a :class:`~rallypoint.orchestrator.membership.MembershipMonitor` in this
 process. After a steady-state window (where keepalive cost is measured) it
 SIGKILLs the host processes holding ``--kill`` workers, then SIGSTOPs the host
 holding ``--stop`` workers, and times each worker's ``lost`` event against the
@@ -56,10 +56,10 @@ TARGET_SLACK_S = 0.5
 
 
 def child_main(args: argparse.Namespace) -> int:
-    from orchestrator import logs
-    from orchestrator.keys import Keys
-    from orchestrator.lease import LeaseKeeper
-    from orchestrator.store import EtcdStore
+    from rallypoint.etcd import logs
+    from rallypoint.etcd.keys import Keys
+    from rallypoint.etcd.lease import LeaseKeeper
+    from rallypoint.etcd.store import EtcdStore
 
     logs.configure(level="warning")
     keys = Keys(args.cluster)
@@ -282,11 +282,11 @@ def wait_lost(rec: Recorder, workers: list[str], deadline: float) -> dict[str, f
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from orchestrator import logs
-    from orchestrator.etcd_server import EtcdCluster
-    from orchestrator.keys import Keys
-    from orchestrator.membership import MembershipMonitor
-    from orchestrator.store import EtcdStore
+    from rallypoint.etcd import logs
+    from rallypoint.etcd.server import EtcdCluster
+    from rallypoint.etcd.keys import Keys
+    from rallypoint.orchestrator.membership import MembershipMonitor
+    from rallypoint.etcd.store import EtcdStore
 
     logs.configure(stream=sys.stderr, level="warning")
     say = (lambda *a: None) if args.json_only else (lambda *a: print(*a, file=sys.stderr, flush=True))

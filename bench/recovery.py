@@ -34,17 +34,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from client.compile import ensure_host_devices  # noqa: E402
+from rallypoint.client.compile import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)
 
 from bench.dispatch import pipeline_module  # noqa: E402
-from client.compile import compile_program  # noqa: E402
-from client.faults import Fault, FaultInjector  # noqa: E402
-from client.submit import submit  # noqa: E402
-from orchestrator.job_recovery import PHASES  # noqa: E402
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
-from orchestrator.logs import configure  # noqa: E402
+from rallypoint.client.compile import compile_program  # noqa: E402
+from rallypoint.client.faults import Fault, FaultInjector  # noqa: E402
+from rallypoint.client.submit import submit  # noqa: E402
+from rallypoint.orchestrator.job_recovery import PHASES  # noqa: E402
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
+from rallypoint.etcd.logs import configure  # noqa: E402
 
 SLICES = ("stage0", "stage1", "stage2", "stage3")
 

@@ -23,10 +23,10 @@ def chaos() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line; the last is the summary.")
 def run(scenario_file: Path, seed: int | None, out_dir: Path | None, as_json: bool) -> None:
     """Run SCENARIO_FILE's job under its faults and check the invariants; exit 1 if one fails."""
-    from chaos.report import format_table
-    from chaos.runner import run_scenario
-    from chaos.scenario import load_scenario
-    from orchestrator.logs import configure
+    from rallypoint.chaos.report import format_table
+    from rallypoint.chaos.runner import run_scenario
+    from rallypoint.chaos.scenario import load_scenario
+    from rallypoint.etcd.logs import configure
 
     configure(level="warning")
     scenario = load_scenario(scenario_file)
@@ -59,6 +59,6 @@ def run(scenario_file: Path, seed: int | None, out_dir: Path | None, as_json: bo
 @click.argument("directory", type=click.Path(path_type=Path))
 def report(directory: Path) -> None:
     """Print the report of a chaos run as a table."""
-    from chaos.report import format_table, load_report
+    from rallypoint.chaos.report import format_table, load_report
 
     click.echo(format_table(load_report(directory)))

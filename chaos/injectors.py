@@ -1,7 +1,7 @@
 """Fault injectors: each fires one real fault on the embedded local cluster and counts it.
 
 Every injector is a method of :class:`Injectors` named after the fault's kind (see
-:data:`chaos.scenario.KINDS`). It fires the fault, returns a record of what it did
+:data:`rallypoint.chaos.scenario.KINDS`). It fires the fault, returns a record of what it did
 (the worker, pid, signal, member, path ...) and, for faults with a duration, a
 ``heal`` callable the scheduler runs when the duration is over. ``fired`` and
 ``healed`` count per kind what actually happened.
@@ -12,7 +12,7 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   the heal records whether it came back as a new incarnation. ``straggler``: a
   stop/continue duty cycle (stopped half of every 0.2 s) for the duration.
 * ``partition``: the worker's network cut while its process lives
-  (:mod:`chaos.network`: network namespaces when root, else loopback proxies).
+  (:mod:`rallypoint.chaos.network`: network namespaces when root, else loopback proxies).
 * ``leader_kill`` / ``leader_hang``: SIGKILL / SIGSTOP of the leader coordinator.
 * ``etcd_kill``: SIGKILL of one etcd member (of three; the job goes on).
   ``etcd_quorum``: SIGKILL of two members, restarted from their data when healed.
@@ -20,7 +20,7 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   half) the largest file of the target slice's newest committed checkpoint, then
   SIGKILL its worker so that a recovery has to restore it.
 * ``disk_full`` / ``disk_readonly``: the checkpoint directory fills up or turns
-  read-only (:class:`chaos.storage.Storage`: a small tmpfs when root, else an error
+  read-only (:class:`rallypoint.chaos.storage.Storage`: a small tmpfs when root, else an error
   injected at the storage layer).
 """
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.scenario import FaultSpec
-from orchestrator.commits import read_commits
-from orchestrator.errors import RallypointError
-from orchestrator.local_cluster import LocalCluster
+from rallypoint.chaos.scenario import FaultSpec
+from rallypoint.etcd.commits import read_commits
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.cluster.local import LocalCluster
 
 Heal = Callable[[], dict[str, Any]]
 

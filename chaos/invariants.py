@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from orchestrator.store import WatchEvent
+from rallypoint.etcd.store import WatchEvent
 
 
 @dataclass(frozen=True, slots=True)

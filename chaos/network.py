@@ -19,7 +19,7 @@ Two ways to cut one worker off while its process keeps running:
   plane (it advertises their addresses); a partition freezes all of them. Unlike
   netns, the worker's own outgoing connections to *other workers* are not cut.
 
-:func:`start_partitionable_cluster` starts a :class:`~orchestrator.local_cluster.LocalCluster`
+:func:`start_partitionable_cluster` starts a :class:`~rallypoint.cluster.local.LocalCluster`
 either way and returns a :class:`PartitionControl` (``partition``/``heal``/``close``).
 """
 
@@ -39,10 +39,10 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from orchestrator.errors import ConfigError, RallypointError
-from orchestrator.etcd_server import free_port
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig, WorkerNetwork
-from orchestrator.logs import get_logger
+from rallypoint.etcd.errors import ConfigError, RallypointError
+from rallypoint.etcd.server import free_port
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, WorkerNetwork
+from rallypoint.etcd.logs import get_logger
 
 log = get_logger("rallypoint.chaos.network")
 

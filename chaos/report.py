@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import RallypointError
-from orchestrator.job_recovery import PHASES
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.orchestrator.job_recovery import PHASES
 
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.html"

@@ -6,9 +6,9 @@ fills or freezes the disk), records the etcd watch history of device leases,
 submits the job and fires the scheduled faults as the job reaches their steps or
 times, follows the job through leader losses (an operator's ``rallypoint resume`` on
 the new leader, done by the harness and reported), then checks the invariants of
-:mod:`chaos.invariants` against a fault-free run of the same job (the in-process
+:mod:`rallypoint.chaos.invariants` against a fault-free run of the same job (the in-process
 reference, bitwise equal to a fault-free cluster run) and writes the report
-(:mod:`chaos.report`).
+(:mod:`rallypoint.chaos.report`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from typing import Any
 
 import grpc
 
-from chaos.injectors import InjectionError, Injectors, Target
-from chaos.invariants import (Check, NodeInfo, check_applied_once, check_checkpoints, check_digest,
+from rallypoint.chaos.injectors import InjectionError, Injectors, Target
+from rallypoint.chaos.invariants import (Check, NodeInfo, check_applied_once, check_checkpoints, check_digest,
                               check_lease_history, check_outcome)
-from chaos.report import write_report
-from chaos.scenario import FaultSpec, Scenario
-from chaos.storage import Storage
-from orchestrator.commits import read_commits
-from orchestrator.errors import RallypointError, StoreError, WatchCompacted
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
-from orchestrator.recovery_controller import BREAK_REPLAY_ENV
-from orchestrator.store import EtcdStore, WatchEvent
-from proto import rallypoint_pb2 as pb
-from workers.checkpoint import CheckpointCorrupt, restore_commit
-from workers.records import read_records
+from rallypoint.chaos.report import write_report
+from rallypoint.chaos.scenario import FaultSpec, Scenario
+from rallypoint.chaos.storage import Storage
+from rallypoint.etcd.commits import read_commits
+from rallypoint.etcd.errors import RallypointError, StoreError, WatchCompacted
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
+from rallypoint.orchestrator.recovery_controller import BREAK_REPLAY_ENV
+from rallypoint.etcd.store import EtcdStore, WatchEvent
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.checkpoint import CheckpointCorrupt, restore_commit
+from rallypoint.workers.records import read_records
 
 RESUMES = 5  # leader losses the harness resumes the job through
 
@@ -118,7 +118,7 @@ class ScenarioRun:
 
     def _follow(self, spec: pb.JobSpec) -> None:
         """Submit, then follow the job to its end through leader losses."""
-        from client.submit import leader_stream
+        from rallypoint.client.submit import leader_stream
 
         lc = self.lc
         call: Callable[[Any], Any] = lambda stub: stub.SubmitJob(spec)  # noqa: E731
@@ -222,8 +222,8 @@ class ScenarioRun:
     # -- the whole run ------------------------------------------------------------------------
 
     def run(self, state_dir: Path) -> dict[str, Any]:
-        from client.jobspec import job_spec
-        from client.reference import ReferenceExecutor
+        from rallypoint.client.jobspec import job_spec
+        from rallypoint.client.reference import ReferenceExecutor
 
         s, program = self.s, self.program
         t_ref = time.perf_counter()
@@ -241,7 +241,7 @@ class ScenarioRun:
         os.environ.update(env)
         try:
             if "partition" in s.kinds:
-                from chaos.network import start_partitionable_cluster
+                from rallypoint.chaos.network import start_partitionable_cluster
 
                 self.lc, network = start_partitionable_cluster(config)
             else:
@@ -365,10 +365,10 @@ class ScenarioRun:
 def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callable[[dict[str, Any]], None] = print,
                  break_replay: bool = False) -> tuple[dict[str, Any], Path]:
     """Run ``scenario``; return its summary and the report folder written."""
-    from client.compile import compile_program, ensure_host_devices
+    from rallypoint.client.compile import compile_program, ensure_host_devices
 
     ensure_host_devices(8)
-    from client.jobfile import load_program
+    from rallypoint.client.jobfile import load_program
 
     program = load_program(scenario.job_file, steps=scenario.steps)
     if scenario.checkpoint_every:

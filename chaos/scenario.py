@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError
+from rallypoint.etcd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

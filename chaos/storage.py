@@ -18,8 +18,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import RallypointError
-from workers.job_checkpoints import STORAGE_FLAG_ENV
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.workers.job_checkpoints import STORAGE_FLAG_ENV
 
 TMPFS_SIZE = "64m"
 

@@ -1,10 +1,10 @@
 """Rallypoint's public surface: describe a training computation as a graph, run it.
 
-    from client import Program, gather
+    from rallypoint.client import Program, gather
 
 Users of ``client`` need nothing else; see ``docs/program-api.md``.
 """
 
-from client.program import Gathered, NodeHandle, Program, ProgramError, Ref, StateRef, gather
+from rallypoint.client.program import Gathered, NodeHandle, Program, ProgramError, Ref, StateRef, gather
 
 __all__ = ["Gathered", "NodeHandle", "Program", "ProgramError", "Ref", "StateRef", "gather"]

@@ -19,12 +19,11 @@ from typing import Any, TypeVar
 
 import click
 
-from chaos import cli as chaos_cli
-from client import jobs_cli
-from client.clusters import DEFAULT_STATE_DIR, cluster_options, parse_cluster, resolve_cluster, store_and_keys
-from orchestrator.errors import ConfigError, RallypointError
-from orchestrator.keys import check_name
-from orchestrator.logs import configure as configure_logs
+from rallypoint.client import jobs_cli
+from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, parse_cluster, resolve_cluster, store_and_keys
+from rallypoint.etcd.errors import ConfigError, RallypointError
+from rallypoint.etcd.keys import check_name
+from rallypoint.etcd.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,7 +59,7 @@ def main() -> None:
 def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, etcd_members: str,
        lease_ttl_s: int, cluster_name: str, state_dir: Path) -> None:
     """Start a local cluster in the background (etcd, coordinators, workers)."""
-    from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
+    from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 
     config = LocalClusterConfig(
         state_dir=state_dir.resolve(), workers=workers, spares=spares, devices_per_worker=devices_per_worker,
@@ -82,7 +81,7 @@ def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, et
               envvar="RALLYPOINT_STATE_DIR", show_default=True)
 def down(state_dir: Path) -> None:
     """Stop exactly the processes `rallypoint up` started."""
-    from orchestrator.local_cluster import LocalCluster, is_running
+    from rallypoint.cluster.local import LocalCluster, is_running
 
     configure_logs(level="warning")
     lc = LocalCluster.load(state_dir)
@@ -118,7 +117,7 @@ def worker_rows(snapshot: Any) -> list[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     """List workers: id, pid, incarnation, state, devices, lease holders."""
-    from orchestrator.devices import read_cluster
+    from rallypoint.etcd.cluster_view import read_cluster
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
@@ -149,7 +148,7 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
 @click.argument("worker")
 def cordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     """Stop new device leases on WORKER (its current leases stay)."""
-    from orchestrator.devices import DeviceLeases
+    from rallypoint.orchestrator.devices import DeviceLeases
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
@@ -164,7 +163,7 @@ def cordon(state_dir: Path, cluster: str | None, worker: str) -> None:
 @click.argument("worker")
 def uncordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     """Allow new device leases on WORKER again."""
-    from orchestrator.devices import DeviceLeases
+    from rallypoint.orchestrator.devices import DeviceLeases
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
@@ -180,7 +179,7 @@ def uncordon(state_dir: Path, cluster: str | None, worker: str) -> None:
 @click.option("--slice", "slice_name", default=None, help="Only this virtual slice of the job.")
 def release(state_dir: Path, cluster: str | None, job: str, slice_name: str | None) -> None:
     """Release the device leases held by JOB (or one of its slices)."""
-    from orchestrator.devices import DeviceLeases
+    from rallypoint.orchestrator.devices import DeviceLeases
 
     check_name("job", job)
     store, keys = store_and_keys(state_dir, cluster)
@@ -223,12 +222,12 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
-    from client.compile import compile_program, ensure_host_devices
+    from rallypoint.client.compile import compile_program, ensure_host_devices
 
     ensure_host_devices(HOST_DEVICES)
-    from client.faults import parse_faults
-    from client.jobfile import load_program
-    from client.reference import ReferenceExecutor
+    from rallypoint.client.faults import parse_faults
+    from rallypoint.client.jobfile import load_program
+    from rallypoint.client.reference import ReferenceExecutor
 
     program = load_program(job_file, steps=steps)
     if reference and (cluster or workers is not None or devices_per_worker is not None or fail):
@@ -314,10 +313,10 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
     """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after."""
     import tempfile
 
-    from client.faults import FaultInjector
-    from client.submit import submit
-    from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
-    from proto import rallypoint_pb2 as pb
+    from rallypoint.client.faults import FaultInjector
+    from rallypoint.client.submit import submit
+    from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
+    from rallypoint.proto import rallypoint_pb2 as pb
 
     program = compiled.program
     recovery = recovery or {}
@@ -363,77 +362,6 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
             click.echo(f"the embedded cluster's logs are in {state / 'logs'}", err=True)
 
 
-# -- daemons ------------------------------------------------------------------------------
-
-
-def _daemon_options(f: F) -> F:
-    f = click.option("--lease-ttl-s", type=int, default=2, show_default=True)(f)
-    f = click.option("--id", "ident", required=True, help="Stable id of this process.")(f)
-    f = click.option("--cluster", "cluster", required=True, metavar="NAME@HOST:PORT[,...]")(f)
-    return f
-
-
-def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop: Callable[[], None],
-                stop: Callable[[], None]) -> None:
-    def handler(signum: int, _frame: Any) -> None:
-        request_stop()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    start()
-    try:
-        run()
-    finally:
-        stop()
-
-
-@main.command(hidden=False)
-@_daemon_options
-@click.option("--devices", type=int, default=2, show_default=True, help="Local JAX devices (K).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=0, help="gRPC port (0: a free one).")
-@click.option("--register-timeout-s", type=float, default=30.0, show_default=True,
-              help="How long to wait for an older incarnation of this id to expire.")
-@click.option("--data-port", type=int, default=0, help="Data-plane port (0: a free one).")
-@click.option("--advertise-address", default="", metavar="HOST:PORT",
-              help="Where others reach the gRPC server, if not where it binds (e.g. behind a proxy).")
-@click.option("--advertise-data-address", default="", metavar="HOST:PORT",
-              help="Where others reach the data plane, if not where it binds.")
-def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
-           register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str) -> None:
-    """Run the worker daemon (one per accelerator host)."""
-    from workers.daemon import WorkerConfig, WorkerDaemon
-
-    configure_logs()
-    name, endpoints = parse_cluster(cluster)
-    cfg = WorkerConfig(cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
-                       lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
-                       data_port=data_port, advertise_address=advertise_address,
-                       advertise_data_address=advertise_data_address)
-    d = WorkerDaemon(cfg)
-    _run_daemon(d.start, d.run, d.request_stop, d.stop)
-
-
-@main.command()
-@_daemon_options
-@click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
-              "(shared by every worker; empty: such jobs run without checkpoints).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str) -> None:
-    """Run a coordinator (several run; one leads)."""
-    from orchestrator.coordinator import Coordinator, CoordinatorConfig
-
-    configure_logs()
-    name, endpoints = parse_cluster(cluster)
-    c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
-                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host))
-    done = threading.Event()
-    _run_daemon(lambda: None, c.run, c.stop, done.set)
-
-
 main.add_command(jobs_cli.status)
 main.add_command(jobs_cli.resume)
-main.add_command(chaos_cli.chaos)  # the top of the layers: the CLI drives the chaos harness too
 
-if __name__ == "__main__":
-    main()

@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import click
 
-from orchestrator.errors import ClusterNotFound, ConfigError
-from orchestrator.keys import Keys, all_clusters_prefix, check_name, cluster_of
+from rallypoint.etcd.errors import ClusterNotFound, ConfigError
+from rallypoint.etcd.keys import Keys, all_clusters_prefix, check_name, cluster_of, parse_cluster
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,25 +25,10 @@ class ClusterAddress:
     endpoints: tuple[str, ...]
 
 
-def parse_cluster(addr: str) -> tuple[str | None, tuple[str, ...]]:
-    """Parse ``[NAME@]HOST:PORT[,HOST:PORT...]``."""
-    name, _, rest = addr.rpartition("@")
-    endpoints = tuple(e.strip() for e in rest.split(",") if e.strip())
-    if not endpoints:
-        raise ConfigError(f"--cluster {addr!r}: give etcd endpoints as [NAME@]HOST:PORT[,HOST:PORT...]")
-    for ep in endpoints:
-        host, _, port = ep.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"--cluster {addr!r}: {ep!r} is not HOST:PORT (e.g. 127.0.0.1:2379)")
-    if name:
-        check_name("cluster", name)
-    return name or None, endpoints
-
-
 def resolve_cluster(state_dir: Path, cluster: str | None) -> ClusterAddress:
     """Find the cluster from ``--cluster`` or the state dir."""
-    from orchestrator.local_cluster import LocalCluster
-    from orchestrator.store import EtcdStore
+    from rallypoint.cluster.local import LocalCluster
+    from rallypoint.etcd.store import EtcdStore
 
     if cluster:
         name, endpoints = parse_cluster(cluster)
@@ -78,7 +63,7 @@ def cluster_options(f: F) -> F:
 
 
 def store_and_keys(state_dir: Path, cluster: str | None) -> tuple[Any, Keys]:
-    from orchestrator.store import EtcdStore
+    from rallypoint.etcd.store import EtcdStore
 
     addr = resolve_cluster(state_dir, cluster)
     return EtcdStore(addr.endpoints), Keys(addr.name)

@@ -1,4 +1,4 @@
-"""From a :class:`~client.program.Program` to exported programs: tracing, checks, ``jax.export``.
+"""From a :class:`~rallypoint.client.program.Program` to exported programs: tracing, checks, ``jax.export``.
 
 Every node (and every state's ``init``) is traced with :func:`jax.eval_shape` in
 topological order, so a shape or dtype mismatch is found before anything runs and
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
-from workers.programs import slice_mesh as mesh_over
+from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
+from rallypoint.workers.programs import slice_mesh as mesh_over
 
 def ensure_host_devices(count: int) -> None:
     """Make JAX see at least ``count`` CPU devices; possible until JAX runs its first operation.

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.errors import ConfigError
-from orchestrator.keys import Keys
-from orchestrator.store import EtcdStore
-from proto import rallypoint_pb2 as pb
+from rallypoint.etcd.errors import ConfigError
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import EtcdStore
+from rallypoint.proto import rallypoint_pb2 as pb
 
 _SPEC = re.compile(r"^kill:(?P<name>[A-Za-z0-9_.-]+)@(?P<step>\d+)$")
 

@@ -1,4 +1,4 @@
-"""Loading a job file: a Python file that builds a :class:`~client.program.Program`.
+"""Loading a job file: a Python file that builds a :class:`~rallypoint.client.program.Program`.
 
 A job file assigns its program to ``program`` at module level, or defines
 ``build()`` returning one. Any failure is a :class:`ProgramError` naming the file.
@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from client.program import Program, ProgramError
+from rallypoint.client.program import Program, ProgramError
 
 
 def load_program(path: str | Path, *, steps: int | None = None) -> Program:

@@ -1,6 +1,6 @@
 """Operator commands for jobs: ``rallypoint status JOB`` and ``rallypoint resume JOB``.
 
-Added to the ``rallypoint`` group by :mod:`client.cli`.
+Added to the ``rallypoint`` group by :mod:`rallypoint.client.cli`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from client.clusters import cluster_options, resolve_cluster, store_and_keys
-from orchestrator.errors import RallypointError
-from orchestrator.keys import check_name
+from rallypoint.client.clusters import cluster_options, resolve_cluster, store_and_keys
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.keys import check_name
 
 
 def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
     Raises:
         RallypointError: the cluster has no record of ``job``.
     """
-    from orchestrator.commits import consistent_cut, read_commits
+    from rallypoint.etcd.commits import consistent_cut, read_commits
 
     kv = store.get(keys.job(job))
     if kv is None:
@@ -86,7 +86,7 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line.")
 def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, as_json: bool) -> None:
     """Restart every slice of JOB from its newest consistent cut and finish it."""
-    from client.submit import resume as resume_job
+    from rallypoint.client.submit import resume as resume_job
 
     check_name("job", job)
     addr = resolve_cluster(state_dir, cluster)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.compile import CompiledProgram
-from client.program import Gathered, ProgramError, Ref, StateRef
-from proto import rallypoint_pb2 as pb
+from rallypoint.client.compile import CompiledProgram
+from rallypoint.client.program import Gathered, ProgramError, Ref, StateRef
+from rallypoint.proto import rallypoint_pb2 as pb
 
 
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",

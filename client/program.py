@@ -26,7 +26,7 @@ Example (one pipeline stage)::
               outputs=("params",), updates={"params": params})
 
 Structural checks happen as the graph is built and in :meth:`Program.validate`;
-shape and dtype checks by tracing are in :mod:`client.compile`.
+shape and dtype checks by tracing are in :mod:`rallypoint.client.compile`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from jax.sharding import PartitionSpec
 
-from orchestrator.errors import RallypointError
-from orchestrator.keys import check_name
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.keys import check_name
 
 Per = Literal["step", "microbatch"]
 

@@ -17,17 +17,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.compile import CompiledProgram, compile_program, slice_mesh
-from client.program import Gathered, Program, Ref, StateRef
-from workers.programs import load_exported
+from rallypoint.client.compile import CompiledProgram, compile_program, slice_mesh
+from rallypoint.client.program import Gathered, Program, Ref, StateRef
+from rallypoint.workers.programs import load_exported
 
 
 def state_digest(states: Mapping[str, Any]) -> str:
     """sha256 over every state value, in a fixed order: state name, tree structure, then
-    each leaf's dtype, shape and bytes (:func:`proto.digest.leaves_digest`)."""
+    each leaf's dtype, shape and bytes (:func:`rallypoint.proto.digest.leaves_digest`)."""
     import jax
 
-    from proto.digest import leaves_digest
+    from rallypoint.proto.digest import leaves_digest
 
     flat = ((name, *jax.tree_util.tree_flatten(value)) for name, value in states.items())
     return leaves_digest((name, str(treedef), leaves) for name, leaves, treedef in flat)

@@ -10,15 +10,15 @@ from typing import Any
 
 import grpc
 
-from client.compile import CompiledProgram
-from client.jobspec import job_spec
-from client.reference import RunResult, state_digest
-from orchestrator.errors import RallypointError
-from orchestrator.keys import Keys
-from orchestrator.store import EtcdStore
-from proto import codec
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.client.compile import CompiledProgram
+from rallypoint.client.jobspec import job_spec
+from rallypoint.client.reference import RunResult, state_digest
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import EtcdStore
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 
 class JobError(RallypointError):
@@ -82,7 +82,7 @@ def submit(
 ) -> RunResult:
     """Run ``compiled`` on the cluster; return its final state and digest.
 
-    ``recovery``: the job's recovery settings (:data:`client.jobspec.RECOVERY_FIELDS`).
+    ``recovery``: the job's recovery settings (:data:`rallypoint.client.jobspec.RECOVERY_FIELDS`).
 
     Raises:
         JobError: the job failed (the reason names what went wrong).

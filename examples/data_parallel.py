@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from client import Program
+from rallypoint.client import Program
 
 DEVICES = 4
 FEATURES, BATCH = 16, 128

@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from client.cli import worker_rows  # noqa: E402
-from orchestrator.devices import DeviceLeases, read_cluster  # noqa: E402
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
-from orchestrator.logs import configure  # noqa: E402
+from rallypoint.client.cli import worker_rows  # noqa: E402
+from rallypoint.orchestrator.devices import DeviceLeases, read_cluster  # noqa: E402
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
+from rallypoint.etcd.logs import configure  # noqa: E402
 
 console = Console(width=110)
 

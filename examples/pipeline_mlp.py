@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from client import Program, gather
+from rallypoint.client import Program, gather
 
 STAGES = 4
 WIDTH = 32

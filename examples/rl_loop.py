@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from client import Program
+from rallypoint.client import Program
 
 OBS, ACTIONS, BATCH = 8, 4, 64
 SYNC_EVERY = 3

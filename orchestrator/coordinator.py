@@ -1,6 +1,6 @@
 """The coordinator service: leader election, membership, liveness, fencing.
 
-Several coordinators run; one leads (see :mod:`orchestrator.election`). The
+Several coordinators run; one leads (see :mod:`rallypoint.orchestrator.election`). The
 leader watches membership, keeps an ``Attach`` stream open to every worker (its
 break is the fast signal of a dead process), and when a worker is lost:
 
@@ -26,17 +26,18 @@ from typing import Any
 
 import grpc
 
-from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.devices import fence_worker
-from orchestrator.election import LeaderElection
-from orchestrator.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
-from orchestrator.failures import Verdict, classify_rpc_error
-from orchestrator.keys import Keys, check_name
-from orchestrator.logs import get_logger
-from orchestrator.membership import MembershipChange, MembershipMonitor, WorkerInfo
-from orchestrator.store import EtcdStore, Put, Store
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.orchestrator.devices import fence_worker
+from rallypoint.orchestrator.election import LeaderElection
+from rallypoint.etcd.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
+from rallypoint.orchestrator.failures import Verdict, classify_rpc_error
+from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.logs import get_logger
+from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor
+from rallypoint.etcd.cluster_view import WorkerInfo
+from rallypoint.etcd.store import EtcdStore, Put, Store
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 
 class CoordinatorState(enum.Enum):
@@ -155,8 +156,8 @@ class Coordinator:
         self.keys = Keys(config.cluster)
         self.store = store or EtcdStore(config.endpoints)
         self.clock = clock
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
-        port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
+        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"
@@ -325,10 +326,7 @@ class Coordinator:
 
     def run(self) -> None:
         """Run until :meth:`stop`. etcd outages are retried, never fatal."""
-        from orchestrator.service import CoordinatorService
-
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(self), self._server)
-        self._server.start()
+        self.server.start()
         failures = 0
         while not self._stop.is_set():
             try:
@@ -343,7 +341,7 @@ class Coordinator:
                 self.log.error("coordinator.step_failed", error=str(exc))
                 self.clock.wait(self._stop, 0.5)
         self._stop_leading("stopping")
-        self._server.stop(grace=1.0)
+        self.server.stop(grace=1.0)
         self.election.resign()
         self._set_state(CoordinatorState.STOPPED)
 

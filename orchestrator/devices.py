@@ -22,96 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
-from orchestrator.keys import Keys, check_name
-from orchestrator.membership import WorkerInfo
-from orchestrator.store import Compare, Delete, Get, Op, Put, Store, TxnResult, created_at, key_missing, unchanged_since
+from rallypoint.etcd.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
+from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, WorkerInfo, WorkerSnapshot, read_cluster
+from rallypoint.etcd.store import Compare, Delete, Get, Op, Put, Store, TxnResult, created_at, key_missing, unchanged_since
 
 FencedTxn = Callable[[Sequence[Compare], Sequence[Op], Sequence[Op]], TxnResult]
-
-
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Who holds a device."""
-
-    job: str
-    slice: str
-    nonce: str
-    term: int = 0
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Holder:
-        d = json.loads(raw)
-        return cls(job=d["job"], slice=d["slice"], nonce=d.get("nonce", ""), term=int(d.get("term", 0)))
-
-    def to_json(self) -> str:
-        return json.dumps({"job": self.job, "slice": self.slice, "nonce": self.nonce, "term": self.term, "at": time.time()})
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSnapshot:
-    """One live worker with its devices, holders and cordon flag."""
-
-    info: WorkerInfo
-    devices: tuple[int, ...]
-    holders: dict[int, Holder]
-    cordoned: bool
-
-    @property
-    def free(self) -> list[int]:
-        return [d for d in self.devices if d not in self.holders]
-
-    @property
-    def state(self) -> str:
-        if self.info.state == "leaving":
-            return "leaving"
-        if self.cordoned:
-            return "cordoned"
-        return "leased" if self.holders else "spare"
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSnapshot:
-    """Workers, devices, leases, cordons and losses, all read at one revision."""
-
-    revision: int
-    workers: dict[str, WorkerSnapshot]
-    cordoned: frozenset[str]
-    lost: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def spares(self) -> list[str]:
-        return sorted(w for w, s in self.workers.items() if s.state == "spare")
-
-
-def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
-    """Read a consistent snapshot (one transaction, one revision)."""
-    r = store.txn(
-        [],
-        [Get(keys.workers, prefix=True), Get(keys.devices, prefix=True), Get(keys.leases, prefix=True),
-         Get(keys.cordons, prefix=True), Get(keys.lost_workers, prefix=True)],
-    )
-    workers_kv, devices_kv, leases_kv, cordon_kv, lost_kv = r.reads
-    devices: dict[str, list[int]] = {}
-    for kv in devices_kv:
-        w, idx = keys.tail(kv.key, keys.devices)
-        devices.setdefault(w, []).append(int(idx))
-    holders: dict[str, dict[int, Holder]] = {}
-    for kv in leases_kv:
-        w, idx = keys.tail(kv.key, keys.leases)
-        holders.setdefault(w, {})[int(idx)] = Holder.from_json(kv.value)
-    cordoned = frozenset(keys.tail(kv.key, keys.cordons)[0] for kv in cordon_kv)
-    workers = {}
-    for kv in workers_kv:
-        w = keys.tail(kv.key, keys.workers)[0]
-        workers[w] = WorkerSnapshot(
-            info=WorkerInfo.from_kv(w, kv),
-            devices=tuple(sorted(devices.get(w, []))),
-            holders=holders.get(w, {}),
-            cordoned=w in cordoned,
-        )
-    lost = {keys.tail(kv.key, keys.lost_workers)[0]: kv.json() for kv in lost_kv}
-    return ClusterSnapshot(revision=r.revision, workers=workers, cordoned=cordoned, lost=lost)
 
 
 def choose_devices(snapshot: ClusterSnapshot, count: int, *, exclude: frozenset[str] = frozenset()) -> tuple[str, list[int]] | None:

@@ -7,7 +7,7 @@ token. Every write the leader makes goes through :meth:`LeaderElection.fenced_tx
 which adds ``create_revision(leader) == term`` to the transaction, so a deposed
 leader (its lease expired while it was stopped, and a standby took the key) has
 its writes refused by etcd itself and steps down. The leader also checks its
-local lease deadline before each write (see :mod:`orchestrator.lease`).
+local lease deadline before each write (see :mod:`rallypoint.etcd.lease`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.errors import Fenced, NotLeader, StoreError
-from orchestrator.keys import Keys
-from orchestrator.lease import LeaseKeeper
-from orchestrator.logs import get_logger
-from orchestrator.store import Compare, Get, Op, Put, Store, TxnResult, created_at, key_missing
+from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.etcd.errors import Fenced, NotLeader, StoreError
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.lease import LeaseKeeper
+from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.store import Compare, Get, Op, Put, Store, TxnResult, created_at, key_missing
 
 
 class LeaderElection:

@@ -9,8 +9,8 @@ metrics, and checkpoint commits), never tensors, until it fetches the final stat
 
 Recovery (docs/recovery.md). When a worker's event stream breaks, or its etcd
 registration is gone, the executor fences it (revokes its lease), moves its slices
-to spare devices (:func:`recovery.remap.plan_remap`), and asks the replay planner
-(:func:`recovery.replay.plan_replay`) what re-runs from the newest consistent cut
+to spare devices (:func:`rallypoint.recovery.remap.plan_remap`), and asks the replay planner
+(:func:`rallypoint.recovery.replay.plan_replay`) what re-runs from the newest consistent cut
 ``c``. Under ``partial`` the moved slices load their checkpoint at ``c`` and re-run
 from there, and every surviving worker is rewired: its routes point at the new
 places and its output log sends the replaying nodes their inputs of steps ``>= c``
@@ -39,21 +39,22 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.commits import CheckpointCommit, consistent_cut, read_commit_records, read_commits
-from orchestrator.devices import DeviceLeases, fence_worker, read_cluster
-from orchestrator.election import LeaderElection
-from orchestrator.errors import AllocationError, NotLeader, RallypointError, StoreError
-from orchestrator.job_recovery import RecoveryRecord, RecoverySettings
-from orchestrator.job_workers import JobWorkers, WorkerCallFailed
-from orchestrator.keys import Keys
-from orchestrator.logs import get_logger
-from orchestrator.placement import SlicePlace, instances_per_step, load_requests
-from orchestrator.store import Delete, Put, Store
-from proto import rallypoint_pb2 as pb
-from proto.digest import flat_state_digest
-from recovery.remap import Fail, Remap, RemapPolicy, Wait, plan_remap
-from recovery.replay import Graph
+from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commit_records, read_commits
+from rallypoint.orchestrator.devices import DeviceLeases, fence_worker
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.orchestrator.election import LeaderElection
+from rallypoint.etcd.errors import AllocationError, NotLeader, RallypointError, StoreError
+from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job_workers import JobWorkers, WorkerCallFailed
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.logs import get_logger
+from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
+from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto.digest import flat_state_digest
+from rallypoint.recovery.remap import Fail, Remap, RemapPolicy, Wait, plan_remap
+from rallypoint.recovery.replay import Graph
 
 LOSS_GRACE_S = 0.2  # after one loss, how long to gather others that happened with it
 ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
@@ -277,7 +278,7 @@ class JobExecutor:
             if not corrupt or c == 0:
                 raise JobFailed("; ".join(str(f) for f in failed.values()))
             self.log.warning("resume.corrupt_checkpoint", step=c, error=str(corrupt[0]))
-            from orchestrator.recovery_controller import RecoveryController
+            from rallypoint.orchestrator.recovery_controller import RecoveryController
 
             RecoveryController(self)._drop_commit(str(corrupt[0]))
             before = c
@@ -455,7 +456,7 @@ class JobExecutor:
     # -- recovery ---------------------------------------------------------------------------
 
     def _recover(self, lost: dict[str, str]) -> None:
-        from orchestrator.recovery_controller import RecoveryController
+        from rallypoint.orchestrator.recovery_controller import RecoveryController
 
         RecoveryController(self).recover(lost)
 

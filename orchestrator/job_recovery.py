@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2 as pb
 
 POLICIES = ("partial", "restart-all")
 ON_NO_SPARE = ("wait", "fail")

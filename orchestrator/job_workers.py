@@ -20,9 +20,9 @@ from typing import Any
 
 import grpc
 
-from orchestrator.logs import get_logger
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.etcd.logs import get_logger
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 LOAD_TIMEOUT_S = 300.0
 FETCH_TIMEOUT_S = 300.0

@@ -20,41 +20,12 @@ from typing import Any, Literal
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
-from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.errors import StoreUnavailable, WatchCompacted
-from orchestrator.keys import Keys
-from orchestrator.logs import get_logger
-from orchestrator.store import KeyValue, Store, WatchBatch
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """A registered worker incarnation as its etcd record describes it."""
-
-    worker: str
-    incarnation: int
-    lease: int
-    address: str
-    pid: int
-    devices: int
-    state: str
-    record: dict[str, Any]
-    data_address: str = ""
-
-    @classmethod
-    def from_kv(cls, worker: str, kv: KeyValue) -> WorkerInfo:
-        rec = kv.json()
-        return cls(
-            worker=worker,
-            incarnation=kv.create_revision,
-            lease=kv.lease,
-            address=rec.get("address", ""),
-            data_address=rec.get("data_address", ""),
-            pid=int(rec.get("pid", 0)),
-            devices=int(rec.get("devices", 0)),
-            state=rec.get("state", "serving"),
-            record=rec,
-        )
+from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.etcd.errors import StoreUnavailable, WatchCompacted
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.cluster_view import WorkerInfo
+from rallypoint.etcd.store import KeyValue, Store, WatchBatch
 
 
 ChangeKind = Literal["registered", "updated", "left", "lost"]

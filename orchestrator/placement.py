@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)

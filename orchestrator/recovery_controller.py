@@ -2,7 +2,7 @@
 
 One call of :meth:`RecoveryController.recover` handles the loss of one or more
 workers (those lost with the first within ``LOSS_GRACE_S`` join it) and returns
-once every lost slice runs again, or raises :class:`orchestrator.executor.JobFailed`
+once every lost slice runs again, or raises :class:`rallypoint.orchestrator.executor.JobFailed`
 with the reason. Each attempt:
 
 1. **fence** every lost worker (revoke its lease: its registration and device
@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from orchestrator.commits import commit_record_path
-from orchestrator.executor import LOSS_GRACE_S, MAX_RECOVERY_ATTEMPTS, JobFailed, JobState
-from orchestrator.job_recovery import RecoveryRecord
-from orchestrator.job_workers import WorkerCallFailed
-from orchestrator.store import Delete
-from recovery.replay import ReplayPlan, plan_replay, restart_all_plan
+from rallypoint.etcd.commits import commit_record_path
+from rallypoint.orchestrator.executor import LOSS_GRACE_S, MAX_RECOVERY_ATTEMPTS, JobFailed, JobState
+from rallypoint.orchestrator.job_recovery import RecoveryRecord
+from rallypoint.orchestrator.job_workers import WorkerCallFailed
+from rallypoint.etcd.store import Delete
+from rallypoint.recovery.replay import ReplayPlan, plan_replay, restart_all_plan
 
 if TYPE_CHECKING:
-    from orchestrator.executor import JobExecutor
+    from rallypoint.orchestrator.executor import JobExecutor
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 BREAK_REPLAY_ENV = "RALLYPOINT_TEST_BREAK_REPLAY"

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
-from orchestrator.logs import get_logger
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
+from rallypoint.etcd.logs import get_logger
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from orchestrator.coordinator import Coordinator
+    from rallypoint.orchestrator.coordinator import Coordinator
 
 TERMINAL_EVENTS = frozenset({"job.finished", "job.failed"})
 
@@ -83,3 +83,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield ev
             if ev.event in TERMINAL_EVENTS:
                 return
+
+
+def serve_jobs(coordinator: Coordinator) -> CoordinatorService:
+    """Mount the job service on the coordinator's gRPC server (before :meth:`Coordinator.run`)."""
+    service = CoordinatorService(coordinator)
+    pb_grpc.add_CoordinatorServicer_to_server(service, coordinator.server)
+    return service

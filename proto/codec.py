@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
 

@@ -1,7 +1,7 @@
 """The state digest over flat leaves as they travel on the wire.
 
 ``sha256`` over every state in name order: the name and its pytree structure (as
-JAX prints it), then each leaf's dtype, shape and bytes. :func:`client.reference.state_digest`
+JAX prints it), then each leaf's dtype, shape and bytes. :func:`rallypoint.client.reference.state_digest`
 computes the same from the pytrees, so the coordinator can report the digest of a
 job whose client holds no program (``rallypoint resume``).
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from proto import codec
-from proto import rallypoint_pb2 as pb
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
 
 
 def leaves_digest(states: Iterable[tuple[str, str, Sequence[Any]]]) -> str:

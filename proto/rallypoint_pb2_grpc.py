@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import rallypoint_pb2 as proto_dot_rallypoint__pb2
+from rallypoint.proto import rallypoint_pb2 as proto_dot_rallypoint__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

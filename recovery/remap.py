@@ -1,7 +1,7 @@
 """The remap policy: which spare devices take over each lost virtual slice. Pure.
 
 The controller carries out decisions; this module makes them (STYLE.md item 2).
-:func:`plan_remap` takes a :class:`~orchestrator.devices.ClusterSnapshot` (plain
+:func:`plan_remap` takes a :class:`~rallypoint.etcd.cluster_view.ClusterSnapshot` (plain
 data read at one revision), the lost slices with the device count each needs, and
 a :class:`RemapPolicy`, and returns one of:
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # plain data only; recovery/ does no I/O
-    from orchestrator.devices import ClusterSnapshot, WorkerSnapshot
+    from rallypoint.etcd.cluster_records import ClusterSnapshot, WorkerSnapshot
 
 OnNoSpare = Literal["wait", "shrink", "fail"]
 ON_NO_SPARE: tuple[OnNoSpare, ...] = ("wait", "shrink", "fail")
@@ -147,7 +147,7 @@ def plan_remap(
     on one replacement host), then the name; a worker partly leased to another job
     is used only when no such spare has room.
 
-    Unlike :func:`orchestrator.devices.choose_devices`, which packs new jobs onto
+    Unlike :func:`rallypoint.orchestrator.devices.choose_devices`, which packs new jobs onto
     partly leased workers to keep spares whole, recovery replaces a lost host by
     spare hosts: packing a recovered slice beside another job's slices would tie
     their failures together and take the room that job may need to grow or recover

@@ -59,7 +59,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2 as pb
 
 EdgeKind = Literal["value", "state"]
 PlanPolicy = Literal["partial", "restart-all"]

@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import pytest
 
-from orchestrator.etcd_server import EtcdCluster
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig, is_running
-from orchestrator.store import EtcdStore
+from rallypoint.etcd.server import EtcdCluster
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
+from rallypoint.etcd.store import EtcdStore
 
 # The client-side tests compile programs for slices of up to 4 devices and run the
 # reference on several device sets: give this process 8 CPU devices before any JAX

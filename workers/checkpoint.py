@@ -33,11 +33,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from orchestrator.commits import CheckpointCommit, consistent_cut, read_commits
-from orchestrator.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
-from orchestrator.keys import Keys, check_name
-from orchestrator.logs import get_logger
-from orchestrator.store import Compare, Delete, Put, Store
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
+from rallypoint.etcd.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
+from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.store import Compare, Delete, Put, Store
 
 __all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
            "EtcdCommitter", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]

@@ -7,7 +7,7 @@ request names the incarnation it is meant for, and a worker refuses requests for
 another incarnation and refuses everything while fenced.
 
 Fencing: the worker stops acting as soon as its local lease deadline passes
-(:class:`orchestrator.lease.LocalFence`), before it learns anything from etcd.
+(:class:`rallypoint.etcd.lease.LocalFence`), before it learns anything from etcd.
 If etcd then says the lease is gone, the incarnation is over for good: the
 worker registers again under a new one. If etcd says the lease is alive (etcd
 was briefly unreachable), the worker goes on under the same incarnation.
@@ -35,19 +35,19 @@ from typing import Any
 
 import grpc
 
-from orchestrator.clock import SYSTEM_CLOCK, Clock
-from orchestrator.errors import ConfigError, Fenced, RallypointError, StoreError
-from orchestrator.keys import Keys, check_name
-from orchestrator.lease import LeaseKeeper
-from orchestrator.logs import get_logger
-from orchestrator.store import EtcdStore, Store, created_at
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
-from workers.checkpoint import etcd_commit
-from workers.dataplane import DataPlaneServer
-from workers.job_checkpoints import CommitFn
-from workers.registration import try_register
-from workers.runtime_service import WorkerRuntimeService
+from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.etcd.errors import ConfigError, Fenced, RallypointError, StoreError
+from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.lease import LeaseKeeper
+from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.store import EtcdStore, Store, created_at
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers.checkpoint import etcd_commit
+from rallypoint.workers.dataplane import DataPlaneServer
+from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.registration import try_register
+from rallypoint.workers.runtime_service import WorkerRuntimeService
 
 
 class WorkerState(enum.Enum):

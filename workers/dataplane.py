@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.logs import get_logger
-from proto import rallypoint_pb2 as pb
+from rallypoint.etcd.logs import get_logger
+from rallypoint.proto import rallypoint_pb2 as pb
 
 MAGIC = b"RPV1"
 _U32 = struct.Struct("!I")

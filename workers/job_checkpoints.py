@@ -5,7 +5,7 @@ Every slice that holds states saves them at the steps divisible by the job's
 consistent cut): the checkpoint at step ``c`` holds each state as at the start of
 step ``c``, saved once the slice has run all its instances of steps below ``c`` and
 before it runs any later one (:meth:`JobCheckpoints.barrier`). Saving is Orbax's
-asynchronous save through :class:`workers.checkpoint.SliceCheckpointer`; the commit
+asynchronous save through :class:`rallypoint.workers.checkpoint.SliceCheckpointer`; the commit
 (etcd, guarded on this worker's incarnation) is made after Orbax finalizes, then a
 copy of it is written beside the checkpoints (``<root>/commits/<slice>/<step>.json``,
 what ``rallypoint resume`` reads when etcd itself was lost) and the coordinator hears
@@ -26,10 +26,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.logs import get_logger
-from proto import rallypoint_pb2 as pb
-from orchestrator.commits import CheckpointCommit, commit_record_path
-from workers.checkpoint import SliceCheckpointer, States, restore_commit
+from rallypoint.etcd.logs import get_logger
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
+from rallypoint.workers.checkpoint import SliceCheckpointer, States, restore_commit
 
 CommitFn = Callable[[CheckpointCommit], None]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from proto import rallypoint_pb2 as pb
-from workers.runtime_state import Key, Leaves
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.runtime_state import Key, Leaves
 
 
 @dataclass

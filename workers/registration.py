@@ -11,9 +11,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.errors import WriteIndeterminate
-from orchestrator.keys import Keys
-from orchestrator.store import KeyValue, Put, Store, key_missing
+from rallypoint.etcd.errors import WriteIndeterminate
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import KeyValue, Put, Store, key_missing
 
 
 def try_register(

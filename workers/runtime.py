@@ -5,10 +5,10 @@ The coordinator loads a job on each worker that holds one of its slices
 (``RunSteps``), hears completions (``JobEvents``) and fetches the final state
 (``FetchState``). Tensors never go through it: a worker runs an instance as soon as
 its inputs have arrived and its step is granted, and pushes each output straight to
-the consuming worker (over its data plane, :mod:`workers.dataplane`, or a gRPC
+the consuming worker (over its data plane, :mod:`rallypoint.workers.dataplane`, or a gRPC
 ``Push``), or hands it over in memory when the consumer is its own. The gRPC and
-data-plane front is :mod:`workers.runtime_service`. The semantics are those of
-:class:`client.reference.ReferenceExecutor`, so a run ends in bitwise the same state:
+data-plane front is :mod:`rallypoint.workers.runtime_service`. The semantics are those of
+:class:`rallypoint.client.reference.ReferenceExecutor`, so a run ends in bitwise the same state:
 
 * an instance is ``(node, step, microbatch)``; a node runs at steps divisible by its
   ``every``; microbatch is -1 for per-step nodes;
@@ -22,7 +22,7 @@ Instances of one slice run one at a time, lowest step first, then topological
 position, then microbatch; different slices run in parallel.
 
 Recovery (docs/recovery.md): slices checkpoint at the job's checkpoint steps
-(:mod:`workers.job_checkpoints`), pushed values stay in the output log (:mod:`workers.outlog`)
+(:mod:`rallypoint.workers.job_checkpoints`), pushed values stay in the output log (:mod:`rallypoint.workers.outlog`)
 until the cut passes them, a runtime can start from a checkpoint (``start_step``), and
 ``rewire`` points routes at moved consumers and sends them their logged inputs again.
 """
@@ -41,18 +41,18 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.errors import RallypointError
-from orchestrator.logs import get_logger
-from proto import codec
-from proto import rallypoint_pb2 as pb
-from workers.checkpoint import CheckpointCorrupt
-from workers.job_checkpoints import CommitFn, JobCheckpoints, restore
-from workers.outlog import OutputLog
-from workers.programs import load_exported, slice_mesh
-from workers.records import InstanceRecords
-from workers.runtime_state import (DeliveryError, Inbox, Key, Leaves, LoadError, NodeProgress, RestoreError,
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.logs import get_logger
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.checkpoint import CheckpointCorrupt
+from rallypoint.workers.job_checkpoints import CommitFn, JobCheckpoints, restore
+from rallypoint.workers.outlog import OutputLog
+from rallypoint.workers.programs import load_exported, slice_mesh
+from rallypoint.workers.records import InstanceRecords
+from rallypoint.workers.runtime_state import (DeliveryError, Inbox, Key, Leaves, LoadError, NodeProgress, RestoreError,
                                    StateVersions, runs_at, running_steps)
-from workers.transfer import NotAllowed, PeerChannels
+from rallypoint.workers.transfer import NotAllowed, PeerChannels
 
 B = pb.InputBinding
 Admit = Callable[[pb.Identity], object]

@@ -1,4 +1,4 @@
-"""The worker's runtime service: the gRPC and data-plane front of :class:`workers.runtime.JobRuntime`.
+"""The worker's runtime service: the gRPC and data-plane front of :class:`rallypoint.workers.runtime.JobRuntime`.
 
 Every request passes the daemon's gate first (fence, incarnation, coordinator term);
 then it is routed to the job it names.
@@ -14,15 +14,15 @@ from typing import Any, NoReturn
 
 import grpc
 
-from orchestrator.errors import RallypointError
-from orchestrator.logs import get_logger
-from proto import codec
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
-from workers.dataplane import Status
-from workers.job_checkpoints import CommitFn
-from workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
-from workers.transfer import PeerChannels
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.logs import get_logger
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers.dataplane import Status
+from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
+from rallypoint.workers.transfer import PeerChannels
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -1,7 +1,7 @@
 """Bookkeeping of one job on a worker: which instances ran, what has arrived, which
 state versions are kept.
 
-Plain data structures with no threads and no gRPC: :class:`workers.runtime.JobRuntime`
+Plain data structures with no threads and no gRPC: :class:`rallypoint.workers.runtime.JobRuntime`
 uses them under its lock. Kept apart so the rules (state versions, idempotent
 delivery, when a value may be dropped) are small and tested on their own.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.errors import RallypointError
+from rallypoint.etcd.errors import RallypointError
 
 
 class LoadError(RallypointError):

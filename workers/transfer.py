@@ -1,6 +1,6 @@
 """Worker-to-worker pushes: over the peer's data plane (plain TCP, zero-copy; see
-:mod:`workers.dataplane`) when it has one, else as a gRPC ``Push`` stream
-(:func:`proto.codec.chunks`) on one cached channel per peer; bounded retries.
+:mod:`rallypoint.workers.dataplane`) when it has one, else as a gRPC ``Push`` stream
+(:func:`rallypoint.proto.codec.chunks`) on one cached channel per peer; bounded retries.
 
 Transient failures are
 retried with exponential backoff (tenacity, at most 1 s apart) until the push is
@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
-from proto import codec
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
-from workers.dataplane import DataPlaneClient, DataPlaneError, Status
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers.dataplane import DataPlaneClient, DataPlaneError, Status
 
 PUSH_TIMEOUT_S = 120.0
 PUSH_WARN_S = 30.0  # a push still retrying is logged this often

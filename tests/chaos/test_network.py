@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from chaos.network import NetnsNetwork, PartitionControl, TcpProxy, start_partitionable_cluster
-from orchestrator.devices import read_cluster
-from orchestrator.errors import ConfigError
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig, is_running
+from rallypoint.chaos.network import NetnsNetwork, PartitionControl, TcpProxy, start_partitionable_cluster
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.errors import ConfigError
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from tests.conftest import read_events, wait_until
 
 TTL_S = 1

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from chaos.report import ReportError, format_table, load_report, write_report
-from orchestrator.errors import RallypointError
+from rallypoint.chaos.report import ReportError, format_table, load_report, write_report
+from rallypoint.etcd.errors import RallypointError
 
 T0 = 1796220000.0
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from chaos.invariants import NodeInfo, check_applied_once, check_outcome
-from chaos.scenario import KINDS, load_scenario
-from orchestrator.errors import ConfigError
+from rallypoint.chaos.invariants import NodeInfo, check_applied_once, check_outcome
+from rallypoint.chaos.scenario import KINDS, load_scenario
+from rallypoint.etcd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from chaos.report import load_report
-from chaos.runner import run_scenario
-from chaos.scenario import KINDS, load_scenario
+from rallypoint.chaos.report import load_report
+from rallypoint.chaos.runner import run_scenario
+from rallypoint.chaos.scenario import KINDS, load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = sorted(p.stem for p in (ROOT / "scenarios").glob("*.toml") if p.stem != "soak")
@@ -82,15 +82,15 @@ def test_a_broken_recovery_is_caught_by_the_invariants(tmp_path: Path) -> None:
 
 def test_chaos_cli_runs_a_scenario_and_prints_its_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    r = subprocess.run([sys.executable, "-m", "client.cli", "chaos", "run", "--json", "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "rallypoint.cli", "chaos", "run", "--json", "--out", str(out),
                         str(ROOT / "scenarios" / "kill-worker.toml")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.splitlines()[-1])
     assert last["event"] == "chaos.summary" and last["ok"] and last["report"] == str(out)
-    table = subprocess.run([sys.executable, "-m", "client.cli", "chaos", "report", str(out)], cwd=ROOT,
+    table = subprocess.run([sys.executable, "-m", "rallypoint.cli", "chaos", "report", str(out)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "kill-worker" in table.stdout and "final-state-digest" in table.stdout
-    bad = subprocess.run([sys.executable, "-m", "client.cli", "chaos", "run", str(tmp_path / "nope.toml")], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "rallypoint.cli", "chaos", "run", str(tmp_path / "nope.toml")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "cannot read scenario" in bad.stderr

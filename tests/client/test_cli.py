@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.local_cluster import STATE_FILE, LocalCluster, is_running
+from rallypoint.cluster.local import STATE_FILE, LocalCluster, is_running
 from tests.conftest import read_events, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def rp(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([sys.executable, "-m", "client.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "rallypoint.cli", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"rallypoint {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")

@@ -16,9 +16,9 @@ from typing import Any
 import jax.numpy as jnp
 import pytest
 
-from client.compile import compile_program, ensure_host_devices
-from client.jobfile import load_program
-from client.program import Gathered, NodeHandle, Program, ProgramError, Ref, StateRef, gather
+from rallypoint.client.compile import compile_program, ensure_host_devices
+from rallypoint.client.jobfile import load_program
+from rallypoint.client.program import Gathered, NodeHandle, Program, ProgramError, Ref, StateRef, gather
 from tests.examples import example as _example
 
 # tests/conftest.py gives this process 8 CPU devices; this is a no-op then, and makes
@@ -655,7 +655,7 @@ def test_load_file_with_syntax_error(tmp_path: Path) -> None:
 
 def test_load_file_raising_program_error_at_declaration(tmp_path: Path) -> None:
     path = tmp_path / "bad_slice.py"
-    path.write_text("from client import Program\nprogram = Program('j', steps=1)\nprogram.slice('s', devices=0)\n")
+    path.write_text("from rallypoint.client import Program\nprogram = Program('j', steps=1)\nprogram.slice('s', devices=0)\n")
     with pytest.raises(ProgramError, match=_m("failed to import: ProgramError: slice 's': devices must be")):
         load_program(path)
 
@@ -670,7 +670,7 @@ def test_load_file_without_program(tmp_path: Path, body: str) -> None:
 
 JOB = """\
 import jax.numpy as jnp
-from client import Program
+from rallypoint.client import Program
 
 
 def build(steps=7):

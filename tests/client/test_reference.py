@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from client.compile import compile_program
-from client.reference import ReferenceExecutor, run_reference, state_digest
+from rallypoint.client.compile import compile_program
+from rallypoint.client.reference import ReferenceExecutor, run_reference, state_digest
 from tests.examples import example
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from client.reference import run_reference
+from rallypoint.client.reference import run_reference
 from tests.client.test_cli import ROOT, rp
 from tests.examples import example
 
@@ -32,10 +32,10 @@ def test_bad_job_files_get_a_clear_message_and_a_nonzero_exit(tmp_path: Path) ->
         "broken.py": ("import no_such_module_here\n", "failed to import: ModuleNotFoundError"),
         "empty.py": ("x = 1\n", "defines no Program"),
         "cyclic.py": (
-            "from client import Program\n"
+            "from rallypoint.client import Program\n"
             "p = Program('cyc', steps=1)\n"
             "s = p.slice('s')\n"
-            "from client.program import Ref\n"
+            "from rallypoint.client.program import Ref\n"
             "p.node('a', lambda x: x, slice=s, inputs={'x': Ref('b', 'out')})\n"
             "p.node('b', lambda x: x, slice=s, inputs={'x': Ref('a', 'out')})\n"
             "program = p\n",

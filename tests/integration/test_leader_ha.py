@@ -6,7 +6,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from orchestrator.local_cluster import LocalCluster
+from rallypoint.cluster.local import LocalCluster
 from tests.conftest import read_events, wait_until
 
 

@@ -8,11 +8,13 @@ from collections.abc import Callable
 
 import grpc
 
-from orchestrator.devices import DeviceLeases, read_cluster
-from orchestrator.errors import StoreError
-from orchestrator.local_cluster import LocalCluster
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.orchestrator.devices import DeviceLeases
+
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.errors import StoreError
+from rallypoint.cluster.local import LocalCluster
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until
 
 
@@ -146,7 +148,7 @@ def test_etcd_down_for_longer_than_the_ttl_loses_no_healthy_worker(
             if p.role != "etcd":
                 assert not read_events(p.log, "worker.lost"), f"{p.name} declared a worker lost"
                 assert all(e.get("level") != "critical" for e in read_events(p.log))
-        from orchestrator.local_cluster import is_running
+        from rallypoint.cluster.local import is_running
 
         assert all(is_running(p) for p in lc.processes if p.role != "etcd"), "a process died"
         # The outage was seen (retries were logged), and the cluster leads again.

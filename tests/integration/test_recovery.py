@@ -20,19 +20,19 @@ from typing import Any
 import orbax.checkpoint as ocp
 import pytest
 
-from client.compile import CompiledProgram, compile_program
-from client.faults import Fault, FaultInjector
-from client.reference import ReferenceExecutor, RunResult
-from client.submit import JobError, submit
-from orchestrator.commits import consistent_cut, read_commits
-from orchestrator.devices import read_cluster
-from orchestrator.local_cluster import LocalCluster, LocalClusterConfig
-from proto import rallypoint_pb2 as pb
+from rallypoint.client.compile import CompiledProgram, compile_program
+from rallypoint.client.faults import Fault, FaultInjector
+from rallypoint.client.reference import ReferenceExecutor, RunResult
+from rallypoint.client.submit import JobError, submit
+from rallypoint.etcd.commits import consistent_cut, read_commits
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
+from rallypoint.proto import rallypoint_pb2 as pb
 from tests.client.test_cli import rp
 from tests.examples import example
 from tests.workers.test_checkpoint import largest_file
-from workers.checkpoint import state_checksum
-from workers.job_checkpoints import COMMIT_DELAY_ENV
+from rallypoint.workers.checkpoint import state_checksum
+from rallypoint.workers.job_checkpoints import COMMIT_DELAY_ENV
 
 STEPS = 24
 EVERY = 5

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from client.compile import compile_program
-from client.reference import ReferenceExecutor
-from client.submit import JobError, submit
-from orchestrator.devices import read_cluster
-from orchestrator.local_cluster import LocalCluster
+from rallypoint.client.compile import compile_program
+from rallypoint.client.reference import ReferenceExecutor
+from rallypoint.client.submit import JobError, submit
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.cluster.local import LocalCluster
 from tests.client.test_cli import ROOT, rp
 from tests.examples import example
 

@@ -8,12 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from chaos.invariants import check_exclusive_device_leases
-from orchestrator.devices import DeviceLeases, Holder, Placement, read_cluster
-from orchestrator.errors import AllocationError, NoSpareDevices, UnknownWorker
-from orchestrator.keys import Keys
-from orchestrator.store import EtcdStore, KeyValue, WatchEvent
-from workers.registration import try_register
+from rallypoint.chaos.invariants import check_exclusive_device_leases
+from rallypoint.orchestrator.devices import DeviceLeases, Placement
+from rallypoint.etcd.cluster_view import Holder, read_cluster
+from rallypoint.etcd.errors import AllocationError, NoSpareDevices, UnknownWorker
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import EtcdStore, KeyValue, WatchEvent
+from rallypoint.workers.registration import try_register
 
 KEYS = Keys("t")
 
@@ -145,7 +146,7 @@ def test_an_allocation_racing_a_cordon_cannot_land_after_it(store: EtcdStore) ->
     # An allocator read the cluster before the cordon and writes after it: its compare fails.
     snap = read_cluster(store, KEYS)
     leases.cordon("w0")
-    from orchestrator.store import Put, created_at, key_missing
+    from rallypoint.etcd.store import Put, created_at, key_missing
 
     r = store.txn(
         [created_at(KEYS.worker("w0"), inc), key_missing(KEYS.cordon("w0")), key_missing(KEYS.lease("w0", 0))],
@@ -184,7 +185,7 @@ def test_allocation_checks_the_incarnation(store: EtcdStore) -> None:
     store.revoke_lease(old.lease)
     inc, _ = register(store, "w0", 1)  # a new incarnation of the same id
     assert inc > old.incarnation
-    from orchestrator.store import Put, created_at, key_missing
+    from rallypoint.etcd.store import Put, created_at, key_missing
 
     r = store.txn(
         [created_at(KEYS.worker("w0"), old.incarnation), key_missing(KEYS.lease("w0", 0))],

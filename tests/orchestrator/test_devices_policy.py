@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.devices import ClusterSnapshot, Holder, WorkerSnapshot, choose_devices
-from orchestrator.membership import WorkerInfo
+from rallypoint.orchestrator.devices import choose_devices
+
+from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, WorkerSnapshot
+from rallypoint.etcd.cluster_view import WorkerInfo
 
 _INCARNATIONS = iter(range(100, 10_000))
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.election import LeaderElection
-from orchestrator.errors import NotLeader
-from orchestrator.keys import Keys
-from orchestrator.store import EtcdStore, Put
+from rallypoint.orchestrator.election import LeaderElection
+from rallypoint.etcd.errors import NotLeader
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import EtcdStore, Put
 
 KEYS = Keys("t")
 

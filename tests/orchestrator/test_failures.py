@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from orchestrator.failures import PROCESS_GONE_MARKERS, Verdict, classify_rpc_error
+from rallypoint.orchestrator.failures import PROCESS_GONE_MARKERS, Verdict, classify_rpc_error
 
 C = grpc.StatusCode
 

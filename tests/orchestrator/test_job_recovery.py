@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from client.faults import Fault, parse_faults
-from orchestrator.errors import ConfigError
-from orchestrator.job_recovery import RecoveryRecord, RecoverySettings
-from proto import rallypoint_pb2 as pb
+from rallypoint.client.faults import Fault, parse_faults
+from rallypoint.etcd.errors import ConfigError
+from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.proto import rallypoint_pb2 as pb
 
 
 def test_settings_fill_defaults_and_name_the_bad_field() -> None:

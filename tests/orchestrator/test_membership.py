@@ -9,9 +9,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.keys import Keys
-from orchestrator.membership import MembershipChange, MembershipView, WorkerInfo
-from orchestrator.store import KeyValue, WatchBatch, WatchEvent
+from rallypoint.etcd.keys import Keys
+from rallypoint.orchestrator.membership import MembershipChange, MembershipView
+from rallypoint.etcd.cluster_view import WorkerInfo
+from rallypoint.etcd.store import KeyValue, WatchBatch, WatchEvent
 
 KEYS = Keys("t")
 

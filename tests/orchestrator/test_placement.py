@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from client.compile import compile_program
-from client.jobspec import job_spec
-from orchestrator.placement import SlicePlace, instances_per_step, load_requests
-from proto import rallypoint_pb2 as pb
+from rallypoint.client.compile import compile_program
+from rallypoint.client.jobspec import job_spec
+from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
+from rallypoint.proto import rallypoint_pb2 as pb
 from tests.examples import example
 
 

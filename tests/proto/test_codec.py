@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from proto import codec
-from proto import rallypoint_pb2 as pb
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_, np.float16]
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.devices import ClusterSnapshot, Holder, WorkerSnapshot
-from orchestrator.membership import WorkerInfo
-from recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
+from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, WorkerSnapshot
+from rallypoint.etcd.cluster_view import WorkerInfo
+from rallypoint.recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
 
 
 def worker(name: str, devices: int = 4, *, held: Iterable[int] = (), cordoned: bool = False,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto import rallypoint_pb2 as pb
-from recovery.replay import (
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.replay import (
     CutRead, Edge, Graph, Node, PullIn, Resend, State, instances, plan_replay, restart_all_plan,
 )
 

@@ -21,11 +21,11 @@ import orbax.checkpoint as ocp
 import pytest
 from structlog.testing import capture_logs
 
-from orchestrator.keys import Keys
-from orchestrator.logs import configure
-from orchestrator.store import EtcdStore, Put, created_at, key_missing
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.logs import configure
+from rallypoint.etcd.store import EtcdStore, Put, created_at, key_missing
 from tests.conftest import wait_until
-from workers.checkpoint import (
+from rallypoint.workers.checkpoint import (
     CheckpointCommit,
     CheckpointCorrupt,
     CheckpointError,

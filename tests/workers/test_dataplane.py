@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from proto import rallypoint_pb2 as pb
-from workers.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, Status
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, Status
 
 
 @pytest.fixture

@@ -19,18 +19,18 @@ import jax
 import numpy as np
 import pytest
 
-from client.compile import CompiledProgram, compile_program
-from client.jobspec import job_spec
-from client.reference import ReferenceExecutor, RunResult, state_digest
-from orchestrator.errors import Fenced
-from orchestrator.placement import SlicePlace, instances_per_step, load_requests
-from proto import codec
-from proto import rallypoint_pb2 as pb
-from proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.client.compile import CompiledProgram, compile_program
+from rallypoint.client.jobspec import job_spec
+from rallypoint.client.reference import ReferenceExecutor, RunResult, state_digest
+from rallypoint.etcd.errors import Fenced
+from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
+from rallypoint.proto import codec
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
-from workers.daemon import StaleIncarnation
-from workers.runtime_service import WorkerRuntimeService
-from workers.runtime_state import NodeProgress, StateVersions
+from rallypoint.workers.daemon import StaleIncarnation
+from rallypoint.workers.runtime_service import WorkerRuntimeService
+from rallypoint.workers.runtime_state import NodeProgress, StateVersions
 from tests.examples import example
 
 STEPS = {"pipeline_mlp": 4, "rl_loop": 7, "data_parallel": 4}

@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.devices import ClusterSnapshot, read_cluster
-from orchestrator.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
-from orchestrator.etcd_server import EtcdCluster
-from orchestrator.keys import Keys, check_name
-from orchestrator.logs import get_logger
-from orchestrator.store import EtcdStore
+from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
+from rallypoint.etcd.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
+from rallypoint.etcd.server import EtcdCluster
+from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.store import EtcdStore
 
 STATE_FILE = "cluster.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -271,7 +271,7 @@ class LocalCluster:
     def argv(self, role: str, name: str, net: WorkerNetwork | None = None) -> list[str]:
         """The command line of one coordinator or worker (``net``: the worker's placement)."""
         endpoints = list(net.endpoints) if net is not None and net.endpoints else self.endpoints
-        base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "client.cli", role,
+        base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "rallypoint.cluster.daemons", role,
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
         if role == "worker":

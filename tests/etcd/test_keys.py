@@ -1,4 +1,4 @@
-"""Tests for the etcd key schema orchestrator.keys."""
+"""Tests for the etcd key schema etcd.keys."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.errors import ConfigError
-from orchestrator.keys import ROOT, Keys, check_name
+from rallypoint.etcd.errors import ConfigError
+from rallypoint.etcd.keys import ROOT, Keys, check_name
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = ("orchestrator", "workers", "client", "recovery", "chaos")
-KEYS_MODULE = REPO / "orchestrator" / "keys.py"
+SCANNED = ("etcd", "orchestrator", "workers", "client", "cluster", "recovery", "chaos")
+KEYS_MODULE = REPO / "etcd" / "keys.py"
 
 _names = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
@@ -111,8 +111,8 @@ def _scanned_files() -> list[Path]:
 
 def test_scan_covers_the_code() -> None:
     names = {p.relative_to(REPO).as_posix() for p in _scanned_files()}
-    assert {"orchestrator/store.py", "orchestrator/membership.py", "orchestrator/devices.py"} <= names
-    assert "orchestrator/keys.py" not in names
+    assert {"etcd/store.py", "orchestrator/membership.py", "orchestrator/devices.py"} <= names
+    assert "etcd/keys.py" not in names
     assert not any(n.startswith("tests/") for n in names)
 
 
@@ -123,4 +123,4 @@ def test_no_module_builds_keys_by_hand() -> None:
         for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1)
         if "/rallypoint/" in line
     ]
-    assert offenders == [], f"build keys with orchestrator.keys.Keys, not by hand: {offenders}"
+    assert offenders == [], f"build keys with etcd.keys.Keys, not by hand: {offenders}"

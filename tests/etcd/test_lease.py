@@ -1,4 +1,4 @@
-"""Tests for orchestrator.lease: LocalFence and LeaseKeeper, on a fake clock and store."""
+"""Tests for etcd.lease: LocalFence and LeaseKeeper, on a fake clock and store."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 import pytest
 
-from orchestrator.clock import FakeClock
-from orchestrator.errors import ConfigError, Fenced, StoreUnavailable
-from orchestrator.lease import LeaseKeeper, LocalFence, default_margin_s
-from orchestrator.store import LeaseGrant
+from rallypoint.etcd.clock import FakeClock
+from rallypoint.etcd.errors import ConfigError, Fenced, StoreUnavailable
+from rallypoint.etcd.lease import LeaseKeeper, LocalFence, default_margin_s
+from rallypoint.etcd.store import LeaseGrant
 
 Scripted = int | Exception
 

@@ -1,4 +1,4 @@
-"""Tests for orchestrator.store: EtcdStore against a real etcd, and prefix_end."""
+"""Tests for etcd.store: EtcdStore against a real etcd, and prefix_end."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.errors import (
+from rallypoint.etcd.errors import (
     LeaseNotFound,
     StoreError,
     StoreUnavailable,
     WatchCompacted,
     WriteIndeterminate,
 )
-from orchestrator.etcd_server import EtcdCluster
-from orchestrator.store import (
+from rallypoint.etcd.server import EtcdCluster
+from rallypoint.etcd.store import (
     Delete,
     EtcdStore,
     Get,

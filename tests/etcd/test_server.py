@@ -1,4 +1,4 @@
-"""Tests for orchestrator.etcd_server against a real etcd server."""
+"""Tests for etcd.server against a real etcd server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import etcd3
 import etcd3.exceptions
 import pytest
 
-from orchestrator import etcd_server
-from orchestrator.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
-from orchestrator.etcd_server import EtcdCluster, find_etcd_binary, free_port, min_lease_ttl_s
+from rallypoint.etcd import server as etcd_server
+from rallypoint.etcd.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
+from rallypoint.etcd.server import EtcdCluster, find_etcd_binary, free_port, min_lease_ttl_s
 
 pytestmark = pytest.mark.timeout(90)
 

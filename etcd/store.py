@@ -14,10 +14,10 @@ tokens and incarnation numbers.
 etcd facts this module encodes:
 
 - A write that times out or loses its connection is *indeterminate*: it may have
-  applied. Such failures raise :class:`~orchestrator.errors.WriteIndeterminate`;
+  applied. Such failures raise :class:`~rallypoint.etcd.errors.WriteIndeterminate`;
   callers make writes idempotent with a compare and re-read on retry.
 - A watch resumes from the last revision seen + 1, and fails once that revision
-  is compacted: :class:`~orchestrator.errors.WatchCompacted`.
+  is compacted: :class:`~rallypoint.etcd.errors.WatchCompacted`.
 - Revisions are totally ordered; the create revision of a key is a fencing token.
 """
 
@@ -34,7 +34,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 
-from orchestrator.errors import (
+from rallypoint.etcd.errors import (
     LeaseNotFound,
     StoreError,
     StoreUnavailable,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from orchestrator.errors import ConfigError
+from rallypoint.etcd.errors import ConfigError
 
 ROOT = "/rallypoint"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -141,3 +141,18 @@ class Keys:
         if not key.startswith(under):
             raise ValueError(f"{key!r} is not under {under!r}")
         return key[len(under):].split("/")
+
+
+def parse_cluster(addr: str) -> tuple[str | None, tuple[str, ...]]:
+    """Parse ``[NAME@]HOST:PORT[,HOST:PORT...]``."""
+    name, _, rest = addr.rpartition("@")
+    endpoints = tuple(e.strip() for e in rest.split(",") if e.strip())
+    if not endpoints:
+        raise ConfigError(f"--cluster {addr!r}: give etcd endpoints as [NAME@]HOST:PORT[,HOST:PORT...]")
+    for ep in endpoints:
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--cluster {addr!r}: {ep!r} is not HOST:PORT (e.g. 127.0.0.1:2379)")
+    if name:
+        check_name("cluster", name)
+    return name or None, endpoints

@@ -1,0 +1,107 @@
+"""The daemon commands: ``python -m rallypoint.cluster.daemons worker|coordinator ...``.
+
+The local cluster launcher (:mod:`rallypoint.cluster.local`) starts every process
+with these; on real hosts a service manager does (``docs/operations.md``). Each
+daemon stops cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.keys import parse_cluster
+from rallypoint.etcd.logs import configure as configure_logs
+from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+from rallypoint.orchestrator.service import serve_jobs
+from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class DaemonGroup(click.Group):
+    """Turns every RallypointError into one clear line and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RallypointError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=DaemonGroup)
+def main() -> None:
+    """Rallypoint's daemons (the local cluster and service managers start them)."""
+
+
+def _daemon_options(f: F) -> F:
+    f = click.option("--lease-ttl-s", type=int, default=2, show_default=True)(f)
+    f = click.option("--id", "ident", required=True, help="Stable id of this process.")(f)
+    f = click.option("--cluster", "cluster", required=True, metavar="NAME@HOST:PORT[,...]")(f)
+    return f
+
+
+def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop: Callable[[], None],
+                stop: Callable[[], None]) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        request_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    start()
+    try:
+        run()
+    finally:
+        stop()
+
+
+@main.command()
+@_daemon_options
+@click.option("--devices", type=int, default=2, show_default=True, help="Local JAX devices (K).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=0, help="gRPC port (0: a free one).")
+@click.option("--register-timeout-s", type=float, default=30.0, show_default=True,
+              help="How long to wait for an older incarnation of this id to expire.")
+@click.option("--data-port", type=int, default=0, help="Data-plane port (0: a free one).")
+@click.option("--advertise-address", default="", metavar="HOST:PORT",
+              help="Where others reach the gRPC server, if not where it binds (e.g. behind a proxy).")
+@click.option("--advertise-data-address", default="", metavar="HOST:PORT",
+              help="Where others reach the data plane, if not where it binds.")
+def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
+           register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str) -> None:
+    """Run the worker daemon (one per accelerator host)."""
+    configure_logs()
+    name, endpoints = parse_cluster(cluster)
+    cfg = WorkerConfig(cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
+                       lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
+                       data_port=data_port, advertise_address=advertise_address,
+                       advertise_data_address=advertise_data_address)
+    d = WorkerDaemon(cfg)
+    _run_daemon(d.start, d.run, d.request_stop, d.stop)
+
+
+@main.command()
+@_daemon_options
+@click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
+              "(shared by every worker; empty: such jobs run without checkpoints).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str) -> None:
+    """Run a coordinator (several run; one leads)."""
+    configure_logs()
+    name, endpoints = parse_cluster(cluster)
+    c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
+                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host))
+    serve_jobs(c)
+    done = threading.Event()
+    _run_daemon(lambda: None, c.run, c.stop, done.set)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""What the cluster looks like in etcd, as plain records (no I/O here).
+
+:class:`WorkerInfo` is one registered worker incarnation; :class:`ClusterSnapshot`
+every live worker with its devices, their holders, cordons and recorded losses, as
+:func:`rallypoint.etcd.cluster_view.read_cluster` reads them at one revision. The
+planners in ``rallypoint.recovery`` take these as plain data.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class _Record(Protocol):
+    """An etcd key-value as the records need it (``rallypoint.etcd.store.KeyValue``)."""
+
+    create_revision: int
+    lease: int
+
+    def json(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A registered worker incarnation as its etcd record describes it."""
+
+    worker: str
+    incarnation: int
+    lease: int
+    address: str
+    pid: int
+    devices: int
+    state: str
+    record: dict[str, Any]
+    data_address: str = ""
+
+    @classmethod
+    def from_kv(cls, worker: str, kv: _Record) -> WorkerInfo:
+        rec = kv.json()
+        return cls(
+            worker=worker,
+            incarnation=kv.create_revision,
+            lease=kv.lease,
+            address=rec.get("address", ""),
+            data_address=rec.get("data_address", ""),
+            pid=int(rec.get("pid", 0)),
+            devices=int(rec.get("devices", 0)),
+            state=rec.get("state", "serving"),
+            record=rec,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a device."""
+
+    job: str
+    slice: str
+    nonce: str
+    term: int = 0
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Holder:
+        d = json.loads(raw)
+        return cls(job=d["job"], slice=d["slice"], nonce=d.get("nonce", ""), term=int(d.get("term", 0)))
+
+    def to_json(self) -> str:
+        return json.dumps({"job": self.job, "slice": self.slice, "nonce": self.nonce, "term": self.term, "at": time.time()})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """One live worker with its devices, holders and cordon flag."""
+
+    info: WorkerInfo
+    devices: tuple[int, ...]
+    holders: dict[int, Holder]
+    cordoned: bool
+
+    @property
+    def free(self) -> list[int]:
+        return [d for d in self.devices if d not in self.holders]
+
+    @property
+    def state(self) -> str:
+        if self.info.state == "leaving":
+            return "leaving"
+        if self.cordoned:
+            return "cordoned"
+        return "leased" if self.holders else "spare"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """Workers, devices, leases, cordons and losses, all read at one revision."""
+
+    revision: int
+    workers: dict[str, WorkerSnapshot]
+    cordoned: frozenset[str]
+    lost: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def spares(self) -> list[str]:
+        return sorted(w for w, s in self.workers.items() if s.state == "spare")
