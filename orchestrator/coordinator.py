@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.devices import fence_worker
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.etcd.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
+from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.failures import Verdict, classify_rpc_error
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
@@ -65,6 +66,7 @@ class CoordinatorConfig:
             picks a free one. The leader publishes the address in the leader key.
         checkpoint_dir: where jobs keep checkpoints when they name no directory
             (a filesystem every worker shares; "": such jobs run without checkpoints).
+        hooks: fault hooks for tests (:class:`ExecutorHooks`); the defaults break nothing.
     """
 
     cluster: str
@@ -76,6 +78,7 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     checkpoint_dir: str = ""
+    hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)

@@ -490,6 +490,11 @@ class CoordinatorStub:
                 request_serializer=proto_dot_rallypoint__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.WatchJob = channel.unary_stream(
+                '/rallypoint.v1.Coordinator/WatchJob',
+                request_serializer=proto_dot_rallypoint__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.JobEvent.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -508,6 +513,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchJob(self, request, context):
+        """Follow a job the leader runs (submitted to it, or adopted from a lost leader): a
+        job.watching event with its progress first, then its events to the end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -519,6 +532,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ResumeJob': grpc.unary_stream_rpc_method_handler(
                     servicer.ResumeJob,
                     request_deserializer=proto_dot_rallypoint__pb2.ResumeRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.JobEvent.SerializeToString,
+            ),
+            'WatchJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.WatchJobRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.JobEvent.SerializeToString,
             ),
     }
@@ -575,6 +593,33 @@ class Coordinator:
             target,
             '/rallypoint.v1.Coordinator/ResumeJob',
             proto_dot_rallypoint__pb2.ResumeRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rallypoint.v1.Coordinator/WatchJob',
+            proto_dot_rallypoint__pb2.WatchJobRequest.SerializeToString,
             proto_dot_rallypoint__pb2.JobEvent.FromString,
             options,
             channel_credentials,
