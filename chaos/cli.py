@@ -1,4 +1,4 @@
-"""``rallypoint chaos run SCENARIO.toml`` and ``rallypoint chaos report DIR``."""
+"""The chaos commands: ``run SCENARIO.toml``, ``campaign SCENARIO.toml --seeds N`` and ``report DIR``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,59 @@ def run(scenario_file: Path, seed: int | None, out_dir: Path | None, as_json: bo
     if not summary["ok"]:
         failed = [c["name"] for c in summary["invariants"] if not c["ok"]]
         click.echo(f"error: invariants failed: {', '.join(failed)} (evidence in {folder / 'summary.json'})", err=True)
+        sys.exit(1)
+
+
+@chaos.command("campaign")
+@click.argument("scenario_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--seeds", "n_seeds", type=int, required=True, help="How many seeds to run (one full run each).")
+@click.option("--first-seed", type=int, default=None,
+              help="The first seed; the others follow it (default: the scenario's [random] seed).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Campaign folder (default: chaos-reports/campaign-<scenario>-<time>).")
+@click.option("--keep-all", is_flag=True, help="Keep the report folders of the seeds that passed too.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON event per line; the last is campaign.json's data.")
+def campaign(scenario_file: Path, n_seeds: int, first_seed: int | None, out_dir: Path | None, keep_all: bool,
+             as_json: bool) -> None:
+    """Run SCENARIO_FILE once per seed, every invariant each time; print the table; exit 1 if a seed failed."""
+    from rallypoint.chaos.campaign import (CAMPAIGN_FILE, check_campaign, default_out_dir, format_campaign,
+                                           run_campaign, seed_list)
+    from rallypoint.chaos.scenario import load_scenario
+    from rallypoint.etcd.errors import ConfigError
+    from rallypoint.etcd.logs import configure
+
+    configure(level="warning")
+    if not scenario_file.is_file():
+        raise ConfigError(f"scenario file {scenario_file} does not exist: pass the path of a scenario TOML "
+                          "(e.g. scenarios/campaign.toml)")
+    scenario = load_scenario(scenario_file)
+    check_campaign(scenario, n_seeds, out_dir)
+    assert scenario.random is not None
+    seeds = seed_list(scenario.random.seed if first_seed is None else first_seed, n_seeds)
+    out = out_dir or default_out_dir(scenario.name)
+
+    def say(d: dict[str, Any]) -> None:
+        if as_json:
+            click.echo(json.dumps(d))
+        elif d.get("event") == "chaos.campaign.seed_start":
+            click.echo(f"== seed {d['seed']}")
+        elif d.get("event") == "chaos.fault":
+            click.echo(f"  fault {d['kind']} {d.get('target') or ''} at step {d['step']}: "
+                       f"{d.get('error') or 'fired on ' + str(d.get('worker') or '')}")
+        elif d.get("event") == "chaos.campaign.seed":
+            click.echo(f"  seed {d['seed']}: {'ok' if d['ok'] else 'FAILED'} {d['state']} in {d['wall_s']}s"
+                       + (f"; failed: {', '.join(d['failed_invariants'])}" if d["failed_invariants"] else ""))
+
+    data = run_campaign(scenario, seeds, out, keep_all=keep_all, say=say)
+    if as_json:
+        click.echo(json.dumps({"event": "chaos.campaign", **data}))
+    else:
+        click.echo(format_campaign(data))
+        click.echo(f"campaign: {out / CAMPAIGN_FILE}")
+    if not data["ok"]:
+        failed = ", ".join(str(f["seed"]) for f in data["failed"])
+        click.echo(f"error: {len(data['failed'])} of {len(seeds)} seeds failed ({failed}); their reports and logs "
+                   f"are listed in {out / CAMPAIGN_FILE}", err=True)
         sys.exit(1)
 
 

@@ -4,8 +4,8 @@
 (partitionable when it partitions, with a controlled checkpoint directory when it
 fills or freezes the disk), records the etcd watch history of device leases,
 submits the job and fires the scheduled faults as the job reaches their steps or
-times, follows the job through leader losses (an operator's ``rallypoint resume`` on
-the new leader, done by the harness and reported), then checks the invariants of
+times, follows the job through leader losses (the new leader adopts it, the harness follows
+it there with ``WatchJob``; nobody resumes it), then checks the invariants of
 :mod:`rallypoint.chaos.invariants` against a fault-free run of the same job (the in-process
 reference, bitwise equal to a fault-free cluster run) and writes the report
 (:mod:`rallypoint.chaos.report`).
@@ -14,7 +14,6 @@ reference, bitwise equal to a fault-free cluster run) and writes the report
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -35,13 +34,14 @@ from rallypoint.chaos.storage import Storage
 from rallypoint.etcd.commits import read_commits
 from rallypoint.etcd.errors import RallypointError, StoreError, WatchCompacted
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
-from rallypoint.orchestrator.recovery_controller import BREAK_REPLAY_ENV
+from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.etcd.store import EtcdStore, WatchEvent
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoint import CheckpointCorrupt, restore_commit
+from rallypoint.workers.faults import NO_FAULTS
 from rallypoint.workers.records import read_records
 
-RESUMES = 5  # leader losses the harness resumes the job through
+FOLLOW_S = 120.0  # after a leader loss, how long the harness looks for the job on the new leader
 
 
 class LeaseHistory:
@@ -103,7 +103,7 @@ class ScenarioRun:
     def _on_event(self, ev: pb.JobEvent) -> None:
         self._last_event = time.monotonic()
         detail = json.loads(ev.detail or "{}")
-        if ev.event in ("job.placed", "job.recovered"):
+        if ev.event in ("job.placed", "job.recovered", "job.watching"):
             where = detail.get("placement", detail)
             self.target.placement.update({s: p["worker"] for s, p in where.items()
                                           if isinstance(p, dict) and "worker" in p})
@@ -113,78 +113,54 @@ class ScenarioRun:
             self.recoveries[(detail["recovery"], detail["detected_at"])] = detail
             self.say({"event": "chaos.recovered", "recovery": detail["recovery"], "lost": detail["lost"],
                       "checkpoint_step": detail["checkpoint_step"]})
-        elif ev.event == "job.resumed":
+        elif ev.event in ("job.resumed", "job.adopted", "job.watching"):
             self.completed = max(self.completed, int(ev.step))
+        if ev.event in ("job.handed_off", "job.adopted"):
+            self.say({"event": f"chaos.{ev.event.split('.')[1]}", "step": int(ev.step), **detail})
 
     def _follow(self, spec: pb.JobSpec) -> None:
-        """Submit, then follow the job to its end through leader losses."""
-        from rallypoint.client.submit import leader_stream
+        """Submit, then follow the job to its end through leader losses.
+
+        No operator steps in: a new leader adopts the job by itself and the client
+        follows it there (``WatchJob``, :class:`~rallypoint.client.submit.JobFollower`).
+        ``self.resumes`` (the summary's ``resumes``) stays empty: nothing here resumes.
+        """
+        from rallypoint.client.submit import JobError, JobFollower
 
         lc = self.lc
-        call: Callable[[Any], Any] = lambda stub: stub.SubmitJob(spec)  # noqa: E731
-        for attempt in range(RESUMES + 1):
-            try:
-                _, events, self._channel = leader_stream(lc.endpoints, lc.keys.cluster, call, wait_s=60)
-                for ev in events:
-                    self._on_event(ev)
-                    if ev.event in ("job.finished", "job.failed"):
-                        self.detail = json.loads(ev.detail or "{}")
-                        state = "finished" if ev.event == "job.finished" else "failed"
-                        reason = self.detail.get("reason", "")
-                        if state == "failed" and "lost its leadership" in reason and attempt < RESUMES:
-                            break  # the old leader woke up deposed: the job goes on through resume
-                        self.outcome = {"state": state, "reason": reason}
-                        return
-            except (grpc.RpcError, RallypointError) as exc:
-                code = exc.code().name if isinstance(exc, grpc.RpcError) else ""
-                if self.done.is_set():
-                    return
-                self.say({"event": "chaos.stream_lost", "error": f"{code} {exc}"[:300]})
-            finally:
-                if self._channel is not None:
-                    self._channel.close()
-            if self.done.is_set():
-                return
-            leader_faults = [f for f in self.faults if f["kind"] in ("leader_kill", "leader_hang")]
-            if not leader_faults:
-                self.outcome = {"state": "failed", "reason": "the coordinator's event stream ended without a result"}
-                return
-            self.resumes.append({"at": time.time(), "step": self.completed})
-            self.say({"event": "chaos.resume", "job": spec.job, "after_step": self.completed})
-            call = lambda stub: stub.ResumeJob(pb.ResumeRequest(job=spec.job))  # noqa: E731
-        self.outcome = {"state": "failed", "reason": f"still not finished after {RESUMES} resumes"}
+        follower = JobFollower(spec.job, lc.endpoints, lc.keys.cluster, on_event=self._on_event,
+                               follow_s=FOLLOW_S, open_wait_s=60)
+        self._follower = follower
+        try:
+            ev = follower.follow(lambda stub: stub.SubmitJob(spec))
+        except (JobError, RallypointError) as exc:
+            if not self.done.is_set():  # the watchdog's verdict (timed out) stands when it cancelled
+                self.outcome = {"state": "failed", "reason": str(exc)}
+            return
+        finally:
+            for sw in follower.switches:
+                self.say({"event": "chaos.leader_switch", "why": sw["why"], "from": sw["from"]})
+        self.detail = json.loads(ev.detail or "{}")
+        state = "finished" if ev.event == "job.finished" else "failed"
+        self.outcome = {"state": state, "reason": self.detail.get("reason", "")}
 
     def _watchdog(self, t0: float) -> None:
-        """Cancel the stream past the time bound, or when a new leader took over a silent job."""
-        store = self.lc.store()
-        term = None
-        try:
-            while not self.done.wait(0.5):
-                if time.monotonic() - t0 > self.s.time_bound_s * 1.5 + 30:
-                    self.outcome = {"state": "failed", "reason": f"timed out after {time.monotonic() - t0:.0f}s"}
-                    self.done.set()
-                    if self._channel is not None:
-                        self._channel.close()
-                    return
-                try:
-                    kv = store.get(self.lc.keys.leader)
-                except StoreError:
-                    continue
-                now = kv.create_revision if kv else None
-                if term is None:
-                    term = now
-                elif now is not None and now != term:
-                    term = now
-                    if time.monotonic() - self._last_event > 1.0 and self._channel is not None:
-                        self._channel.close()  # the hung leader's stream stays open: switch to the new one
-        finally:
-            store.close()
+        """End the run past its time bound (a hung leader is the follower's to see: it switches by itself)."""
+        while not self.done.wait(0.5):
+            if time.monotonic() - t0 > self.s.time_bound_s * 1.5 + 30:
+                self.outcome = {"state": "failed", "reason": f"timed out after {time.monotonic() - t0:.0f}s"}
+                self.done.set()
+                follower = getattr(self, "_follower", None)
+                if follower is not None:
+                    follower.cancel(self.outcome["reason"])
+                return
 
     # -- faults -----------------------------------------------------------------------------
 
     def _scheduler(self, schedule: list[FaultSpec], t0: float) -> None:
         pending = sorted(schedule, key=lambda f: (f.at_s if f.at_s is not None else 0.0, f.at_step or 0))
         heals: list[tuple[float, dict[str, Any], Callable[[], dict[str, Any]]]] = []
+        healing: list[threading.Thread] = []
         try:
             while not self.done.is_set() and (pending or heals):
                 now = time.monotonic() - t0
@@ -205,11 +181,17 @@ class ScenarioRun:
                     self.say({"event": "chaos.fault", **{k: v for k, v in rec.items() if k != "detail"}})
                 for h in [h for h in heals if time.monotonic() >= h[0]]:
                     heals.remove(h)
-                    self._heal(*h[1:])
+                    # Each heal in its own thread: one that waits (a hung worker re-registering
+                    # behind a partition) must not delay the faults and heals after it.
+                    th = threading.Thread(target=self._heal, args=h[1:], name=f"heal-{h[1]['kind']}", daemon=True)
+                    th.start()
+                    healing.append(th)
                 self.done.wait(0.05)
         finally:
             for _, rec, heal in heals:  # the job ended first: undo what is still in force
                 self._heal(rec, heal)
+            for th in healing:
+                th.join(timeout=30)
 
     def _heal(self, rec: dict[str, Any], heal: Callable[[], dict[str, Any]]) -> None:
         try:
@@ -235,23 +217,15 @@ class ScenarioRun:
         config = LocalClusterConfig(
             state_dir=state_dir, workers=s.workers or len(program.slices), spares=s.spares,
             devices_per_worker=s.devices_per_worker or max(sl.devices for sl in program.slices.values()),
-            coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s)
-        env = {**(storage.env if storage else {}), **({BREAK_REPLAY_ENV: "1"} if self.break_replay else {})}
-        old_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            if "partition" in s.kinds:
-                from rallypoint.chaos.network import start_partitionable_cluster
+            coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s,
+            worker_faults=storage.faults if storage else NO_FAULTS,  # a storage flag, without root
+            coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay))
+        if "partition" in s.kinds:
+            from rallypoint.chaos.network import start_partitionable_cluster
 
-                self.lc, network = start_partitionable_cluster(config)
-            else:
-                self.lc = LocalCluster.start(config)
-        finally:
-            for k, v in old_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            self.lc, network = start_partitionable_cluster(config)
+        else:
+            self.lc = LocalCluster.start(config)
         lc = self.lc
         self.target = Target(lc, program.name, {n: sp.slice for n, sp in program.nodes.items()},
                              network=network, storage=storage)

@@ -5,9 +5,10 @@ As root, the cluster's checkpoint directory is a small tmpfs mounted for the run
 the directory over itself read-only (a plain ``remount,ro`` is refused while files
 are open for writing), so every new write through the path fails with EROFS;
 ``unfill`` / ``thaw`` undo them. Otherwise the fault is injected at the
-storage layer: workers started with ``RALLYPOINT_FAULT_STORAGE_FLAG=<file>`` fail
-every checkpoint save with the errno named in that file while it exists
-(``workers/job_checkpoints.py``). ``mode`` says which was used.
+storage layer: workers started with the storage flag :attr:`Storage.faults` names
+(``WorkerFaults.storage_flag``, the worker's hidden ``--fault-storage-flag``) fail every
+checkpoint save with the errno named in that file while it exists
+(``workers/faults.py``). ``mode`` says which was used.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint.etcd.errors import RallypointError
-from rallypoint.workers.job_checkpoints import STORAGE_FLAG_ENV
+from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 
 TMPFS_SIZE = "64m"
 
@@ -52,9 +53,9 @@ class Storage:
                 self.mode = "injected-error"
 
     @property
-    def env(self) -> dict[str, str]:
-        """What workers need in their environment (the injected-error mode)."""
-        return {} if self.mounted else {STORAGE_FLAG_ENV: str(self.flag)}
+    def faults(self) -> WorkerFaults:
+        """What workers must be started with (the injected-error mode; nothing on a tmpfs)."""
+        return NO_FAULTS if self.mounted else WorkerFaults(storage_flag=str(self.flag))
 
     def fill(self) -> dict[str, Any]:
         if not self.mounted:

@@ -9,9 +9,7 @@ Errors print one clear line and exit non-zero; a rejected command changes nothin
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any, TypeVar
 import click
 
 from rallypoint.client import jobs_cli
-from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, parse_cluster, resolve_cluster, store_and_keys
+from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, resolve_cluster, store_and_keys
 from rallypoint.etcd.errors import ConfigError, RallypointError
 from rallypoint.etcd.keys import check_name
 from rallypoint.etcd.logs import configure as configure_logs
@@ -217,10 +215,12 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--on-no-spare", type=click.Choice(["wait", "fail"]), default=None,
               help="No spare for a lost slice: wait for one (default) or fail the job.")
 @click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
+@click.option("--stall-timeout-s", type=float, default=None,
+              help="No progress this long: job.stalled and a recovery of the workers it waits on (default 60).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
-        wait_timeout_s: float | None) -> None:
+        wait_timeout_s: float | None, stall_timeout_s: float | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -234,13 +234,13 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker "
                           "or --fail")
     for name, value in (("--checkpoint-every", checkpoint_every), ("--keep-checkpoints", keep_checkpoints),
-                        ("--wait-timeout-s", wait_timeout_s)):
+                        ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
                           steps=program.steps)
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
-                "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s}
+                "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731

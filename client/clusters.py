@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import click
 
-from rallypoint.etcd.errors import ClusterNotFound, ConfigError
-from rallypoint.etcd.keys import Keys, all_clusters_prefix, check_name, cluster_of, parse_cluster
+from rallypoint.etcd.errors import ClusterNotFound
+from rallypoint.etcd.keys import Keys, all_clusters_prefix, cluster_of, parse_cluster
 
 F = TypeVar("F", bound=Callable[..., Any])
 

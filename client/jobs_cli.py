@@ -1,5 +1,8 @@
 """Operator commands for jobs: ``rallypoint status JOB`` and ``rallypoint resume JOB``.
 
+``resume`` is for a whole-cluster loss (or a failed job): after a leader loss the new
+leader adopts every running job by itself, and clients follow it there.
+
 Added to the ``rallypoint`` group by :mod:`rallypoint.client.cli`.
 """
 
@@ -85,7 +88,11 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
 @click.option("--checkpoint-dir", default="", help="The checkpoint root the job ran with (default: the coordinator's).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line.")
 def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, as_json: bool) -> None:
-    """Restart every slice of JOB from its newest consistent cut and finish it."""
+    """Restart every slice of JOB from its newest consistent cut and finish it.
+
+    For a cluster that lost everything (etcd included) or a job that failed: a job whose
+    leader died or was deposed needs no resume, the new leader adopts it by itself (if it
+    already runs, this follows it)."""
     from rallypoint.client.submit import resume as resume_job
 
     check_name("job", job)
@@ -96,10 +103,18 @@ def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, 
             click.echo(json.dumps({"event": "step", "job": job, "step": step, "metrics": metrics}))
 
     def on_event(ev: Any) -> None:
+        d = json.loads(ev.detail or "{}")
         if ev.event == "job.resumed":
-            d = json.loads(ev.detail or "{}")
             line = {"event": "job.resumed", "job": job, "step": int(ev.step), **d}
             click.echo(json.dumps(line) if as_json else f"{job}: resumed from the consistent cut at step {ev.step}")
+        elif ev.event == "job.handed_off":  # the leader's term ended: the new leader adopts the job
+            line = {"event": "job.handed_off", "job": job, "step": int(ev.step), **d}
+            click.echo(json.dumps(line) if as_json else f"{job}: its leader stepped down at step {ev.step} "
+                                                        f"({d.get('reason', '')}); following it to the new leader")
+        elif ev.event == "job.adopted":
+            line = {"event": "job.adopted", "job": job, "step": int(ev.step), **d}
+            click.echo(json.dumps(line) if as_json else f"{job}: the new leader adopted it from the cut at step "
+                                                        f"{ev.step}")
 
     done = resume_job(job, endpoints=addr.endpoints, cluster=addr.name,
                       checkpoint_dir=str(Path(checkpoint_dir).absolute()) if checkpoint_dir else "",

@@ -1,9 +1,14 @@
-"""Submitting a compiled program to a cluster's leader coordinator and following it."""
+"""Submitting a compiled program to a cluster's leader coordinator and following it.
+
+A job outlives its leader: when the leader dies or is deposed, the new leader adopts
+the job, and :class:`JobFollower` follows it there (``WatchJob``).
+"""
 
 from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -13,7 +18,7 @@ import grpc
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import RunResult, state_digest
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.etcd.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.proto import codec
@@ -23,6 +28,16 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 class JobError(RallypointError):
     """The job failed on the cluster; the message is the coordinator's reason."""
+
+
+FOLLOW_S = 120.0
+"""How long a client looks for its job on a new leader after losing the old one."""
+ETCD_WAIT_S = 15.0
+"""How long a client that lost its leader waits for etcd itself before it gives up (the cluster may be gone)."""
+OPEN_WAIT_S = 15.0
+"""How long the first call waits for a leader (one that just died refuses connections until its key expires)."""
+SILENT_SWITCH_S = 1.0
+"""A stream silent this long while another term leads comes from a hung, deposed leader: switch."""
 
 
 def leader_address(endpoints: Sequence[str], cluster: str, *, wait_s: float = 15.0) -> str:
@@ -78,10 +93,12 @@ RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", 
 def submit(
     compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
-    on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any,
+    on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, **recovery: Any,
 ) -> RunResult:
     """Run ``compiled`` on the cluster; return its final state and digest.
 
+    The job is followed through leader changes (:class:`JobFollower`): a new leader adopts
+    it, and ``follow_s`` bounds how long the client looks for it after losing its leader.
     ``recovery``: the job's recovery settings (:data:`rallypoint.client.jobspec.RECOVERY_FIELDS`).
 
     Raises:
@@ -96,7 +113,8 @@ def submit(
         if on_step is not None:
             on_step(s, metrics)
 
-    ev = _follow(spec.job, endpoints, cluster, lambda stub: stub.SubmitJob(spec), on_step=step, on_event=on_event)
+    ev = _follow(spec.job, endpoints, cluster, lambda stub: stub.SubmitJob(spec), on_step=step, on_event=on_event,
+                 follow_s=follow_s)
     states = _states(compiled, ev.states)
     detail = json.loads(ev.detail or "{}")
     digest = state_digest(states)
@@ -107,32 +125,235 @@ def submit(
                      recovery={k: detail[k] for k in RECOVERY_SUMMARY if k in detail})
 
 
+class JobFollower:
+    """Follows one job's events to its end through leader changes.
+
+    The first call (``SubmitJob`` or ``ResumeJob``) goes to the leader. When its stream
+    ends with ``job.handed_off`` (the leader's term ended), breaks (the leader died), or
+    stays silent while another term leads (the leader hangs), the follower finds the
+    leader again through etcd and calls ``WatchJob`` there, until ``job.finished`` or
+    ``job.failed``, or for ``follow_s`` after the stream was lost.
+
+    ``on_event`` receives every event as it comes (events may repeat across a switch:
+    ``step.done`` of a step seen twice, or missed); ``on_step`` is called at most once
+    per step. Thread-safe :meth:`cancel` ends :meth:`follow` with a :class:`JobError`.
+    """
+
+    def __init__(self, job: str, endpoints: Sequence[str], cluster: str, *,
+                 on_event: Callable[[pb.JobEvent], None] | None = None,
+                 on_step: Callable[[int, dict[str, float]], None] | None = None,
+                 follow_s: float = FOLLOW_S, etcd_wait_s: float = ETCD_WAIT_S, open_wait_s: float = OPEN_WAIT_S,
+                 silent_switch_s: float = SILENT_SWITCH_S) -> None:
+        self.job, self.endpoints, self.cluster = job, list(endpoints), cluster
+        self.on_event, self.on_step = on_event, on_step
+        self.follow_s, self.etcd_wait_s, self.open_wait_s = follow_s, etcd_wait_s, open_wait_s
+        self.silent_switch_s = silent_switch_s
+        self.switches: list[dict[str, Any]] = []  # each time the job was followed to a leader again, and why
+        self.address = ""  # the leader the current (or last) stream came from
+        self._steps: set[int] = set()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._cancelled: str | None = None
+        self._silent_switch: str | None = None
+        self._last_event = time.monotonic()
+        self._store: EtcdStore | None = None
+
+    # -- control -----------------------------------------------------------------------------
+
+    def cancel(self, reason: str) -> None:
+        """End :meth:`follow` soon with ``JobError(reason)`` (from any thread)."""
+        with self._lock:
+            self._cancelled = reason
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled is not None:
+            raise JobError(f"job {self.job!r}: {self._cancelled}")
+
+    # -- following ------------------------------------------------------------------------------
+
+    def follow(self, call: Callable[[Any], Iterator[pb.JobEvent]]) -> pb.JobEvent:
+        """Open ``call`` on the leader and follow the job; return its ``job.finished`` or ``job.failed`` event.
+
+        Raises:
+            JobError: the leader refused the call, or the job was lost (no leader had it within
+                ``follow_s``, or etcd stayed unreachable for ``etcd_wait_s``), or :meth:`cancel`.
+        """
+        watch: Callable[[Any], Iterator[pb.JobEvent]] = lambda stub: stub.WatchJob(  # noqa: E731
+            pb.WatchJobRequest(job=self.job))
+        self._store = EtcdStore(self.endpoints)
+        rpc, watching, why, lost_at = call, False, "", 0.0
+        try:
+            while True:
+                deadline = lost_at + self.follow_s if watching else time.monotonic() + self.open_wait_s
+                try:
+                    term, events, channel, stop = self._open(rpc, deadline, watching=watching, why=why)
+                except _Resubmitted:
+                    rpc, watching, lost_at = watch, True, time.monotonic()
+                    why = "the leader was lost while the job was submitted, and the new leader runs it"
+                    continue
+                try:
+                    end, why = self._read(events)
+                finally:
+                    self._end_watching(stop)
+                    channel.close()
+                if end is not None:
+                    return end
+                self._check_cancelled()
+                lost_at = time.monotonic()
+                self.switches.append({"at": time.time(), "from": self.address, "term": term, "why": why,
+                                      "steps_seen": len(self._steps)})
+                rpc, watching = watch, True
+        finally:
+            self._store.close()
+            self._store = None
+
+    def _leader(self, store: EtcdStore) -> tuple[str, int] | None:
+        kv = store.get(Keys(self.cluster).leader)
+        if kv is None or not kv.json().get("address"):
+            return None
+        return str(kv.json()["address"]), kv.create_revision
+
+    def _open(self, rpc: Callable[[Any], Iterator[pb.JobEvent]], deadline: float, *, watching: bool,
+              why: str) -> tuple[int, Iterator[pb.JobEvent], grpc.Channel, threading.Event]:
+        """``rpc`` on the leader, once it answers with a first event: its term, the events, the
+        channel, and the event that stops the thread watching for a hung leader (set it when done)."""
+        etcd_down_since: float | None = None
+        last = "no leader in etcd yet"
+        refused_unavailable = False
+        while True:
+            self._check_cancelled()
+            now = time.monotonic()
+            lost = f"{why}; " if why else ""
+            if now > deadline:
+                raise JobError(f"job {self.job!r}: {lost}no leader answered for it within "
+                               f"{self.follow_s if watching else self.open_wait_s:.0f}s (last: {last})")
+            try:
+                assert self._store is not None
+                leader = self._leader(self._store)
+                etcd_down_since = None
+            except StoreError as exc:
+                etcd_down_since = etcd_down_since or now
+                last = f"etcd unreachable: {exc}"
+                if now - etcd_down_since > self.etcd_wait_s:
+                    raise JobError(f"job {self.job!r}: {lost}etcd stayed unreachable for {self.etcd_wait_s:.0f}s "
+                                   f"({exc}); once the cluster is back, `rallypoint status {self.job}` shows the job "
+                                   f"and `rallypoint resume {self.job}` restarts it") from None
+                time.sleep(0.5)
+                continue
+            if leader is None:
+                time.sleep(0.2)
+                continue
+            address, term = leader
+            channel = grpc.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+            stream = rpc(pb_grpc.CoordinatorStub(channel))
+            with self._lock:
+                self._call = stream
+                if self._cancelled is not None:
+                    stream.cancel()
+            self.address = address
+            self._last_event = time.monotonic()
+            stop = self._start_watching(term)
+            try:
+                first = next(stream)
+            except StopIteration:
+                self._end_watching(stop)
+                channel.close()
+                last = f"the coordinator at {address} closed the stream at once"
+                time.sleep(0.5)
+                continue
+            except grpc.RpcError as exc:
+                self._end_watching(stop)
+                channel.close()
+                self._check_cancelled()
+                if self._silent_switch is not None:
+                    last, self._silent_switch = self._silent_switch, None
+                    continue
+                code = exc.code()
+                last = f"the coordinator at {address} answered {code.name}: {exc.details()}"
+                if code == grpc.StatusCode.UNAVAILABLE or (watching and code == grpc.StatusCode.FAILED_PRECONDITION):
+                    refused_unavailable = refused_unavailable or code == grpc.StatusCode.UNAVAILABLE
+                    time.sleep(0.5)  # a dead leader still in the key, or leadership moving: ask etcd again
+                    continue
+                if not watching and code == grpc.StatusCode.ALREADY_EXISTS and refused_unavailable:
+                    raise _Resubmitted() from None
+                raise JobError(f"job {self.job!r}: {lost}{last}") from None
+            return term, itertools.chain([first], stream), channel, stop
+
+    def _start_watching(self, term: int) -> threading.Event:
+        self._silent_switch = None
+        stop = threading.Event()
+        threading.Thread(target=self._watch_leader, args=(term, stop), name="job-follower", daemon=True).start()
+        return stop
+
+    def _end_watching(self, stop: threading.Event) -> None:
+        with self._lock:  # after this, that watcher cancels nothing (it checks under the same lock)
+            stop.set()
+            self._call = None
+
+    def _read(self, events: Iterator[pb.JobEvent]) -> tuple[pb.JobEvent | None, str]:
+        """The stream's events until the job's end (returned) or until it is lost (None, and why)."""
+        try:
+            for ev in events:
+                self._last_event = time.monotonic()
+                if self.on_event is not None:
+                    self.on_event(ev)
+                if ev.event == "step.done":
+                    if ev.step not in self._steps:
+                        self._steps.add(int(ev.step))
+                        if self.on_step is not None:
+                            self.on_step(int(ev.step), dict(ev.metrics))
+                elif ev.event in ("job.finished", "job.failed"):
+                    return ev, ""
+                elif ev.event == "job.handed_off":
+                    reason = json.loads(ev.detail or "{}").get("reason", "")
+                    return None, f"the leader at {self.address} handed the job off ({reason})"
+            return None, f"the leader at {self.address} closed the stream before the job ended"
+        except grpc.RpcError as exc:
+            self._check_cancelled()
+            if self._silent_switch is not None:
+                return None, self._silent_switch
+            return None, f"the stream from the leader at {self.address} broke ({exc.code().name}: {exc.details()})"
+
+    def _watch_leader(self, term: int, stop: threading.Event) -> None:
+        """Cancel the stream when another term leads and the stream has been silent: its leader hangs."""
+        store, address = self._store, self.address
+        while store is not None and not stop.wait(0.5):
+            try:
+                leader = self._leader(store)
+            except (StoreError, ValueError):  # etcd away, or the follower closed its store
+                continue
+            if leader is None or leader[1] == term or time.monotonic() - self._last_event <= self.silent_switch_s:
+                continue
+            with self._lock:
+                if stop.is_set():
+                    return
+                self._silent_switch = f"the leader at {address} (term {term}) went silent and term {leader[1]} leads now"
+                call = self._call
+            if call is not None:
+                call.cancel()
+            return
+
+
+class _Resubmitted(Exception):
+    """A submission retried on a new leader found the job running there (it adopted it): watch it."""
+
+
 def _follow(job: str, endpoints: Sequence[str], cluster: str, call: Callable[[Any], Iterator[pb.JobEvent]], *,
             on_step: Callable[[int, dict[str, float]], None] | None,
-            on_event: Callable[[pb.JobEvent], None] | None) -> pb.JobEvent:
-    """Follow a job's event stream from the leader to its ``job.finished`` event.
+            on_event: Callable[[pb.JobEvent], None] | None, follow_s: float = FOLLOW_S) -> pb.JobEvent:
+    """Follow a job's events from the leader, through leader changes, to its ``job.finished`` event.
 
     Raises:
-        JobError: the job failed, or the coordinator failed or left before it ended.
+        JobError: the job failed, or it was lost (see :class:`JobFollower`).
     """
-    address, channel = "the leader", None
-    try:
-        address, events, channel = leader_stream(endpoints, cluster, call)
-        for ev in events:
-            if on_event is not None:
-                on_event(ev)
-            if ev.event == "step.done" and on_step is not None:
-                on_step(ev.step, dict(ev.metrics))
-            elif ev.event == "job.failed":
-                raise JobError(f"job {job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
-            elif ev.event == "job.finished":
-                return ev
-    except grpc.RpcError as exc:
-        raise JobError(f"job {job!r}: the coordinator at {address} answered {exc.code().name}: {exc.details()}") from None
-    finally:
-        if channel is not None:
-            channel.close()
-    raise JobError(f"job {job!r}: the coordinator closed the stream before the job ended")
+    ev = JobFollower(job, endpoints, cluster, on_event=on_event, on_step=on_step, follow_s=follow_s).follow(call)
+    if ev.event == "job.failed":
+        raise JobError(f"job {job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
+    return ev
 
 
 def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[str, Any]:
@@ -149,15 +370,16 @@ def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[
 def resume(
     job: str, *, endpoints: Sequence[str], cluster: str, checkpoint_dir: str = "",
     on_step: Callable[[int, dict[str, float]], None] | None = None,
-    on_event: Callable[[pb.JobEvent], None] | None = None,
+    on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S,
 ) -> dict[str, Any]:
     """Resume ``job`` from its newest consistent cut; return its ``job.finished`` detail
     (``state_digest`` computed by the coordinator, ``start_step``, the recovery summary).
+    Followed through leader changes like :func:`submit`.
 
     Raises:
         JobError: the job could not be resumed or failed.
     """
     ev = _follow(job, endpoints, cluster,
                  lambda stub: stub.ResumeJob(pb.ResumeRequest(job=job, checkpoint_dir=checkpoint_dir)),
-                 on_step=on_step, on_event=on_event)
+                 on_step=on_step, on_event=on_event, follow_s=follow_s)
     return {"job": job, "steps": int(ev.step), **json.loads(ev.detail or "{}")}

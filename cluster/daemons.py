@@ -19,8 +19,10 @@ from rallypoint.etcd.errors import RallypointError
 from rallypoint.etcd.keys import parse_cluster
 from rallypoint.etcd.logs import configure as configure_logs
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.service import serve_jobs
 from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
+from rallypoint.workers.faults import WorkerFaults
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,15 +76,24 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Where others reach the gRPC server, if not where it binds (e.g. behind a proxy).")
 @click.option("--advertise-data-address", default="", metavar="HOST:PORT",
               help="Where others reach the data plane, if not where it binds.")
+@click.option("--compile-cache-dir", default="", metavar="DIR",
+              help="JAX's persistent compilation cache, shared by the workers of a host or cluster, so a reloaded "
+              "slice does not compile again (empty: no cache; safe to delete).")
+@click.option("--fault-commit-delay-s", type=float, default=0.0, hidden=True,
+              help="Test fault: seconds each checkpoint commit waits after Orbax finalized it.")
+@click.option("--fault-storage-flag", default="", hidden=True,
+              help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
-           register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str) -> None:
+           register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
+           compile_cache_dir: str, fault_commit_delay_s: float, fault_storage_flag: str) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     cfg = WorkerConfig(cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
                        lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
-                       advertise_data_address=advertise_data_address)
+                       advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
+                       faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag))
     d = WorkerDaemon(cfg)
     _run_daemon(d.start, d.run, d.request_stop, d.stop)
 
@@ -92,12 +103,16 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
 @click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
               "(shared by every worker; empty: such jobs run without checkpoints).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str) -> None:
+@click.option("--test-skip-replay", is_flag=True, hidden=True,
+              help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str,
+                test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
+    hooks = ExecutorHooks(skip_replay=test_skip_replay)
     c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
-                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host))
+                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks))
     serve_jobs(c)
     done = threading.Event()
     _run_daemon(lambda: None, c.run, c.stop, done.set)

@@ -35,6 +35,8 @@ from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.store import EtcdStore
+from rallypoint.orchestrator.hooks import ExecutorHooks
+from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 
 STATE_FILE = "cluster.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +63,13 @@ class LocalClusterConfig:
             a ``worker_network`` hook, see ``chaos.network.start_partitionable_cluster``.
         host: the IPv4 address etcd and the coordinators bind and advertise; with
             ``netns`` an address of the root namespace the workers can reach.
+        compile_cache_dir: JAX's persistent compilation cache, shared by every worker
+            (``--compile-cache-dir``): None puts it at ``<state_dir>/compile-cache`` (kept
+            across ``down`` and ``up``), "" turns it off.
+        worker_faults: test fault hooks every worker starts with (hidden ``--fault-*``
+            options, :mod:`rallypoint.workers.faults`); none by default.
+        coordinator_hooks: test fault hooks every coordinator starts with (hidden
+            ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
     """
 
     state_dir: Path
@@ -73,6 +82,9 @@ class LocalClusterConfig:
     cluster: str = "local"
     network: str = "loopback"
     host: str = DEFAULT_HOST
+    compile_cache_dir: str | Path | None = None
+    worker_faults: WorkerFaults = NO_FAULTS
+    coordinator_hooks: ExecutorHooks = ExecutorHooks()
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
@@ -277,10 +289,15 @@ class LocalCluster:
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker)]
             base += net.args() if net is not None else []
+            if self.compile_cache_dir is not None:
+                base += ["--compile-cache-dir", str(self.compile_cache_dir)]
+            base += self.config.worker_faults.args()
         else:
             base += ["--checkpoint-dir", str(self.checkpoint_dir)]
             if self.config.host != DEFAULT_HOST:
                 base += ["--host", self.config.host]
+            if self.config.coordinator_hooks.skip_replay:
+                base += ["--test-skip-replay"]
         return base
 
     def _place(self, name: str) -> WorkerNetwork | None:
@@ -297,6 +314,14 @@ class LocalCluster:
     def checkpoint_dir(self) -> Path:
         """Where this cluster's jobs keep checkpoints (kept across ``down`` and ``up``)."""
         return (self.config.state_dir / "checkpoints").absolute()
+
+    @property
+    def compile_cache_dir(self) -> Path | None:
+        """The compilation cache every worker shares (kept across ``down`` and ``up``); None: no cache."""
+        d = self.config.compile_cache_dir
+        if d is None:
+            return (self.config.state_dir / "compile-cache").absolute()
+        return Path(d).absolute() if str(d) else None
 
     def spawn(self, role: str, name: str, *, extra_env: dict[str, str] | None = None) -> ProcessRecord:
         """Start one coordinator or worker process and record it."""
@@ -364,6 +389,10 @@ class LocalCluster:
             )
         data = json.loads(path.read_text())
         cfg: dict[str, Any] = data["config"] | {"state_dir": Path(data["config"]["state_dir"])}
+        if "worker_faults" in cfg:
+            cfg["worker_faults"] = WorkerFaults(**cfg["worker_faults"])
+        if "coordinator_hooks" in cfg:
+            cfg["coordinator_hooks"] = ExecutorHooks(**cfg["coordinator_hooks"])
         nets = {w: WorkerNetwork(**(n | {"prefix": tuple(n["prefix"]), "endpoints": tuple(n["endpoints"])}))
                 for w, n in data.get("worker_networks", {}).items()}
         return cls(LocalClusterConfig(**cfg), data["endpoints"], [ProcessRecord(**p) for p in data["processes"]],

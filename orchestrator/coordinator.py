@@ -10,7 +10,11 @@ break is the fast signal of a dead process), and when a worker is lost:
 3. logs ``worker.lost`` with the detection path and how long detection took.
 
 Lifecycle: ``STANDBY -> LEADING -> STANDBY ... -> STOPPED``; every transition
-goes through ``_set_state``.
+goes through ``_set_state``. Leadership listeners (:meth:`Coordinator.add_leadership_listener`)
+hear when it starts leading (with its term) and when it stops (with the reason), on
+every path: a step-down on :class:`NotLeader` and :meth:`Coordinator.stop`. The job
+service (``service.py``) adopts the jobs of a lost leader on the first and hands its
+own jobs off on the second.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from tenacity import RetryCallState
 
 from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.devices import fence_worker
@@ -34,6 +40,7 @@ from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.failures import Verdict, classify_rpc_error
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.retry import retrying
 from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import EtcdStore, Put, Store
@@ -123,32 +130,52 @@ class WorkerLink:
         except grpc.RpcError as exc:
             return classify_rpc_error(exc.code(), exc.details())
 
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stop.is_set():
-            try:
-                self._call = self._stub.Attach(
-                    pb.AttachRequest(
-                        to=self._identity(),
-                        coordinator_id=self.c.config.coordinator_id,
-                        interval_s=self.c.config.attach_interval_s,
-                    )
-                )
-                for _hb in self._call:
-                    backoff = 0.1
-                    if self._stop.is_set():
-                        return
-            except grpc.RpcError as exc:
+    def _attach(self) -> str:
+        """One Attach stream, until it breaks: ``"done"`` (stopped, or the worker found lost),
+        ``"answered"`` (it sent heartbeats, then broke) or ``"silent"`` (it broke before any)."""
+        answered = False
+        self._call = self._stub.Attach(
+            pb.AttachRequest(
+                to=self._identity(),
+                coordinator_id=self.c.config.coordinator_id,
+                interval_s=self.c.config.attach_interval_s,
+            )
+        )
+        try:
+            for _hb in self._call:
+                answered = True
                 if self._stop.is_set():
-                    return
-                verdict = classify_rpc_error(exc.code(), exc.details())
-                if verdict is Verdict.LOST:
-                    verdict = self._probe() or Verdict.SUSPECT
-                if verdict is Verdict.LOST:
-                    self.c.suspect(self.info, reason="connection_lost", detail=exc.details() or "")
-                    return
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 1.0)
+                    return "done"
+        except grpc.RpcError as exc:
+            if self._stop.is_set():
+                return "done"
+            verdict = classify_rpc_error(exc.code(), exc.details())
+            if verdict is Verdict.LOST:
+                verdict = self._probe() or Verdict.SUSPECT
+            if verdict is Verdict.LOST:
+                self.c.suspect(self.info, reason="connection_lost", detail=exc.details() or "")
+                return "done"
+        if self._stop.is_set():
+            return "done"
+        return "answered" if answered else "silent"
+
+    def _run(self) -> None:
+        """Attach again after each break: tenacity's backoff while the worker stays silent,
+        started afresh (from the shortest wait) each time it answered."""
+        while not self._stop.is_set():
+            outcome = retrying(clock=self.c.clock, what=f"attaching to worker {self.info.worker}",
+                               retry_if_result=lambda o: o == "silent", should_stop=self._stop.is_set,
+                               initial_s=LINK_BACKOFF_S, max_s=LINK_BACKOFF_MAX_S, jitter_s=LINK_JITTER_S)(self._attach)
+            if outcome != "answered":
+                return
+            self.c.clock.wait(self._stop, LINK_BACKOFF_S)
+
+
+LINK_BACKOFF_S = 0.1  # a broken Attach stream is opened again after 0.1 s, 0.2 s, ... up to 1 s (plus jitter)
+LINK_BACKOFF_MAX_S = 1.0
+LINK_JITTER_S = 0.02
+STEP_BACKOFF_S = 0.2  # etcd unreachable: the coordinator loop tries again after 0.2 s, 0.4 s, ... up to 1 s
+STEP_BACKOFF_MAX_S = 1.0
 
 
 class Coordinator:
@@ -174,12 +201,40 @@ class Coordinator:
         self._revoked: dict[tuple[str, int], tuple[str, float]] = {}
         self.monitor: MembershipMonitor | None = None
         self._confirmed_at = float("-inf")
+        self._listeners: list[tuple[Callable[[int], None], Callable[[str], None]]] = []
         self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
 
     def _set_state(self, new: CoordinatorState, **fields: Any) -> None:
         old, self.state = self.state, new
         if old is not new:
             self.log.info("coordinator.state", previous=old.value, state=new.value, **fields)
+
+    # -- leadership listeners ---------------------------------------------------------
+
+    def add_leadership_listener(self, on_lead: Callable[[int], None], on_step_down: Callable[[str], None]) -> None:
+        """Call ``on_lead(term)`` when this coordinator starts leading and ``on_step_down(reason)``
+        when it stops (deposed, its lease deadline passed, its membership watch failed, or
+        :meth:`stop`).
+
+        Both run on the coordinator thread, so they should return soon; an exception in
+        one is logged (``coordinator.listener_failed``) and changes nothing else.
+        """
+        self._listeners.append((on_lead, on_step_down))
+
+    def _notify(self, which: str, arg: Any) -> None:
+        for on_lead, on_step_down in list(self._listeners):
+            try:
+                if which == "lead":
+                    on_lead(arg)
+                else:
+                    on_step_down(arg)
+            except Exception as exc:
+                self.log.exception("coordinator.listener_failed", listener=which, error=repr(exc))
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (the coordinator is going away, not only standing by)."""
+        return self._stop.is_set()
 
     # -- inputs from other threads ------------------------------------------------
 
@@ -207,6 +262,7 @@ class Coordinator:
             clock=self.clock,
         )
         self.monitor.start()
+        self._notify("lead", term)
 
     def _stop_leading(self, reason: str) -> None:
         if self.monitor is not None:
@@ -219,6 +275,7 @@ class Coordinator:
             self._events.get_nowait()
         if self.state is CoordinatorState.LEADING:
             self._set_state(CoordinatorState.STANDBY, reason=reason)
+            self._notify("step_down", reason)
 
     def _handle_change(self, change: MembershipChange) -> None:
         info = change.info
@@ -327,19 +384,22 @@ class Coordinator:
                 self.election.step_down(str(exc), keep_lease=keeper is not None and not keeper.fence.dead)
             self._stop_leading(str(exc))
 
+    def _store_retry_logged(self, state: RetryCallState) -> None:
+        n = state.attempt_number
+        if n == 1 or n % 10 == 0:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            self.log.warning("coordinator.store_unavailable", failures=n, error=str(exc))
+
     def run(self) -> None:
-        """Run until :meth:`stop`. etcd outages are retried, never fatal."""
+        """Run until :meth:`stop`. etcd outages are retried (tenacity, on the injected clock), never fatal."""
         self.server.start()
-        failures = 0
+        step = retrying(clock=self.clock, what="coordinator step", retry_on=StoreError, should_stop=self._stop.is_set,
+                        initial_s=STEP_BACKOFF_S, max_s=STEP_BACKOFF_MAX_S, before_sleep=self._store_retry_logged)
         while not self._stop.is_set():
             try:
-                self.step()
-                failures = 0
-            except StoreError as exc:
-                failures += 1
-                if failures == 1 or failures % 10 == 0:
-                    self.log.warning("coordinator.store_unavailable", failures=failures, error=str(exc))
-                self.clock.wait(self._stop, min(0.1 * 2**min(failures, 4), 1.0))
+                step(self.step)  # each call backs off afresh: a step that succeeds resets the backoff
+            except StoreError:
+                pass  # stop() came while etcd was away
             except RallypointError as exc:
                 self.log.error("coordinator.step_failed", error=str(exc))
                 self.clock.wait(self._stop, 0.5)

@@ -121,14 +121,20 @@ class LeaderElection:
             raise NotLeader(exc.who, exc.reason) from None
 
     def fenced_txn(
-        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (), *,
+        term: int | None = None,
     ) -> TxnResult:
-        """A transaction that applies only while this coordinator still holds its term.
+        """A transaction that applies only while this coordinator still holds its term
+        (``term``: only while it holds that one; see :class:`TermWriter`).
 
         Raises:
             NotLeader: the local fence tripped, or etcd refused the write because
-                another coordinator now holds the leader key. The caller must step down.
+                another coordinator now holds the leader key (the caller must step
+                down), or ``term`` is not the current term (that writer's term is over).
         """
+        if term is not None and self.term is not None and term != self.term:
+            raise NotLeader(f"coordinator {self.candidate_id}", f"term {term} is over (this coordinator now leads "
+                                                                 f"term {self.term})")
         try:
             self.check()
         except NotLeader as exc:
@@ -185,3 +191,34 @@ class LeaderElection:
     @property
     def lease_lost(self) -> threading.Event:
         return self._lost
+
+    def writer(self) -> TermWriter:
+        """A writer bound to the current term (raises :class:`NotLeader` when there is none)."""
+        self.check()
+        assert self.term is not None
+        return TermWriter(self, self.term)
+
+
+class TermWriter:
+    """Fenced writes of one term only: whoever captured it (a job's executor) writes under
+    that term or not at all, even after this coordinator leads again under a newer one."""
+
+    def __init__(self, election: LeaderElection, term: int) -> None:
+        self.election, self.term = election, term
+        self._keeper = election.keeper  # the lease the term lives on: a new one means the term is over
+
+    def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
+        """:meth:`LeaderElection.fenced_txn` under this writer's term. Raises :class:`NotLeader`."""
+        return self.election.fenced_txn(compares, success, failure, term=self.term)
+
+    @property
+    def holds(self) -> bool:
+        """Whether the coordinator leads under this term right now (local view)."""
+        return self.election.term == self.term and self.election.is_leader
+
+    @property
+    def over(self) -> bool:
+        """Whether this term is over for good: another term leads here, or the lease is gone."""
+        keeper = self.election.keeper
+        return (self.election.term is not None and self.election.term != self.term) or keeper is None \
+            or keeper is not self._keeper or keeper.fence.dead

@@ -1,27 +1,41 @@
-"""Failure classification, in one place.
+"""Failure classification, in one place: every RPC failure toward a worker gets one verdict here.
 
-Raw errors from the links to workers are turned into a :class:`Verdict`:
-
-- ``LOST``: the worker process is gone (its socket refuses or was reset). The
-  coordinator fences it at once by revoking its lease: the fast path.
-- ``SUSPECT``: no answer in time, or an ambiguous transport error. Nothing is
-  done on it; the worker's etcd lease decides (a hang or partition expires it).
-- ``REFUSED``: the worker answered but refused (fenced, or a stale incarnation).
-  Its lease decides as well.
+- ``LOST``: the worker process is gone (its socket refuses or was reset).
+- ``SUSPECT``: no answer in time, or an ambiguous transport error: the worker may be
+  hung, partitioned or slow. Only its etcd lease, or fencing it, can tell.
+- ``REFUSED``: the worker answered and refused (fenced, a stale incarnation or term,
+  a job it does not hold, storage that refused).
+- ``CORRUPT``: a checkpoint it was to restore did not read back (DATA_LOSS, with the
+  slice and step as a typed error in the call's metadata: :mod:`rallypoint.proto.errors`).
+- ``LOG_SHORT``: its output log no longer reaches back to the step asked for (OUT_OF_RANGE).
+- ``INVALID``: the request itself is wrong (INVALID_ARGUMENT): a bug, retrying cannot help.
 - ``NOT_OURS``: our own cancellation or shutdown.
+
+What to *do* on a verdict is the caller's policy, and each is explicit: the leader's
+link to a worker fences on ``LOST`` and lets the lease decide on ``SUSPECT``; a job's
+executor recovers on ``LOST``; a recovery in progress decides through
+:func:`rallypoint.recovery.decide.decide` (a ``SUSPECT`` worker is fenced there:
+fencing first keeps it safe, a worker that was only slow comes back as a new incarnation).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
+
+from rallypoint.proto.errors import CorruptCheckpoint, parse_error
 
 
 class Verdict(enum.Enum):
     LOST = "lost"
     SUSPECT = "suspect"
     REFUSED = "refused"
+    CORRUPT = "corrupt"
+    LOG_SHORT = "log_short"
+    INVALID = "invalid"
     NOT_OURS = "not_ours"
 
 
@@ -36,21 +50,41 @@ PROCESS_GONE_MARKERS: frozenset[str] = frozenset(
         "failed to connect to all addresses",
     }
 )
-# Codes on which only the lease can tell.
-AMBIGUOUS_CODES: frozenset[grpc.StatusCode] = frozenset(
-    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-)
 
 
 def classify_rpc_error(code: grpc.StatusCode, details: str | None) -> Verdict:
-    """Classify an RPC failure on a link to a worker."""
+    """Classify an RPC failure toward a worker from its status code and message."""
     text = (details or "").lower()
     if code is grpc.StatusCode.CANCELLED:
         return Verdict.NOT_OURS
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         return Verdict.REFUSED
+    if code is grpc.StatusCode.DATA_LOSS:
+        return Verdict.CORRUPT
+    if code is grpc.StatusCode.OUT_OF_RANGE:
+        return Verdict.LOG_SHORT
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return Verdict.INVALID
     if code is grpc.StatusCode.UNAVAILABLE and any(m in text for m in PROCESS_GONE_MARKERS):
         return Verdict.LOST
-    if code in AMBIGUOUS_CODES or code is grpc.StatusCode.UNAVAILABLE:
-        return Verdict.SUSPECT
-    return Verdict.SUSPECT
+    return Verdict.SUSPECT  # DEADLINE_EXCEEDED, other UNAVAILABLE, UNKNOWN, INTERNAL, ...
+
+
+class WorkerCallFailed(Exception):
+    """An RPC to one worker failed: its code, message, :class:`Verdict` and typed error, if any."""
+
+    def __init__(self, worker: str, what: str, code: grpc.StatusCode, details: str,
+                 metadata: Iterable[Any] | None = None) -> None:
+        super().__init__(f"worker {worker}: {what} failed: {code.name} {details}")
+        self.worker, self.what, self.code, self.details = worker, what, code, details
+        self.verdict = classify_rpc_error(code, details)
+        self.corrupt: CorruptCheckpoint | None = parse_error(metadata) if self.verdict is Verdict.CORRUPT else None
+
+    @classmethod
+    def from_rpc_error(cls, worker: str, what: str, exc: BaseException) -> WorkerCallFailed:
+        """From what a gRPC call raised (a non-RPC exception counts as UNKNOWN: suspect)."""
+        if isinstance(exc, grpc.RpcError):
+            call: Any = exc
+            metadata = call.trailing_metadata() if hasattr(call, "trailing_metadata") else None
+            return cls(worker, what, call.code(), call.details() or "", metadata)
+        return cls(worker, what, grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")

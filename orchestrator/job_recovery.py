@@ -19,7 +19,6 @@ duration in seconds:
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ DEFAULT_CHECKPOINT_EVERY = 10
 DEFAULT_KEEP = 3
 DEFAULT_WAIT_S = 60.0
 DEFAULT_LOG_LIMIT = 256 << 20
+DEFAULT_STALL_S = 60.0
 PHASES = ("detection", "fencing", "remap", "restore", "replay", "catch_up")
 
 
@@ -43,6 +43,7 @@ class RecoverySettings:
     checkpoint_every: int
     keep_checkpoints: int
     log_limit_bytes: int
+    stall_timeout_s: float = DEFAULT_STALL_S
 
     @classmethod
     def from_spec(cls, spec: pb.JobSpec) -> RecoverySettings:
@@ -60,12 +61,12 @@ class RecoverySettings:
                              "count and the coordinator cannot re-export them for fewer; use 'wait' or 'fail'")
         if on_no_spare not in ON_NO_SPARE:
             raise ValueError(f"on_no_spare {on_no_spare!r} is not one of {list(ON_NO_SPARE)}")
-        for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes"):
+        for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
         return cls(policy, on_no_spare, float(spec.wait_timeout_s or DEFAULT_WAIT_S),
                    int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY), int(spec.keep_checkpoints or DEFAULT_KEEP),
-                   int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT))
+                   int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT), float(spec.stall_timeout_s or DEFAULT_STALL_S))
 
 
 @dataclass
@@ -93,15 +94,20 @@ class RecoveryRecord:
     generations: dict[str, int] = field(default_factory=dict)  # worker -> generation that replays
     frontier: dict[str, int] = field(default_factory=dict)  # every node -> step it had reached
 
-    def mark(self, phase: str) -> None:
-        self.marks[phase] = time.monotonic()
+    def mark(self, phase: str, at: float) -> None:
+        """Phase ``phase`` (one of :data:`PHASES`) ended at monotonic time ``at``."""
+        self.marks[phase] = at
 
-    def observe(self, worker: str, generation: int, node: str, step: int, start: int) -> None:
-        """An instance done by a runtime loaded for this recovery."""
-        if self.generations.get(worker) == generation and node in self.targets and start <= step < self.targets[node]:
+    def observe(self, worker: str, generation: int, node: str, step: int) -> None:
+        """An instance done: counted when a runtime loaded for this recovery replayed it."""
+        if (self.generations.get(worker) == generation and node in self.targets
+                and self.checkpoint_step <= step < self.targets[node]):
             self.seen[node] += 1
-            if "replay" not in self.marks and all(self.seen[n] >= k for n, k in self.expected.items()):
-                self.mark("replay")
+
+    @property
+    def replayed(self) -> bool:
+        """Every planned replay instance was seen."""
+        return all(self.seen[n] >= k for n, k in self.expected.items())
 
     @property
     def done(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from rallypoint.etcd.logs import get_logger
+from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -29,14 +30,6 @@ FETCH_TIMEOUT_S = 300.0
 RPC_TIMEOUT_S = 10.0
 
 Event = tuple[str, tuple[str, int, Any]]
-
-
-class WorkerCallFailed(Exception):
-    """An RPC to one worker failed; ``code`` says how (UNAVAILABLE: probably lost)."""
-
-    def __init__(self, worker: str, what: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"worker {worker}: {what} failed: {code.name} {details}")
-        self.worker, self.what, self.code, self.details = worker, what, code, details
 
 
 class JobWorkers:
@@ -87,7 +80,7 @@ class JobWorkers:
                 try:
                     f.result()
                 except grpc.RpcError as exc:
-                    failed[w] = WorkerCallFailed(w, "LoadJob", exc.code(), exc.details() or "")
+                    failed[w] = WorkerCallFailed.from_rpc_error(w, "LoadJob", exc)
         for w, req in requests.items():
             if w in failed:
                 continue
@@ -125,9 +118,7 @@ class JobWorkers:
             def done(f: Any, w: str = w, gen: int | None = gen) -> None:
                 exc = f.exception()
                 if exc is not None and gen is not None:
-                    code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNKNOWN
-                    details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-                    self.events.put(("grant_failed", (w, gen, WorkerCallFailed(w, "RunSteps", code, details or ""))))
+                    self.events.put(("grant_failed", (w, gen, WorkerCallFailed.from_rpc_error(w, "RunSteps", exc))))
 
             future.add_done_callback(done)
 
@@ -139,7 +130,7 @@ class JobWorkers:
         try:
             return self._stub(worker).Rewire(req, timeout=LOAD_TIMEOUT_S)
         except grpc.RpcError as exc:
-            raise WorkerCallFailed(worker, "Rewire", exc.code(), exc.details() or "") from None
+            raise WorkerCallFailed.from_rpc_error(worker, "Rewire", exc) from None
 
     def unload(self, worker: str) -> None:
         to = self.identity.get(worker)
@@ -165,7 +156,7 @@ class JobWorkers:
                 states += list(self._stub(w).FetchState(pb.FetchStateRequest(to=self.identity[w], job=self.job),
                                                          timeout=FETCH_TIMEOUT_S))
             except grpc.RpcError as exc:
-                raise WorkerCallFailed(w, "FetchState", exc.code(), exc.details() or "") from None
+                raise WorkerCallFailed.from_rpc_error(w, "FetchState", exc) from None
         return sorted(states, key=lambda s: s.state)
 
     def close(self) -> None:

@@ -1,18 +1,45 @@
-"""The coordinator's gRPC service: clients submit jobs to the leader and watch them."""
+"""The coordinator's gRPC service: clients submit jobs to the leader and watch them.
+
+The service keeps a registry of the jobs this coordinator runs (one
+:class:`JobExecutor` each, in its own thread) and fans each one's events out to every
+stream that follows it: the ``SubmitJob`` or ``ResumeJob`` call that started it and any
+number of ``WatchJob`` calls.
+
+It listens to the coordinator's leadership (:meth:`Coordinator.add_leadership_listener`):
+
+* **on lead(term)** it adopts every job a lost or deposed leader ran: it reads the job
+  records (``keys.jobs``), and each one whose state is not final (``succeeded`` /
+  ``failed``) and that it does not run itself now is started again from its
+  ``<run_dir>/jobspec.pb`` with ``adopted=True`` (the executor releases the old term's
+  device leases, unloads its runtimes and loads every slice from the newest consistent
+  cut). A job record without a ``run_dir`` (a job without checkpoints) cannot be
+  adopted: that is logged (``job.adoption_impossible``) and nothing is written.
+* **on step_down(reason)** it stops every executor (``executor.stop``: each ends with
+  ``job.handed_off``, which tells its clients to follow the job to the new leader) when
+  the term cannot come back: the coordinator stops, or its leader lease is gone. When
+  only the lease's local deadline passed (etcd briefly away) the lease is kept and the
+  term may come back: the executors pause on their own and go on under the same term,
+  or hand off by themselves once the term is over.
+"""
 
 from __future__ import annotations
 
 import json
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
+from rallypoint.etcd.errors import RallypointError, StoreError
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.retry import retrying
+from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -20,22 +47,90 @@ if TYPE_CHECKING:
     from rallypoint.orchestrator.coordinator import Coordinator
 
 TERMINAL_EVENTS = frozenset({"job.finished", "job.failed"})
+"""The job is over (a client stops following it)."""
+STREAM_END_EVENTS = TERMINAL_EVENTS | {"job.handed_off"}
+"""The executor's last event: after ``job.handed_off`` the job goes on under the next leader."""
+FINAL_RECORD_STATES = frozenset({"succeeded", "failed"})
+"""Job records in these states are over; a new leader adopts a job in any other."""
+
+ADOPT_WAIT_S = 10.0  # WatchJob of a job recorded as running that this leader has not started yet: how long to wait
+HANDOFF_WAIT_S = 5.0  # on a final step-down: how long to wait for the executors to hand off
+OLD_TERM_WAIT_S = 60.0  # on lead: how long to wait for an executor of an older term here to end before adopting
+AWAIT_TERM_POLL_S = 0.1  # after a step-down that kept the lease: how often to look whether the term is over
+KEEP_ENDED = 4  # ended jobs whose last event (final states included) WatchJob still answers with ...
+KEEP_ENDED_S = 300.0  # ... for this long: a client that lost its stream just as the job ended
+
+
+@dataclass
+class _Run:
+    """One job this coordinator runs: its executor, thread and subscribers."""
+
+    job: str
+    term: int
+    adopted: bool
+    executor: Any = None  # the JobExecutor (set right after the run is made: its emit is publish)
+    first: queue.Queue[pb.JobEvent] | None = None  # the stream that started it, subscribed before it starts
+    subscribers: list[queue.Queue[pb.JobEvent]] = field(default_factory=list)
+    last: pb.JobEvent | None = None  # the executor's last event, once it ended
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def publish(self, ev: pb.JobEvent) -> None:
+        """The executor's ``emit``: every subscriber gets every event (thread-safe)."""
+        with self.lock:
+            if self.last is not None:
+                return  # nothing after the end
+            if ev.event in STREAM_END_EVENTS:
+                self.last = ev
+            subs = list(self.subscribers)
+        for q in subs:
+            q.put(ev)
+
+    def subscribe(self) -> queue.Queue[pb.JobEvent]:
+        q: queue.Queue[pb.JobEvent] = queue.Queue()
+        with self.lock:
+            if self.last is not None:
+                q.put(self.last)
+            else:
+                self.subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue[pb.JobEvent]) -> None:
+        with self.lock:
+            if q in self.subscribers:
+                self.subscribers.remove(q)
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    """``SubmitJob``: only the leader runs jobs; a job name runs once at a time."""
+    """``SubmitJob``, ``ResumeJob``, ``WatchJob``: only the leader runs jobs; a job name runs once at a time."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
-        self._running: set[str] = set()
+        self._runs: dict[str, _Run] = {}
+        self._ended: OrderedDict[str, tuple[pb.JobEvent, float]] = OrderedDict()  # job -> (its end, when)
         self._lock = threading.Lock()
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
+        coordinator.add_leadership_listener(self.on_lead, self.on_step_down)
+
+    # -- the RPCs ---------------------------------------------------------------------------
 
     def SubmitJob(self, request: pb.JobSpec, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
-        yield from self._run(request, context, resume=False)
+        self._check_leader(context)
+        try:
+            run = self._start(request, resume=False, adopted=False)
+        except (RallypointError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
+        if run is None:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"job {request.job!r} is already running; wait for it or pick another name")
+        assert run is not None
+        self.log.info("job.submitted", job=request.job, steps=request.steps, slices=len(request.slices))
+        assert run.first is not None
+        yield from self._stream(run, run.first, context)
 
     def ResumeJob(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        self._check_leader(context)
         root = request.checkpoint_dir or self.c.config.checkpoint_dir
         if not root:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -47,42 +142,262 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"cannot resume job {request.job!r}: {exc}")
         if request.checkpoint_dir:
             spec.checkpoint_dir = request.checkpoint_dir
-        yield from self._run(spec, context, resume=True)
+        run = self._start(spec, resume=True, adopted=False)
+        if run is None:  # it runs here already (this leader adopted it): follow it
+            yield from self._watch(request.job, context)
+            return
+        self.log.info("job.resume_requested", job=request.job)
+        assert run.first is not None
+        yield from self._stream(run, run.first, context)
 
-    def _run(self, request: pb.JobSpec, context: grpc.ServicerContext, *, resume: bool) -> Iterator[pb.JobEvent]:
+    def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        self._check_leader(context)
+        yield from self._watch(request.job, context)
+
+    # -- running jobs ------------------------------------------------------------------------
+
+    def _check_leader(self, context: grpc.ServicerContext) -> None:
         election = self.c.election
         if not election.is_leader:
-            leader = election.current_leader()
+            try:
+                leader = election.current_leader()
+            except StoreError:
+                leader = None
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"coordinator {self.c.config.coordinator_id} does not lead (leader: {leader[0] if leader else 'none'})")
-        with self._lock:
-            if request.job in self._running:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"job {request.job!r} is already running; wait for it or pick another name")
-            self._running.add(request.job)
-        events: queue.Queue[pb.JobEvent] = queue.Queue()
-        executor = JobExecutor(request, store=self.c.store, keys=self.c.keys, election=election, emit=events.put,
-                               clock=self.c.clock, checkpoint_root=self.c.config.checkpoint_dir, resume=resume)
+                          f"coordinator {self.c.config.coordinator_id} does not lead (leader: "
+                          f"{leader[0] if leader else 'none'})")
 
-        def run() -> None:
+    def _start(self, spec: pb.JobSpec, *, resume: bool, adopted: bool, checkpoint_root: str | None = None) -> _Run | None:
+        """Start an executor for ``spec`` in a thread and register it; None if the job runs here already.
+
+        The run's first subscriber (``run.first``: the stream that asked for it) is
+        subscribed before the executor starts, so it sees every event.
+        """
+        with self._lock:
+            if spec.job in self._runs:
+                return None
+            run = _Run(job=spec.job, term=self.c.election.term or 0, adopted=adopted)
+            run.first = run.subscribe()
+            executor = JobExecutor(spec, store=self.c.store, keys=self.c.keys, election=self.c.election,
+                                   emit=run.publish, clock=self.c.clock,
+                                   checkpoint_root=self.c.config.checkpoint_dir if checkpoint_root is None
+                                   else checkpoint_root,
+                                   resume=resume, adopted=adopted, hooks=self.c.config.hooks)
+            run.executor = executor
+            self._runs[spec.job] = run
+            self._ended.pop(spec.job, None)
+
+        def main() -> None:
             try:
                 executor.run()
-            except Exception as exc:  # a bug must not leave the client waiting forever
-                self.log.exception("job.internal_error", job=request.job)
-                events.put(pb.JobEvent(job=request.job, event="job.failed",
-                                       detail=json.dumps({"reason": f"internal error in the executor: {exc!r}"})))
+            except Exception as exc:  # a bug must not leave the clients waiting forever
+                self.log.exception("job.internal_error", job=spec.job)
+                run.publish(pb.JobEvent(job=spec.job, event="job.failed",
+                                        detail=json.dumps({"reason": f"internal error in the executor: {exc!r}"})))
             finally:
+                if run.last is None:
+                    run.publish(pb.JobEvent(job=spec.job, event="job.failed",
+                                            detail=json.dumps({"reason": "the executor ended without a result"})))
                 with self._lock:
-                    self._running.discard(request.job)
+                    if self._runs.get(spec.job) is run:
+                        del self._runs[spec.job]
+                    if run.last is not None and run.last.event in TERMINAL_EVENTS:
+                        self._ended[spec.job] = (run.last, time.monotonic())
+                        while len(self._ended) > KEEP_ENDED:
+                            self._ended.popitem(last=False)
+                run.done.set()
+            term = self.c.election.term
+            if run.last is not None and run.last.event == "job.handed_off" and term is not None \
+                    and not self.c.stopping:
+                # It handed off (a write of its term was refused) but this coordinator leads:
+                # nobody else will adopt the job, so this leader does, from its record.
+                self.log.warning("job.readopting", job=spec.job, term=term)
+                self.on_lead(term)
 
-        threading.Thread(target=run, name=f"job-{request.job}", daemon=True).start()
-        self.log.info("job.submitted", job=request.job, steps=request.steps, slices=len(request.slices))
-        while True:
-            ev = events.get()
-            if context.is_active():
+        threading.Thread(target=main, name=f"job-{spec.job}", daemon=True).start()
+        return run
+
+    def _stream(self, run: _Run, q: queue.Queue[pb.JobEvent], context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        """The run's events from ``q`` until its last one, or until the client goes away."""
+        try:
+            while True:
+                try:
+                    ev = q.get(timeout=0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
                 yield ev
-            if ev.event in TERMINAL_EVENTS:
+                if ev.event in STREAM_END_EVENTS:
+                    return
+        finally:
+            run.unsubscribe(q)
+
+    def _watch(self, job: str, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        """``job.watching`` with the job's progress, then its events to the end (see ``WatchJob``)."""
+        deadline = time.monotonic() + ADOPT_WAIT_S
+        while True:
+            with self._lock:
+                run = self._runs.get(job)
+                kept = self._ended.get(job)
+            ended = kept[0] if kept is not None and time.monotonic() - kept[1] < KEEP_ENDED_S else None
+            if run is not None:
+                q = run.subscribe()
+                x = run.executor
+                placement = {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
+                             for s, p in dict(getattr(x, "placement", {}) or {}).items()}
+                yield pb.JobEvent(job=job, event="job.watching", step=int(x.completed),
+                                  detail=json.dumps({"state": x.state.value, "adopted": run.adopted,
+                                                     "term": run.term, "placement": placement}))
+                yield from self._stream(run, q, context)
                 return
+            if ended is not None:  # it ended here moments ago: the client missed its end
+                state = "succeeded" if ended.event == "job.finished" else "failed"
+                yield pb.JobEvent(job=job, event="job.watching", step=int(ended.step),
+                                  detail=json.dumps({"state": state, "adopted": False}))
+                yield ended
+                return
+            self._check_leader(context)
+            try:
+                kv = self.c.store.get(self.c.keys.job(job))
+            except StoreError as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the record of job {job!r}: {exc}")
+            if kv is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"cluster {self.c.keys.cluster!r} has no job {job!r}")
+            record = kv.json()
+            state = record.get("state", "")
+            if state in FINAL_RECORD_STATES:
+                context.abort(grpc.StatusCode.NOT_FOUND,
+                              f"job {job!r} is over ({state}) and this leader did not run its end; "
+                              f"`rallypoint status {job}` shows its record")
+            if not record.get("run_dir"):
+                context.abort(grpc.StatusCode.NOT_FOUND,
+                              f"job {job!r} is recorded as {state} under term {record.get('term')}, but it ran "
+                              "without checkpoints: a new leader cannot adopt it; submit it again")
+            if time.monotonic() > deadline:
+                context.abort(grpc.StatusCode.NOT_FOUND,
+                              f"job {job!r} is recorded as {state} under term {record.get('term')}, but this "
+                              f"leader has not adopted it within {ADOPT_WAIT_S:.0f}s; see its log "
+                              "(job.adoption_*)")
+            if not context.is_active():
+                return
+            time.sleep(0.2)  # adoption may be starting
+
+    # -- leadership ------------------------------------------------------------------------------
+
+    def on_lead(self, term: int) -> None:
+        """This coordinator leads ``term``: adopt the jobs of a lost leader (in a thread)."""
+        threading.Thread(target=self._adopt_all, args=(term,), name=f"adopt-{term}", daemon=True).start()
+
+    def _term_holds(self, term: int) -> bool:
+        return self.c.election.term == term and not self.c.stopping
+
+    def _adopt_all(self, term: int) -> None:
+        try:
+            kvs, _ = retrying(clock=self.c.clock, what="reading the job records", log=self.log, retry_on=StoreError,
+                              should_stop=lambda: not self._term_holds(term), initial_s=0.25, max_s=1.0)(
+                lambda: self.c.store.get_prefix(self.c.keys.jobs))
+        except StoreError as exc:
+            self.log.warning("job.adoption_scan_failed", term=term, error=str(exc))
+            return
+        records = []
+        for kv in kvs:
+            name = kv.key[len(self.c.keys.jobs):]
+            if not name or "/" in name:
+                continue  # checkpoint commits live under jobs/<job>/
+            try:
+                records.append((name, kv.json()))
+            except ValueError:
+                self.log.warning("job.adoption_impossible", job=name, reason="the job record is not JSON")
+        for job, record in records:
+            if not self._term_holds(term):
+                return
+            state = record.get("state", "")
+            if state in FINAL_RECORD_STATES:
+                continue
+            try:
+                self._adopt(job, record, term)
+            except Exception as exc:  # one job must not keep the others from being adopted
+                self.log.exception("job.adoption_failed", job=job, error=repr(exc))
+
+    def _adopt(self, job: str, record: dict[str, Any], term: int) -> None:
+        with self._lock:
+            run = self._runs.get(job)
+        if run is not None and run.term == term:
+            return  # this coordinator runs it under this term (it paused and kept its term)
+        if run is not None:  # an executor of an older term of ours: it hands off, then the job is adopted
+            run.executor.stop(f"this coordinator leads a newer term ({term})")
+            if not run.done.wait(OLD_TERM_WAIT_S):
+                self.log.error("job.adoption_failed", job=job, term=term,
+                               reason=f"the executor of term {run.term} did not end within {OLD_TERM_WAIT_S:.0f}s")
+                return
+        old_term, state = record.get("term"), record.get("state", "")
+        rd = record.get("run_dir") or ""
+        if not rd:
+            self.log.error("job.adoption_impossible", job=job, state=state, old_term=old_term,
+                           reason="the job ran without checkpoints (no run_dir in its record): nothing to "
+                                  "restart it from; submit it again")
+            return
+        try:
+            spec = pb.JobSpec.FromString((Path(rd) / JOBSPEC_FILE).read_bytes())
+        except (OSError, ValueError) as exc:
+            self.log.error("job.adoption_impossible", job=job, state=state, old_term=old_term,
+                           reason=f"cannot read its job spec {Path(rd) / JOBSPEC_FILE}: {exc}")
+            return
+        if not self._term_holds(term):
+            return
+        # The run's checkpoint root: run_dir is <root>/<job>/<run>.
+        started = self._start(spec, resume=True, adopted=True, checkpoint_root=str(Path(rd).parent.parent))
+        if started is None:
+            return  # a ResumeJob started it meanwhile
+        if started.first is not None:
+            started.unsubscribe(started.first)  # nobody asked for it: clients come through WatchJob
+        self.log.info("job.adopting", job=job, old_term=old_term, state=state, step_done=record.get("step_done"),
+                      cut=record.get("cut"), run_dir=rd, term=term)
+
+    def on_step_down(self, reason: str) -> None:
+        """This coordinator stopped leading: hand its jobs off, unless its term may come back."""
+        keeper = self.c.election.keeper
+        may_return = not self.c.stopping and keeper is not None and not keeper.fence.dead
+        with self._lock:
+            runs = list(self._runs.values())
+        if not runs:
+            return
+        if may_return:
+            # Only the local deadline passed (etcd away): the lease is kept, and the same term
+            # resumes if etcd answers in time. The executors pause (they cannot write); a thread
+            # hands them off once that term is over for good.
+            self.log.warning("job.paused_with_the_term", reason=reason, jobs=sorted(r.job for r in runs))
+            threading.Thread(target=self._await_term, args=(runs, keeper, reason), name="await-term",
+                             daemon=True).start()
+            return
+        self._hand_off(runs, reason, wait_s=HANDOFF_WAIT_S)
+
+    def _hand_off(self, runs: list[_Run], reason: str, *, wait_s: float) -> None:
+        for r in runs:
+            r.executor.stop(reason)
+        deadline = time.monotonic() + wait_s
+        for r in runs:
+            r.done.wait(max(0.0, deadline - time.monotonic()))
+        self.log.info("job.handed_off_all", reason=reason, jobs=sorted(r.job for r in runs),
+                      still_running=sorted(r.job for r in runs if not r.done.is_set()))
+
+    def _await_term(self, runs: list[_Run], keeper: Any, reason: str) -> None:
+        """After a step-down that kept the lease: wait until the term comes back (the same lease
+        leads again) or is over for good (the lease is gone or replaced, another term leads here,
+        the coordinator stops); then hand off the runs of that term."""
+        terms = {r.term for r in runs}
+        while True:
+            election = self.c.election
+            if election.keeper is keeper and election.term in terms:
+                return  # the same term leads again: the executors go on where they paused
+            if self.c.stopping or election.keeper is not keeper or keeper.fence.dead or (
+                    election.term is not None and election.term not in terms):
+                break
+            if all(r.done.is_set() for r in runs):
+                return
+            time.sleep(AWAIT_TERM_POLL_S)
+        self._hand_off([r for r in runs if not r.done.is_set()], f"{reason}; the term is over", wait_s=0.0)
 
 
 def serve_jobs(coordinator: Coordinator) -> CoordinatorService:

@@ -22,6 +22,7 @@ Lifecycle (one state machine, every transition through ``_set_state``)::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -40,12 +41,15 @@ from rallypoint.etcd.errors import ConfigError, Fenced, RallypointError, StoreEr
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.lease import LeaseKeeper
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import EtcdStore, Store, created_at
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.checkpoint import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
+from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
 from rallypoint.workers.runtime_service import WorkerRuntimeService
 
@@ -90,6 +94,10 @@ class WorkerConfig:
         register_timeout_s: how long to wait for an older incarnation's lease to
             expire before giving up on registration.
         discover_devices: list devices through JAX (True) or only count them.
+        compile_cache_dir: JAX's persistent compilation cache (shared by the workers of
+            a host or of the cluster), so a reloaded slice does not compile its programs
+            again; "" compiles every program afresh (docs/runtime.md).
+        faults: test fault hooks (:mod:`rallypoint.workers.faults`); none in production.
     """
 
     cluster: str
@@ -104,6 +112,8 @@ class WorkerConfig:
     advertise_data_address: str = ""
     register_timeout_s: float = 30.0
     discover_devices: bool = True
+    compile_cache_dir: str = ""
+    faults: WorkerFaults = NO_FAULTS
 
     def __post_init__(self) -> None:
         check_name("worker", self.worker_id)
@@ -181,10 +191,16 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             self.devices = discover_local_devices(self.config.devices)
         else:
             self.devices = [{"index": i, "platform": "cpu", "kind": "cpu"} for i in range(self.config.devices)]
+        cache = configure_compile_cache(self.config.compile_cache_dir)  # before anything compiles
+        if cache is not None:
+            self.log.info("worker.compile_cache", directory=str(cache))
+        if self.config.faults.any:
+            self.log.warning("worker.faults_injected", **dataclasses.asdict(self.config.faults))
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="worker-rpc"))
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
-                                            incarnation=lambda: self.incarnation, commit_factory=self._commit_factory)
+                                            incarnation=lambda: self.incarnation, commit_factory=self._commit_factory,
+                                            faults=self.config.faults)
         pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
         self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive, port=self.config.data_port)
         self.dataplane.start()
@@ -223,7 +239,6 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         exists, e.g. after a crash and quick restart, until its lease expires.
         """
         self._set_state(WorkerState.REGISTERING)
-        deadline = self.clock.monotonic() + self.config.register_timeout_s
         keeper = LeaseKeeper(
             self.store,
             self.config.lease_ttl_s,
@@ -232,31 +247,36 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             clock=self.clock,
             log_fields={"cluster": self.config.cluster, "worker": self.config.worker_id},
         )
-        waited_for: int | None = None
-        while True:
+        waited: list[int] = []
+
+        def attempt() -> int | None:
+            """One try: the incarnation, or None while an older incarnation still holds the id."""
             if self._stop.is_set():
                 raise RallypointError("worker stopping during registration")
-            try:
-                if keeper.grant is None or not keeper.fence.valid():
-                    keeper.acquire()  # no keepalives until registered: a long wait needs a new lease
-                incarnation, holder = try_register(
-                    self.store, self.keys, self.config.worker_id, self._record(), self.devices, keeper.lease_id
-                )
-                if holder is not None and waited_for != holder.create_revision:
-                    waited_for = holder.create_revision
-                    self.log.info("worker.register_waiting", old_incarnation=holder.create_revision)
-                if incarnation is not None:
-                    break
-            except StoreError as exc:
-                self.log.warning("worker.register_retry", error=str(exc))
-            if self.clock.monotonic() > deadline:
-                keeper.stop(revoke=True)
-                raise RallypointError(
-                    f"worker {self.config.worker_id!r} could not register within "
-                    f"{self.config.register_timeout_s}s: another incarnation still holds the id "
-                    "or etcd is unreachable; check `rallypoint workers` or raise --register-timeout-s"
-                )
-            self.clock.sleep(0.2)
+            if keeper.grant is None or not keeper.fence.valid():
+                keeper.acquire()  # no keepalives until registered: a long wait needs a new lease
+            incarnation, holder = try_register(
+                self.store, self.keys, self.config.worker_id, self._record(), self.devices, keeper.lease_id
+            )
+            if holder is not None and holder.create_revision not in waited:
+                waited.append(holder.create_revision)
+                self.log.info("worker.register_waiting", old_incarnation=holder.create_revision)
+            return incarnation
+
+        try:
+            incarnation = retrying(clock=self.clock, what="registering", log=self.log, retry_on=StoreError,
+                                   retry_if_result=lambda inc: inc is None,
+                                   stop_after_s=self.config.register_timeout_s, initial_s=0.2, max_s=0.2,
+                                   jitter_s=0.05)(attempt)
+        except StoreError:
+            incarnation = None
+        if incarnation is None:
+            keeper.stop(revoke=True)
+            raise RallypointError(
+                f"worker {self.config.worker_id!r} could not register within "
+                f"{self.config.register_timeout_s}s: another incarnation still holds the id "
+                "or etcd is unreachable; check `rallypoint workers` or raise --register-timeout-s"
+            )
         keeper.start_keepalive()
         self.registration = Registration(incarnation=incarnation, keeper=keeper)
         self._set_state(WorkerState.SERVING, incarnation=incarnation)

@@ -17,7 +17,6 @@ Layout of a run's checkpoint root: ``<root>/<slice>/<step>/`` (plain Orbax steps
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -30,17 +29,9 @@ from rallypoint.etcd.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.workers.checkpoint import SliceCheckpointer, States, restore_commit
+from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 
 CommitFn = Callable[[CheckpointCommit], None]
-
-STORAGE_FLAG_ENV = "RALLYPOINT_FAULT_STORAGE_FLAG"
-"""Fault injection (chaos/storage.py without root): while the file this names exists,
-every checkpoint save fails with the errno written in it (ENOSPC or EROFS)."""
-
-COMMIT_DELAY_ENV = "RALLYPOINT_FAULT_COMMIT_DELAY_S"
-"""Fault injection for tests and the chaos harness: seconds each commit waits after
-Orbax finalized the checkpoint, so a kill can land while a checkpoint is on disk
-but does not count yet."""
 
 
 def restore(req: pb.LoadJobRequest) -> dict[str, States]:
@@ -62,11 +53,14 @@ class JobCheckpoints:
             (or no ``checkpoint_every`` / ``checkpoint_dir``): no checkpoints.
         on_commit: called with ``(slice, step)`` once a checkpoint counts.
         log_fields: bound to every log event.
+        faults: test fault hooks (a commit delay, failing saves); none in production.
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, commit_factory: Callable[[], CommitFn] | None,
-                 on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any]) -> None:
+                 on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any],
+                 faults: WorkerFaults = NO_FAULTS) -> None:
         self.job = req.job
+        self.faults = faults
         self.steps = int(req.steps)
         self.every = int(req.checkpoint_every)
         self.root = Path(req.checkpoint_dir) if req.checkpoint_dir else None
@@ -104,7 +98,7 @@ class JobCheckpoints:
         return self._ckpt[s]
 
     def _committer(self, commit: CommitFn) -> CommitFn:
-        delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
+        delay = self.faults.commit_delay_s
 
         def done(c: CheckpointCommit) -> None:
             if delay > 0:  # fault injection: widen the window between Orbax's finalize and the commit
@@ -145,10 +139,7 @@ class JobCheckpoints:
     def save(self, slice_name: str, step: int, states: States) -> None:
         """Save ``states`` as the slice's checkpoint at ``step`` (asynchronous past the host copy)."""
         self.next[slice_name] = step + self.every
-        flag = os.environ.get(STORAGE_FLAG_ENV)
-        if flag and os.path.exists(flag):
-            code = getattr(errno, Path(flag).read_text().strip() or "EIO", errno.EIO)
-            raise OSError(code, f"{os.strerror(code)} (injected by {STORAGE_FLAG_ENV})", str(self.root))
+        self.faults.check_storage(str(self.root))  # fault injection: the disk is full or read-only
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)
             return

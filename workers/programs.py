@@ -1,9 +1,36 @@
-"""Loading exported programs onto a slice's devices."""
+"""Loading exported programs onto a slice's devices, and the persistent compilation cache."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+
+def configure_compile_cache(directory: str | os.PathLike[str]) -> Path | None:
+    """Turn on JAX's persistent compilation cache in ``directory`` ("": leave it off).
+
+    Every XLA executable this process compiles (a node's program or a state init,
+    compiled on its first call) is written there, keyed by the program, its compile
+    options and device assignment, the jax/jaxlib version and the backend; a later
+    process (a reloaded slice, a restore onto a spare, a restarted worker) that
+    compiles the same program loads it instead of compiling again. The thresholds are
+    lowered so that every program is cached, however small or quick to compile.
+    Call it before anything compiles: JAX decides once per process whether the cache
+    is used. Returns the directory (absolute), or None when the cache stays off.
+    """
+    if not str(directory):
+        return None
+    import jax
+
+    path = Path(directory).expanduser().absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s: most nodes compile faster
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, and none a backend sets
+    return path
 
 
 def slice_mesh(devices: Sequence[Any], mesh_shape: Sequence[int], mesh_axes: Sequence[str]) -> Any:

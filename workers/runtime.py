@@ -43,10 +43,9 @@ import numpy as np
 
 from rallypoint.etcd.errors import RallypointError
 from rallypoint.etcd.logs import get_logger
-from rallypoint.proto import codec
-from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import codec, rallypoint_pb2 as pb
 from rallypoint.workers.checkpoint import CheckpointCorrupt
-from rallypoint.workers.job_checkpoints import CommitFn, JobCheckpoints, restore
+from rallypoint.workers.job_checkpoints import NO_FAULTS, CommitFn, JobCheckpoints, WorkerFaults, restore
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.records import InstanceRecords
@@ -88,11 +87,12 @@ class JobRuntime:
         peers: the channels outputs are pushed on to other workers.
         push_threads: threads pushing outputs to other workers.
         commit_factory: makes this incarnation's checkpoint commit (None: no checkpoints).
+        faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
-                 commit_factory: Callable[[], CommitFn] | None = None) -> None:
+                 commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS) -> None:
         t0 = time.perf_counter()
         self.job = req.job
         self.steps = int(req.steps)
@@ -120,7 +120,7 @@ class JobRuntime:
         start = self.start_step
         self.expected = sum((running_steps(self.steps, n.prog.every) - running_steps(start, n.prog.every)) * len(n.mbs)
                             for n in self.nodes.values())
-        self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed,
+        self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed, faults=faults,
                                           log_fields={"worker": worker_id, "incarnation": self.incarnation})
         self.records = InstanceRecords(self.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
                                        slices=list(self._slice_nodes), start_step=start,
@@ -177,9 +177,9 @@ class JobRuntime:
                 raise LoadError(f"start step {self.start_step} needs a checkpoint of slices {missing} to restore")
             try:
                 restored = restore(req)
-            except CheckpointCorrupt as exc:  # the executor parses slice= and step= to drop the commit
+            except CheckpointCorrupt as exc:  # the executor drops its commit (typed, in the RPC's metadata)
                 raise RestoreError(f"corrupt checkpoint slice={exc.commit.slice_name} step={exc.commit.step}: "
-                                   f"{exc}") from exc
+                                   f"{exc}", slice_name=exc.commit.slice_name, step=exc.commit.step) from exc
         self.states: dict[str, StateVersions] = {}
         for st in req.states:
             readers = [(n.prog.every, len(n.mbs)) for n in self.nodes.values() for b in n.prog.inputs
@@ -191,7 +191,7 @@ class JobRuntime:
                 leaves = restored[st.slice].get(st.name)
                 if leaves is None:
                     raise RestoreError(f"the checkpoint of slice {st.slice!r} at step {self.start_step} lacks "
-                                       f"state {st.name!r}")
+                                       f"state {st.name!r}", slice_name=st.slice, step=self.start_step)
             else:
                 init = load_exported(st.exported_init, mesh_of(f"state {st.name!r}", st.slice))
                 leaves = [np.asarray(x) for x in init()]

@@ -17,9 +17,11 @@ import grpc
 from rallypoint.etcd.errors import RallypointError
 from rallypoint.etcd.logs import get_logger
 from rallypoint.proto import codec
+from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.dataplane import Status
+from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
 from rallypoint.workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
 from rallypoint.workers.transfer import PeerChannels
@@ -43,12 +45,14 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         incarnation: this worker's current incarnation (0: not registered).
         push_threads: threads per job pushing outputs to other workers.
         commit_factory: makes the checkpoint commit of the current incarnation (None: jobs do not checkpoint).
+        faults: test fault hooks every job's checkpoints get (:mod:`rallypoint.workers.faults`).
     """
 
     def __init__(self, worker_id: str, *, admit: Admit, devices: Sequence[Any] | Callable[[], Sequence[Any]],
                  incarnation: Callable[[], int], push_threads: int = 4,
-                 commit_factory: Callable[[], CommitFn] | None = None) -> None:
+                 commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS) -> None:
         self._commit_factory = commit_factory
+        self._faults = faults
         self.worker_id = worker_id
         self._admit_fn = admit
         self._devices = devices
@@ -138,12 +142,13 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")
         failure: tuple[grpc.StatusCode, str] | None = None
+        corrupt: RestoreError | None = None
         try:
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
-                            commit_factory=self._commit_factory)
+                            commit_factory=self._commit_factory, faults=self._faults)
         except RestoreError as exc:
-            failure = (grpc.StatusCode.DATA_LOSS, str(exc))
+            failure, corrupt = (grpc.StatusCode.DATA_LOSS, str(exc)), exc
         except LoadError as exc:
             failure = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # deserializing or running an init: report it, do not kill the server
@@ -155,6 +160,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
                     self._jobs[request.job] = rt
         if failure is not None:
             self.log.error("job.load_failed", job=request.job, error=failure[1])
+            if corrupt is not None:
+                context.set_trailing_metadata(corrupt_checkpoint_metadata(corrupt.slice_name, corrupt.step))
             _abort(context, *failure)
         rt.start()
         return pb.LoadJobResponse(load_s=rt.load_s)

@@ -23,7 +23,11 @@ class DeliveryError(RallypointError):
 
 
 class RestoreError(LoadError):
-    """A checkpoint to start from does not read back as committed."""
+    """A checkpoint to start from does not read back as committed (``slice_name`` at ``step``)."""
+
+    def __init__(self, message: str, *, slice_name: str, step: int) -> None:
+        super().__init__(message)
+        self.slice_name, self.step = slice_name, step
 
 Leaves = list[Any]
 """One value as its flat leaves (host numpy arrays)."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rallypoint.cluster.local import LocalCluster
+from rallypoint.etcd.server import EtcdCluster
 from tests.conftest import read_events, wait_until
 
 
@@ -66,3 +69,42 @@ def test_hung_leader_is_deposed_its_writes_refused_and_it_steps_down_on_resume(
     assert not read_events(lc.process(old).log, "worker.lost")
     states = read_events(lc.process(old).log, "coordinator.state")
     assert states[-1]["state"] == "standby"
+
+
+def test_leadership_listeners_hear_every_lead_and_step_down_and_a_failing_one_changes_nothing(
+    etcd: EtcdCluster,
+) -> None:
+    from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+
+    heard: list[tuple[str, str, Any]] = []
+    coordinators = [Coordinator(CoordinatorConfig(cluster="ha", coordinator_id=f"c{i}", endpoints=tuple(etcd.endpoints),
+                                                  lease_ttl_s=1)) for i in range(2)]
+    threads = []
+    for c in coordinators:
+        name = c.config.coordinator_id
+
+        def broken(_arg: Any) -> None:
+            raise RuntimeError("a broken listener")
+
+        c.add_leadership_listener(broken, broken)
+        c.add_leadership_listener(lambda term, n=name: heard.append((n, "lead", term)),
+                                  lambda reason, n=name: heard.append((n, "step_down", reason)))
+        threads.append(threading.Thread(target=c.run, daemon=True))
+    try:
+        for t in threads:
+            t.start()
+        first, _, term = wait_until(lambda: next((h for h in heard if h[1] == "lead"), None), 10, "a leader")
+        leader = next(c for c in coordinators if c.config.coordinator_id == first)
+        assert leader.election.term == term
+        leader.stop()
+        wait_until(lambda: any(h == (first, "step_down", "stopping") for h in heard), 10, "the step-down")
+        second = wait_until(lambda: next((h for h in heard if h[1] == "lead" and h[0] != first), None), 10,
+                            "the standby leads")
+        assert second[2] > term
+        assert [h[1] for h in heard if h[0] == first] == ["lead", "step_down"]
+    finally:
+        for c in coordinators:
+            c.stop()
+        for t in threads:
+            t.join(timeout=10)
+    assert heard[-1][1] == "step_down" and heard[-1][2] == "stopping"

@@ -79,3 +79,28 @@ def test_resign_frees_the_lead_for_a_standby(store: EtcdStore) -> None:
         assert b.try_acquire()
     finally:
         b.resign()
+
+
+def test_a_term_writer_writes_under_its_term_only_even_when_the_coordinator_leads_again() -> None:
+    from tests.fakes import MemoryStore
+
+    store, keys = MemoryStore(), Keys("t")
+    e = LeaderElection(store, keys, "c1", ttl_s=2)
+    try:
+        assert e.try_acquire()
+        w = e.writer()
+        w.txn([], [Put("/x", "1")])
+        e.step_down("etcd was away", keep_lease=True)  # only the local deadline passed: the term may come back
+        assert not w.holds and not w.over
+        assert e.try_acquire() and e.term == w.term and w.holds  # the same term again
+        e.step_down("deposed")  # the lease is revoked: this term is over for good
+        assert w.over
+        assert e.try_acquire() and e.term != w.term  # leads again, under a newer term
+        assert w.over and not w.holds
+        with pytest.raises(NotLeader, match=f"term {w.term} is over"):
+            w.txn([], [Put("/x", "2")])
+        assert store.get("/x").value == b"1"  # type: ignore[union-attr]
+        e.writer().txn([], [Put("/x", "3")])  # the new term's writer writes
+        assert store.get("/x").value == b"3"  # type: ignore[union-attr]
+    finally:
+        e.resign()

@@ -43,3 +43,23 @@ def test_classify_rpc_error(code: grpc.StatusCode, details: str | None, verdict:
 @pytest.mark.parametrize("marker", sorted(PROCESS_GONE_MARKERS))
 def test_every_process_gone_marker_is_lost_whatever_its_case(marker: str) -> None:
     assert classify_rpc_error(C.UNAVAILABLE, f"prefix: {marker.upper()} (errno)") is Verdict.LOST
+
+
+@pytest.mark.parametrize(
+    ("code", "verdict"),
+    [(C.DATA_LOSS, Verdict.CORRUPT), (C.OUT_OF_RANGE, Verdict.LOG_SHORT), (C.INVALID_ARGUMENT, Verdict.INVALID)],
+)
+def test_what_a_worker_refuses_for_a_reason_gets_its_own_verdict(code: grpc.StatusCode, verdict: Verdict) -> None:
+    assert classify_rpc_error(code, "whatever the message says") is verdict
+
+
+def test_a_corrupt_checkpoint_is_read_from_the_typed_error_not_the_message() -> None:
+    from rallypoint.orchestrator.failures import WorkerCallFailed
+    from rallypoint.proto.errors import ERROR_KEY, corrupt_checkpoint_metadata
+
+    f = WorkerCallFailed("w1", "LoadJob", C.DATA_LOSS, "anything at all", corrupt_checkpoint_metadata("stage2", 40))
+    assert f.verdict is Verdict.CORRUPT and f.corrupt is not None
+    assert (f.corrupt.slice_name, f.corrupt.step) == ("stage2", 40)
+    assert WorkerCallFailed("w1", "LoadJob", C.DATA_LOSS, "corrupt checkpoint slice=s step=4").corrupt is None
+    assert WorkerCallFailed("w1", "LoadJob", C.DATA_LOSS, "x", ((ERROR_KEY, "not json"),)).corrupt is None
+    assert WorkerCallFailed("w1", "LoadJob", C.UNAVAILABLE, "x", corrupt_checkpoint_metadata("s", 4)).corrupt is None

@@ -31,14 +31,16 @@ def test_a_record_reports_phases_in_order_and_mttr_only_once_replay_ended() -> N
     r.marks.update({"fencing": now + 0.1, "remap": now + 0.15, "restore": now + 0.45})
     assert r.to_json()["mttr_s"] is None
     assert list(r.phases()) == ["detection", "fencing", "remap", "restore"]
-    r.targets, r.generations = {"n": 10}, {"w9": 3}
+    r.targets, r.generations, r.checkpoint_step = {"n": 10}, {"w9": 3}, 5
     r.expected.update({"n": 2})
-    r.observe("w9", 3, "n", 5, start=5)
-    r.observe("w9", 2, "n", 6, start=5)  # an older runtime: not this recovery's replay
-    r.observe("w9", 3, "n", 10, start=5)  # past where the node had got: not replay
-    assert "replay" not in r.marks
-    r.observe("w9", 3, "n", 6, start=5)
-    assert "replay" in r.marks
+    r.observe("w9", 3, "n", 5)
+    r.observe("w9", 2, "n", 6)  # an older runtime: not this recovery's replay
+    r.observe("w9", 3, "n", 10)  # past where the node had got: not replay
+    r.observe("w9", 3, "n", 4)  # below the checkpoint: not replay
+    assert not r.replayed
+    r.observe("w9", 3, "n", 6)
+    assert r.replayed
+    r.mark("replay", now + 0.6)
     out = r.to_json()
     assert out["mttr_s"] == pytest.approx(sum(out["phases"][p] for p in ("detection", "fencing", "remap", "restore",
                                                                          "replay")), abs=1e-3)

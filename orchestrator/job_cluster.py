@@ -1,0 +1,261 @@
+"""A job's hold on the cluster: its placement, device leases, runtimes, commits, all under one term.
+
+:class:`JobCluster` is what the executor (``executor.py``) stands on and what a
+recovery (``recovery_machine.py``) acts through: it implements
+:class:`~rallypoint.orchestrator.recovery_machine.RecoveryPort`. Every etcd write goes
+through the executor's :class:`~rallypoint.orchestrator.election.TermWriter`, so only
+the term that started the job writes for it; every etcd call rides out outages
+(:meth:`JobCluster.until_etcd`, tenacity on the injected clock).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from rallypoint.etcd.clock import Clock
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.commits import CheckpointCommit, commit_record_path, consistent_cut, read_commit_records, \
+    read_commits
+from rallypoint.etcd.errors import StoreError
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.retry import retrying
+from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.orchestrator.devices import DeviceLeases, fence_worker
+from rallypoint.orchestrator.election import LeaderElection, TermWriter
+from rallypoint.orchestrator.failures import WorkerCallFailed
+from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job_state import JobFailed, JobState
+from rallypoint.orchestrator.job_workers import JobWorkers
+from rallypoint.orchestrator.placement import SlicePlace, load_requests
+from rallypoint.orchestrator.recovery_machine import Commits, RecoveryPort
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.remap import Fail, Remap, RemapPolicy, Wait, plan_remap
+from rallypoint.recovery.replay import Graph, ReplayPlan
+
+ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
+REMAP_POLL_S = 0.25
+
+T = TypeVar("T")
+
+
+class JobCluster(RecoveryPort):
+    """The cluster side of one job (see the module doc); the executor adds the lifecycle."""
+
+    def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection, clock: Clock,
+                 emit: Callable[[pb.JobEvent], None], log: Any) -> None:
+        self.spec, self.store, self.keys, self.election, self.clock, self.emit = spec, store, keys, election, clock, emit
+        self.log = log
+        self.term = election.term or 0
+        self.writer = TermWriter(election, self.term)  # this job writes under the term that started it, or not at all
+        self.state = JobState.PLACING
+        self.placement: dict[str, SlicePlace] = {}
+        self.workers = JobWorkers(spec.job)
+        self.graph = Graph.from_spec(spec)
+        self.settings: RecoverySettings | None = None
+        self.run_dir: Path | None = None
+        self.resume = False
+        self.completed = 0  # steps 0 .. completed-1 are done everywhere
+        self.granted = 0
+        self.cut = 0  # newest consistent cut the workers were told of
+        self.failures: list[dict[str, Any]] = []
+        self.recoveries: list[RecoveryRecord] = []
+        self.replayed: Counter[str] = Counter()
+        self.corrupt: list[dict[str, Any]] = []  # checkpoints that did not restore (their commits dropped)
+        self._done: dict[tuple[str, int], set[int]] = defaultdict(set)
+        self._last_heard: dict[str, float] = {}
+        self._ckpt_slices = sorted({s.slice for s in spec.states})
+        self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
+
+    # -- etcd ----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def hold_term(self) -> None:
+        """Return while this job's term holds (waiting out an etcd outage); raise
+        :class:`~rallypoint.orchestrator.job_state.HandedOff` once it is over."""
+
+    def until_etcd(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried while etcd is unreachable (up to ``ETCD_OUTAGE_S``) and the term holds."""
+        try:
+            return retrying(clock=self.clock, what=what, log=self.log, retry_on=StoreError, stop_after_s=ETCD_OUTAGE_S,
+                            initial_s=0.25, max_s=1.0, before_sleep=lambda _s: self.hold_term())(fn)
+        except StoreError as exc:
+            raise JobFailed(f"{what}: etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({exc})") from None
+
+    def record(self, **fields: Any) -> None:
+        """The job record in etcd (what a new leader adopts from), a fenced write of this term."""
+        record = {
+            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": self.completed,
+            "term": self.term, "run_dir": str(self.run_dir or ""), "cut": self.cut,
+            "policy": self.settings.policy if self.settings else "",
+            "placement": {s: {"worker": p.worker, "devices": list(p.devices)} for s, p in self.placement.items()},
+            "failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
+            "replayed_instances": dict(self.replayed), "at": time.time(), **fields,
+        }
+        self.writer.txn([], [Put(self.keys.job(self.spec.job), json.dumps(record))])
+
+    def event(self, event: str, step: int = 0, **detail: Any) -> None:
+        self.emit(pb.JobEvent(job=self.spec.job, event=event, step=step, detail=json.dumps(detail)))
+
+    def leases(self) -> DeviceLeases:
+        return DeviceLeases(self.store, self.keys, fenced_txn=self.writer.txn, term=self.term)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def devices_of(self, slice_name: str) -> int:
+        s = next(s for s in self.spec.slices if s.slice == slice_name)
+        return int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1
+
+    def requests(self, workers: set[str] | None, start: int, commits: Commits) -> dict[str, pb.LoadJobRequest]:
+        """Load requests (of ``workers``, or all) that start from the cut at ``start`` with the given commits."""
+        assert self.settings is not None
+        reqs = load_requests(self.spec, self.placement, cluster=self.keys.cluster, term=self.term)
+        for w, req in reqs.items():
+            req.checkpoint_every = self.settings.checkpoint_every
+            req.checkpoint_dir = str(self.run_dir or "")
+            req.keep_checkpoints = self.settings.keep_checkpoints
+            req.log_limit_bytes = self.settings.log_limit_bytes
+            req.start_step = start
+            for sa in req.slices:
+                for c in commits.get(sa.slice, ()):
+                    ref = pb.CheckpointRef(slice=c.slice_name, step=c.step, path=c.path, checksum=c.checksum)
+                    if c.step == start:
+                        req.restore.append(ref)
+                    elif c.step > start:
+                        req.committed.append(ref)
+        return {w: r for w, r in reqs.items() if workers is None or w in workers}
+
+    def load(self, workers: set[str] | None, start: int, commits: Commits, *,
+             start_override: int | None = None) -> dict[str, WorkerCallFailed]:
+        reqs = self.requests(workers, start, commits)
+        if start_override is not None:  # only a deliberately broken recovery (ExecutorHooks.skip_replay)
+            for req in reqs.values():
+                req.start_step = start_override
+        addresses = {p.worker: p.address for p in self.placement.values()}
+        now = self.clock.monotonic()
+        for w in reqs:
+            self._last_heard[w] = now
+        return self.workers.load(reqs, addresses)
+
+    def loaded_workers(self) -> list[str]:
+        return self.workers.workers
+
+    def forget(self, worker: str) -> None:
+        self.workers.drop(worker)
+
+    def reset_all(self) -> None:
+        for w in self.workers.workers:
+            self.workers.unload(w)
+            self.workers.drop(w)
+
+    def rewire(self, worker: str, plan: ReplayPlan, cut: int, commits: Commits) -> None:
+        reqs = self.requests(None, cut, commits)
+        r = self.workers.rewire(worker, reqs[worker].routes if worker in reqs else [], plan.nodes, cut, self.granted)
+        self.log.info("recovery.rewired", worker=worker, resent=r.resent, log_from=r.log_from)
+
+    # -- commits ------------------------------------------------------------------------------
+
+    def commits(self) -> dict[str, list[CheckpointCommit]]:
+        """The commits of this run: etcd's, or (etcd lost them: a new cluster) the copies beside the checkpoints."""
+        def read() -> dict[str, list[CheckpointCommit]]:
+            commits = read_commits(self.store, self.keys, self.spec.job)
+            if not commits and self.resume and self.run_dir is not None:
+                commits = read_commit_records(self.run_dir)
+            return commits
+        return self.until_etcd("reading checkpoint commits", read)
+
+    def cut_step(self, commits: Commits, before: int | None) -> int:
+        if not self._ckpt_slices:
+            return 0
+        return consistent_cut(commits, self._ckpt_slices, before=before) or 0
+
+    def drop_commit(self, slice_name: str, step: int, error: str) -> None:
+        self.until_etcd("dropping a corrupt commit", lambda: self.writer.txn(
+            [], [Delete(self.keys.checkpoint(self.spec.job, slice_name, step))], []))
+        if self.run_dir is not None:
+            commit_record_path(self.run_dir, slice_name, step).unlink(missing_ok=True)
+        self.corrupt.append({"slice": slice_name, "step": step, "error": error})
+        self.log.warning("checkpoint.decommitted", slice=slice_name, step=step)
+
+    # -- progress ------------------------------------------------------------------------------
+
+    def done_through(self, node: str) -> int:
+        """Every instance of ``node`` at steps below this has been reported done."""
+        n = self.graph.node(node)
+        s = self.completed
+        while s < self.spec.steps:
+            if s % n.every == 0 and len(self._done.get((node, s), ())) < self._mb[node]:
+                return s
+            s += 1
+        return self.spec.steps
+
+    # -- losses -----------------------------------------------------------------------------------
+
+    def fence(self, worker: str, incarnation: int) -> None:
+        self.until_etcd(f"fencing worker {worker}",
+                        lambda: fence_worker(self.store, self.keys, self.writer.txn, worker, incarnation))
+
+    def record_failure(self, worker: str, incarnation: int, slices: list[str], reason: str) -> None:
+        if not any(f["worker"] == worker and f["incarnation"] == incarnation for f in self.failures):
+            self.failures.append({"worker": worker, "incarnation": incarnation, "slices": slices, "at": time.time(),
+                                  "step": self.completed, "reason": reason})
+
+    def registered(self, worker: str) -> bool:
+        incarnations = {p.incarnation for p in self.placement.values() if p.worker == worker}
+        kv = self.until_etcd(f"reading worker {worker}", lambda: self.store.get(self.keys.worker(worker)))
+        return kv is not None and kv.create_revision in incarnations
+
+    def lost_in_etcd(self) -> dict[str, str]:
+        """Workers of the job whose registration (that incarnation) is gone from etcd."""
+        lost = {}
+        for w in self.workers.workers:
+            try:
+                kv = self.store.get(self.keys.worker(w))
+            except StoreError:
+                return {}  # etcd is away: nobody is declared lost because of that
+            if kv is None or kv.create_revision != self.workers.identity[w].incarnation:
+                lost[w] = "its etcd registration is gone (lease expired or fenced)"
+        return lost
+
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
+        """Lease spare devices for each lost slice per the job's policy (waits, or fails the job)."""
+        assert self.settings is not None
+        policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
+        leases = self.leases()
+        placed: dict[str, SlicePlace] = {}
+        t0, told = self.clock.monotonic(), False
+        while True:
+            self.hold_term()
+            todo = {s: n for s, n in need.items() if s not in placed}
+            if not todo:
+                return placed
+            snap = self.until_etcd("reading the cluster", lambda: read_cluster(self.store, self.keys))
+            decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0)
+            if isinstance(decision, Remap):
+                for a in decision.assignments:
+                    p = self.until_etcd("leasing spare devices",
+                                        lambda a=a: leases.lease(self.spec.job, a.slice, a.worker, a.devices))
+                    if p is not None:
+                        info = snap.workers[a.worker].info
+                        placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+                continue
+            if isinstance(decision, Wait):
+                if not told:
+                    told = True
+                    self.log.warning("recovery.waiting", missing=dict(decision.missing), timeout_s=decision.timeout_s)
+                    self.event("job.waiting", recovery=record.number, missing=dict(decision.missing),
+                               timeout_s=decision.timeout_s,
+                               reason=f"no spare for {sorted(decision.missing)}: waiting up to {decision.timeout_s:g}s "
+                                      "for a worker with room to join")
+                self.clock.sleep(REMAP_POLL_S)
+                continue
+            if isinstance(decision, Fail):
+                raise JobFailed(decision.reason)
+            raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")

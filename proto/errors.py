@@ -1,0 +1,49 @@
+"""Typed errors on the wire: what a refused RPC says beyond its status code.
+
+A worker that fails an RPC for a reason the coordinator must act on attaches it as
+trailing metadata (key :data:`ERROR_KEY`, a JSON object with a ``kind``), so the
+coordinator reads a typed value instead of parsing the message. Today's kind:
+
+* ``corrupt_checkpoint`` with ``slice`` and ``step``: a checkpoint of the cut failed
+  to restore (status DATA_LOSS); its commit stops counting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+ERROR_KEY = "rallypoint-error"
+
+
+@dataclass(frozen=True, slots=True)
+class CorruptCheckpoint:
+    """The checkpoint of ``slice_name`` at ``step`` did not restore."""
+
+    slice_name: str
+    step: int
+
+
+def corrupt_checkpoint_metadata(slice_name: str, step: int) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that reports a corrupt checkpoint."""
+    return ((ERROR_KEY, json.dumps({"kind": "corrupt_checkpoint", "slice": slice_name, "step": int(step)})),)
+
+
+def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | None:
+    """The typed error in a call's trailing metadata, or None (absent or not understood)."""
+    for item in metadata or ():
+        key, value = (item.key, item.value) if hasattr(item, "key") else item
+        if key != ERROR_KEY:
+            continue
+        try:
+            d = json.loads(value)
+        except (TypeError, ValueError):
+            return None
+        if isinstance(d, dict) and d.get("kind") == "corrupt_checkpoint":
+            try:
+                return CorruptCheckpoint(str(d["slice"]), int(d["step"]))
+            except (KeyError, TypeError, ValueError):
+                return None
+    return None

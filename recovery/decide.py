@@ -1,0 +1,177 @@
+"""What a recovery does when something goes wrong: one pure function over plain data.
+
+A recovery (``rallypoint.orchestrator.recovery_machine``) runs its states; when one of
+them meets a **setback** (a worker lost again, a checkpoint that does not restore, a
+live worker that refuses, an output log that does not reach back, a job making no
+progress) it asks :func:`decide`, which answers with one :class:`Decision`:
+
+* :class:`Refence`: these workers are lost too: back to FENCING with them;
+* :class:`FallBack`: the cut's checkpoint is corrupt: drop its commit, every slice
+  restarts from an older cut;
+* :class:`Escalate`: partial replay cannot work: every slice restarts from the same cut;
+* :class:`Retry`: ask again after a pause (a live worker refused, e.g. its storage);
+* :class:`Fail`: give up, with the reason.
+
+Each setback has a **source** with its own budget per recovery (:class:`Budget`);
+past it, the decision is :class:`Fail`, naming the source, the count and the limit.
+:func:`plan_recovery` makes the other choice a recovery takes, partial or restart-all.
+No I/O here: everything is tested exhaustively in ``tests/recovery/test_decide.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rallypoint.recovery.replay import Graph, ReplayPlan, plan_replay, restart_all_plan
+
+
+class Source(enum.Enum):
+    """Where a setback comes from (one budget each)."""
+
+    LOST = "lost"  # a worker lost while the recovery ran (its process is gone)
+    SUSPECT = "suspect"  # a worker that did not answer in time, or ambiguously
+    CORRUPT = "corrupt"  # a checkpoint of the cut did not restore
+    REFUSED = "refused"  # a live worker refused a load or rewire
+    LOG_SHORT = "log_short"  # a survivor's output log does not reach back to the cut
+    INVALID = "invalid"  # a worker found the request itself wrong
+    STALL = "stall"  # the job made no progress for the stall timeout
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many setbacks of each source one recovery (or one job, for stalls) absorbs."""
+
+    lost: int = 10
+    suspect: int = 10
+    corrupt: int = 5
+    refused: int = 10
+    log_short: int = 2
+    invalid: int = 0
+    stall: int = 3
+
+    def limit(self, source: Source) -> int:
+        return int(getattr(self, source.value))
+
+
+@dataclass(frozen=True)
+class Setback:
+    """What went wrong in one attempt.
+
+    Attributes:
+        source: its kind.
+        workers: the workers it concerns, each with why.
+        registered: for each of those, whether the incarnation the job placed there is still
+            registered in etcd (a worker whose registration is gone is lost, whatever it said).
+        corrupt: for CORRUPT, the (slice, step) of the checkpoint that did not restore.
+        cut: the cut the attempt restored from.
+    """
+
+    source: Source
+    workers: Mapping[str, str] = field(default_factory=dict)
+    registered: Mapping[str, bool] = field(default_factory=dict)
+    corrupt: tuple[str, int] | None = None
+    cut: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Refence:
+    lost: Mapping[str, str]
+    reason: str
+
+
+@dataclass(frozen=True)
+class FallBack:
+    """Drop the commit ``drop`` (slice, step); restart every slice from a cut below ``before``."""
+
+    before: int
+    drop: tuple[str, int] | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """Restart every slice from the same cut (``restart-all``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Retry:
+    after_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Refence | FallBack | Escalate | Retry | Fail
+
+RETRY_AFTER_S = 1.0
+
+
+def decide(setback: Setback, count: int, budget: Budget) -> Decision:
+    """The decision for ``setback``, the ``count``-th of its source (counting it).
+
+    Rules, in order:
+
+    1. Past the source's budget: :class:`Fail` naming the source, count and limit.
+    2. LOST, or SUSPECT (no answer in time: fencing confirms a suspicion safely, a
+       worker that was only slow comes back as a new incarnation): :class:`Refence`.
+    3. CORRUPT at a cut above 0: :class:`FallBack` below it, dropping that commit.
+       At 0 (the inits), nothing older exists: :class:`Fail`.
+    4. LOG_SHORT: :class:`Escalate` to restart-all from the same cut.
+    5. REFUSED: those whose registration is gone are lost (:class:`Refence`); if all
+       still live, :class:`Retry` after a pause.
+    6. INVALID: :class:`Fail` (the request is wrong; no retry can help).
+    7. STALL: :class:`Refence` the workers that made no progress.
+    """
+    limit = budget.limit(setback.source)
+    what = setback.detail or "; ".join(f"{w}: {why}" for w, why in sorted(setback.workers.items()))
+    if count > limit:
+        return Fail(f"recovery gave up: {setback.source.value} setbacks {count} > limit {limit} (last: {what})")
+    if setback.source in (Source.LOST, Source.SUSPECT) or (setback.source is Source.STALL and setback.workers):
+        return Refence(dict(setback.workers), f"{setback.source.value}: {what}")
+    gone = {w: why for w, why in setback.workers.items() if not setback.registered.get(w, True)}
+    if setback.source is Source.REFUSED and gone:
+        return Refence(gone, f"refused, and its incarnation ended: {what}")
+    if setback.source is Source.CORRUPT:
+        if setback.cut <= 0:
+            return Fail(f"cannot restore: {what} (no older checkpoint than step 0)")
+        return FallBack(setback.cut, setback.corrupt,
+                        f"the checkpoint at step {setback.cut} did not restore ({what}); every slice restarts "
+                        "from an older cut")
+    if setback.source is Source.LOG_SHORT:
+        return Escalate(f"a survivor's output log does not reach back to step {setback.cut} ({what}): every "
+                        "slice restarts from the cut")
+    if setback.source is Source.REFUSED:
+        return Retry(RETRY_AFTER_S, f"refused by live workers, asking again: {what}")
+    if setback.source is Source.STALL:
+        return Fail(f"the job made no progress and no worker can be blamed: {what}")
+    return Fail(f"a worker rejected the request: {what}")
+
+
+def plan_recovery(graph: Graph, *, policy: str, lost_slices: set[str], cut: int,
+                  done_through: Mapping[str, int], logged_from: Mapping[str, int]) -> tuple[ReplayPlan, str]:
+    """The replay plan for ``policy`` and why it became restart-all ("" when it did not).
+
+    Under ``partial`` the replay planner's least set; if that pulls in a node of a
+    surviving slice (its producer's output log does not reach back to ``cut``), every
+    slice restarts from the cut instead. ``logged_from``: each surviving node's oldest
+    step its output log still holds.
+    """
+    if policy == "partial":
+        survivors = {n.name for n in graph.nodes if n.slice not in lost_slices}
+        plan = plan_replay(graph, lost_slices=lost_slices, checkpoint_step=cut,
+                           log_from={n: logged_from[n] for n in survivors}, done_through=done_through)
+        pulled = sorted(n for n in plan.pulled_in if n in survivors)
+        if not pulled:
+            return plan, ""
+        reason = (f"nodes {pulled} of surviving slices would have to re-run from step {cut} (their output logs "
+                  "do not reach back that far): every slice restarts from the cut")
+        return restart_all_plan(graph, cut, done_through, lost_slices=lost_slices), reason
+    return restart_all_plan(graph, cut, done_through, lost_slices=lost_slices), ""

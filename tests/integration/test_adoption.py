@@ -1,0 +1,347 @@
+"""A new leader adopts the jobs of a lost leader, and clients follow them there (no operator).
+
+The first tests run real etcd and real processes: the leader coordinator is SIGKILLed
+mid-job, or SIGSTOPped until a standby leads and then woken; the job must finish under
+the new leader with the reference digest, nobody resumes it, and a woken deposed leader
+hands its executor off without failing the job or writing. The last ones check the job
+service's registry, adoption scan and fan-out on their own (a stand-in executor, a
+:class:`~tests.fakes.MemoryStore`).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from rallypoint.chaos.runner import LeaseHistory
+from rallypoint.client.compile import CompiledProgram, compile_program
+from rallypoint.client.reference import ReferenceExecutor
+from rallypoint.client.submit import submit
+from rallypoint.cluster.local import LocalCluster
+from rallypoint.etcd.clock import FakeClock
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.keys import Keys
+from rallypoint.orchestrator import service as service_mod
+from rallypoint.orchestrator.executor import JOBSPEC_FILE
+from rallypoint.orchestrator.hooks import ExecutorHooks
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from tests.conftest import read_events, wait_until
+from tests.examples import example
+from tests.fakes import MemoryStore
+
+STEPS = 24
+EVERY = 5
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> tuple[CompiledProgram, str]:
+    compiled = compile_program(example("pipeline_mlp").build(steps=STEPS))
+    return compiled, ReferenceExecutor(compiled).run().state_digest
+
+
+def _leader(lc: LocalCluster) -> tuple[str, int] | None:
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.leader)
+    finally:
+        store.close()
+    return (kv.json()["coordinator"], kv.create_revision) if kv else None
+
+
+def _record(lc: LocalCluster, job: str) -> dict[str, Any]:
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.job(job))
+        assert kv is not None
+        return kv.json()
+    finally:
+        store.close()
+
+
+def _assert_settled(lc: LocalCluster) -> None:
+    store = lc.store()
+    try:
+        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values()), "device leases outlived the job"
+    finally:
+        store.close()
+
+
+def _no_resume(lc: LocalCluster) -> None:
+    for c in ("c0", "c1"):
+        assert not read_events(lc.process(c).log, "job.resume_requested"), f"{c} was asked to resume the job"
+
+
+def _watch(address: str, job: str) -> list[pb.JobEvent]:
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    try:
+        return list(pb_grpc.CoordinatorStub(channel).WatchJob(pb.WatchJobRequest(job=job), timeout=30))
+    finally:
+        channel.close()
+
+
+def _address(lc: LocalCluster, coordinator: str) -> str:
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.leader)
+        assert kv is not None and kv.json()["coordinator"] == coordinator
+        return str(kv.json()["address"])
+    finally:
+        store.close()
+
+
+def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_equal_without_resume(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    job = compiled.program.name
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=2)
+    old, old_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    events: list[pb.JobEvent] = []
+    steps: list[int] = []
+    killed: list[float] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        events.append(ev)
+        if ev.event == "step.done" and ev.step == 12 and not killed:
+            killed.append(time.monotonic())
+            lc.signal(old, signal.SIGKILL)
+
+    result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=EVERY,
+                    on_event=on_event, on_step=lambda s, _m: steps.append(s))
+    assert killed, "the leader was never killed"
+    assert result.state_digest == reference
+    new, new_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    assert new != old and new_term > old_term
+    names = [e.event for e in events]
+    assert "job.resumed" not in names
+    watching = [json.loads(e.detail) for e in events if e.event == "job.watching"]
+    assert watching and watching[-1]["adopted"] is True, names
+    assert len(steps) == len(set(steps)), "on_step reported a step twice"
+    adopting = read_events(lc.process(new).log, "job.adopting")
+    assert [a["job"] for a in adopting] == [job] and adopting[0]["old_term"] == old_term
+    _no_resume(lc)
+    rec = _record(lc, job)
+    assert rec["state"] == "succeeded" and rec["term"] == new_term and rec["step_done"] == STEPS
+    _assert_settled(lc)
+    # Whoever asks the new leader after the end still gets it; an unknown job or a standby says so.
+    address = _address(lc, new)
+    seen = _watch(address, job)
+    assert [e.event for e in seen] == ["job.watching", "job.finished"]
+    with pytest.raises(grpc.RpcError) as err:
+        _watch(address, "nope")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no job 'nope'" in (err.value.details() or "")
+
+
+def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_job_finishes_under_the_new_one(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    job = compiled.program.name
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=2)
+    old, old_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    jobs_history = LeaseHistory(lc.endpoints, lc.keys.jobs)
+    leases_history = LeaseHistory(lc.endpoints, lc.keys.leases)
+    stopped: list[float] = []
+    woke: list[tuple[str, int]] = []
+    errors: list[BaseException] = []
+
+    def wake() -> None:
+        try:
+            # Woken the moment the standby leads: while it adopts and runs the job, the old
+            # leader's executor still believes it runs the job, with runtimes and device leases.
+            woke.append(wait_until(lambda: (x := _leader(lc)) and x[0] != old and x, 20, "the standby leads"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+        finally:
+            lc.signal(old, signal.SIGCONT)
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "step.done" and ev.step == 10 and not stopped:
+            stopped.append(time.monotonic())
+            lc.signal(old, signal.SIGSTOP)
+            threading.Thread(target=wake, daemon=True).start()
+
+    try:
+        result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=EVERY,
+                        on_event=on_event)
+    finally:
+        if stopped and not woke:
+            lc.signal(old, signal.SIGCONT)
+    assert not errors, errors
+    assert result.state_digest == reference
+    (new, new_term), = woke
+    assert new_term > old_term
+    old_log = lc.process(old).log
+    handed = wait_until(lambda: read_events(old_log, "job.handed_off"), 20, "the old leader's executor hands off")
+    assert handed[0]["job"] == job
+    assert not read_events(old_log, "job.failed"), "the deposed leader failed the job"
+    assert read_events(lc.process(new).log, "job.adopting")
+    _no_resume(lc)
+    rec = _record(lc, job)
+    assert rec["state"] == "succeeded" and rec["term"] == new_term
+    time.sleep(1.0)
+    jobs_history.close()
+    leases_history.close()
+    # Nothing of the old term was written once the new term began.
+    stale = [(e.kv.key, e.kv.mod_revision) for h in (jobs_history, leases_history) for e in h.events
+             if e.type == "put" and e.kv.mod_revision > new_term and not e.kv.key.count("/checkpoints/")
+             and json.loads(e.kv.value).get("term") == old_term]
+    assert not stale, stale
+    assert _leader(lc) == (new, new_term), "leadership changed hands again"
+    _assert_settled(lc)
+
+
+# -- the job service on its own -------------------------------------------------------------------------
+
+
+class StandInExecutor:
+    """What the service relies on of :class:`JobExecutor`: run, stop, completed, state, placement."""
+
+    made: list[StandInExecutor] = []
+
+    def __init__(self, spec: pb.JobSpec, *, store: Any, keys: Any, election: Any, emit: Callable[[pb.JobEvent], None],
+                 clock: Any, checkpoint_root: str, resume: bool, adopted: bool = False,
+                 hooks: ExecutorHooks = ExecutorHooks()) -> None:
+        self.spec, self.emit, self.checkpoint_root = spec, emit, checkpoint_root
+        self.resume, self.adopted, self.hooks = resume, adopted, hooks
+        self.completed = 0
+        self.state = SimpleNamespace(value="running")
+        self.placement: dict[str, Any] = {}
+        self.stopped: str | None = None
+        self.go = threading.Event()
+        StandInExecutor.made.append(self)
+
+    def run(self) -> Any:
+        self.emit(pb.JobEvent(job=self.spec.job, event="job.adopted" if self.adopted else "job.placed"))
+        while not self.go.wait(0.01):
+            if self.stopped is not None:
+                self.emit(pb.JobEvent(job=self.spec.job, event="job.handed_off", step=self.completed,
+                                      detail=json.dumps({"reason": self.stopped})))
+                return None
+        self.completed = self.spec.steps
+        self.emit(pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps))
+        return None
+
+    def stop(self, reason: str) -> None:
+        self.stopped = reason
+
+
+class Context:
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+def _service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any]:
+    monkeypatch.setattr(service_mod, "JobExecutor", StandInExecutor)
+    StandInExecutor.made.clear()
+    keeper = SimpleNamespace(fence=SimpleNamespace(dead=False))
+    election = SimpleNamespace(term=7, is_leader=True, keeper=keeper, current_leader=lambda: ("c0", 7))
+    listeners: list[Any] = []
+    c = SimpleNamespace(store=MemoryStore(), keys=Keys("t"), election=election, clock=FakeClock(), stopping=False,
+                        config=SimpleNamespace(coordinator_id="c0", checkpoint_dir=str(tmp_path), hooks=ExecutorHooks()),
+                        add_leadership_listener=lambda a, b: listeners.append((a, b)))
+    svc = service_mod.CoordinatorService(c)  # type: ignore[arg-type]
+    assert listeners == [(svc.on_lead, svc.on_step_down)]
+    return svc, c
+
+
+def _saved_run(tmp_path: Path, job: str) -> Path:
+    rd = tmp_path / job / "run-1"
+    rd.mkdir(parents=True)
+    (rd / JOBSPEC_FILE).write_bytes(pb.JobSpec(job=job, steps=3).SerializeToString())
+    return rd
+
+
+def test_a_new_leader_adopts_every_unfinished_job_and_skips_the_rest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    svc, c = _service(monkeypatch, tmp_path)
+    rd = _saved_run(tmp_path, "a")
+    records = {"a": {"state": "running", "term": 3, "run_dir": str(rd)},
+               "b": {"state": "succeeded", "term": 3, "run_dir": str(rd)},
+               "c": {"state": "recovering", "term": 3, "run_dir": ""}}
+    for job, r in records.items():
+        c.store.put(c.keys.job(job), json.dumps({"job": job, **r}))
+    c.store.put(c.keys.checkpoint("a", "s0", 5), json.dumps({"step": 5}))
+    before = {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.jobs)[0]}
+    svc._adopt_all(7)
+    (x,) = StandInExecutor.made
+    assert x.spec.job == "a" and x.adopted and x.resume and x.checkpoint_root == str(tmp_path)
+    assert {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.jobs)[0]} == before  # "c": nothing written
+    svc._adopt_all(7)  # it runs here under this term: not again
+    assert len(StandInExecutor.made) == 1
+    # A watcher gets job.watching (adopted), then the events to the end.
+    ctx = Context()
+    out: queue.Queue[pb.JobEvent] = queue.Queue()
+    t = threading.Thread(target=lambda: [out.put(e) for e in svc.WatchJob(pb.WatchJobRequest(job="a"), ctx)])
+    t.start()
+    first = out.get(timeout=5)
+    assert first.event == "job.watching" and json.loads(first.detail)["adopted"] is True
+    x.go.set()
+    t.join(timeout=5)
+    assert [out.get_nowait().event for _ in range(out.qsize())][-1] == "job.finished"
+    with pytest.raises(Aborted) as err:
+        list(svc.WatchJob(pb.WatchJobRequest(job="c"), Context()))
+    assert err.value.code is grpc.StatusCode.NOT_FOUND and "without checkpoints" in err.value.details
+
+
+def test_step_down_hands_every_job_off_once_the_term_is_over(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    svc, c = _service(monkeypatch, tmp_path)
+    stream = svc.SubmitJob(pb.JobSpec(job="j", steps=2), Context())
+    assert next(stream).event == "job.placed"
+    (x,) = StandInExecutor.made
+    with pytest.raises(Aborted) as err:
+        next(svc.SubmitJob(pb.JobSpec(job="j", steps=2), Context()))
+    assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
+    # Only the local deadline passed: the lease is kept and the term may come back; it does.
+    c.election.term, c.election.is_leader = None, False
+    svc.on_step_down("no keepalive acknowledged within the lease TTL")
+    time.sleep(0.3)
+    assert x.stopped is None
+    c.election.term = 7
+    time.sleep(0.3)
+    c.election.term = None
+    svc.on_step_down("no keepalive acknowledged within the lease TTL")  # again, and this time the lease is lost
+    time.sleep(0.3)
+    assert x.stopped is None
+    c.election.keeper.fence.dead = True
+    wait_until(lambda: x.stopped, 5, "the executor is stopped once the term is over")
+    assert next(stream).event == "job.handed_off"
+    with pytest.raises(StopIteration):
+        next(stream)
+    # Deposed (etcd refused a write: the lease is revoked): every executor is stopped at once.
+    c.election.term, c.election.is_leader, c.election.keeper = 7, True, SimpleNamespace(fence=SimpleNamespace(dead=False))
+    stream = svc.SubmitJob(pb.JobSpec(job="k", steps=2), Context())
+    assert next(stream).event == "job.placed"
+    c.election.term, c.election.is_leader, c.election.keeper = None, False, None
+    svc.on_step_down("write refused: leader key belongs to another term")
+    assert "write refused" in (StandInExecutor.made[-1].stopped or "")
+    assert next(stream).event == "job.handed_off"
+    with pytest.raises(Aborted) as err:
+        next(svc.WatchJob(pb.WatchJobRequest(job="k"), Context()))
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "does not lead" in err.value.details

@@ -1,0 +1,257 @@
+"""The job executor one step at a time: a MemoryStore, a FakeElection, FakeWorkers and a FakeClock.
+
+These check the executor's own logic (states and their transitions, what it records
+and releases, losses, stalls, term fencing, adoption); tests/integration/ runs the same
+paths against real etcd and real worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rallypoint.etcd.clock import FakeClock
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.etcd.keys import Keys
+from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, run_dir
+from rallypoint.orchestrator.job_state import HandedOff, JobState
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto.errors import corrupt_checkpoint_metadata
+from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker
+
+B = pb.InputBinding
+
+
+def pipeline_spec(steps: int = 20, checkpoint_every: int = 5, **kw: Any) -> pb.JobSpec:
+    """Two stages: fwd0 on s0 (state p0) feeds fwd1 on s1 (state p1)."""
+    return pb.JobSpec(
+        job="pipe", steps=steps, microbatches=1, window=2, checkpoint_every=checkpoint_every,
+        slices=[pb.SliceAssignment(slice="s0", mesh_shape=[1]), pb.SliceAssignment(slice="s1", mesh_shape=[1])],
+        nodes=[pb.NodeProgram(name="fwd0", slice="s0", every=1,
+                              inputs=[pb.InputBinding(arg="p", kind=B.STATE, state="p0")]),
+               pb.NodeProgram(name="fwd1", slice="s1", every=1,
+                              inputs=[pb.InputBinding(arg="x", kind=B.REF, node="fwd0", output="y"),
+                                      pb.InputBinding(arg="p", kind=B.STATE, state="p1")])],
+        states=[pb.StateProgram(name="p0", slice="s0", producer_node="fwd0", producer_every=1),
+                pb.StateProgram(name="p1", slice="s1", producer_node="fwd1", producer_every=1)],
+        **kw)
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, *, workers: int = 3, spec: pb.JobSpec | None = None, adopted: bool = False,
+                 store: MemoryStore | None = None) -> None:
+        self.keys = Keys("t")
+        self.store = store or MemoryStore()
+        self.clock = FakeClock()
+        self.incarnations = {f"w{i}": register_worker(self.store, self.keys, f"w{i}", 1) for i in range(workers)} \
+            if store is None else {}
+        self.election = FakeElection(self.store, self.keys, self.clock)
+        self.events: list[pb.JobEvent] = []
+        self.spec = spec or pipeline_spec()
+        self.x = JobExecutor(self.spec, store=self.store, keys=self.keys, election=self.election,
+                             emit=self.events.append, clock=self.clock, checkpoint_root=str(tmp_path),
+                             adopted=adopted, loss_grace_s=0.0)
+        self.workers = FakeWorkers(self.spec.job, self.spec, self.store, self.keys)
+        self.x.workers = self.workers
+
+    def names(self) -> list[str]:
+        return [e.event for e in self.events if e.event != "step.done"]
+
+    def record(self) -> dict[str, Any]:
+        kv = self.store.get(self.keys.job(self.spec.job))
+        assert kv is not None
+        return kv.json()
+
+    def leases(self) -> list[str]:
+        return [kv.key for kv in self.store.get_prefix(self.keys.leases)[0]]
+
+    def steps_until(self, done: int, limit: int = 500) -> None:
+        for _ in range(limit):
+            if self.x.completed >= done:
+                return
+            self.x.step(timeout_s=0.0)
+        raise AssertionError(f"stuck at step {self.x.completed} (wanted {done})")
+
+    def worker_of(self, slice_name: str) -> str:
+        return self.x.placement[slice_name].worker
+
+
+def test_begin_places_loads_and_grants_then_steps_complete_the_job(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    assert h.x.state is JobState.RUNNING and len(h.leases()) == 2
+    assert h.record()["state"] == "running" and h.record()["term"] == h.election.term
+    assert sorted(w for w, _ in h.workers.loads) == sorted({h.worker_of("s0"), h.worker_of("s1")})
+    h.x.step(timeout_s=0.0)
+    assert h.x.completed == 0  # one event a step: fwd0 of step 0
+    h.steps_until(1)
+    assert h.x.granted == 3  # step 0 is done: the window of two steps moves on
+    h.steps_until(20)
+    end = h.x.finish()
+    assert end.event == "job.finished" and json.loads(end.detail)["recoveries"] == []
+    assert h.x.state is JobState.FINISHING
+
+
+def test_run_drives_begin_step_finish_and_ends_with_one_terminal_event(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    assert h.x.run() is JobState.SUCCEEDED
+    assert h.names() == ["job.placed", "job.finished"]
+    assert [e.step for e in h.events if e.event == "step.done"] == list(range(20))
+    assert h.record()["state"] == "succeeded" and h.leases() == []
+    assert sorted(h.workers.unloaded) == sorted({h.worker_of("s0"), h.worker_of("s1")})
+    assert (run_dir(tmp_path, "pipe", create=False) / JOBSPEC_FILE).exists()
+
+
+def test_a_lost_worker_moves_its_slice_to_the_spare_and_replays_only_it(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    h.steps_until(12)
+    victim, survivor = h.worker_of("s1"), h.worker_of("s0")
+    h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)  # the process died: its lease goes with it
+    h.workers.end(victim)
+    h.steps_until(20)
+    rec = h.x.recoveries[0]
+    assert rec.escalated == ""
+    assert rec.lost == {victim: ["s1"]} and rec.policy == "partial" and rec.checkpoint_step == 10
+    assert rec.replay_nodes == ["fwd1"]
+    spare = h.worker_of("s1")
+    assert spare not in (victim, survivor) and (spare, 10) in h.workers.loads
+    assert h.workers.rewires == [(survivor, 10)]
+    assert h.x.machines[0].phase.value in ("replaying", "catching_up", "done")
+    assert "job.recovering" in h.names() and "job.recovered" in h.names()
+    assert h.x.failures[0]["worker"] == victim
+
+
+def test_a_hung_worker_is_recovered_once_its_registration_is_gone(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    h.steps_until(6)
+    victim = h.worker_of("s0")
+    h.workers.silent.add(victim)
+    for _ in range(20):
+        h.x.step(timeout_s=0.0)
+    assert h.x.recoveries == []  # still registered: nothing is declared lost
+    h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)  # its lease expired
+    h.clock.advance(1.5)
+    h.x.step(timeout_s=0.0)
+    assert h.x.recoveries and h.x.recoveries[0].lost == {victim: ["s0"]}
+    assert "registration is gone" in h.x.recoveries[0].reasons[victim]
+    h.steps_until(20)
+
+
+def test_no_progress_for_the_stall_timeout_is_a_stalled_event_and_a_recovery(tmp_path: Path) -> None:
+    h = Harness(tmp_path, spec=pipeline_spec(stall_timeout_s=30))
+    h.x.begin()
+    h.steps_until(6)
+    victim = h.worker_of("s0")
+    h.workers.silent.add(victim)  # hung, but its lease is renewed (a hung thread, not a hung process)
+    for _ in range(10):
+        h.x.step(timeout_s=0.0)
+    h.clock.advance(31)
+    h.x.step(timeout_s=0.0)
+    stalled = [e for e in h.events if e.event == "job.stalled"]
+    assert len(stalled) == 1
+    detail = json.loads(stalled[0].detail)
+    assert detail["workers"] == [victim] and "no progress for 31" in detail["reason"]
+    assert h.store.get(h.keys.worker(victim)) is None  # fenced
+    assert h.x.recoveries[0].lost == {victim: ["s0"]}
+    h.steps_until(20)
+
+
+def test_a_deposed_executor_hands_off_and_writes_nothing_more(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    h.steps_until(5)
+    before = h.record()
+    h.election.depose()
+    with pytest.raises(HandedOff):
+        h.x.step(timeout_s=0.0)
+    assert h.record() == before
+    h2 = Harness(tmp_path)
+    h2.x.begin()
+    h2.steps_until(3)
+    h2.election.depose()
+    assert h2.x.run() is JobState.HANDED_OFF
+    assert h2.names()[-1] == "job.handed_off" and h2.record()["state"] == "running"
+    assert h2.leases() != []  # the next leader releases them, not a term that is over
+
+
+def test_stop_ends_the_run_with_job_handed_off(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    h.steps_until(3)
+    h.x.stop("the coordinator stepped down")
+    with pytest.raises(HandedOff, match="stepped down"):
+        h.x.step(timeout_s=0.0)
+
+
+def test_transitions_outside_the_table_are_refused(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    with pytest.raises(AssertionError, match="no transition running -> succeeded"):
+        h.x._set_state(JobState.SUCCEEDED)
+
+
+def test_a_failed_run_records_the_reason_and_releases_leases(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    orig = h.workers.grant
+
+    def grant_then_fail(until: int, cut: int, workers: Any = None) -> None:
+        orig(until, cut, workers)
+        w = h.worker_of("s1")
+        h.workers.events.put(("done", (w, h.workers.generation[w], pb.InstanceDone(node="fwd1", step=1,
+                                                                                   error="NaN in the loss"))))
+    h.workers.grant = grant_then_fail  # type: ignore[method-assign]
+    assert h.x.run() is JobState.FAILED
+    assert h.record()["state"] == "failed" and "NaN in the loss" in h.record()["reason"]
+    assert h.leases() == [] and h.names()[-1] == "job.failed"
+
+
+def test_an_adopted_job_restarts_from_the_newest_cut_that_restores(tmp_path: Path) -> None:
+    first = Harness(tmp_path)
+    first.x.begin()
+    first.steps_until(12)
+    commits = {s: [CheckpointCommit("pipe", s, step, f"/ck/{s}/{step}", "x") for step in (5, 10)] for s in ("s0", "s1")}
+    for s, cs in commits.items():
+        for c in cs:
+            first.store.put(first.keys.checkpoint("pipe", s, c.step), json.dumps(c.to_json()))
+    first.election.depose()  # the first leader is gone; its device leases are still there
+    assert first.leases() != []
+    h = Harness(tmp_path, adopted=True, store=first.store)
+    h.workers.load_failures = [{h_w: call_failed(h_w, grpc.StatusCode.DATA_LOSS, "corrupt",
+                                                  corrupt_checkpoint_metadata("s1", 10))
+                                for h_w in ("w0", "w1", "w2")}]
+    assert h.x.run() is JobState.SUCCEEDED
+    adopted = [e for e in h.events if e.event == "job.adopted"]
+    assert len(adopted) == 1 and adopted[0].step == 5  # the cut at 10 did not restore: its commit is dropped
+    assert [(c["slice"], c["step"]) for c in h.x.corrupt] == [("s1", 10)]
+    assert {s for _w, s in h.workers.loads} == {5}
+    assert [e.step for e in h.events if e.event == "step.done"] == list(range(5, 20))
+    assert h.record()["state"] == "succeeded" and h.record()["term"] == h.election.term
+
+
+def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x._prepare()
+    h.x._place()
+    victim = h.worker_of("s1")
+    h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)  # killed 0.06 s into the job
+    h.workers.load_failures = [{victim: call_failed(victim, grpc.StatusCode.UNAVAILABLE, "Connection refused")}]
+    h.x._prepare = lambda: None  # type: ignore[method-assign]  # already done, placement kept
+    h.x._place = lambda: None  # type: ignore[method-assign]
+    assert h.x.run() is JobState.SUCCEEDED
+    assert h.x.recoveries[0].lost == {victim: ["s1"]} and h.worker_of("s1") != victim
+    assert "job.recovered" in h.names()
+
+
+def test_a_load_refused_for_a_reason_other_than_a_loss_fails_the_job_clearly(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.workers.load_failures = [{w: call_failed(w, grpc.StatusCode.INVALID_ARGUMENT, "slice s1 needs 4 devices")
+                                for w in ("w0", "w1", "w2")}]
+    assert h.x.run() is JobState.FAILED
+    assert "could not load the job" in h.record()["reason"] and "needs 4 devices" in h.record()["reason"]
+    assert h.leases() == []

@@ -1,0 +1,34 @@
+"""orchestrator/watchdog.py: stalls are reported once per quiet period; the laggards are who the job waits on."""
+
+from __future__ import annotations
+
+import pytest
+
+from rallypoint.etcd.clock import FakeClock
+from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
+
+
+def test_a_stall_is_reported_once_per_quiet_period_and_progress_rearms_it() -> None:
+    clock = FakeClock()
+    w = ProgressWatchdog(clock, 10.0)
+    clock.advance(9.9)
+    assert w.check() is None
+    clock.advance(0.2)
+    assert w.check() == pytest.approx(10.1) and w.stalls == 1
+    assert w.check() is None  # not again until another quiet period
+    clock.advance(5)
+    w.progressed()
+    clock.advance(9)
+    assert w.check() is None and w.stalls == 1
+    clock.advance(1.01)
+    assert w.check() == pytest.approx(10.01) and w.stalls == 2
+    with pytest.raises(ValueError, match="stall timeout must be > 0"):
+        ProgressWatchdog(clock, 0)
+
+
+def test_laggards_are_the_workers_of_the_nodes_furthest_behind() -> None:
+    progress = {"a": 5, "b": 3, "c": 3, "d": 9}
+    nodes = [("a", "s0"), ("b", "s1"), ("c", "s2"), ("d", "s3")]
+    out = laggards(nodes, progress.__getitem__, {"s0": "w0", "s1": "w1", "s2": "w1", "s3": "w3"}, steps=10)
+    assert out == {"w1": "node 'b' made no progress past step 3"}
+    assert laggards(nodes, lambda n: 10, {"s0": "w0"}, steps=10) == {}

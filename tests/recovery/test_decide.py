@@ -1,0 +1,96 @@
+"""The recovery decision function (recovery/decide.py): every branch, the budgets, and the plan choice."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rallypoint.recovery.decide import (Budget, Escalate, Fail, FallBack, Refence, Retry, Setback, Source, decide,
+                                        plan_recovery)
+from rallypoint.recovery.replay import Edge, Graph, Node, State
+
+
+def test_lost_and_suspect_workers_are_fenced() -> None:
+    for source in (Source.LOST, Source.SUSPECT):
+        d = decide(Setback(source, workers={"w1": "gone", "w2": "no answer"}), 1, Budget())
+        assert isinstance(d, Refence) and dict(d.lost) == {"w1": "gone", "w2": "no answer"}
+        assert source.value in d.reason
+
+
+def test_a_refusal_from_an_ended_incarnation_is_a_loss_and_from_live_workers_a_retry() -> None:
+    d = decide(Setback(Source.REFUSED, workers={"w1": "stale", "w2": "disk"}, registered={"w1": False, "w2": True}),
+               1, Budget())
+    assert isinstance(d, Refence) and dict(d.lost) == {"w1": "stale"}
+    d = decide(Setback(Source.REFUSED, workers={"w2": "disk"}, registered={"w2": True}), 1, Budget())
+    assert isinstance(d, Retry) and d.after_s > 0 and "w2: disk" in d.reason
+
+
+def test_a_corrupt_cut_falls_back_below_it_dropping_its_commit_but_not_past_the_inits() -> None:
+    d = decide(Setback(Source.CORRUPT, workers={"w1": "bad"}, corrupt=("s1", 10), cut=10), 1, Budget())
+    assert isinstance(d, FallBack) and d.before == 10 and d.drop == ("s1", 10)
+    d = decide(Setback(Source.CORRUPT, workers={"w1": "bad"}, corrupt=None, cut=0), 1, Budget())
+    assert isinstance(d, Fail) and "step 0" in d.reason
+
+
+def test_a_short_output_log_escalates_to_restart_all_from_the_same_cut() -> None:
+    d = decide(Setback(Source.LOG_SHORT, workers={"w1": "log starts at 12"}, cut=10), 1, Budget())
+    assert isinstance(d, Escalate) and "step 10" in d.reason
+
+
+def test_an_invalid_request_fails_at_once_and_a_stall_blames_the_laggards() -> None:
+    assert isinstance(decide(Setback(Source.INVALID, workers={"w1": "bad route"}), 1, Budget()), Fail)
+    d = decide(Setback(Source.INVALID, workers={"w1": "bad route"}), 1, Budget(invalid=1))
+    assert isinstance(d, Fail) and "rejected the request" in d.reason
+    d = decide(Setback(Source.STALL, workers={"w3": "node 'x' made no progress"}), 1, Budget())
+    assert isinstance(d, Refence) and set(d.lost) == {"w3"}
+    d = decide(Setback(Source.STALL, detail="nobody behind"), 1, Budget())
+    assert isinstance(d, Fail) and "nobody behind" in d.reason
+
+
+@pytest.mark.parametrize("source", list(Source))
+def test_past_its_budget_every_source_fails_naming_source_count_and_limit(source: Source) -> None:
+    budget = Budget()
+    limit = budget.limit(source)
+    d = decide(Setback(source, workers={"w1": "x"}, cut=5, corrupt=("s", 5)), limit + 1, budget)
+    assert isinstance(d, Fail)
+    assert f"{source.value} setbacks {limit + 1} > limit {limit}" in d.reason
+
+
+@given(source=st.sampled_from(list(Source)), count=st.integers(1, 30), cut=st.integers(0, 50),
+       registered=st.booleans())
+def test_the_decision_is_a_function_of_its_inputs_and_respects_the_budget(source: Source, count: int, cut: int,
+                                                                          registered: bool) -> None:
+    setback = Setback(source, workers={"w1": "x"}, registered={"w1": registered}, cut=cut, corrupt=("s", cut))
+    d = decide(setback, count, Budget())
+    assert d == decide(setback, count, Budget())  # pure: same inputs, same answer
+    if count > Budget().limit(source):
+        assert isinstance(d, Fail)
+    elif source in (Source.LOST, Source.SUSPECT, Source.STALL):
+        assert isinstance(d, Refence)
+    elif source is Source.REFUSED:
+        assert isinstance(d, Refence if not registered else Retry)
+    elif source is Source.CORRUPT:
+        assert isinstance(d, FallBack if cut > 0 else Fail)
+
+
+def _pipeline() -> Graph:
+    """Two stages: s0 (fwd0 with state p0) feeds s1 (fwd1 with state p1)."""
+    return Graph(nodes=(Node("fwd0", "s0"), Node("fwd1", "s1")),
+                 edges=(Edge("fwd0", "fwd1"), Edge("fwd0", "fwd0", "state", "p0"), Edge("fwd1", "fwd1", "state", "p1")),
+                 states=(State("p0", "s0", "fwd0"), State("p1", "s1", "fwd1")))
+
+
+def test_plan_recovery_stays_partial_when_the_survivors_logs_reach_back() -> None:
+    plan, why = plan_recovery(_pipeline(), policy="partial", lost_slices={"s1"}, cut=4,
+                              done_through={"fwd0": 8, "fwd1": 7}, logged_from={"fwd0": 4, "fwd1": 4})
+    assert why == "" and plan.policy == "partial" and set(plan.nodes) == {"fwd1"}
+
+
+def test_plan_recovery_escalates_when_a_survivor_would_have_to_rerun() -> None:
+    plan, why = plan_recovery(_pipeline(), policy="partial", lost_slices={"s1"}, cut=4,
+                              done_through={"fwd0": 8, "fwd1": 7}, logged_from={"fwd0": 6, "fwd1": 4})
+    assert plan.policy == "restart-all" and "fwd0" in why and set(plan.nodes) == {"fwd0", "fwd1"}
+    plan, why = plan_recovery(_pipeline(), policy="restart-all", lost_slices={"s1"}, cut=4,
+                              done_through={"fwd0": 8, "fwd1": 7}, logged_from={"fwd0": 4, "fwd1": 4})
+    assert plan.policy == "restart-all" and why == ""
