@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
 	$(PY) bench/recovery.py
+	$(PY) bench/leader.py
 
 # Every scenario once (the campaign scenarios are for `make soak`: they vary by seed).
 chaos: $(STAMP)

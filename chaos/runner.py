@@ -218,6 +218,7 @@ class ScenarioRun:
             state_dir=state_dir, workers=s.workers or len(program.slices), spares=s.spares,
             devices_per_worker=s.devices_per_worker or max(sl.devices for sl in program.slices.values()),
             coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s,
+            compile_cache_dir=None if s.compile_cache else "",
             worker_faults=storage.faults if storage else NO_FAULTS,  # a storage flag, without root
             coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay))
         if "partition" in s.kinds:

@@ -19,6 +19,7 @@ devices_per_worker = 1
 coordinators = 2
 etcd_members = 1                    # 3 for the etcd faults
 lease_ttl_s = 2
+compile_cache = true                # the workers' shared compilation cache (false: every load compiles)
 
 [expect]
 outcome = "finished"                # or "failed", with `reason` a regular expression
@@ -108,6 +109,7 @@ class Scenario:
     coordinators: int = 2
     etcd_members: int = 1
     lease_ttl_s: int = 2
+    compile_cache: bool = True
     expect_outcome: str = "finished"
     expect_reason: str = ""
     time_bound_s: float = 300.0
@@ -196,7 +198,8 @@ def load_scenario(path: Path) -> Scenario:
     if policy not in ("partial", "restart-all"):
         raise ConfigError(f"{w} [job].policy: {policy!r} is not 'partial' or 'restart-all'")
     cluster = _get(data, "cluster", dict, w, {})
-    _unknown(cluster, {"workers", "spares", "devices_per_worker", "coordinators", "etcd_members", "lease_ttl_s"},
+    _unknown(cluster, {"workers", "spares", "devices_per_worker", "coordinators", "etcd_members", "lease_ttl_s",
+                       "compile_cache"},
              f"{w} [cluster]")
     expect = _get(data, "expect", dict, w, {})
     _unknown(expect, {"outcome", "reason", "time_bound_s"}, f"{w} [expect]")
@@ -249,6 +252,7 @@ def load_scenario(path: Path) -> Scenario:
         devices_per_worker=_get(cluster, "devices_per_worker", int, f"{w} [cluster]"),
         coordinators=_get(cluster, "coordinators", int, f"{w} [cluster]", 2), etcd_members=etcd_members,
         lease_ttl_s=_get(cluster, "lease_ttl_s", int, f"{w} [cluster]", 2),
+        compile_cache=_get(cluster, "compile_cache", bool, f"{w} [cluster]", True),
         expect_outcome=outcome, expect_reason=_get(expect, "reason", str, f"{w} [expect]", ""),
         time_bound_s=float(_get(expect, "time_bound_s", (int, float), f"{w} [expect]", 300.0)),
         faults=tuple(faults), random=rnd,

@@ -9,7 +9,6 @@ Errors print one clear line and exit non-zero; a rejected command changes nothin
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,22 +18,12 @@ import click
 
 from rallypoint.client import jobs_cli
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, resolve_cluster, store_and_keys
-from rallypoint.etcd.errors import ConfigError, RallypointError
+from rallypoint.etcd.errors import ConfigError
 from rallypoint.etcd.keys import check_name
+from rallypoint.cluster.group import RallypointGroup
 from rallypoint.etcd.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-class RallypointGroup(click.Group):
-    """Turns every RallypointError into one clear line and exit status 1."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except RallypointError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(1)
-
 
 @click.group(cls=RallypointGroup)
 def main() -> None:

@@ -18,8 +18,10 @@ import grpc
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import RunResult, state_digest
+from rallypoint.etcd.clock import SYSTEM_CLOCK
 from rallypoint.etcd.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -40,54 +42,8 @@ SILENT_SWITCH_S = 1.0
 """A stream silent this long while another term leads comes from a hung, deposed leader: switch."""
 
 
-def leader_address(endpoints: Sequence[str], cluster: str, *, wait_s: float = 15.0) -> str:
-    """The gRPC address of the cluster's leader coordinator (waits for an election)."""
-    store = EtcdStore(endpoints)
-    deadline = time.monotonic() + wait_s
-    try:
-        while True:
-            kv = store.get(Keys(cluster).leader)
-            if kv is not None and kv.json().get("address"):
-                return str(kv.json()["address"])
-            if time.monotonic() > deadline:
-                raise RallypointError(
-                    f"cluster {cluster!r} has no leader coordinator (waited {wait_s:.0f}s); "
-                    "check `rallypoint workers` and the coordinators' logs"
-                )
-            time.sleep(0.2)
-    finally:
-        store.close()
-
-
-def leader_stream(endpoints: Sequence[str], cluster: str, call: Callable[[Any], Iterator[pb.JobEvent]], *,
-                  wait_s: float = 15.0) -> tuple[str, Iterator[pb.JobEvent], grpc.Channel]:
-    """Open ``call`` (a Coordinator RPC streaming job events) on the leader.
-
-    A leader that just died still owns the leader key until its lease expires: while
-    the leader refuses connections before its first event, ask etcd again (up to ``wait_s``).
-    Returns the leader's address, the stream (its first event put back in front) and the channel.
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        address = leader_address(endpoints, cluster, wait_s=wait_s)
-        channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
-        stream = call(pb_grpc.CoordinatorStub(channel))
-        try:
-            first = next(stream)
-        except StopIteration:
-            return address, iter(()), channel
-        except grpc.RpcError as exc:
-            channel.close()
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-            continue
-        return address, itertools.chain([first], stream), channel
-
-
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
-                    "corrupt_checkpoints")
+                    "corrupt_checkpoints", "stalls")
 
 
 def submit(
@@ -188,12 +144,12 @@ class JobFollower:
         try:
             while True:
                 deadline = lost_at + self.follow_s if watching else time.monotonic() + self.open_wait_s
-                try:
-                    term, events, channel, stop = self._open(rpc, deadline, watching=watching, why=why)
-                except _Resubmitted:
+                opened = self._open(rpc, deadline, watching=watching, why=why)
+                if opened is None:
                     rpc, watching, lost_at = watch, True, time.monotonic()
                     why = "the leader was lost while the job was submitted, and the new leader runs it"
                     continue
+                term, events, channel, stop = opened
                 try:
                     end, why = self._read(events)
                 finally:
@@ -217,35 +173,35 @@ class JobFollower:
         return str(kv.json()["address"]), kv.create_revision
 
     def _open(self, rpc: Callable[[Any], Iterator[pb.JobEvent]], deadline: float, *, watching: bool,
-              why: str) -> tuple[int, Iterator[pb.JobEvent], grpc.Channel, threading.Event]:
+              why: str) -> tuple[int, Iterator[pb.JobEvent], grpc.Channel, threading.Event] | None:
         """``rpc`` on the leader, once it answers with a first event: its term, the events, the
-        channel, and the event that stops the thread watching for a hung leader (set it when done)."""
-        etcd_down_since: float | None = None
-        last = "no leader in etcd yet"
-        refused_unavailable = False
-        while True:
+        channel, and the event that stops the thread watching for a hung leader (set it when done).
+        None: a submission retried on a new leader found the job running there (it adopted it).
+
+        Retried (tenacity, bounded backoff) while there is no leader yet, etcd is briefly away,
+        or the leader in etcd refuses connections or no longer leads, up to ``deadline``.
+        """
+        lost = f"{why}; " if why else ""
+        st: dict[str, Any] = {"last": "no leader in etcd yet", "etcd_down_since": None, "refused_unavailable": False}
+
+        def attempt() -> tuple[int, Iterator[pb.JobEvent], grpc.Channel, threading.Event] | str | None:
+            """The opened stream; "resubmitted"; or None: not yet, try again."""
             self._check_cancelled()
             now = time.monotonic()
-            lost = f"{why}; " if why else ""
-            if now > deadline:
-                raise JobError(f"job {self.job!r}: {lost}no leader answered for it within "
-                               f"{self.follow_s if watching else self.open_wait_s:.0f}s (last: {last})")
             try:
                 assert self._store is not None
                 leader = self._leader(self._store)
-                etcd_down_since = None
+                st["etcd_down_since"] = None
             except StoreError as exc:
-                etcd_down_since = etcd_down_since or now
-                last = f"etcd unreachable: {exc}"
-                if now - etcd_down_since > self.etcd_wait_s:
+                st["etcd_down_since"] = st["etcd_down_since"] or now
+                st["last"] = f"etcd unreachable: {exc}"
+                if now - st["etcd_down_since"] > self.etcd_wait_s:
                     raise JobError(f"job {self.job!r}: {lost}etcd stayed unreachable for {self.etcd_wait_s:.0f}s "
                                    f"({exc}); once the cluster is back, `rallypoint status {self.job}` shows the job "
                                    f"and `rallypoint resume {self.job}` restarts it") from None
-                time.sleep(0.5)
-                continue
+                return None
             if leader is None:
-                time.sleep(0.2)
-                continue
+                return None
             address, term = leader
             channel = grpc.insecure_channel(
                 address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
@@ -262,26 +218,33 @@ class JobFollower:
             except StopIteration:
                 self._end_watching(stop)
                 channel.close()
-                last = f"the coordinator at {address} closed the stream at once"
-                time.sleep(0.5)
-                continue
+                st["last"] = f"the coordinator at {address} closed the stream at once"
+                return None
             except grpc.RpcError as exc:
                 self._end_watching(stop)
                 channel.close()
                 self._check_cancelled()
                 if self._silent_switch is not None:
-                    last, self._silent_switch = self._silent_switch, None
-                    continue
+                    st["last"], self._silent_switch = self._silent_switch, None
+                    return None
                 code = exc.code()
-                last = f"the coordinator at {address} answered {code.name}: {exc.details()}"
+                st["last"] = f"the coordinator at {address} answered {code.name}: {exc.details()}"
                 if code == grpc.StatusCode.UNAVAILABLE or (watching and code == grpc.StatusCode.FAILED_PRECONDITION):
-                    refused_unavailable = refused_unavailable or code == grpc.StatusCode.UNAVAILABLE
-                    time.sleep(0.5)  # a dead leader still in the key, or leadership moving: ask etcd again
-                    continue
-                if not watching and code == grpc.StatusCode.ALREADY_EXISTS and refused_unavailable:
-                    raise _Resubmitted() from None
-                raise JobError(f"job {self.job!r}: {lost}{last}") from None
+                    # a dead leader still in the key, or leadership moving: ask etcd again
+                    st["refused_unavailable"] = st["refused_unavailable"] or code == grpc.StatusCode.UNAVAILABLE
+                    return None
+                if not watching and code == grpc.StatusCode.ALREADY_EXISTS and st["refused_unavailable"]:
+                    return "resubmitted"
+                raise JobError(f"job {self.job!r}: {lost}{st['last']}") from None
             return term, itertools.chain([first], stream), channel, stop
+
+        opened = retrying(clock=SYSTEM_CLOCK, what=f"following job {self.job}", retry_if_result=lambda r: r is None,
+                          stop_after_s=max(0.0, deadline - time.monotonic()), initial_s=0.2, max_s=0.5,
+                          jitter_s=0.05)(attempt)
+        if opened is None:
+            raise JobError(f"job {self.job!r}: {lost}no leader answered for it within "
+                           f"{self.follow_s if watching else self.open_wait_s:.0f}s (last: {st['last']})")
+        return None if opened == "resubmitted" else opened
 
     def _start_watching(self, term: int) -> threading.Event:
         self._silent_switch = None
@@ -336,10 +299,6 @@ class JobFollower:
             if call is not None:
                 call.cancel()
             return
-
-
-class _Resubmitted(Exception):
-    """A submission retried on a new leader found the job running there (it adopted it): watch it."""
 
 
 def _follow(job: str, endpoints: Sequence[str], cluster: str, call: Callable[[Any], Iterator[pb.JobEvent]], *,

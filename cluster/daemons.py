@@ -8,14 +8,13 @@ daemon stops cleanly on SIGTERM or SIGINT.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.cluster.group import RallypointGroup
 from rallypoint.etcd.keys import parse_cluster
 from rallypoint.etcd.logs import configure as configure_logs
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
@@ -27,18 +26,7 @@ from rallypoint.workers.faults import WorkerFaults
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class DaemonGroup(click.Group):
-    """Turns every RallypointError into one clear line and exit status 1."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except RallypointError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(1)
-
-
-@click.group(cls=DaemonGroup)
+@click.group(cls=RallypointGroup)
 def main() -> None:
     """Rallypoint's daemons (the local cluster and service managers start them)."""
 

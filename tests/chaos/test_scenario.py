@@ -45,6 +45,7 @@ def write(tmp_path: Path, body: str) -> Path:
     ('[[faults]]\nkind = "kill"\ntarget = "stage0"\n', r"#1: give exactly one of at_step and at_s"),
     ('[[faults]]\nkind = "etcd_kill"\nat_step = 3\n', r"need \[cluster\]\.etcd_members = 3"),
     ('[cluster]\nworkers = "four"\n', r"\[cluster\]\.workers: expected int, got 'four'"),
+    ('[cluster]\ncompile_cache = "yes"\n', r"\[cluster\]\.compile_cache: expected bool, got 'yes'"),
     ('[expect]\noutcome = "maybe"\n', r"\[expect\]\.outcome: 'maybe'"),
     ('[jobb]\n', r"unknown keys \['jobb'\]"),
     ('[random]\nkinds = []\n', r"\[random\]\.kinds"),
@@ -52,6 +53,11 @@ def write(tmp_path: Path, body: str) -> Path:
 def test_a_bad_scenario_is_refused_naming_the_field(tmp_path: Path, body: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_scenario(write(tmp_path, body))
+
+
+def test_the_compilation_cache_is_on_unless_the_scenario_turns_it_off(tmp_path: Path) -> None:
+    assert load_scenario(write(tmp_path, "")).compile_cache is True
+    assert load_scenario(write(tmp_path, "[cluster]\ncompile_cache = false\n")).compile_cache is False
 
 
 def test_unreadable_or_invalid_toml_is_refused_with_the_path(tmp_path: Path) -> None:

@@ -17,10 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import pytest
-from click.testing import CliRunner
 
-from rallypoint.cluster import daemons
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.workers.programs import configure_compile_cache
 
@@ -95,24 +92,4 @@ def test_the_local_cluster_gives_every_worker_one_shared_cache(tmp_path: Path) -
     assert option(worker_argv(compile_cache_dir=""), "--compile-cache-dir") is None
     lc = LocalCluster(LocalClusterConfig(state_dir=tmp_path / "c"), ["127.0.0.1:1"], [])
     assert "--compile-cache-dir" not in lc.argv("coordinator", "c0")
-
-
-def test_the_worker_command_passes_the_cache_directory_to_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    configs: list[Any] = []
-
-    class FakeDaemon:
-        def __init__(self, config: Any) -> None:
-            configs.append(config)
-            self.start = self.run = self.request_stop = self.stop = lambda: None
-
-    monkeypatch.setattr(daemons, "WorkerDaemon", FakeDaemon)
-    monkeypatch.setattr(daemons, "configure_logs", lambda: None)
-    r = CliRunner().invoke(daemons.main, ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0",
-                                          "--compile-cache-dir", "/shared/cache"])
-    assert r.exit_code == 0, r.output
-    assert configs[0].compile_cache_dir == "/shared/cache"
-    r = CliRunner().invoke(daemons.main, ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w1"])
-    assert r.exit_code == 0, r.output
-    assert configs[1].compile_cache_dir == ""
-    assert "--compile-cache-dir" in CliRunner().invoke(daemons.main, ["worker", "--help"]).output
 

@@ -121,7 +121,7 @@ def test_faults_validate_and_become_hidden_worker_options(tmp_path: Path) -> Non
     assert LocalCluster.load(tmp_path / "c").config == cfg
 
 
-def test_the_worker_command_hands_the_hidden_options_to_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worker_command_hands_its_cache_and_hidden_fault_options_to_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     configs: list[Any] = []
 
     class FakeDaemon:
@@ -132,9 +132,12 @@ def test_the_worker_command_hands_the_hidden_options_to_the_daemon(monkeypatch: 
     monkeypatch.setattr(daemons, "WorkerDaemon", FakeDaemon)
     monkeypatch.setattr(daemons, "configure_logs", lambda: None)
     base = ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0"]
-    r = CliRunner().invoke(daemons.main, [*base, "--fault-commit-delay-s", "2.5", "--fault-storage-flag", "/f"])
+    r = CliRunner().invoke(daemons.main, [*base, "--fault-commit-delay-s", "2.5", "--fault-storage-flag", "/f",
+                                          "--compile-cache-dir", "/shared/cache"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(daemons.main, base)
     assert r.exit_code == 0, r.output
     assert [c.faults for c in configs] == [WorkerFaults(commit_delay_s=2.5, storage_flag="/f"), NO_FAULTS]
-    assert "--fault" not in CliRunner().invoke(daemons.main, ["worker", "--help"]).output
+    assert [c.compile_cache_dir for c in configs] == ["/shared/cache", ""]
+    help_text = CliRunner().invoke(daemons.main, ["worker", "--help"]).output
+    assert "--fault" not in help_text and "--compile-cache-dir" in help_text
