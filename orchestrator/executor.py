@@ -181,6 +181,8 @@ class JobExecutor(JobCluster):
             raise JobFailed(f"etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({exc.reason}); the next leader "
                             f"adopts the job, or resume it with `rallypoint resume {self.spec.job}`") from None
         self.log.info("job.unpaused")
+        if self.watchdog is not None:
+            self.watchdog.progressed()  # a pause is not a stall: the quiet period starts again
         self._grant()
 
     # -- start ------------------------------------------------------------------------

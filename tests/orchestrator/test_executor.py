@@ -255,3 +255,25 @@ def test_a_load_refused_for_a_reason_other_than_a_loss_fails_the_job_clearly(tmp
     assert h.x.run() is JobState.FAILED
     assert "could not load the job" in h.record()["reason"] and "needs 4 devices" in h.record()["reason"]
     assert h.leases() == []
+
+
+def test_a_pause_of_the_term_is_not_counted_as_a_stall(tmp_path: Path) -> None:
+    h = Harness(tmp_path, spec=pipeline_spec(stall_timeout_s=30))
+    h.x.begin()
+    h.steps_until(4)
+    # The lease's local deadline passed: the coordinator stepped down keeping its lease, so the term may come back.
+    h.election.term, term = None, h.election.term
+    paused = {"n": 0}
+
+    def sleep(s: float) -> None:  # etcd comes back after 40 s of the clock
+        paused["n"] += 1
+        h.clock.advance(s)
+        if h.clock.monotonic() - start >= 40:
+            h.election.term = term
+
+    start = h.clock.monotonic()
+    h.clock.sleep = sleep  # type: ignore[method-assign]
+    h.x.step(timeout_s=0.0)
+    assert paused["n"] > 0 and h.election.term == term
+    h.steps_until(20)
+    assert [e for e in h.events if e.event == "job.stalled"] == []
