@@ -12,9 +12,10 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     coordinators/<id>           a running coordinator, on its own lease
     leader                      the elected coordinator, on its lease; its create
                                 revision is the leader's term (the fencing token)
-    jobs/<job>                  job records (later issues)
+    jobs/<job>                  the job record (JSON: state, term, run_dir, placement,
+                                cut, failures, recoveries): what a new leader adopts from
     jobs/<job>/checkpoints/<slice>/<step:012d>
-                                a committed slice checkpoint (workers.checkpoint)
+                                a committed slice checkpoint (rallypoint.workers.checkpoint)
 
 See ``docs/keys.md``.
 """
