@@ -46,7 +46,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 """Allowed moves. RECOVERING -> RECOVERING: a loss during a recovery starts the next one."""
 
-TERMINAL_RECORD_STATES = frozenset({S.SUCCEEDED.value, S.FAILED.value})
+FINAL_RECORD_STATES = frozenset({S.SUCCEEDED.value, S.FAILED.value})
 """Job records in these states are over; any other state is a job a new leader adopts."""
 
 

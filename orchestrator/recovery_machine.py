@@ -234,7 +234,6 @@ class Recovery:
         self.frontier = dict(frontier)  # every node -> the step it had reached when the loss was noticed
         self.data = RecoveryData(policy=policy)
         self.state: RecoveryState = Fencing(dict(lost))
-        self.plan: ReplayPlan | None = None
 
     @property
     def phase(self) -> RecoveryPhase:
@@ -377,7 +376,6 @@ class Recovery:
 
     def _restored(self, s: Restoring) -> None:
         rec, plan = self.record, s.plan
-        self.plan = plan
         rec.policy, rec.checkpoint_step = plan.policy, s.cut
         rec.replay_nodes = sorted(plan.nodes)
         rec.planned_instances = {n: k for n, k in plan.instances(self.microbatches).items() if k}

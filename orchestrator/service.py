@@ -40,6 +40,7 @@ from rallypoint.etcd.errors import RallypointError, StoreError
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
+from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -50,8 +51,6 @@ TERMINAL_EVENTS = frozenset({"job.finished", "job.failed"})
 """The job is over (a client stops following it)."""
 STREAM_END_EVENTS = TERMINAL_EVENTS | {"job.handed_off"}
 """The executor's last event: after ``job.handed_off`` the job goes on under the next leader."""
-FINAL_RECORD_STATES = frozenset({"succeeded", "failed"})
-"""Job records in these states are over; a new leader adopts a job in any other."""
 
 ADOPT_WAIT_S = 10.0  # WatchJob of a job recorded as running that this leader has not started yet: how long to wait
 HANDOFF_WAIT_S = 5.0  # on a final step-down: how long to wait for the executors to hand off
