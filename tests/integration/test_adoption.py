@@ -39,6 +39,7 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until
 from tests.examples import example
 from tests.fakes import MemoryStore
+from tests.integration.test_leader_ha import _leader
 
 STEPS = 24
 EVERY = 5
@@ -48,15 +49,6 @@ EVERY = 5
 def pipeline() -> tuple[CompiledProgram, str]:
     compiled = compile_program(example("pipeline_mlp").build(steps=STEPS))
     return compiled, ReferenceExecutor(compiled).run().state_digest
-
-
-def _leader(lc: LocalCluster) -> tuple[str, int] | None:
-    store = lc.store()
-    try:
-        kv = store.get(lc.keys.leader)
-    finally:
-        store.close()
-    return (kv.json()["coordinator"], kv.create_revision) if kv else None
 
 
 def _record(lc: LocalCluster, job: str) -> dict[str, Any]:
