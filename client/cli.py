@@ -155,9 +155,62 @@ def uncordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     store, keys = store_and_keys(state_dir, cluster)
     try:
         was = DeviceLeases(store, keys).uncordon(worker)
+        store.delete(keys.drain(worker))  # a drain still pending stops with it
     finally:
         store.close()
     click.echo(f"worker {worker} uncordoned" if was else f"worker {worker} was not cordoned")
+
+
+@main.command()
+@cluster_options
+@click.argument("worker")
+@click.option("--deadline-s", type=float, default=300.0, show_default=True,
+              help="How long to wait for every job to move its slices off WORKER.")
+@click.option("--json", "as_json", is_flag=True, help="The outcome as one JSON object.")
+def drain(state_dir: Path, cluster: str | None, worker: str, deadline_s: float, as_json: bool) -> None:
+    """Move every slice on WORKER to spare devices with no lost work; WORKER ends cordoned.
+
+    Each slice saves its state at the next step boundary (a checkpoint off the
+    schedule), a spare restores it, the other workers are rewired: nothing re-runs.
+    Refused, with nothing changed, when some slice finds no spare.
+    """
+    import getpass
+
+    from rallypoint.client.drains import begin_drain, end_drain, wait_drained
+
+    if deadline_s <= 0:
+        raise click.BadParameter(f"must be > 0 seconds, got {deadline_s:g}", param_hint="--deadline-s")
+    store, keys = store_and_keys(state_dir, cluster)
+    try:
+        req, cordoned_now = begin_drain(store, keys, worker, by=f"operator {getpass.getuser()}", deadline_s=deadline_s)
+        if not as_json:
+            click.echo(f"draining worker {worker} (cordoned; waiting up to {deadline_s:g}s)")
+        outcome = wait_drained(store, keys, req, timeout_s=deadline_s)
+        end_drain(store, keys, req, outcome, cordoned_now=cordoned_now)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps({"worker": worker, **outcome.to_json()}))
+    else:
+        for job, r in sorted(outcome.results.items()):
+            rec = r.record
+            if r.state == "done":
+                click.echo(f"  {job}: moved {rec.get('moved')} at step {rec.get('step')}, paused "
+                           f"{rec.get('paused_s')}s, replayed 0 instances")
+            else:
+                click.echo(f"  {job}: cancelled: {r.reason}")
+    if outcome.state == "done":
+        if not as_json:
+            click.echo(f"worker {worker} drained: it holds no device lease and stays cordoned "
+                       f"(`rallypoint uncordon {worker}` to use it again)")
+        return
+    if outcome.state == "cancelled":
+        raise click.ClickException(f"drain of worker {worker} cancelled; "
+                                   + "; ".join(r.reason for r in outcome.results.values() if r.state == "cancelled")
+                                   + (" (its cordon was taken back)" if cordoned_now else ""))
+    raise click.ClickException(f"worker {worker} still holds {outcome.held} after {deadline_s:g}s; it stays cordoned "
+                               "and the request was withdrawn: run `rallypoint drain` again, or see "
+                               "`rallypoint status JOB`")
 
 
 @main.command()
@@ -194,8 +247,9 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               help="Embedded cluster: devices per worker (default: the largest slice).")
 @click.option("--window", type=int, default=2, show_default=True, help="Steps in flight.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
-@click.option("--fail", "fail", multiple=True, metavar="kill:NAME@STEP",
-              help="SIGKILL the worker holding slice or node NAME once the job reaches STEP (repeatable).")
+@click.option("--fail", "fail", multiple=True, metavar="ACTION:NAME@STEP",
+              help="Once the job reaches STEP, act on the worker holding slice or node NAME (repeatable): kill "
+              "(SIGKILL), preempt (SIGTERM, a preemption notice) or drain (as `rallypoint drain`).")
 @click.option("--policy", type=click.Choice(["partial", "restart-all"]), default=None,
               help="Recovery policy (default partial: only the affected nodes re-run).")
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every K steps (default: the program's).")

@@ -1,10 +1,13 @@
-"""``--fail 'kill:NAME@STEP'``: SIGKILL the worker holding a slice (or a node's slice) at a step.
+"""``--fail 'ACTION:NAME@STEP'``: act on the worker holding a slice (or a node's slice) at a step.
 
-For demos and tests. The injector follows the job's events: the placement from
-``job.placed`` and every ``job.recovered`` (a slice moves when its worker is lost),
-and the steps from ``step.done``. When the job has finished every step below
-``STEP``, it sends SIGKILL to the process of the worker holding ``NAME``, found by
-its etcd registration (pid and host; only a worker on this host can be killed).
+For demos and tests. ``ACTION`` is ``kill`` (SIGKILL: the worker is lost),
+``preempt`` (SIGTERM: a preemption notice, the worker asks to be drained) or
+``drain`` (an operator's drain request, as ``rallypoint drain`` makes). The injector
+follows the job's events: the placement from ``job.placed`` and every
+``job.recovered`` or ``job.drained`` (a slice moves), and the steps from
+``step.done``. When the job has finished every step below ``STEP``, it acts on the
+worker holding ``NAME``, found by its etcd registration (pid and host; only a worker
+on this host can be signalled).
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.client.drains import DrainRefused, begin_drain
 from rallypoint.etcd.errors import ConfigError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.proto import rallypoint_pb2 as pb
 
-_SPEC = re.compile(r"^kill:(?P<name>[A-Za-z0-9_.-]+)@(?P<step>\d+)$")
+ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM, "drain": None}
+_SPEC = re.compile(r"^(?P<action>[a-z]+):(?P<name>[A-Za-z0-9_.-]+)@(?P<step>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,11 @@ class Fault:
     name: str  # as given: a slice or a node
     slice: str
     step: int
+    action: str = "kill"  # one of ACTIONS
 
 
 def parse_faults(specs: Iterable[str], *, slices: Sequence[str], node_slices: dict[str, str], steps: int) -> list[Fault]:
-    """Parse ``kill:NAME@STEP`` specs against the program.
+    """Parse ``ACTION:NAME@STEP`` specs against the program.
 
     Raises:
         ConfigError: a malformed spec, an unknown name, or a step outside the job.
@@ -44,8 +50,9 @@ def parse_faults(specs: Iterable[str], *, slices: Sequence[str], node_slices: di
     faults = []
     for spec in specs:
         m = _SPEC.match(spec.strip())
-        if not m:
-            raise ConfigError(f"--fail {spec!r}: write it as kill:NAME@STEP (NAME a slice or a node, STEP a number)")
+        if not m or m["action"] not in ACTIONS:
+            raise ConfigError(f"--fail {spec!r}: write it as ACTION:NAME@STEP (ACTION one of {', '.join(ACTIONS)}, "
+                              "NAME a slice or a node, STEP a number)")
         name, step = m["name"], int(m["step"])
         if name in slices:
             slice_name = name
@@ -56,7 +63,7 @@ def parse_faults(specs: Iterable[str], *, slices: Sequence[str], node_slices: di
                               "of the program")
         if not 0 < step < steps:
             raise ConfigError(f"--fail {spec!r}: the step must be between 1 and {steps - 1} (the job runs {steps} steps)")
-        faults.append(Fault(name, slice_name, step))
+        faults.append(Fault(name, slice_name, step, m["action"]))
     return faults
 
 
@@ -76,7 +83,7 @@ class FaultInjector:
         self._lock = threading.Lock()
 
     def on_event(self, ev: pb.JobEvent) -> None:
-        if ev.event in ("job.placed", "job.recovered"):
+        if ev.event in ("job.placed", "job.recovered", "job.drained"):
             detail = json.loads(ev.detail or "{}")
             where = detail.get("placement", detail)
             self.placement.update({s: p["worker"] for s, p in where.items() if isinstance(p, dict) and "worker" in p})
@@ -93,13 +100,20 @@ class FaultInjector:
 
     def kill(self, fault: Fault, reached: int) -> dict[str, Any]:
         worker = self.placement.get(fault.slice)
-        record: dict[str, Any] = {"event": "fault.injected", "fault": f"kill:{fault.name}@{fault.step}",
+        record: dict[str, Any] = {"event": "fault.injected", "fault": f"{fault.action}:{fault.name}@{fault.step}",
                                   "slice": fault.slice, "worker": worker, "step": reached, "at": time.time()}
         if worker is None:
             return record | {"error": f"slice {fault.slice!r} has no known worker"}
         store = EtcdStore(self.endpoints)
+        keys = Keys(self.cluster)
         try:
-            kv = store.get(Keys(self.cluster).worker(worker))
+            if fault.action == "drain":
+                try:
+                    req, _ = begin_drain(store, keys, worker, by="fault injector")
+                except DrainRefused as exc:
+                    return record | {"error": str(exc)}
+                return record | {"drain_revision": req.revision}
+            kv = store.get(keys.worker(worker))
         finally:
             store.close()
         if kv is None:
@@ -108,8 +122,10 @@ class FaultInjector:
         if info.get("host") != socket.gethostname():
             return record | {"error": f"worker {worker} runs on {info.get('host')}, not this host"}
         pid = int(info["pid"])
+        sig = ACTIONS[fault.action]
+        assert sig is not None
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             return record | {"pid": pid, "error": "no such process"}
-        return record | {"pid": pid, "signal": "SIGKILL"}
+        return record | {"pid": pid, "signal": signal.Signals(sig).name}

@@ -2,7 +2,8 @@
 
 The local cluster launcher (:mod:`rallypoint.cluster.local`) starts every process
 with these; on real hosts a service manager does (``docs/operations.md``). Each
-daemon stops cleanly on SIGTERM or SIGINT.
+daemon stops cleanly on SIGINT; a worker takes SIGTERM as a preemption notice (it asks to
+be drained, then leaves: :mod:`rallypoint.workers.preemption`), the others stop on it.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _daemon_options(f: F) -> F:
 
 
 def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop: Callable[[], None],
-                stop: Callable[[], None]) -> None:
+                stop: Callable[[], None], on_sigterm: Callable[[], None] | None = None) -> None:
     def handler(signum: int, _frame: Any) -> None:
-        request_stop()
+        (on_sigterm or request_stop)() if signum == signal.SIGTERM else request_stop()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -67,13 +68,17 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 @click.option("--compile-cache-dir", default="", metavar="DIR",
               help="JAX's persistent compilation cache, shared by the workers of a host or cluster, so a reloaded "
               "slice does not compile again (empty: no cache; safe to delete).")
+@click.option("--preempt-deadline-s", type=float, default=30.0, show_default=True,
+              help="On SIGTERM (a preemption notice): how long the leader gets to drain this worker before it "
+              "leaves anyway (0: SIGTERM stops at once, as SIGINT does).")
 @click.option("--fault-commit-delay-s", type=float, default=0.0, hidden=True,
               help="Test fault: seconds each checkpoint commit waits after Orbax finalized it.")
 @click.option("--fault-storage-flag", default="", hidden=True,
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
            register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
-           compile_cache_dir: str, fault_commit_delay_s: float, fault_storage_flag: str) -> None:
+           compile_cache_dir: str, preempt_deadline_s: float, fault_commit_delay_s: float,
+           fault_storage_flag: str) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
@@ -81,9 +86,10 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
                        lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
+                       preempt_deadline_s=preempt_deadline_s,
                        faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag))
     d = WorkerDaemon(cfg)
-    _run_daemon(d.start, d.run, d.request_stop, d.stop)
+    _run_daemon(d.start, d.run, d.request_stop, d.stop, on_sigterm=d.request_preemption)
 
 
 @main.command()

@@ -66,6 +66,8 @@ class LocalClusterConfig:
         compile_cache_dir: JAX's persistent compilation cache, shared by every worker
             (``--compile-cache-dir``): None puts it at ``<state_dir>/compile-cache`` (kept
             across ``down`` and ``up``), "" turns it off.
+        preempt_deadline_s: how long a worker's preemption notice (SIGTERM) gives the
+            leader to drain it before it leaves anyway (``--preempt-deadline-s``).
         worker_faults: test fault hooks every worker starts with (hidden ``--fault-*``
             options, :mod:`rallypoint.workers.faults`); none by default.
         coordinator_hooks: test fault hooks every coordinator starts with (hidden
@@ -83,6 +85,7 @@ class LocalClusterConfig:
     network: str = "loopback"
     host: str = DEFAULT_HOST
     compile_cache_dir: str | Path | None = None
+    preempt_deadline_s: float = 30.0
     worker_faults: WorkerFaults = NO_FAULTS
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
 
@@ -107,6 +110,8 @@ class LocalClusterConfig:
             raise ConfigError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
         if self.lease_ttl_s < 1:
             raise ConfigError(f"--lease-ttl-s must be at least 1, got {self.lease_ttl_s}")
+        if self.preempt_deadline_s < 0:
+            raise ConfigError(f"--preempt-deadline-s must be 0 or more, got {self.preempt_deadline_s:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,14 +183,17 @@ def is_running(rec: ProcessRecord) -> bool:
     return process_start_time(rec.pid) == rec.start_time
 
 
-def stop_process(rec: ProcessRecord, *, grace_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
-    """Stop one recorded process: ``sig``, then SIGKILL after ``grace_s``. Reaps it if it is our child."""
+def stop_process(rec: ProcessRecord, *, grace_s: float = 5.0, sig: int = signal.SIGINT) -> None:
+    """Stop one recorded process: ``sig``, then SIGKILL after ``grace_s``. Reaps it if it is our child.
+
+    SIGINT, not SIGTERM: a worker takes SIGTERM as a preemption notice and first waits to be drained.
+    """
     if not is_running(rec):
         _reap(rec.pid)
         return
     try:
         os.kill(rec.pid, sig)
-        os.kill(rec.pid, signal.SIGCONT)  # a stopped process must run to handle SIGTERM
+        os.kill(rec.pid, signal.SIGCONT)  # a stopped process must run to handle the signal
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace_s
@@ -287,7 +295,8 @@ class LocalCluster:
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
         if role == "worker":
-            base += ["--devices", str(self.config.devices_per_worker)]
+            base += ["--devices", str(self.config.devices_per_worker),
+                     "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
             base += net.args() if net is not None else []
             if self.compile_cache_dir is not None:
                 base += ["--compile-cache-dir", str(self.compile_cache_dir)]

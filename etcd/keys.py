@@ -9,6 +9,9 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
                                 worker's lease, so fencing the worker frees it
     cordon/<worker>             present while the worker takes no new leases
     lost/<worker>               last loss of a worker: {incarnation, reason, ...}
+    drain/<worker>              a request to move the worker's slices off it (rallypoint.etcd.drains):
+                                {reason, by, at, deadline_s}; a preempted worker's is on its own lease
+    drained/<worker>/<job>      what the job's leader did with it: {state: done | cancelled, ...}
     coordinators/<id>           a running coordinator, on its own lease
     leader                      the elected coordinator, on its lease; its create
                                 revision is the leader's term (the fencing token)
@@ -107,6 +110,19 @@ class Keys:
 
     def lost(self, worker: str) -> str:
         return f"{self.lost_workers}{worker}"
+
+    @property
+    def drains(self) -> str:
+        return f"{self.prefix}drain/"
+
+    def drain(self, worker: str) -> str:
+        return f"{self.drains}{worker}"
+
+    def drain_results(self, worker: str) -> str:
+        return f"{self.prefix}drained/{worker}/"
+
+    def drain_result(self, worker: str, job: str) -> str:
+        return f"{self.drain_results(worker)}{job}"
 
     # coordinators
     @property

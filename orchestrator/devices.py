@@ -135,10 +135,10 @@ class DeviceLeases:
         mine = all(read and Holder.from_json(read[0].value).nonce == holder.nonce for read in r.reads)
         return mine, r.revision
 
-    def release(self, job: str, slice_name: str | None = None) -> int:
-        """Release every device held by ``job`` (or only by its ``slice_name``). Returns how many."""
+    def release(self, job: str, slice_name: str | None = None, *, worker: str | None = None) -> int:
+        """Release every device held by ``job`` (or only by its ``slice_name``, only on ``worker``). Returns how many."""
         for _ in range(16):
-            kvs, _rev = self.store.get_prefix(self.keys.leases)
+            kvs, _rev = self.store.get_prefix(self.keys.worker_leases(worker) if worker else self.keys.leases)
             mine = [
                 kv for kv in kvs
                 if (h := Holder.from_json(kv.value)).job == job and (slice_name is None or h.slice == slice_name)

@@ -47,7 +47,8 @@ from rallypoint.etcd.store import Delete, Store
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.hooks import ExecutorHooks
-from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S, JobCluster
+from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S
+from rallypoint.orchestrator.job_drains import JobDrains
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
 from rallypoint.orchestrator.placement import SlicePlace, instances_per_step
@@ -79,7 +80,7 @@ def run_dir(root: Path, job: str, *, create: bool) -> Path:
     return base / latest.read_text().strip()
 
 
-class JobExecutor(JobCluster):
+class JobExecutor(JobDrains):
     """Runs one submitted, resumed or adopted job to its end; reports through ``emit``.
 
     Args:
@@ -267,8 +268,9 @@ class JobExecutor(JobCluster):
         """Grant every worker (or ``workers``) the current window and cut.
 
         Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
+        Workers held for a drain get no step at or past their drain step.
         """
-        self.workers.grant(self.granted, self.cut, workers)
+        self.grant(workers)
 
     def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
         """A worker whose process is gone is lost; any other refusal is granted again later
@@ -292,11 +294,14 @@ class JobExecutor(JobCluster):
             if self._ungranted:
                 retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
                 self._grant(retry)
+            self.poll_drains()
             assert self.watchdog is not None
             quiet = self.watchdog.check()
             if quiet is not None:
                 self._stalled(quiet)
                 return
+        if self.drains:
+            self.step_drains()
         try:
             kind, (worker, gen, item) = self.workers.events.get(timeout=timeout_s)
         except queue.Empty:
@@ -361,10 +366,12 @@ class JobExecutor(JobCluster):
             self._grant()
 
     def _on_commit(self, slice_name: str, step: int) -> None:
+        self.on_saved(slice_name, step)
         self._commits[slice_name] = max(step, self._commits.get(slice_name, 0))
         cut = min((self._commits.get(s, 0) for s in self._ckpt_slices), default=0)
         if cut > self.cut:
             self.cut = cut
+            self.log_floor = {n: f for n, f in self.log_floor.items() if f > cut}
             self.log.info("job.cut", step=cut)
             self._grant()
 
@@ -413,6 +420,7 @@ class JobExecutor(JobCluster):
                              detection_s=max(now - self._last_heard.get(w, now) for w in lost))
         for m in self.machines:
             m.supersede(f"recovery {rec.number} started")
+        self.abort_drains(f"recovery {rec.number} started")
         self.recoveries.append(rec)
         frontier = {n.name: self.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
@@ -460,6 +468,7 @@ class JobExecutor(JobCluster):
             raise JobFailed(f"could not fetch the final state: {exc}") from None
         for m in self.machines:
             m.supersede("the job ended")
+        self.abort_drains("the job ended")
         trees = {s.name: s.treedef for s in self.spec.states}
         detail = {"wall_s": round(self.clock.monotonic() - self._t0, 3), "state_digest": flat_state_digest(states, trees),
                   "start_step": self.start, "adopted": self.adopted, **self.summary()}
@@ -507,7 +516,7 @@ class JobExecutor(JobCluster):
         return {"failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
                 "replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
                 "compute_s": {n: round(v, 4) for n, v in sorted(self.compute_s.items())},
-                "corrupt_checkpoints": self.corrupt, "stalls": self.watchdog.stalls if self.watchdog else 0,
+                "corrupt_checkpoints": self.corrupt, "drains": [d.to_json() for d in self.drain_records], "stalls": self.watchdog.stalls if self.watchdog else 0,
                 "output_log_peak": self.log_peak}
 
     def _cleanup(self) -> None:

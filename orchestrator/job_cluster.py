@@ -151,6 +151,7 @@ class JobCluster(RecoveryPort):
         self.workers.drop(worker)
 
     def reset_all(self) -> None:
+        self.log_floor = {}  # every runtime restarts from the cut
         for w in self.workers.workers:
             self.workers.unload(w)
             self.workers.drop(w)

@@ -105,15 +105,21 @@ class JobWorkers:
         self.identity.pop(worker, None)
         self.generation.pop(worker, None)
 
-    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None) -> None:
+    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None, *,
+              holds: Mapping[str, int] | None = None) -> None:
         """Grant steps below ``until`` (and the cut) without waiting: a worker that does not
         answer must not hold up the others. A failure arrives on the event queue as
-        ``("grant_failed", (worker, generation, WorkerCallFailed))``."""
+        ``("grant_failed", (worker, generation, WorkerCallFailed))``.
+
+        ``holds``: workers being drained, each granted no step at or past its drain step
+        and told to save there."""
+        holds = holds or {}
         for w in list(workers if workers is not None else self.workers):
             gen = self.generation.get(w)
-            future = self._stub(w).RunSteps.future(
-                pb.RunStepsRequest(to=self.identity[w], job=self.job, until_step=until, cut_step=cut),
-                timeout=RPC_TIMEOUT_S)
+            hold = holds.get(w)
+            req = pb.RunStepsRequest(to=self.identity[w], job=self.job, cut_step=cut,
+                                     until_step=until if hold is None else min(until, hold), save_at=hold or 0)
+            future = self._stub(w).RunSteps.future(req, timeout=RPC_TIMEOUT_S)
 
             def done(f: Any, w: str = w, gen: int | None = gen) -> None:
                 exc = f.exception()
@@ -132,12 +138,14 @@ class JobWorkers:
         except grpc.RpcError as exc:
             raise WorkerCallFailed.from_rpc_error(worker, "Rewire", exc) from None
 
-    def unload(self, worker: str) -> None:
+    def unload(self, worker: str, *, flush_s: float = 0.0) -> None:
+        """Unload the job from ``worker`` (best effort); ``flush_s`` > 0: its pushes on their way arrive first."""
         to = self.identity.get(worker)
         if to is None or worker not in self._address:
             return
         try:
-            self._stub(worker).UnloadJob(pb.UnloadJobRequest(to=to, job=self.job), timeout=RPC_TIMEOUT_S)
+            self._stub(worker).UnloadJob(pb.UnloadJobRequest(to=to, job=self.job, flush_s=flush_s),
+                                         timeout=RPC_TIMEOUT_S + flush_s)
         except grpc.RpcError:
             self.log.warning("job.unload_failed", worker=worker)
 

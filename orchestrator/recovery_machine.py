@@ -35,6 +35,7 @@ import enum
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from rallypoint.etcd.clock import Clock
@@ -148,6 +149,7 @@ class RecoveryPort(abc.ABC):
     graph: Graph
     placement: dict[str, SlicePlace]
     cut: int  # the newest cut the workers were told of (their output logs reach back to it)
+    log_floor: Mapping[str, int] = MappingProxyType({})  # node -> its log's first step, where past the cut (a drain)
 
     @abc.abstractmethod
     def loaded_workers(self) -> list[str]:
@@ -306,7 +308,8 @@ class Recovery:
         done_through = {n.name: max(port.done_through(n.name), c) for n in port.graph.nodes}
         plan, escalated = plan_recovery(port.graph, policy=d.policy, lost_slices=d.lost_slices, cut=c,
                                         done_through=done_through,
-                                        logged_from={n: min(port.cut, t) for n, t in done_through.items()})
+                                        logged_from={n: max(min(port.cut, t), port.log_floor.get(n, 0))
+                                                     for n, t in done_through.items()})
         if escalated:
             self.record.escalated = escalated
             self.log.warning("recovery.escalated", recovery=self.record.number, reason=escalated)

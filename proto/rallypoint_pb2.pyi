@@ -236,16 +236,18 @@ class LoadJobResponse(_message.Message):
     def __init__(self, load_s: _Optional[float] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
-    __slots__ = ("to", "job", "until_step", "cut_step")
+    __slots__ = ("to", "job", "until_step", "cut_step", "save_at")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
     CUT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_AT_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     until_step: int
     cut_step: int
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., until_step: _Optional[int] = ..., cut_step: _Optional[int] = ...) -> None: ...
+    save_at: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., until_step: _Optional[int] = ..., cut_step: _Optional[int] = ..., save_at: _Optional[int] = ...) -> None: ...
 
 class RunStepsResponse(_message.Message):
     __slots__ = ()
@@ -379,12 +381,14 @@ class StateValue(_message.Message):
     def __init__(self, state: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class UnloadJobRequest(_message.Message):
-    __slots__ = ("to", "job")
+    __slots__ = ("to", "job", "flush_s")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_S_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
+    flush_s: float
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., flush_s: _Optional[float] = ...) -> None: ...
 
 class UnloadJobResponse(_message.Message):
     __slots__ = ()

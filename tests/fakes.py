@@ -223,12 +223,14 @@ class FakeWorkers(JobWorkers):
             self.loads.append((w, int(req.start_step)))
         return dict(failed)
 
-    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None) -> None:
+    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None, *,
+              holds: Mapping[str, int] | None = None) -> None:
         for w in list(workers if workers is not None else self.workers):
             if w in self.silent or w not in self.generation:
                 continue
             gen = self.generation[w]
-            while self._ran[w] < until:
+            cap = min(until, (holds or {}).get(w, until))
+            while self._ran[w] < cap:
                 s = self._ran[w]
                 for n in self.spec.nodes:
                     if n.slice in self._slices[w] and s % max(n.every, 1) == 0:

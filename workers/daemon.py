@@ -49,6 +49,7 @@ from rallypoint.workers.checkpoint import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
 from rallypoint.workers.runtime_service import WorkerRuntimeService
@@ -97,6 +98,8 @@ class WorkerConfig:
         compile_cache_dir: JAX's persistent compilation cache (shared by the workers of
             a host or of the cluster), so a reloaded slice does not compile its programs
             again; "" compiles every program afresh (docs/runtime.md).
+        preempt_deadline_s: how long a preemption notice (SIGTERM) gives the leader to
+            drain this worker before it leaves anyway (:mod:`rallypoint.workers.preemption`).
         faults: test fault hooks (:mod:`rallypoint.workers.faults`); none in production.
     """
 
@@ -113,6 +116,7 @@ class WorkerConfig:
     register_timeout_s: float = 30.0
     discover_devices: bool = True
     compile_cache_dir: str = ""
+    preempt_deadline_s: float = 30.0
     faults: WorkerFaults = NO_FAULTS
 
     def __post_init__(self) -> None:
@@ -168,6 +172,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.max_term = 0  # the newest coordinator term a request came from
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._preempt = threading.Event()
         self._lock = threading.Lock()
         self.log = get_logger("rallypoint.worker", cluster=config.cluster, worker=config.worker_id)
 
@@ -389,11 +394,31 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             self._wake.clear()
             if self._stop.is_set():
                 break
+            if self._preempt.is_set():
+                self._preempted()
+                break
             try:
                 self.step()
             except RallypointError as exc:
                 self.log.error("worker.step_failed", error=str(exc))
                 self.clock.sleep(0.5)
+
+    def request_preemption(self) -> None:
+        """A preemption notice (SIGTERM; safe from a signal handler): :meth:`run` asks for a drain, then returns.
+
+        A second notice while it waits stops at once."""
+        if self._preempt.is_set():
+            self.request_stop()
+        self._preempt.set()
+        self._wake.set()
+
+    def _preempted(self) -> None:
+        reg = self.registration
+        if reg is None or not reg.keeper.fence.valid() or self.config.preempt_deadline_s <= 0:
+            return
+        deadline = self.config.preempt_deadline_s
+        handle_preemption(self.store, self.keys, self.config.worker_id, lease_id=reg.keeper.lease_id,
+                          deadline_s=deadline, clock=self.clock, log=self.log, stop=self._stop)
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return (safe from a signal handler)."""
@@ -447,3 +472,4 @@ class StaleTerm(RallypointError):
         )
         self.asked = asked
         self.newest = newest
+

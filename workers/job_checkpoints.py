@@ -73,6 +73,7 @@ class JobCheckpoints:
         first = (start // self.every + 1) * self.every if self.every > 0 else math.inf
         self.next: dict[str, float] = {s: first for s in self.slices}
         self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
+        self._extra: set[int] = set()  # steps a drain asked for, off the every-K schedule
         self.cut = start
         self._ckpt: dict[str, SliceCheckpointer] = {}
         self._keep = int(req.keep_checkpoints) or None
@@ -136,9 +137,26 @@ class JobCheckpoints:
             return int(c)
         return None
 
+    def save_at(self, step: int) -> None:
+        """Every slice also saves at ``step`` (a drain's checkpoint; committed like any other).
+
+        A slice already past ``step`` cannot save it; the executor asks only for a step no
+        instance of this worker has reached (its grant).
+        """
+        if not self.enabled or step >= self.steps:
+            return
+        self._extra.add(step)
+        for s in self.slices:
+            self.next[s] = min(self.next[s], step)
+
+    def _after(self, step: int) -> float:
+        """The slice's next checkpoint step after saving ``step``: the schedule's, or an earlier extra one."""
+        regular = (step // self.every + 1) * self.every
+        return min([regular, *(e for e in self._extra if e > step)])
+
     def save(self, slice_name: str, step: int, states: States) -> None:
         """Save ``states`` as the slice's checkpoint at ``step`` (asynchronous past the host copy)."""
-        self.next[slice_name] = step + self.every
+        self.next[slice_name] = self._after(step)
         self.faults.check_storage(str(self.root))  # fault injection: the disk is full or read-only
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)

@@ -114,8 +114,11 @@ class JobRuntime:
         self._backlog: deque[pb.InstanceDone] = deque(maxlen=BACKLOG_EVENTS)
         self.completed = 0
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
+        self.outlog.low = self.start_step  # a runtime started at a checkpoint made nothing before it
         self._push_threads = push_threads
         self._pools: dict[tuple[str, int], futures.ThreadPoolExecutor] = {}  # per consumer worker incarnation
+        self._pushing = 0  # pushes submitted and not yet ended (delivered, dropped or cancelled)
+        self._pushes_cv = threading.Condition()
         self._load(req, devices)
         start = self.start_step
         self.expected = sum((running_steps(self.steps, n.prog.every) - running_steps(start, n.prog.every)) * len(n.mbs)
@@ -229,13 +232,16 @@ class JobRuntime:
 
     # -- what the RPCs call -------------------------------------------------------------
 
-    def grant(self, until_step: int, cut_step: int = 0) -> None:
+    def grant(self, until_step: int, cut_step: int = 0, save_at: int = 0) -> None:
         """Let instances of steps below ``until_step`` run (never lowers the grant).
 
         ``cut_step``: the job's newest consistent cut; logged outputs and checkpoints
-        older than it are no longer needed by any recovery.
+        older than it are no longer needed by any recovery. ``save_at`` (> 0, a drain):
+        every slice also checkpoints at that step, off the schedule.
         """
         with self._cv:
+            if save_at > 0:
+                self.checkpoints.save_at(save_at)
             if until_step > self.until and not self.stopped:
                 self.until = until_step
                 self._pump_state_pushes()
@@ -535,7 +541,24 @@ class JobRuntime:
             if target not in self._pools:  # one pool per consumer: a stuck peer holds up no other
                 self._pools[target] = futures.ThreadPoolExecutor(max_workers=self._push_threads,
                                                                  thread_name_prefix=f"push-{self.job}-{r.worker_id}")
-            self._pools[target].submit(self._push, r.data_address or r.address, header, value, bool(r.data_address))
+            with self._pushes_cv:
+                self._pushing += 1
+            future = self._pools[target].submit(self._push, r.data_address or r.address, header, value,
+                                                bool(r.data_address))
+            future.add_done_callback(self._push_ended)
+
+    def _push_ended(self, _future: futures.Future[None]) -> None:
+        with self._pushes_cv:
+            self._pushing -= 1
+            self._pushes_cv.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every push submitted so far has ended (a drain, before unloading); whether they all did."""
+        with self._pushes_cv:
+            done = self._pushes_cv.wait_for(lambda: self._pushing <= 0, timeout_s)
+        if not done:
+            self.log.warning("job.flush_timed_out", pending=self._pushing, timeout_s=timeout_s)
+        return done
 
     def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:
         def may_act() -> None:

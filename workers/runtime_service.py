@@ -167,7 +167,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         return pb.LoadJobResponse(load_s=rt.load_s)
 
     def RunSteps(self, request: pb.RunStepsRequest, context: grpc.ServicerContext) -> pb.RunStepsResponse:
-        self._job(request.to, request.job, context).grant(int(request.until_step), int(request.cut_step))
+        self._job(request.to, request.job, context).grant(int(request.until_step), int(request.cut_step),
+                                                          int(request.save_at))
         return pb.RunStepsResponse()
 
     def Rewire(self, request: pb.RewireRequest, context: grpc.ServicerContext) -> pb.RewireResponse:
@@ -224,5 +225,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         with self._lock:
             rt = self._jobs.pop(request.job, None)
         if rt is not None:
+            if request.flush_s > 0:  # a drain: what this worker sent before it stopped must arrive
+                rt.flush(float(request.flush_s))
             rt.stop()
         return pb.UnloadJobResponse()

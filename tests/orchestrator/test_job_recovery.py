@@ -49,7 +49,9 @@ def test_a_record_reports_phases_in_order_and_mttr_only_once_replay_ended() -> N
 def test_fail_specs_name_a_slice_or_a_node_and_a_step_inside_the_job() -> None:
     kw = {"slices": ["s0", "s1"], "node_slices": {"fwd": "s1"}, "steps": 10}
     assert parse_faults(["kill:s0@3", "kill:fwd@9"], **kw) == [Fault("s0", "s0", 3), Fault("fwd", "s1", 9)]
-    with pytest.raises(ConfigError, match="write it as kill:NAME@STEP"):
+    assert parse_faults(["preempt:s0@3", "drain:fwd@4"], **kw) == [Fault("s0", "s0", 3, "preempt"),
+                                                                  Fault("fwd", "s1", 4, "drain")]
+    with pytest.raises(ConfigError, match="write it as ACTION:NAME@STEP"):
         parse_faults(["stop:s0@3"], **kw)
     with pytest.raises(ConfigError, match="'nope' is neither a slice"):
         parse_faults(["kill:nope@3"], **kw)

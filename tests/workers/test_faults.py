@@ -128,6 +128,7 @@ def test_the_worker_command_hands_its_cache_and_hidden_fault_options_to_the_daem
         def __init__(self, config: Any) -> None:
             configs.append(config)
             self.start = self.run = self.request_stop = self.stop = lambda: None
+            self.request_preemption = lambda: None
 
     monkeypatch.setattr(daemons, "WorkerDaemon", FakeDaemon)
     monkeypatch.setattr(daemons, "configure_logs", lambda: None)

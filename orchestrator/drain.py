@@ -1,0 +1,206 @@
+"""A drain: one job's slices on one worker move to spare devices on purpose, losing no work.
+
+An operator (``rallypoint drain WORKER``) or a preempted worker (SIGTERM) asks for it
+in etcd (:mod:`rallypoint.etcd.drains`); the executor of every job with a slice there
+runs one :class:`Drain`, stepped from its loop (:meth:`Drain.step`)::
+
+    LEASING -> SAVING -> MOVING -> DONE
+       |          |         |
+       |          +---------+--> ABORTED (a loss, or the job's end, came first)
+       +--> CANCELLED (no spare, no checkpoints: nothing was changed)
+
+* **LEASING**: lease spare devices for every slice of the job on the worker (the
+  remap policy with ``on_no_spare='fail'``: a drain never waits). None: CANCELLED with
+  the reason, nothing changed. Else the worker is held at the drain step ``s``: its
+  grant stays at ``s`` (the executor's grant now, so no instance of ``s`` or later
+  has started there) and every slice of it saves at ``s``, a checkpoint outside the
+  every-K schedule, committed like any other.
+* **SAVING**: until every instance of the worker's nodes below ``s`` is reported done
+  and each of its slices with states committed ``s``. The slices are paused from then.
+* **MOVING**: the spares load the slices from the checkpoint at ``s``, survivors are
+  rewired and send their logged outputs of steps ``>= s``; the drained worker is
+  unloaded (after its pushes arrived) and its device leases are released. Nothing
+  replays: no instance at ``s`` or later had run on the drained worker.
+
+A drain is not a recovery: nothing is lost, so nothing is fenced and no cut moves. If
+the drained worker is lost before MOVING ends, the recovery takes over (ABORTED), and
+the request, still in etcd, is taken up again afterwards.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rallypoint.etcd.clock import Clock
+from rallypoint.etcd.drains import DrainRequest
+from rallypoint.orchestrator.placement import SlicePlace
+
+
+class DrainPhase(enum.Enum):
+    LEASING = "leasing"
+    SAVING = "saving"
+    MOVING = "moving"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    ABORTED = "aborted"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (DrainPhase.DONE, DrainPhase.CANCELLED, DrainPhase.ABORTED)
+
+
+D = DrainPhase
+TRANSITIONS: dict[DrainPhase, frozenset[DrainPhase]] = {
+    D.LEASING: frozenset({D.SAVING, D.CANCELLED, D.ABORTED}),
+    D.SAVING: frozenset({D.MOVING, D.ABORTED}),
+    D.MOVING: frozenset({D.DONE, D.ABORTED}),
+    D.DONE: frozenset(),
+    D.CANCELLED: frozenset(),
+    D.ABORTED: frozenset(),
+}
+
+
+class DrainPort(abc.ABC):
+    """What a drain needs of its job; the executor implements it, tests fake it."""
+
+    placement: dict[str, SlicePlace]
+
+    @abc.abstractmethod
+    def drain_step(self) -> int:
+        """The step a drained worker stops at: the grant now (no instance of it or later has started)."""
+
+    @abc.abstractmethod
+    def why_not_drainable(self, slices: list[str]) -> str:
+        """Why these slices cannot be drained ("" when they can): e.g. the job keeps no checkpoints."""
+
+    @abc.abstractmethod
+    def lease_spares(self, need: Mapping[str, int], exclude: frozenset[str]) -> dict[str, SlicePlace] | str:
+        """Lease devices for each slice of ``need`` now (no waiting), or say why there are none."""
+
+    @abc.abstractmethod
+    def release_spares(self, places: Mapping[str, SlicePlace]) -> None:
+        """Give back spare devices a drain leased and did not use."""
+
+    @abc.abstractmethod
+    def hold(self, worker: str, step: int | None) -> None:
+        """Grant ``worker`` no step at or past ``step`` and have it save there (None: lift the hold)."""
+
+    @abc.abstractmethod
+    def reached(self, slices: list[str], step: int) -> bool:
+        """Every instance of the slices' nodes below ``step`` is done and each slice with states committed ``step``."""
+
+    @abc.abstractmethod
+    def move(self, worker: str, places: Mapping[str, SlicePlace], step: int) -> None:
+        """Load ``places`` from the checkpoint at ``step``, rewire, unload ``worker`` and release its leases.
+
+        Raises :class:`~rallypoint.orchestrator.failures.WorkerCallFailed` (the executor turns it into a loss).
+        """
+
+    @abc.abstractmethod
+    def devices_of(self, slice_name: str) -> int:
+        """How many devices the slice needs."""
+
+    @abc.abstractmethod
+    def loaded_workers(self) -> list[str]:
+        """The workers whose runtimes the job uses now."""
+
+
+@dataclass
+class DrainRecord:
+    """One drain, measured: ``paused_s`` is the slices' pause (halted to running again on the spare)."""
+
+    number: int
+    worker: str
+    reason: str
+    request_revision: int
+    started_mono: float
+    slices: list[str] = field(default_factory=list)
+    step: int = 0
+    moved: dict[str, str] = field(default_factory=dict)  # slice -> new worker
+    state: str = D.LEASING.value
+    detail: str = ""
+    marks: dict[str, float] = field(default_factory=dict)  # "held", "halted", "resumed" -> monotonic time
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.marks
+
+        def span(a: str, b: str) -> float | None:
+            return round(m[b] - m[a], 4) if a in m and b in m else None
+
+        return {"drain": self.number, "worker": self.worker, "reason": self.reason, "slices": self.slices,
+                "step": self.step, "moved": self.moved, "state": self.state, "detail": self.detail,
+                "save_s": span("held", "halted"), "paused_s": span("halted", "resumed"),
+                "total_s": span("started", "resumed"), "replayed_instances": 0 if self.state == "done" else None}
+
+
+class Drain:
+    """One drain of one job's slices on one worker (see the module doc)."""
+
+    def __init__(self, port: DrainPort, number: int, request: DrainRequest, *, clock: Clock, log: Any) -> None:
+        self.port, self.clock, self.log = port, clock, log
+        self.request = request
+        self.phase = D.LEASING
+        self.spares: dict[str, SlicePlace] = {}
+        now = clock.monotonic()
+        self.record = DrainRecord(number, request.worker, request.reason, request.revision, now,
+                                  marks={"started": now})
+
+    @property
+    def worker(self) -> str:
+        return self.request.worker
+
+    def _set(self, new: DrainPhase, detail: str = "") -> None:
+        if new not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"drain {self.record.number}: no transition {self.phase.value} -> {new.value}")
+        old, self.phase = self.phase, new
+        self.record.state = new.value
+        if detail:
+            self.record.detail = detail
+        self.log.info("drain.state", drain=self.record.number, worker=self.worker, previous=old.value,
+                      state=new.value, **({"detail": detail} if detail else {}))
+
+    def step(self) -> DrainPhase:
+        """Advance as far as the job allows now; returns the phase."""
+        if self.phase is D.LEASING:
+            self._lease()
+        if self.phase is D.SAVING and self.port.reached(self.record.slices, self.record.step):
+            self.record.marks["halted"] = self.clock.monotonic()
+            self._set(D.MOVING)
+        if self.phase is D.MOVING:
+            self.port.move(self.worker, self.spares, self.record.step)
+            self.record.moved = {s: p.worker for s, p in self.spares.items()}
+            self.record.marks["resumed"] = self.clock.monotonic()
+            self._set(D.DONE)
+        return self.phase
+
+    def _lease(self) -> None:
+        port, rec = self.port, self.record
+        rec.slices = sorted(s for s, p in port.placement.items() if p.worker == self.worker)
+        why = port.why_not_drainable(rec.slices) if rec.slices else f"the job holds no slice on worker {self.worker}"
+        if why:
+            self._set(D.CANCELLED, why)
+            return
+        need = {s: port.devices_of(s) for s in rec.slices}
+        got = port.lease_spares(need, frozenset(port.loaded_workers()) | {self.worker})
+        if isinstance(got, str):
+            self._set(D.CANCELLED, f"cannot drain worker {self.worker}: {got}")
+            return
+        self.spares = got
+        rec.step = port.drain_step()
+        port.hold(self.worker, rec.step)
+        rec.marks["held"] = self.clock.monotonic()
+        self._set(D.SAVING)
+
+    def abort(self, reason: str) -> None:
+        """A loss or the job's end came first: give back what the drain took; the request stays in etcd."""
+        if self.phase.is_terminal:
+            return
+        if self.spares and self.phase is not D.MOVING:
+            self.port.release_spares(self.spares)
+        if self.phase is D.SAVING:
+            self.port.hold(self.worker, None)
+        self._set(D.ABORTED, reason)

@@ -1,0 +1,167 @@
+"""Drains on a real local cluster: real etcd, real worker processes, real SIGTERMs.
+
+A drained slice saves its state at a step boundary, a spare restores it and the
+survivors are rewired: the job ends bitwise equal to the fault-free reference with
+nothing re-run, and the drained worker ends cordoned, holding no lease.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rallypoint.client.compile import CompiledProgram
+from rallypoint.client.faults import Fault
+from rallypoint.cluster.local import LocalCluster, is_running
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.orchestrator.devices import DeviceLeases
+from rallypoint.proto import rallypoint_pb2 as pb
+from tests.client.test_cli import rp
+from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
+
+
+def cluster_arg(lc: LocalCluster) -> str:
+    return f"{lc.keys.cluster}@{lc.endpoints[0]}"
+
+
+def snapshot(lc: LocalCluster) -> Any:
+    store = lc.store()
+    try:
+        return read_cluster(store, lc.keys)
+    finally:
+        store.close()
+
+
+def assert_no_replay(result: Any) -> dict[str, Any]:
+    rec = result.recovery
+    assert rec["replayed_instances"] == {} and rec["failures"] == [] and rec["recoveries"] == [], rec
+    (d,) = rec["drains"]
+    assert d["state"] == "done" and d["replayed_instances"] == 0, d
+    assert d["paused_s"] is not None and d["paused_s"] > 0, d
+    return d
+
+
+@pytest.mark.parametrize("victim", SLICES)
+def test_draining_the_worker_of_each_slice_moves_it_with_nothing_replayed_and_ends_bitwise_equal(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
+) -> None:
+    compiled, reference = pipeline
+    step = random.Random(f"drain-{victim}").randint(3, STEPS - 6)
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    result, injector = run(lc, compiled, [Fault(victim, victim, step, "drain")])
+    drained = injector.fired[0]["worker"]
+    assert result.state_digest == reference, f"drain of {victim} at step {step}"
+    d = assert_no_replay(result)
+    assert d["worker"] == drained and d["slices"] == [victim] and d["step"] >= step
+    assert set(d["moved"]) == {victim} and d["moved"][victim] != drained
+    # The drain checkpoint is off the every-5 schedule when the step is, and counts like any other.
+    status = json.loads(rp("status", "--json", "--cluster", cluster_arg(lc), compiled.program.name).stdout)
+    assert status["placement"][victim]["worker"] == d["moved"][victim]
+    w = snapshot(lc).workers[drained]
+    assert w.cordoned and not w.holders
+    assert is_running(lc.process(drained)), "a drained worker stays up (cordoned), it is not lost"
+    assert_settled(lc)
+
+
+def test_rallypoint_drain_refuses_what_cannot_work_and_changes_nothing(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=2, spares=0, devices_per_worker=1, coordinators=1)
+    store = lc.store()
+    try:
+        leases = DeviceLeases(store, lc.keys)
+        for s in ("s0", "s1"):  # every device held: no spare for either worker's slice
+            leases.allocate("train", s, 1)
+        before = snapshot(lc)
+        worker = sorted(before.workers)[0]
+        r = rp("drain", worker, "--cluster", cluster_arg(lc), check=False)
+        assert r.returncode == 1
+        assert f"cannot drain worker {worker}: slice 'train/s" in r.stderr, r.stderr
+        assert "no live, uncordoned worker" in r.stderr and "Nothing was changed" in r.stderr
+        r = rp("drain", "nope", "--cluster", cluster_arg(lc), check=False)
+        assert r.returncode == 1 and "no worker 'nope' is registered" in r.stderr, r.stderr
+        r = rp("drain", worker, "--deadline-s", "0", "--cluster", cluster_arg(lc), check=False)
+        assert r.returncode == 2 and "--deadline-s" in r.stderr, r.stderr
+        after = snapshot(lc)
+        assert after.cordoned == before.cordoned == frozenset()
+        assert {w: s.holders for w, s in after.workers.items()} == {w: s.holders for w, s in before.workers.items()}
+        assert store.get_prefix(lc.keys.drains)[0] == []
+    finally:
+        store.close()
+
+
+def test_rallypoint_drain_moves_the_slices_reports_the_pause_and_leaves_the_worker_cordoned(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    answers: list[Any] = []
+    threads: list[threading.Thread] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "job.placed":
+            worker = json.loads(ev.detail)["stage1"]["worker"]
+
+            def drain() -> None:
+                while not answers and time.monotonic() < t0 + 60:
+                    time.sleep(0.5)  # a few steps in
+                    answers.append((worker, rp("drain", worker, "--json", "--cluster", cluster_arg(lc), check=False)))
+            threads.append(threading.Thread(target=drain))
+            threads[0].start()
+
+    t0 = time.monotonic()
+    result, _ = run(lc, compiled, [], on_event=on_event)
+    threads[0].join()
+    ((worker, r),) = answers
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["state"] == "done" and out["held"] == {}
+    job = out["jobs"][compiled.program.name]
+    assert job["state"] == "done" and job["slices"] == ["stage1"] and job["paused_s"] > 0
+    assert result.state_digest == reference
+    assert_no_replay(result)
+    w = snapshot(lc).workers[worker]
+    assert w.cordoned and not w.holders
+
+
+def test_sigterm_with_time_to_drain_moves_the_slices_first_and_the_worker_leaves(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1, preempt_deadline_s=60)
+    result, injector = run(lc, compiled, [Fault("stage2", "stage2", 7, "preempt")])
+    (fired,) = injector.fired
+    assert fired["signal"] == "SIGTERM"
+    assert result.state_digest == reference
+    d = assert_no_replay(result)
+    assert d["reason"] == "preempted" and d["worker"] == fired["worker"]
+    rec = lc.process(fired["worker"])
+    deadline = time.monotonic() + 15
+    while is_running(rec) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_running(rec), "a preempted worker leaves once it holds nothing"
+    assert fired["worker"] not in snapshot(lc).workers
+    assert_settled(lc)
+
+
+def test_sigterm_without_time_to_drain_falls_back_on_the_loss_path_and_still_ends_bitwise_equal(
+    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1, preempt_deadline_s=0.2)
+    result, injector = run(lc, compiled, [Fault("stage2", "stage2", 7, "preempt")])
+    (fired,) = injector.fired
+    assert result.state_digest == reference
+    rec = result.recovery
+    assert [f["worker"] for f in rec["failures"]] == [fired["worker"]]
+    (r,) = rec["recoveries"]
+    assert set(r["moved"]) == {"stage2"}
+    assert all(d["state"] != "done" for d in rec["drains"]), rec["drains"]
+    assert_settled(lc)
