@@ -11,6 +11,10 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   lease expires meanwhile, so the woken process is a zombie that must be refused:
   the heal records whether it came back as a new incarnation. ``straggler``: a
   stop/continue duty cycle (stopped half of every 0.2 s) for the duration.
+* ``preempt``: SIGTERM of the worker holding the target, a preemption notice: it asks
+  to be drained and leaves once it holds nothing (or its deadline passed).
+  ``drain``: an operator's drain of that worker (as ``rallypoint drain``; refused,
+  and recorded as an injection error, when no spare has room).
 * ``partition``: the worker's network cut while its process lives
   (:mod:`rallypoint.chaos.network`: network namespaces when root, else loopback proxies).
 * ``leader_kill`` / ``leader_hang``: SIGKILL / SIGSTOP of the leader coordinator.
@@ -133,6 +137,23 @@ class Injectors:
     def kill(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         w = self.t.worker_of(spec.target)
         return {"worker": w, "pid": self._signal(w, signal.SIGKILL), "signal": "SIGKILL"}, None
+
+    def preempt(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        w = self.t.worker_of(spec.target)
+        return {"worker": w, "pid": self._signal(w, signal.SIGTERM), "signal": "SIGTERM"}, None
+
+    def drain(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        from rallypoint.client.drains import DrainRefused, begin_drain
+
+        w = self.t.worker_of(spec.target)
+        store = self.t.lc.store()
+        try:
+            req, _ = begin_drain(store, self.t.lc.keys, w, by="chaos harness")
+        except DrainRefused as exc:
+            raise InjectionError(str(exc)) from None
+        finally:
+            store.close()
+        return {"worker": w, "drain_revision": req.revision}, None
 
     def hang(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         w = self.t.worker_of(spec.target)

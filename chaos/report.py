@@ -112,6 +112,14 @@ def format_table(summary: dict[str, Any]) -> str:
          *(_num((r.get("phases") or {}).get(p), ".3f") for p in PHASES), _num(r.get("mttr_s"), ".3f"))
         for r in recoveries])
 
+    drains = summary.get("drains") or []
+    if drains:
+        lines += ["", f"drains ({len(drains)})"]
+        lines += _table(("#", "worker", "reason", "state", "moved", "step", "save_s", "paused_s"), [
+            (d.get("drain"), d.get("worker"), d.get("reason"), d.get("state"),
+             "; ".join(f"{sl}->{w}" for sl, w in (d.get("moved") or {}).items()) or "-", d.get("step"),
+             _num(d.get("save_s"), ".3f"), _num(d.get("paused_s"), ".3f")) for d in drains])
+
     invariants = summary.get("invariants") or []
     lines += ["", f"invariants ({len(invariants)})"]
     lines += _table(("name", "result", "evidence"), [

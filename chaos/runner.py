@@ -92,6 +92,7 @@ class ScenarioRun:
         self.done = threading.Event()
         self.faults: list[dict[str, Any]] = []
         self.recoveries: dict[tuple[int, float], dict[str, Any]] = {}
+        self.drains: list[dict[str, Any]] = []
         self.resumes: list[dict[str, Any]] = []
         self.outcome: dict[str, Any] = {"state": "failed", "reason": "not run"}
         self.detail: dict[str, Any] = {}
@@ -103,7 +104,7 @@ class ScenarioRun:
     def _on_event(self, ev: pb.JobEvent) -> None:
         self._last_event = time.monotonic()
         detail = json.loads(ev.detail or "{}")
-        if ev.event in ("job.placed", "job.recovered", "job.watching"):
+        if ev.event in ("job.placed", "job.recovered", "job.drained", "job.watching"):
             where = detail.get("placement", detail)
             self.target.placement.update({s: p["worker"] for s, p in where.items()
                                           if isinstance(p, dict) and "worker" in p})
@@ -113,6 +114,10 @@ class ScenarioRun:
             self.recoveries[(detail["recovery"], detail["detected_at"])] = detail
             self.say({"event": "chaos.recovered", "recovery": detail["recovery"], "lost": detail["lost"],
                       "checkpoint_step": detail["checkpoint_step"]})
+        elif ev.event == "job.drained":
+            self.drains.append(detail)
+            self.say({"event": "chaos.drained", "worker": detail["worker"], "moved": detail["moved"],
+                      "step": int(ev.step), "paused_s": detail["paused_s"]})
         elif ev.event in ("job.resumed", "job.adopted", "job.watching"):
             self.completed = max(self.completed, int(ev.step))
         if ev.event in ("job.handed_off", "job.adopted"):
@@ -326,6 +331,7 @@ class ScenarioRun:
                         "time_bound_s": s.time_bound_s},
             "faults": self.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
             "resumes": self.resumes, "recoveries": recoveries,
+            "drains": self.detail.get("drains") or self.drains,
             "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
                         "goodput": round(useful / total, 4) if total else None,

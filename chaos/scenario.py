@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KINDS = {
     # kind: (needs a target, takes a duration)
-    "kill": (True, False), "hang": (True, True), "straggler": (True, True), "partition": (True, True),
+    "kill": (True, False), "preempt": (True, False), "drain": (True, False), "hang": (True, True), "straggler": (True, True), "partition": (True, True),
     "leader_kill": (False, False), "leader_hang": (False, True),
     "etcd_kill": (False, False), "etcd_quorum": (False, True),
     "corrupt_checkpoint": (True, False), "truncate_checkpoint": (True, False),

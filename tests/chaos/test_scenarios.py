@@ -46,6 +46,13 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
     if s.expect_outcome == "finished" and kinds & {"kill", "hang", "partition", "corrupt_checkpoint",
                                                    "truncate_checkpoint"}:
         assert summary["recoveries"], "a lost worker should have been recovered from"
+    if kinds & {"drain", "preempt"} and not kinds - {"drain", "preempt"}:
+        # A planned move: nobody is lost and nothing re-runs; each fault moved its worker's slice.
+        assert not summary["recoveries"], summary["recoveries"]
+        drains = summary["drains"]
+        assert [d["state"] for d in drains] == ["done"] * len(summary["faults"]), drains
+        assert {d["worker"] for d in drains} == {f["detail"]["worker"] for f in summary["faults"]}
+        assert all(d["replayed_instances"] == 0 and d["paused_s"] > 0 for d in drains)
     if "hang" in kinds:
         assert all(f["detail"]["zombie_refused"] for f in summary["faults"] if f["kind"] == "hang")
     if kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
