@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/dispatch.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
+	$(PY) bench/elastic.py
 
 # Every scenario once (the campaign scenarios are for `make soak`: they vary by seed).
 chaos: $(STAMP)

@@ -176,16 +176,17 @@ def drain(state_dir: Path, cluster: str | None, worker: str, deadline_s: float, 
     """
     import getpass
 
-    from rallypoint.client.drains import begin_drain, end_drain, wait_drained
+    from rallypoint.client.drains import begin_drain, end_drain, held_slices, wait_drained
 
     if deadline_s <= 0:
         raise click.BadParameter(f"must be > 0 seconds, got {deadline_s:g}", param_hint="--deadline-s")
     store, keys = store_and_keys(state_dir, cluster)
     try:
+        jobs = frozenset(js.split("/")[0] for js in held_slices(store, keys, worker))
         req, cordoned_now = begin_drain(store, keys, worker, by=f"operator {getpass.getuser()}", deadline_s=deadline_s)
         if not as_json:
             click.echo(f"draining worker {worker} (cordoned; waiting up to {deadline_s:g}s)")
-        outcome = wait_drained(store, keys, req, timeout_s=deadline_s)
+        outcome = wait_drained(store, keys, req, timeout_s=deadline_s, jobs=jobs)
         end_drain(store, keys, req, outcome, cordoned_now=cordoned_now)
     finally:
         store.close()

@@ -50,7 +50,8 @@ def held_slices(store: Store, keys: Keys, worker: str) -> dict[str, int]:
 
 
 def begin_drain(store: Store, keys: Keys, worker: str, *, by: str, deadline_s: float = 0.0) -> tuple[DrainRequest, bool]:
-    """Check, cordon, request. Returns the request and whether this call cordoned the worker.
+    """Check, cordon, request. Returns the request and whether this call cordoned the worker
+    (the jobs it waits on: :func:`held_slices` before the call).
 
     Raises:
         DrainRefused: the worker is not registered, or some slice on it finds no spare (nothing changed).
@@ -73,9 +74,16 @@ def begin_drain(store: Store, keys: Keys, worker: str, *, by: str, deadline_s: f
     return req, cordoned_now
 
 
-def wait_drained(store: Store, keys: Keys, req: DrainRequest, *, timeout_s: float, poll_s: float = 0.2) -> DrainOutcome:
-    """Until the worker holds no device lease (done), a job cancels the drain, or ``timeout_s`` passes."""
+def wait_drained(store: Store, keys: Keys, req: DrainRequest, *, timeout_s: float, poll_s: float = 0.2,
+                 jobs: frozenset[str] = frozenset(), answer_grace_s: float = 10.0) -> DrainOutcome:
+    """Until the worker holds no device lease (done), a job cancels the drain, or ``timeout_s`` passes.
+
+    Once the worker is free, waits up to ``answer_grace_s`` more for the answer of each of
+    ``jobs`` (a job answers after its slices ran again on the spare; one that ended
+    instead of draining never answers).
+    """
     t0 = time.monotonic()
+    free_at: float | None = None
     while True:
         held = held_slices(store, keys, req.worker)
         results = read_drain_results(store, keys, req.worker, req.revision)
@@ -83,8 +91,12 @@ def wait_drained(store: Store, keys: Keys, req: DrainRequest, *, timeout_s: floa
         if any(r.state == "cancelled" for r in results.values()):
             return DrainOutcome("cancelled", held, results, waited)
         if not held:
-            return DrainOutcome("done", held, results, waited)
-        if waited >= timeout_s:
+            free_at = time.monotonic() if free_at is None else free_at
+            if jobs <= set(results) or time.monotonic() - free_at >= answer_grace_s:
+                return DrainOutcome("done", held, results, waited)
+        else:
+            free_at = None
+        if held and waited >= timeout_s:
             return DrainOutcome("timed_out", held, results, waited)
         time.sleep(poll_s)
 

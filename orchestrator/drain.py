@@ -4,7 +4,7 @@ An operator (``rallypoint drain WORKER``) or a preempted worker (SIGTERM) asks f
 in etcd (:mod:`rallypoint.etcd.drains`); the executor of every job with a slice there
 runs one :class:`Drain`, stepped from its loop (:meth:`Drain.step`)::
 
-    LEASING -> SAVING -> MOVING -> DONE
+    LEASING -> SAVING -> MOVING -> RESUMING -> DONE
        |          |         |
        |          +---------+--> ABORTED (a loss, or the job's end, came first)
        +--> CANCELLED (no spare, no checkpoints: nothing was changed)
@@ -21,6 +21,9 @@ runs one :class:`Drain`, stepped from its loop (:meth:`Drain.step`)::
   rewired and send their logged outputs of steps ``>= s``; the drained worker is
   unloaded (after its pushes arrived) and its device leases are released. Nothing
   replays: no instance at ``s`` or later had run on the drained worker.
+* **RESUMING**: until a spare reports its first instance of a moved slice. The
+  slices' pause (``paused_s``) runs from their last instance below ``s`` (or the
+  hold, if they were already waiting there) to that first instance.
 
 A drain is not a recovery: nothing is lost, so nothing is fenced and no cut moves. If
 the drained worker is lost before MOVING ends, the recovery takes over (ABORTED), and
@@ -44,6 +47,7 @@ class DrainPhase(enum.Enum):
     LEASING = "leasing"
     SAVING = "saving"
     MOVING = "moving"
+    RESUMING = "resuming"
     DONE = "done"
     CANCELLED = "cancelled"
     ABORTED = "aborted"
@@ -57,7 +61,8 @@ D = DrainPhase
 TRANSITIONS: dict[DrainPhase, frozenset[DrainPhase]] = {
     D.LEASING: frozenset({D.SAVING, D.CANCELLED, D.ABORTED}),
     D.SAVING: frozenset({D.MOVING, D.ABORTED}),
-    D.MOVING: frozenset({D.DONE, D.ABORTED}),
+    D.MOVING: frozenset({D.RESUMING, D.ABORTED}),
+    D.RESUMING: frozenset({D.DONE}),
     D.DONE: frozenset(),
     D.CANCELLED: frozenset(),
     D.ABORTED: frozenset(),
@@ -111,7 +116,7 @@ class DrainPort(abc.ABC):
 
 @dataclass
 class DrainRecord:
-    """One drain, measured: ``paused_s`` is the slices' pause (halted to running again on the spare)."""
+    """One drain, measured (monotonic marks; see the module doc for ``paused_s``)."""
 
     number: int
     worker: str
@@ -123,7 +128,9 @@ class DrainRecord:
     moved: dict[str, str] = field(default_factory=dict)  # slice -> new worker
     state: str = D.LEASING.value
     detail: str = ""
-    marks: dict[str, float] = field(default_factory=dict)  # "held", "halted", "resumed" -> monotonic time
+    marks: dict[str, float] = field(default_factory=dict)
+    # started, held (the hold sent), last_done (a moved slice's last instance below the step),
+    # saved (all done and committed), moved (the spares loaded), first_run (a spare's first instance)
 
     def to_json(self) -> dict[str, Any]:
         m = self.marks
@@ -131,10 +138,12 @@ class DrainRecord:
         def span(a: str, b: str) -> float | None:
             return round(m[b] - m[a], 4) if a in m and b in m else None
 
+        halted = "last_done" if "last_done" in m else "held"
         return {"drain": self.number, "worker": self.worker, "reason": self.reason, "slices": self.slices,
                 "step": self.step, "moved": self.moved, "state": self.state, "detail": self.detail,
-                "save_s": span("held", "halted"), "paused_s": span("halted", "resumed"),
-                "total_s": span("started", "resumed"), "replayed_instances": 0 if self.state == "done" else None}
+                "save_s": span(halted, "saved"), "move_s": span("saved", "moved"),
+                "paused_s": span(halted, "first_run"), "total_s": span("started", "first_run"),
+                "replayed_instances": 0 if self.state == "done" else None}
 
 
 class Drain:
@@ -168,14 +177,26 @@ class Drain:
         if self.phase is D.LEASING:
             self._lease()
         if self.phase is D.SAVING and self.port.reached(self.record.slices, self.record.step):
-            self.record.marks["halted"] = self.clock.monotonic()
+            self.record.marks["saved"] = self.clock.monotonic()
             self._set(D.MOVING)
         if self.phase is D.MOVING:
             self.port.move(self.worker, self.spares, self.record.step)
             self.record.moved = {s: p.worker for s, p in self.spares.items()}
-            self.record.marks["resumed"] = self.clock.monotonic()
+            self.record.marks["moved"] = self.clock.monotonic()
+            self._set(D.RESUMING)
+        if self.phase is D.RESUMING and "first_run" in self.record.marks:
             self._set(D.DONE)
         return self.phase
+
+    def observe(self, worker: str, slice_name: str, step: int) -> None:
+        """An instance of ``slice_name`` at ``step`` done on ``worker``: the pause's two ends."""
+        rec = self.record
+        if slice_name not in rec.slices:
+            return
+        if self.phase is D.SAVING and worker == self.worker and step < rec.step:
+            rec.marks["last_done"] = max(self.clock.monotonic(), rec.marks.get("held", 0.0))
+        elif self.phase is D.RESUMING and worker == rec.moved.get(slice_name):
+            rec.marks.setdefault("first_run", self.clock.monotonic())
 
     def _lease(self) -> None:
         port, rec = self.port, self.record
@@ -198,6 +219,9 @@ class Drain:
     def abort(self, reason: str) -> None:
         """A loss or the job's end came first: give back what the drain took; the request stays in etcd."""
         if self.phase.is_terminal:
+            return
+        if self.phase is D.RESUMING:  # the slices had moved: the drain is done, only its measure is cut short
+            self._set(D.DONE, f"done; the pause was not measured to its end: {reason}")
             return
         if self.spares and self.phase is not D.MOVING:
             self.port.release_spares(self.spares)

@@ -335,6 +335,7 @@ class JobExecutor(JobDrains):
         step, node = int(item.step), item.node
         for m in self.machines:
             m.observe(worker, gen, node, step)
+        self.on_instance(worker, node, step)
         if step < self.completed or item.microbatch in self._done[(node, step)]:
             self.replayed[node] += 1
             self.redone_s += item.compute_s

@@ -108,6 +108,13 @@ class JobDrains(JobCluster, DrainPort):
             self.log.warning("drain.cancelled", worker=d.worker, reason=rec.detail)
             self.event("job.drain_cancelled", **(rec.to_json() | {"step": self.completed}))
 
+    def on_instance(self, worker: str, node: str, step: int) -> None:
+        """An instance reported done (the drains in flight measure their pause with it)."""
+        if self.drains:
+            slice_name = self.graph.node(node).slice
+            for d in self.drains.values():
+                d.observe(worker, slice_name, step)
+
     def on_saved(self, slice_name: str, step: int) -> None:
         """A checkpoint commit heard from a worker (a drain waits for its own)."""
         self._saved.add((slice_name, step))

@@ -79,12 +79,29 @@ def test_a_drain_holds_the_worker_at_the_grant_waits_for_the_save_then_moves_eve
     assert job.calls[0] == ("lease", {"a": 1, "c": 1}, frozenset({"w1", "w2"}))
     assert job.calls[1] == ("hold", "w1", 12) and d.record.step == 12 and d.record.slices == ["a", "c"]
     assert d.step() is D.SAVING  # the worker has not reached step 12 yet
+    d.observe("w1", "a", 11)  # the slice's last instance below the drain step
     job.done_at = 12
-    assert d.step() is D.DONE
+    assert d.step() is D.RESUMING
     assert job.calls[-1] == ("move", "w1", ["a", "c"], 12)
+    d.observe("w2", "b", 12)  # not a moved slice
+    assert d.step() is D.RESUMING
+    d.observe("w9", "c", 12)
+    assert d.step() is D.DONE
     out = d.record.to_json()
     assert out["moved"] == {"a": "w9", "c": "w9"} and out["state"] == "done" and out["replayed_instances"] == 0
-    assert out["paused_s"] is not None and out["save_s"] is not None
+    assert out["paused_s"] is not None and out["save_s"] is not None and out["move_s"] is not None
+
+
+def test_a_loss_after_the_move_leaves_the_drain_done_with_its_pause_unmeasured() -> None:
+    job = FakeJob()
+    d = drain(job)
+    d.step()
+    job.done_at = 12
+    assert d.step() is D.RESUMING
+    d.abort("recovery 1 started")
+    assert d.phase is D.DONE and "not measured" in d.record.detail
+    assert d.record.to_json()["paused_s"] is None
+    assert not any(c[0] == "release" for c in job.calls)
 
 
 @pytest.mark.parametrize(("kw", "why"), [({"spares": False}, "cannot drain worker w1: no spare"),
