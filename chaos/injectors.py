@@ -15,6 +15,10 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   to be drained and leaves once it holds nothing (or its deadline passed).
   ``drain``: an operator's drain of that worker (as ``rallypoint drain``; refused,
   and recorded as an injection error, when no spare has room).
+* ``tenant``: another holder leases free devices of the target worker (``devices`` of
+  them, or all) for the duration, as another job would: a recovery or drain then finds
+  less room (``on_no_spare='shrink'`` restores onto fewer devices, and grows back once
+  the tenant left).
 * ``partition``: the worker's network cut while its process lives
   (:mod:`rallypoint.chaos.network`: network namespaces when root, else loopback proxies).
 * ``leader_kill`` / ``leader_hang``: SIGKILL / SIGSTOP of the leader coordinator.
@@ -102,6 +106,9 @@ class Target:
         return None if kv is None else kv.create_revision
 
 
+TENANT_JOB = "chaos-tenant"  # the holder name of the devices a tenant fault takes
+
+
 class Injectors:
     """Fires faults on a :class:`Target`; ``fired`` / ``healed`` count them per kind."""
 
@@ -154,6 +161,34 @@ class Injectors:
         finally:
             store.close()
         return {"worker": w, "drain_revision": req.revision}, None
+
+    def tenant(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        from rallypoint.etcd.cluster_view import read_cluster
+        from rallypoint.orchestrator.devices import DeviceLeases
+
+        w = self.t.worker_of(spec.target)
+        holder = f"t{sum(self.fired.values())}"
+        store = self.t.lc.store()
+        try:
+            ws = read_cluster(store, self.t.lc.keys).workers.get(w)
+            free = sorted(ws.free) if ws is not None else []
+            take = free[: spec.devices] if spec.devices else free
+            if not take or (spec.devices and len(take) < spec.devices):
+                raise InjectionError(f"worker {w} has {len(free)} free devices, the tenant wants "
+                                     f"{spec.devices or 'at least one'}")
+            if DeviceLeases(store, self.t.lc.keys).lease(TENANT_JOB, holder, w, take) is None:
+                raise InjectionError(f"devices {take} of worker {w} were taken first")
+        finally:
+            store.close()
+
+        def heal() -> dict[str, Any]:
+            store = self.t.lc.store()
+            try:
+                return {"released": DeviceLeases(store, self.t.lc.keys).release(TENANT_JOB, holder, worker=w)}
+            finally:
+                store.close()
+
+        return {"worker": w, "devices": take, "holder": f"{TENANT_JOB}/{holder}"}, heal
 
     def hang(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         w = self.t.worker_of(spec.target)

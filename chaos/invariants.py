@@ -6,10 +6,12 @@ final state) and pass it in, so the checks are tested on synthetic histories too
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rallypoint.etcd.store import WatchEvent
+from rallypoint.proto.digest import states_close
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +63,25 @@ class Check:
         return {"name": self.name, "ok": self.ok, "evidence": self.evidence}
 
 
-def check_digest(got: str | None, expected: str) -> Check:
-    """1. The final state is bitwise the fault-free run's."""
+def check_digest(got: str | None, expected: str, *, resharded: Sequence[Mapping[str, Any]] = (),
+                 got_states: Mapping[str, Sequence[Any]] | None = None,
+                 want_states: Mapping[str, Sequence[Any]] | None = None,
+                 tolerance: Mapping[str, float] | None = None) -> Check:
+    """1. The final state is bitwise the fault-free run's; or, when the job changed a slice's
+    device count (``resharded``, from ``job.finished``), within the tolerance it reports."""
     if not got:
         return Check("final-state-digest", False, f"the job produced no final state; fault-free digest {expected}")
+    if resharded:
+        changes = ", ".join(f"{r['slice']} {r['from']}->{r['to']}" for r in resharded)
+        if got_states is None or want_states is None or not tolerance:
+            return Check("final-state-digest", False, f"device counts changed ({changes}) but the job reported no "
+                         "final states or tolerance to compare with")
+        ok, evidence = states_close(got_states, want_states, rtol=tolerance["rtol"], atol=tolerance["atol"])
+        return Check("final-state-digest", ok, f"device counts changed ({changes}): compared to the fault-free run "
+                     f"within a tolerance, not bitwise: {evidence}")
     return Check("final-state-digest", got == expected,
-                 f"digest {got} {'==' if got == expected else '!='} fault-free {expected} (bitwise; no scenario "
-                 "changes device counts, so no tolerance applies)")
+                 f"digest {got} {'==' if got == expected else '!='} fault-free {expected} (bitwise: no slice changed "
+                 "its device count)")
 
 
 @dataclass(frozen=True)

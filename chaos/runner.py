@@ -36,6 +36,7 @@ from rallypoint.etcd.errors import RallypointError, StoreError, WatchCompacted
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.etcd.store import EtcdStore, WatchEvent
+from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoint import CheckpointCorrupt, restore_commit
 from rallypoint.workers.faults import NO_FAULTS
@@ -146,6 +147,7 @@ class ScenarioRun:
             for sw in follower.switches:
                 self.say({"event": "chaos.leader_switch", "why": sw["why"], "from": sw["from"]})
         self.detail = json.loads(ev.detail or "{}")
+        self.final_states = {v.state: [codec.from_tensor(t) for t in v.leaves] for v in ev.states}
         state = "finished" if ev.event == "job.finished" else "failed"
         self.outcome = {"state": state, "reason": self.detail.get("reason", "")}
 
@@ -262,7 +264,9 @@ class ScenarioRun:
                 storage.close()
         checks = [
             check_digest(self.detail.get("state_digest") if self.outcome["state"] == "finished" else None,
-                         reference.state_digest),
+                         reference.state_digest, resharded=self.detail.get("resharded") or (),
+                         got_states=getattr(self, "final_states", None), tolerance=self.detail.get("tolerance"),
+                         want_states=_flat_states(reference.states)),
             check_applied_once(evidence["runtimes"], {n: NodeInfo(sp.slice, sp.every, sp.per == "microbatch")
                                                       for n, sp in program.nodes.items()},
                                microbatches=program.microbatches, steps=program.steps),
@@ -331,7 +335,7 @@ class ScenarioRun:
                         "time_bound_s": s.time_bound_s},
             "faults": self.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
             "resumes": self.resumes, "recoveries": recoveries,
-            "drains": self.detail.get("drains") or self.drains,
+            "drains": self.detail.get("drains") or self.drains, "resharded": self.detail.get("resharded") or [],
             "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
                         "goodput": round(useful / total, 4) if total else None,
@@ -369,3 +373,11 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
             say({"event": "chaos.logs", "dir": str(state / "logs")})
     out = out_dir or Path("chaos-reports") / f"{scenario.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     return summary, write_report(out, summary)
+
+
+def _flat_states(states: dict[str, Any]) -> dict[str, list[Any]]:
+    """Pytrees of states -> their flat leaves as numpy arrays (what the wire carries)."""
+    import jax
+    import numpy as np
+
+    return {n: [np.asarray(x) for x in jax.tree_util.tree_leaves(v)] for n, v in states.items()}

@@ -10,7 +10,7 @@ steps = 40                          # optional: override the program's
 checkpoint_every = 5
 policy = "partial"                  # or "restart-all"
 window = 2
-on_no_spare = "wait"                # or "fail"; wait_timeout_s = 60
+on_no_spare = "wait"                # or "fail", or "shrink"; wait_timeout_s = 60
 
 [cluster]
 workers = 4                         # default: one per slice
@@ -29,7 +29,8 @@ time_bound_s = 180
 kind = "kill"
 target = "stage2"                   # a slice, a node, or a worker (w0, ...)
 at_step = 12                        # or at_s = 5.0
-# duration_s = 3                    # hang, straggler, partition, leader_hang, etcd_quorum, disk_*
+# duration_s = 3                    # hang, straggler, partition, leader_hang, etcd_quorum, disk_*, tenant
+# devices = 2                       # tenant: devices of the target worker another holder takes (default: all free)
 
 [random]                            # optional: faults at random, the same schedule for the same seed
 seed = 7
@@ -63,6 +64,7 @@ KINDS = {
     "etcd_kill": (False, False), "etcd_quorum": (False, True),
     "corrupt_checkpoint": (True, False), "truncate_checkpoint": (True, False),
     "disk_full": (False, True), "disk_readonly": (False, True),
+    "tenant": (True, True),
 }
 DEFAULT_DURATION_S = 3.0
 
@@ -75,6 +77,7 @@ class FaultSpec:
     at_s: float | None = None
     duration_s: float = 0.0
     origin: str = "fixed"  # or "random"
+    devices: int = 0  # tenant: how many of the worker's free devices it takes (0: all)
 
     def describe(self) -> str:
         when = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:.2f}s"
@@ -186,8 +189,8 @@ def load_scenario(path: Path) -> Scenario:
     _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s"},
              f"{w} [job]")
     on_no_spare = _get(job, "on_no_spare", str, f"{w} [job]", "wait")
-    if on_no_spare not in ("wait", "fail"):
-        raise ConfigError(f"{w} [job].on_no_spare: {on_no_spare!r} is not 'wait' or 'fail'")
+    if on_no_spare not in ("wait", "fail", "shrink"):
+        raise ConfigError(f"{w} [job].on_no_spare: {on_no_spare!r} is not 'wait', 'fail' or 'shrink'")
     file = _get(job, "file", str, f"{w} [job]")
     if not file:
         raise ConfigError(f"{w} [job].file: name the job file (e.g. examples/pipeline_mlp.py)")
@@ -211,7 +214,7 @@ def load_scenario(path: Path) -> Scenario:
         where = f"{w} [[faults]] #{i + 1}"
         if not isinstance(f, dict):
             raise ConfigError(f"{where}: expected a table")
-        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s"}, where)
+        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "devices"}, where)
         kind = _get(f, "kind", str, where, "")
         if kind not in KINDS:
             raise ConfigError(f"{where}.kind: {kind!r} is not one of {sorted(KINDS)}")
@@ -224,7 +227,11 @@ def load_scenario(path: Path) -> Scenario:
         if (at_step is not None and at_step < 1) or (at_s is not None and at_s < 0):
             raise ConfigError(f"{where}: at_step must be >= 1 and at_s >= 0")
         duration = float(_get(f, "duration_s", (int, float), where, DEFAULT_DURATION_S if KINDS[kind][1] else 0.0))
-        faults.append(FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), duration))
+        devices = _get(f, "devices", int, where, 0)
+        if devices < 0 or (devices and kind != "tenant"):
+            raise ConfigError(f"{where}.devices: only a tenant fault takes devices (>= 1; 0 or absent: all free ones)")
+        faults.append(FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), duration,
+                                devices=devices))
     rnd = None
     if "random" in data:
         r = _get(data, "random", dict, w)

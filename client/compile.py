@@ -14,7 +14,7 @@ pytree; the result is a tuple in the order of ``outputs``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
@@ -62,6 +62,7 @@ class CompiledNode:
     out_avals: dict[str, Any]  # output name -> pytree of jax.ShapeDtypeStruct
     in_trees: tuple[Any, ...]  # treedef of each input, in input_names order
     out_trees: tuple[Any, ...]  # treedef of each output, in outputs order
+    variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported
 
     def flatten_inputs(self, args: Sequence[Any]) -> list[Any]:
         """Input pytrees (in ``input_names`` order) -> the flat leaves the exported program takes."""
@@ -90,6 +91,7 @@ class CompiledState:
     aval: Any
     tree: Any
     producer: tuple[str, str] | None
+    variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported init
 
 
 def _unflatten_all(trees: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
@@ -126,6 +128,14 @@ def slice_mesh(program: Program, slice_name: str, devices: Sequence[Any] | None 
     if len(devs) < spec.devices:
         raise ProgramError(f"slice {slice_name!r} needs {spec.devices} devices, this process has {len(devs)}")
     return mesh_over(devs, spec.mesh_shape, spec.mesh_axes)
+
+
+def _other_meshes(program: Program, slice_name: str) -> dict[int, Any]:
+    """The slice's meshes for every device count but its own (``devices=(min, max)``), by count."""
+    import jax
+
+    spec = program.slices[slice_name]
+    return {c: mesh_over(jax.devices(), spec.mesh_shape_for(c), spec.mesh_axes) for c in spec.device_counts()[1:]}
 
 
 def _sharding(mesh: Any, spec: Any) -> Any:
@@ -211,8 +221,10 @@ def compile_program(program: Program) -> CompiledProgram:
         tree = jax.tree_util.tree_structure(aval)
         init_flat = flat_callable(lambda init=st.init: (init(),), [])
         exported = jax.export.export(jax.jit(init_flat, out_shardings=_sharding(mesh, None)))()
+        variants = {c: bytes(jax.export.export(jax.jit(init_flat, out_shardings=_sharding(other, None)))().serialize())
+                    for c, other in _other_meshes(program, st.slice).items()}
         states[st.name] = CompiledState(
-            st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name)
+            st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name), variants
         )
 
     out_avals: dict[str, dict[str, Any]] = {}
@@ -265,10 +277,23 @@ def compile_program(program: Program) -> CompiledProgram:
         exported = jax.export.export(
             jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh)
         )(*flat_avals)
+        variants: dict[int, bytes] = {}
+        for c, other in _other_meshes(program, node.slice).items():  # the same program on fewer devices
+            sh_in = tuple(_sharding(other, node.shardings.get(a)) for a, t in zip(names, in_trees)
+                          for _ in range(t.num_leaves))
+            sh_out = tuple(_sharding(other, node.shardings.get(o)) for o, t in zip(node.outputs, out_trees)
+                           for _ in range(t.num_leaves))
+            try:
+                variants[c] = bytes(jax.export.export(jax.jit(flat_callable(fn, in_trees), in_shardings=sh_in,
+                                                              out_shardings=sh_out))(*flat_avals).serialize())
+            except Exception as exc:  # e.g. a dimension the smaller mesh does not divide
+                raise ProgramError(f"node {name!r} cannot run on {c} devices of slice {node.slice!r} (declared "
+                                   f"devices=(min, max)): {type(exc).__name__}: {exc}; raise the minimum") from exc
         nodes[name] = CompiledNode(
             name=name, slice=node.slice, per=node.per, every=node.every, input_names=names,
             inputs=dict(node.inputs), outputs=node.outputs, updates=dict(node.updates), is_source=node.is_source,
             exported=bytes(exported.serialize()), out_avals=out_avals[name], in_trees=in_trees, out_trees=out_trees,
+            variants=variants,
         )
     for mname, ref in program.metrics.items():
         aval = out_avals[ref.node][ref.output]

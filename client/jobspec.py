@@ -40,12 +40,12 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> 
         spec.states.append(pb.StateProgram(
             name=st.name, slice=st.slice, exported_init=st.exported_init, leaves=st.tree.num_leaves,
             producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
-            treedef=str(st.tree),
+            treedef=str(st.tree), init_variants=_variants(program, st.slice, st.variants),
         ))
     for name in compiled.order:
         node = compiled.nodes[name]
         msg = pb.NodeProgram(name=name, slice=node.slice, per_microbatch=node.per == "microbatch", every=node.every,
-                             exported=node.exported)
+                             exported=node.exported, variants=_variants(program, node.slice, node.variants))
         for arg, tree in zip(node.input_names, node.in_trees, strict=True):
             b = pb.InputBinding(arg=arg, leaves=tree.num_leaves)
             if node.is_source:
@@ -65,3 +65,9 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> 
                                              metrics=metric_names.get((name, out), [])))
         spec.nodes.append(msg)
     return spec
+
+
+def _variants(program: Any, slice_name: str, variants: dict[int, bytes]) -> list[pb.ExportedVariant]:
+    spec = program.slices[slice_name]
+    return [pb.ExportedVariant(devices=c, mesh_shape=spec.mesh_shape_for(c), exported=blob)
+            for c, blob in sorted(variants.items(), reverse=True)]

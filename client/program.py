@@ -105,12 +105,32 @@ def _as_ref(x: Any) -> Ref:
 
 @dataclass(frozen=True, slots=True)
 class SliceSpec:
-    """A virtual slice: ``devices`` virtual devices arranged as ``mesh_shape`` over ``mesh_axes``."""
+    """A virtual slice: ``devices`` virtual devices arranged as ``mesh_shape`` over ``mesh_axes``.
+
+    ``min_devices`` < ``devices``: the slice may also run on fewer devices (a recovery
+    with ``on_no_spare='shrink'``) and grows back when room returns; the first mesh axis
+    takes the change. :meth:`device_counts` are the counts its programs are exported for.
+    """
 
     name: str
     devices: int
     mesh_axes: tuple[str, ...]
     mesh_shape: tuple[int, ...]
+    min_devices: int = 0  # 0: exactly ``devices``
+
+    def device_counts(self) -> tuple[int, ...]:
+        """Every device count the slice runs on, largest first: divisors of ``devices`` down to
+        ``min_devices`` that keep the mesh's other axes whole."""
+        rest = 1
+        for d in self.mesh_shape[1:]:
+            rest *= d
+        low = self.min_devices or self.devices
+        return tuple(c for c in range(self.devices, low - 1, -1) if self.devices % c == 0 and c % rest == 0)
+
+    def mesh_shape_for(self, count: int) -> tuple[int, ...]:
+        """The mesh of ``count`` devices: the first axis scaled."""
+        rest = self.devices // self.mesh_shape[0]
+        return (count // rest, *self.mesh_shape[1:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +225,24 @@ class Program:
             raise ProgramError(f"{kind} name {name!r} is already used in program {self.name!r}")
 
     def slice(
-        self, name: str, devices: int = 1, *, mesh_axes: Sequence[str] = ("d",), mesh_shape: Sequence[int] | None = None
+        self, name: str, devices: int | tuple[int, int] = 1, *, mesh_axes: Sequence[str] = ("d",),
+        mesh_shape: Sequence[int] | None = None,
     ) -> str:
-        """Declare a virtual slice of ``devices`` devices; returns its name."""
+        """Declare a virtual slice of ``devices`` devices; returns its name.
+
+        ``devices=(min, max)``: the slice is placed on ``max`` devices and may run on
+        fewer, down to ``min`` (its programs are exported for each count that divides
+        ``max``), after a loss with ``on_no_spare='shrink'``; it grows back to ``max``
+        when a worker with room appears. A run that changed device counts matches the
+        fault-free reference to a tolerance, not bitwise (docs/recovery.md).
+        """
         self._fresh("slice", name)
+        low = 0
+        if isinstance(devices, tuple):
+            if len(devices) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) for d in devices) \
+                    or not 1 <= devices[0] <= devices[1]:
+                raise ProgramError(f"slice {name!r}: devices=(min, max) needs integers 1 <= min <= max, got {devices!r}")
+            low, devices = devices
         shape = tuple(mesh_shape) if mesh_shape is not None else (devices,) + (1,) * (len(mesh_axes) - 1)
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ProgramError(f"slice {name!r}: devices must be a positive integer, got {devices!r}")
@@ -219,7 +253,11 @@ class Program:
             n *= d
         if n != devices:
             raise ProgramError(f"slice {name!r}: mesh_shape {shape} holds {n} devices, not {devices}")
-        self.slices[name] = SliceSpec(name, devices, tuple(mesh_axes), shape)
+        spec = SliceSpec(name, devices, tuple(mesh_axes), shape, low if low < devices else 0)
+        if spec.min_devices and spec.device_counts() == (devices,):
+            raise ProgramError(f"slice {name!r}: no device count from {low} to {devices} divides {devices} and keeps "
+                               f"the mesh {shape} whole; lower the minimum")
+        self.slices[name] = spec
         return name
 
     def state(self, name: str, *, slice: str, init: Callable[[], Any]) -> StateRef:

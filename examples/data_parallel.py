@@ -1,6 +1,7 @@
 """Data parallelism on one slice: a batch sharded over the slice's devices.
 
-One virtual slice of DEVICES devices with a "data" mesh axis. The source produces a
+One virtual slice of DEVICES devices with a "data" mesh axis (it may run on 2 after a loss
+with on_no_spare="shrink", and grows back to DEVICES). The source produces a
 global batch sharded along that axis; the update computes the loss and gradients on
 the sharded batch (XLA inserts the cross-device reduction) and applies Adam to the
 replicated parameters.
@@ -42,7 +43,7 @@ def train_step(params, opt_state, x, y):
 
 def build(steps: int = 30) -> Program:
     prog = Program("data-parallel", steps=steps, checkpoint_every=10)
-    dp = prog.slice("dp", devices=DEVICES, mesh_axes=("data",))
+    dp = prog.slice("dp", devices=(2, DEVICES), mesh_axes=("data",))  # may shrink to 2 devices, grows back
     params = prog.state("params", slice=dp, init=init_params)
     opt_state = prog.state("opt_state", slice=dp, init=lambda: optimizer.init(init_params()))
     batch = prog.source("batch", make_batch, slice=dp, per="step", outputs=("x", "y"),

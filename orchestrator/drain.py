@@ -149,8 +149,13 @@ class DrainRecord:
 class Drain:
     """One drain of one job's slices on one worker (see the module doc)."""
 
-    def __init__(self, port: DrainPort, number: int, request: DrainRequest, *, clock: Clock, log: Any) -> None:
+    def __init__(self, port: DrainPort, number: int, request: DrainRequest, *, clock: Clock, log: Any,
+                 only: list[str] | None = None, target: Mapping[str, int] | None = None) -> None:
+        """``only``: move just these slices of the worker (default: all of the job's there);
+        ``target``: their device counts on the spares (default: the counts they have; a
+        grow asks for more)."""
         self.port, self.clock, self.log = port, clock, log
+        self.only, self.target = only, dict(target or {})
         self.request = request
         self.phase = D.LEASING
         self.spares: dict[str, SlicePlace] = {}
@@ -200,12 +205,13 @@ class Drain:
 
     def _lease(self) -> None:
         port, rec = self.port, self.record
-        rec.slices = sorted(s for s, p in port.placement.items() if p.worker == self.worker)
+        rec.slices = sorted(s for s, p in port.placement.items() if p.worker == self.worker
+                            and (self.only is None or s in self.only))
         why = port.why_not_drainable(rec.slices) if rec.slices else f"the job holds no slice on worker {self.worker}"
         if why:
             self._set(D.CANCELLED, why)
             return
-        need = {s: port.devices_of(s) for s in rec.slices}
+        need = {s: self.target.get(s, len(port.placement[s].devices)) for s in rec.slices}
         got = port.lease_spares(need, frozenset(port.loaded_workers()) | {self.worker})
         if isinstance(got, str):
             self._set(D.CANCELLED, f"cannot drain worker {self.worker}: {got}")

@@ -55,7 +55,7 @@ from rallypoint.orchestrator.placement import SlicePlace, instances_per_step
 from rallypoint.orchestrator.recovery_machine import Recovery, classify_setback
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.proto.digest import flat_state_digest
+from rallypoint.proto.digest import RESHARD_TOLERANCE, flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Setback, Source, decide
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
@@ -517,7 +517,9 @@ class JobExecutor(JobDrains):
         return {"failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
                 "replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
                 "compute_s": {n: round(v, 4) for n, v in sorted(self.compute_s.items())},
-                "corrupt_checkpoints": self.corrupt, "drains": [d.to_json() for d in self.drain_records], "stalls": self.watchdog.stalls if self.watchdog else 0,
+                "corrupt_checkpoints": self.corrupt, "drains": [d.to_json() for d in self.drain_records],
+                "resharded": self.resharded, "exact": not self.resharded,
+                **({"tolerance": RESHARD_TOLERANCE} if self.resharded else {}), "stalls": self.watchdog.stalls if self.watchdog else 0,
                 "output_log_peak": self.log_peak}
 
     def _cleanup(self) -> None:

@@ -34,10 +34,10 @@ from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job_state import JobFailed, JobState
 from rallypoint.orchestrator.job_workers import JobWorkers
-from rallypoint.orchestrator.placement import SlicePlace, load_requests
+from rallypoint.orchestrator.placement import SlicePlace, device_counts, load_requests
 from rallypoint.orchestrator.recovery_machine import Commits, RecoveryPort
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.remap import Fail, Remap, RemapPolicy, Wait, plan_remap
+from rallypoint.recovery.remap import Fail, Remap, RemapPolicy, Shrink, Wait, plan_remap
 from rallypoint.recovery.replay import Graph, ReplayPlan
 
 ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
@@ -69,6 +69,8 @@ class JobCluster(RecoveryPort):
         self.recoveries: list[RecoveryRecord] = []
         self.replayed: Counter[str] = Counter()
         self.corrupt: list[dict[str, Any]] = []  # checkpoints that did not restore (their commits dropped)
+        self.device_counts = device_counts(spec)  # slice -> the device counts its programs were exported for
+        self.resharded: list[dict[str, Any]] = []  # each change of a slice's device count (shrink, grow)
         self._done: dict[tuple[str, int], set[int]] = defaultdict(set)
         self._last_heard: dict[str, float] = {}
         self._ckpt_slices = sorted({s.slice for s in spec.states})
@@ -238,14 +240,20 @@ class JobCluster(RecoveryPort):
             if not todo:
                 return placed
             snap = self.until_etcd("reading the cluster", lambda: read_cluster(self.store, self.keys))
-            decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0)
-            if isinstance(decision, Remap):
+            decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
+                                  allowed=self.device_counts)
+            if isinstance(decision, Remap | Shrink):
                 for a in decision.assignments:
                     p = self.until_etcd("leasing spare devices",
                                         lambda a=a: leases.lease(self.spec.job, a.slice, a.worker, a.devices))
                     if p is not None:
                         info = snap.workers[a.worker].info
                         placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+                        if a.shrunk:
+                            self.resharded.append({"slice": a.slice, "from": a.needed, "to": len(a.devices),
+                                                   "why": f"recovery {record.number}: no spare with {a.needed} "
+                                                          "devices (on_no_spare='shrink')", "at": time.time()})
+                            self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
                 continue
             if isinstance(decision, Wait):
                 if not told:

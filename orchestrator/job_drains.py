@@ -10,7 +10,9 @@ past its drain step (:meth:`JobDrains.grant`).
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Mapping
+from typing import Any
 
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_requests
@@ -19,6 +21,7 @@ from rallypoint.etcd.store import Put
 from rallypoint.orchestrator.drain import Drain, DrainPhase, DrainPort, DrainRecord
 from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.orchestrator.job_cluster import JobCluster
+from rallypoint.orchestrator.job_state import JobState
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
 
@@ -57,9 +60,31 @@ class JobDrains(JobCluster, DrainPort):
             if self.granted >= self.spec.steps:
                 continue  # every step is granted: the job ends soon and frees the worker anyway
             self.start_drain(req)
+        self.poll_grow()
 
-    def start_drain(self, req: DrainRequest) -> Drain:
-        d = Drain(self, len(self.drain_records) + 1, req, clock=self.clock, log=self.log)
+    def poll_grow(self) -> None:
+        """A slice running on fewer devices than declared (shrunk) moves back onto a worker with room for all of
+        them, by a drain (nothing lost, nothing replayed), once one is there."""
+        if self.drains or self.state is not JobState.RUNNING or self.granted >= self.spec.steps:
+            return
+        for s, p in sorted(self.placement.items()):
+            full = self.devices_of(s)
+            if len(p.devices) >= full or any(o != s and q.worker == p.worker for o, q in self.placement.items()):
+                continue
+            try:
+                snap = read_cluster(self.store, self.keys)
+            except StoreError:
+                return
+            fits = plan_remap(snap, {s: full}, RemapPolicy(on_no_spare="fail"),
+                              exclude=frozenset(self.loaded_workers()))
+            if isinstance(fits, Remap):
+                self.log.info("drain.grow", slice=s, devices=len(p.devices), to=full)
+                self.start_drain(DrainRequest(p.worker, "grow", "executor", time.time(), 0.0), only=[s],
+                                 target={s: full})
+                return
+
+    def start_drain(self, req: DrainRequest, **kw: Any) -> Drain:
+        d = Drain(self, len(self.drain_records) + 1, req, clock=self.clock, log=self.log, **kw)
         self.drain_records.append(d.record)
         self.drains[req.worker] = d
         self.log.info("drain.started", drain=d.record.number, worker=req.worker, reason=req.reason, by=req.by)
@@ -88,13 +113,14 @@ class JobDrains(JobCluster, DrainPort):
 
     def _answer(self, d: Drain) -> None:
         rec = d.record
-        self._answered[d.worker] = d.request.revision
         state = "done" if d.phase is DrainPhase.DONE else "cancelled"
-        result = DrainResult(self.spec.job, state, d.request.revision, rec.detail, rec.to_json())
-        try:
-            self.writer.txn([], [Put(self.keys.drain_result(d.worker, self.spec.job), result.to_json())])
-        except (StoreError, NotLeader) as exc:
-            self.log.warning("drain.answer_failed", worker=d.worker, error=str(exc))
+        if d.request.revision:  # a request from etcd (a grow is the executor's own)
+            self._answered[d.worker] = d.request.revision
+            result = DrainResult(self.spec.job, state, d.request.revision, rec.detail, rec.to_json())
+            try:
+                self.writer.txn([], [Put(self.keys.drain_result(d.worker, self.spec.job), result.to_json())])
+            except (StoreError, NotLeader) as exc:
+                self.log.warning("drain.answer_failed", worker=d.worker, error=str(exc))
         if state == "done":
             self.log.info("drain.done", **rec.to_json())
             self.event("job.drained", **rec.to_json(),  # the event's step: the drain step
@@ -179,6 +205,12 @@ class JobDrains(JobCluster, DrainPort):
                 and all((s, step) in self._saved for s in slices if s in self._ckpt_slices))
 
     def move(self, worker: str, places: Mapping[str, SlicePlace], step: int) -> None:
+        for s, p in places.items():
+            had = len(self.placement[s].devices)
+            if len(p.devices) != had:
+                self.resharded.append({"slice": s, "from": had, "to": len(p.devices), "step": step, "at": time.time(),
+                                       "why": "grew back (a worker with room joined)" if len(p.devices) > had
+                                       else "drained onto fewer devices"})
         self.placement.update(places)  # from here on the slices are the spares' (a failure is their loss)
         self.workers.unload(worker, flush_s=FLUSH_S)  # what it pushed before it stopped arrives first
         self.forget(worker)

@@ -26,7 +26,7 @@ from typing import Any
 from rallypoint.proto import rallypoint_pb2 as pb
 
 POLICIES = ("partial", "restart-all")
-ON_NO_SPARE = ("wait", "fail")
+ON_NO_SPARE = ("wait", "fail", "shrink")
 DEFAULT_CHECKPOINT_EVERY = 10
 DEFAULT_KEEP = 3
 DEFAULT_WAIT_S = 60.0
@@ -56,9 +56,9 @@ class RecoverySettings:
         if policy not in POLICIES:
             raise ValueError(f"recovery policy {policy!r} is not one of {list(POLICIES)}")
         on_no_spare = spec.on_no_spare or "wait"
-        if on_no_spare == "shrink":
-            raise ValueError("on_no_spare='shrink' is not available: a slice's programs are exported for its device "
-                             "count and the coordinator cannot re-export them for fewer; use 'wait' or 'fail'")
+        if on_no_spare == "shrink" and not any(v for n in spec.nodes for v in n.variants):
+            raise ValueError("on_no_spare='shrink' needs a slice that may run on fewer devices: declare it "
+                             "prog.slice(name, devices=(min, max)) so its programs are exported for those counts")
         if on_no_spare not in ON_NO_SPARE:
             raise ValueError(f"on_no_spare {on_no_spare!r} is not one of {list(ON_NO_SPARE)}")
         for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from rallypoint.proto import rallypoint_pb2 as pb
 
 
@@ -48,16 +50,31 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
             )
         return requests[worker]
 
+    shapes = {s.slice: list(s.mesh_shape) for s in spec.slices}
+    counts: dict[str, int] = {}  # a slice placed on another device count than its mesh's (shrunk)
     for s in spec.slices:
         place = placement[s.slice]
+        if len(place.devices) != int(np.prod(s.mesh_shape)):
+            counts[s.slice] = len(place.devices)
+            shapes[s.slice] = _variant(spec, s.slice, len(place.devices)).mesh_shape
         req = request(place.worker)
-        req.slices.append(pb.SliceAssignment(slice=s.slice, devices=place.devices, mesh_shape=s.mesh_shape,
+        req.slices.append(pb.SliceAssignment(slice=s.slice, devices=place.devices, mesh_shape=shapes[s.slice],
                                              mesh_axes=s.mesh_axes))
     for st in spec.states:
-        request(placement[st.slice].worker).states.append(st)
+        msg = pb.StateProgram()
+        msg.CopyFrom(st)
+        msg.ClearField("init_variants")  # a worker gets the one program of its device count
+        if st.slice in counts:
+            msg.exported_init = next(v.exported for v in st.init_variants if v.devices == counts[st.slice])
+        request(placement[st.slice].worker).states.append(msg)
     for node in spec.nodes:
         consumer = placement[node.slice]
-        request(consumer.worker).nodes.append(node)
+        msg = pb.NodeProgram()
+        msg.CopyFrom(node)
+        msg.ClearField("variants")
+        if node.slice in counts:
+            msg.exported = next(v.exported for v in node.variants if v.devices == counts[node.slice])
+        request(consumer.worker).nodes.append(msg)
         for b in node.inputs:
             if b.kind in (pb.InputBinding.REF, pb.InputBinding.GATHER):
                 producer = placement[node_slice[b.node]]
@@ -72,3 +89,27 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
             route.data_address = consumer.data_address
             request(producer.worker).routes.append(route)
     return requests
+
+
+def _variant(spec: pb.JobSpec, slice_name: str, count: int) -> pb.ExportedVariant:
+    """The exported variant of a slice's programs for ``count`` devices (its first node's, for the mesh shape).
+
+    Raises:
+        ValueError: the job did not export the slice for that many devices.
+    """
+    for n in spec.nodes:
+        if n.slice == slice_name:
+            for v in n.variants:
+                if v.devices == count:
+                    return v
+    raise ValueError(f"slice {slice_name!r} has no programs for {count} devices (declare devices=(min, max))")
+
+
+def device_counts(spec: pb.JobSpec) -> dict[str, tuple[int, ...]]:
+    """Every device count each slice's programs were exported for, largest first."""
+    out = {}
+    for s in spec.slices:
+        full = int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1
+        others = {v.devices for n in spec.nodes if n.slice == s.slice for v in n.variants}
+        out[s.slice] = tuple(sorted({full, *others}, reverse=True))
+    return out

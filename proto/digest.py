@@ -35,3 +35,43 @@ def flat_state_digest(values: Sequence[pb.StateValue], treedefs: Mapping[str, st
     if any(not treedefs.get(v.state) for v in values):
         return ""
     return leaves_digest((v.state, treedefs[v.state], [codec.from_tensor(t) for t in v.leaves]) for v in values)
+
+
+RESHARD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+"""How close a run whose slices changed device count ends to the fault-free reference.
+
+On another device count XLA splits and reduces the same sums in another order, so
+float32 results differ in their last bits from step to step; these bounds hold for
+the examples over their runs (docs/recovery.md, "Another device count"). A run that
+never changed device counts is compared bitwise (the digest), never with these.
+"""
+
+
+def states_close(got: Mapping[str, Sequence[Any]], want: Mapping[str, Sequence[Any]], *,
+                 rtol: float, atol: float) -> tuple[bool, str]:
+    """Whether every leaf of ``got`` is within ``atol + rtol * |want|`` of ``want``; and the evidence.
+
+    Both map a state name to its flat leaves. Integer leaves (step counters) must be equal.
+    """
+    if set(got) != set(want):
+        return False, f"states {sorted(got)} != {sorted(want)}"
+    worst, where = 0.0, ""
+    for name in sorted(want):
+        if len(got[name]) != len(want[name]):
+            return False, f"state {name!r}: {len(got[name])} leaves, expected {len(want[name])}"
+        for i, (g, w) in enumerate(zip(got[name], want[name], strict=True)):
+            g, w = np.asarray(g), np.asarray(w)
+            if g.shape != w.shape or g.dtype != w.dtype:
+                return False, f"state {name!r} leaf {i}: {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}"
+            if not np.issubdtype(w.dtype, np.floating):
+                if not np.array_equal(g, w):
+                    return False, f"state {name!r} leaf {i}: integer values differ"
+                continue
+            excess = np.abs(g.astype(np.float64) - w) - (atol + rtol * np.abs(w.astype(np.float64)))
+            if excess.size and float(excess.max()) > 0:
+                return False, (f"state {name!r} leaf {i}: off by up to {float(np.abs(g - w).max()):.3g} "
+                               f"(rtol {rtol:g}, atol {atol:g})")
+            err = float(np.abs(g.astype(np.float64) - w).max()) if g.size else 0.0
+            if err >= worst:
+                worst, where = err, f"{name}[{i}]"
+    return True, f"every leaf within rtol {rtol:g} / atol {atol:g}; largest difference {worst:.3g} ({where})"

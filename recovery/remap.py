@@ -20,7 +20,7 @@ a race.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -136,7 +136,7 @@ def eligible(
 
 def plan_remap(
     snapshot: ClusterSnapshot, lost: Mapping[str, int], policy: RemapPolicy, *,
-    exclude: frozenset[str] = frozenset(), waited_s: float = 0.0,
+    exclude: frozenset[str] = frozenset(), waited_s: float = 0.0, allowed: Mapping[str, Sequence[int]] | None = None,
 ) -> RemapDecision:
     """Choose devices for each lost slice, or decide per ``policy`` what to do without them.
 
@@ -163,6 +163,8 @@ def plan_remap(
         policy: what to do when a slice finds no room.
         exclude: workers known lost or unusable that ``snapshot`` does not show yet.
         waited_s: how long recovery has already waited for room (policy ``"wait"``).
+        allowed: slice -> the device counts it can run on (its programs were exported for
+            them, ``devices=(min, max)``); a slice missing here shrinks to any divisor of its count.
 
     Raises:
         ValueError: a device count below 1.
@@ -191,21 +193,28 @@ def plan_remap(
             return Wait(missing=missing, timeout_s=policy.wait_timeout_s, waited_s=waited_s, largest_free=largest)
         return Fail(missing=missing, reason=_reason(
             missing, largest, f"waited {waited_s:.0f} s of wait_timeout_s={policy.wait_timeout_s:g}",
-            "raise wait_timeout_s, or set on_no_spare='shrink' to restore onto fewer devices"))
+            "raise wait_timeout_s, or declare the slice devices=(min, max) and set on_no_spare='shrink' to restore "
+            "onto fewer devices"))
     if policy.on_no_spare == "shrink":
         for name, need in missing.items():  # already largest first
             w = min(workers, key=lambda w: (-len(free[w]), w not in spare, w), default=None)
-            if w is None or not free[w]:
+            counts = allowed.get(name, ()) if allowed is not None else [d for d in range(1, need + 1) if need % d == 0]
+            fits = [d for d in counts if d <= (len(free[w]) if w is not None else 0)]
+            if not fits:
+                least = min(counts, default=need)
                 return Fail(missing=missing, reason=_reason(
-                    missing, 0, "on_no_spare='shrink' needs at least one free device",
-                    "set on_no_spare='wait' to wait for one"))
-            count = max(d for d in range(1, need + 1) if need % d == 0 and d <= len(free[w]))
+                    missing, len(free[w]) if w is not None else 0,
+                    f"on_no_spare='shrink' needs a worker with at least {least} free devices for {name!r}, the "
+                    f"fewest it runs on (its device counts: {sorted(counts)})",
+                    "lower the slice's minimum (devices=(min, max)), or set on_no_spare='wait' to wait for room"))
+            count = max(fits)
             placed.append(Assignment(name, w, tuple(free[w][:count]), need))
             free[w] = free[w][count:]
         return Shrink(assignments=tuple(placed))
     return Fail(missing=missing, reason=_reason(
         missing, largest, "on_no_spare='fail'",
-        "set on_no_spare='wait' to wait for a worker or 'shrink' to restore onto fewer devices"))
+        "set on_no_spare='wait' to wait for a worker, or declare the slice devices=(min, max) and set "
+        "on_no_spare='shrink' to restore onto fewer devices"))
 
 
 def _reason(missing: Mapping[str, int], largest: int, why: str, change: str) -> str:

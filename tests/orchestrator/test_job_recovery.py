@@ -18,8 +18,11 @@ def test_settings_fill_defaults_and_name_the_bad_field() -> None:
     assert RecoverySettings.from_spec(pb.JobSpec(job="j", policy="restart-all", checkpoint_every=4)).checkpoint_every == 4
     with pytest.raises(ValueError, match="recovery policy 'spmd' is not one of"):
         RecoverySettings.from_spec(pb.JobSpec(job="j", policy="spmd"))
-    with pytest.raises(ValueError, match="shrink.*not available.*exported for its device count"):
+    with pytest.raises(ValueError, match=r"shrink' needs a slice that may run on fewer devices: declare it "
+                                         r"prog.slice\(name, devices=\(min, max\)\)"):
         RecoverySettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink"))
+    variant = pb.NodeProgram(name="n", slice="s", variants=[pb.ExportedVariant(devices=1)])
+    assert RecoverySettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink", nodes=[variant])).on_no_spare == "shrink"
     with pytest.raises(ValueError, match="checkpoint_every must be >= 0"):
         RecoverySettings.from_spec(pb.JobSpec(job="j", checkpoint_every=-1))
 

@@ -101,7 +101,19 @@ def test_shrink_places_the_slices_that_fit_at_full_size() -> None:
 
 def test_shrink_with_no_free_device_at_all_fails() -> None:
     got = plan_remap(cluster(worker("a", 2, held=[0, 1])), {"s": 2}, SHRINK)
-    assert isinstance(got, Fail) and "(the most free on one is 0; on_no_spare='shrink' needs at least one" in got.reason
+    assert isinstance(got, Fail) and "(the most free on one is 0; on_no_spare='shrink' needs a worker with at least 1" \
+        in got.reason
+
+
+def test_shrink_only_onto_the_counts_the_slice_was_exported_for() -> None:
+    snap = cluster(worker("a", 3), worker("b", 4, held=[0, 1, 2]))
+    got = plan_remap(snap, {"s": 4}, SHRINK, allowed={"s": (4, 2)})
+    assert got == Shrink(assignments=(Assignment("s", "a", (0, 1), 4),))
+    low = plan_remap(cluster(worker("a", 1), worker("b", 4, held=[0, 1, 2, 3])), {"s": 4}, SHRINK,
+                     allowed={"s": (4, 2)})
+    assert isinstance(low, Fail)
+    assert "needs a worker with at least 2 free devices for 's', the fewest it runs on (its device counts: [2, 4])" \
+        in low.reason and "lower the slice's minimum (devices=(min, max))" in low.reason
 
 
 def test_fail_names_the_slice_the_count_the_largest_free_and_the_setting() -> None:
@@ -109,8 +121,8 @@ def test_fail_names_the_slice_the_count_the_largest_free_and_the_setting() -> No
     assert got == Fail(missing={"stage2": 4}, reason=(
         "lost slice 'stage2' (4 devices) finds no live, uncordoned worker with that many free devices (the most "
         "free on one is 3; on_no_spare='fail'). To go on, add a worker with at least 4 free devices, or set "
-        "on_no_spare='wait' to wait for a worker or 'shrink' to restore onto fewer devices in the job's recovery "
-        "policy"))
+        "on_no_spare='wait' to wait for a worker, or declare the slice devices=(min, max) and set "
+        "on_no_spare='shrink' to restore onto fewer devices in the job's recovery policy"))
     two = plan_remap(cluster(worker("a", 3)), {"x": 4, "y": 6}, FAIL)
     assert isinstance(two, Fail) and two.reason.startswith("lost slices 'y' (6 devices), 'x' (4 devices) find no ")
     assert "at least 6 free devices" in two.reason
