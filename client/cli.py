@@ -256,15 +256,18 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every K steps (default: the program's).")
 @click.option("--keep-checkpoints", type=int, default=None,
               help="Committed checkpoints kept per slice besides the cut (default 3).")
-@click.option("--on-no-spare", type=click.Choice(["wait", "fail"]), default=None,
-              help="No spare for a lost slice: wait for one (default) or fail the job.")
+@click.option("--on-no-spare", type=click.Choice(["wait", "fail", "shrink"]), default=None,
+              help="No spare for a lost slice: wait for one (default), fail the job, or shrink (a slice declared "
+              "devices=(min, max) restores onto fewer devices and grows back later).")
+@click.option("--priority", type=int, default=None,
+              help="Higher first: with no free devices, slices of lower-priority jobs yield to this one (default 0).")
 @click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
 @click.option("--stall-timeout-s", type=float, default=None,
               help="No progress this long: job.stalled and a recovery of the workers it waits on (default 60).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
-        wait_timeout_s: float | None, stall_timeout_s: float | None) -> None:
+        wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -284,7 +287,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
                           steps=program.steps)
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
-                "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s}
+                "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
+                "priority": priority}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
@@ -407,5 +411,6 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 
 
 main.add_command(jobs_cli.status)
+main.add_command(jobs_cli.jobs)
 main.add_command(jobs_cli.resume)
 

@@ -1,4 +1,4 @@
-"""Operator commands for jobs: ``rallypoint status JOB`` and ``rallypoint resume JOB``.
+"""Operator commands for jobs: ``rallypoint jobs``, ``rallypoint status JOB`` and ``rallypoint resume JOB``.
 
 ``resume`` is for a whole-cluster loss (or a failed job): after a leader loss the new
 leader adopts every running job by itself, and clients follow it there.
@@ -38,6 +38,55 @@ def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
                               for s, cs in sorted(commits.items()) if cs}
     record["consistent_cut"] = consistent_cut(commits, list(record.get("placement") or commits)) if commits else None
     return record
+
+
+def job_rows(store: Any, keys: Any) -> list[dict[str, Any]]:
+    """One row per job of the cluster: priority, state, progress, devices held now, slices parked or moved."""
+    from collections import Counter
+
+    from rallypoint.etcd.cluster_view import job_records, read_cluster
+
+    records = job_records(store, keys)
+    snap = read_cluster(store, keys)
+    held = Counter(h.job for ws in snap.workers.values() for h in ws.holders.values())
+    yields, _ = store.get_prefix(keys.yields)
+    asked = Counter(keys.tail(kv.key, keys.yields)[0] for kv in yields)
+    rows = []
+    for job, r in sorted(records.items(), key=lambda kv: (-int(kv[1].get("priority", 0)), kv[0])):
+        rows.append({"job": job, "priority": int(r.get("priority", 0)), "state": r.get("state", ""),
+                     "step_done": r.get("step_done", 0), "steps": r.get("steps", 0), "devices_held": held.get(job, 0),
+                     "slices": {s: {"worker": p["worker"], "devices": len(p["devices"])}
+                                for s, p in sorted((r.get("placement") or {}).items())},
+                     "asked_to_yield": asked.get(job, 0), "recoveries": len(r.get("recoveries") or []),
+                     "drains": len(r.get("drains") or [])})
+    return rows
+
+
+@click.command()
+@cluster_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per job, per line.")
+def jobs(state_dir: Path, cluster: str | None, as_json: bool) -> None:
+    """List the cluster's jobs: priority, state, progress, devices held, placement."""
+    store, keys = store_and_keys(state_dir, cluster)
+    try:
+        rows = job_rows(store, keys)
+    finally:
+        store.close()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cluster {keys.cluster}: {len(rows)} jobs (highest priority first)")
+    for col in ("job", "priority", "state", "step", "devices held", "placement", "asked to yield"):
+        table.add_column(col)
+    for r in rows:
+        where = ", ".join(f"{s}@{p['worker']}x{p['devices']}" for s, p in r["slices"].items()) or "-"
+        table.add_row(r["job"], str(r["priority"]), r["state"], f"{r['step_done']}/{r['steps']}",
+                      str(r["devices_held"]), where, str(r["asked_to_yield"] or "-"))
+    Console(width=140).print(table)
 
 
 @click.command()

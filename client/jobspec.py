@@ -10,7 +10,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
-                   "log_limit_bytes", "stall_timeout_s")
+                   "log_limit_bytes", "stall_timeout_s", "priority")
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> pb.JobSpec:

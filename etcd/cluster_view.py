@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from rallypoint.etcd.cluster_records import ClusterSnapshot, Holder, WorkerInfo, WorkerSnapshot
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Get, Store
+from typing import Any
 
-__all__ = ["ClusterSnapshot", "Holder", "WorkerInfo", "WorkerSnapshot", "read_cluster"]
+from rallypoint.etcd.store import Get, KeyValue, Store
+
+__all__ = ["ClusterSnapshot", "Holder", "WorkerInfo", "WorkerSnapshot", "job_records", "parse_job_records", "read_cluster"]
 
 
 def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
@@ -37,3 +39,27 @@ def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
         )
     lost = {keys.tail(kv.key, keys.lost_workers)[0]: kv.json() for kv in lost_kv}
     return ClusterSnapshot(revision=r.revision, workers=workers, cordoned=cordoned, lost=lost)
+
+
+def parse_job_records(kvs: list[KeyValue], keys: Keys) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The job records among ``kvs`` (a read of ``keys.jobs``), and the jobs whose record is not JSON.
+
+    Checkpoint commits live below ``jobs/<job>/`` and are skipped.
+    """
+    records: dict[str, dict[str, Any]] = {}
+    bad: list[str] = []
+    for kv in kvs:
+        name = kv.key[len(keys.jobs):]
+        if not name or "/" in name:
+            continue
+        try:
+            records[name] = kv.json()
+        except ValueError:
+            bad.append(name)
+    return records, bad
+
+
+def job_records(store: Store, keys: Keys) -> dict[str, dict[str, Any]]:
+    """Every readable job record of the cluster, by job."""
+    kvs, _rev = store.get_prefix(keys.jobs)
+    return parse_job_records(kvs, keys)[0]

@@ -12,6 +12,8 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     drain/<worker>              a request to move the worker's slices off it (rallypoint.etcd.drains):
                                 {reason, by, at, deadline_s}; a preempted worker's is on its own lease
     drained/<worker>/<job>      what the job's leader did with it: {state: done | cancelled, ...}
+    yield/<job>/<slice>         a higher-priority job asks ``job`` to give up the slice's devices:
+                                {for, priority, at}; removed by the asking job once it is placed
     coordinators/<id>           a running coordinator, on its own lease
     leader                      the elected coordinator, on its lease; its create
                                 revision is the leader's term (the fencing token)
@@ -123,6 +125,16 @@ class Keys:
 
     def drain_result(self, worker: str, job: str) -> str:
         return f"{self.drain_results(worker)}{job}"
+
+    @property
+    def yields(self) -> str:
+        return f"{self.prefix}yield/"
+
+    def job_yields(self, job: str) -> str:
+        return f"{self.yields}{job}/"
+
+    def yield_slice(self, job: str, slice_name: str) -> str:
+        return f"{self.job_yields(job)}{slice_name}"
 
     # coordinators
     @property

@@ -5,7 +5,8 @@ in etcd (:mod:`rallypoint.etcd.drains`); the executor of every job with a slice 
 runs one :class:`Drain`, stepped from its loop (:meth:`Drain.step`)::
 
     LEASING -> SAVING -> MOVING -> RESUMING -> DONE
-       |          |         |
+       |          |   \       ^
+       |          |    PARKED +       (a yield: the devices go first, room is found later)
        |          +---------+--> ABORTED (a loss, or the job's end, came first)
        +--> CANCELLED (no spare, no checkpoints: nothing was changed)
 
@@ -17,6 +18,11 @@ runs one :class:`Drain`, stepped from its loop (:meth:`Drain.step`)::
   every-K schedule, committed like any other.
 * **SAVING**: until every instance of the worker's nodes below ``s`` is reported done
   and each of its slices with states committed ``s``. The slices are paused from then.
+* **PARKED** (a yield to a higher-priority job, ``park=True``): no spare is leased
+  first; once saved, the worker is unloaded and the slices' devices released for the
+  job that asked. The slices wait, the rest of the job runs as far as its inputs
+  allow, until that job has placed itself and room appears again (the same count,
+  or fewer when the job shrinks), which the drain leases.
 * **MOVING**: the spares load the slices from the checkpoint at ``s``, survivors are
   rewired and send their logged outputs of steps ``>= s``; the drained worker is
   unloaded (after its pushes arrived) and its device leases are released. Nothing
@@ -46,6 +52,7 @@ from rallypoint.orchestrator.placement import SlicePlace
 class DrainPhase(enum.Enum):
     LEASING = "leasing"
     SAVING = "saving"
+    PARKED = "parked"
     MOVING = "moving"
     RESUMING = "resuming"
     DONE = "done"
@@ -60,7 +67,8 @@ class DrainPhase(enum.Enum):
 D = DrainPhase
 TRANSITIONS: dict[DrainPhase, frozenset[DrainPhase]] = {
     D.LEASING: frozenset({D.SAVING, D.CANCELLED, D.ABORTED}),
-    D.SAVING: frozenset({D.MOVING, D.ABORTED}),
+    D.SAVING: frozenset({D.MOVING, D.PARKED, D.ABORTED}),
+    D.PARKED: frozenset({D.MOVING, D.ABORTED}),
     D.MOVING: frozenset({D.RESUMING, D.ABORTED}),
     D.RESUMING: frozenset({D.DONE}),
     D.DONE: frozenset(),
@@ -104,6 +112,14 @@ class DrainPort(abc.ABC):
 
         Raises :class:`~rallypoint.orchestrator.failures.WorkerCallFailed` (the executor turns it into a loss).
         """
+
+    @abc.abstractmethod
+    def park(self, worker: str, slices: list[str], step: int) -> None:
+        """Unload ``worker`` (after its pushes arrived) and release the slices' devices; they wait to be placed."""
+
+    @abc.abstractmethod
+    def room_for(self, need: Mapping[str, int], slices: list[str]) -> dict[str, SlicePlace] | None:
+        """Lease room for parked slices once the job they yielded to no longer waits (None: not yet)."""
 
     @abc.abstractmethod
     def devices_of(self, slice_name: str) -> int:
@@ -150,12 +166,13 @@ class Drain:
     """One drain of one job's slices on one worker (see the module doc)."""
 
     def __init__(self, port: DrainPort, number: int, request: DrainRequest, *, clock: Clock, log: Any,
-                 only: list[str] | None = None, target: Mapping[str, int] | None = None) -> None:
+                 only: list[str] | None = None, target: Mapping[str, int] | None = None, park: bool = False) -> None:
         """``only``: move just these slices of the worker (default: all of the job's there);
         ``target``: their device counts on the spares (default: the counts they have; a
-        grow asks for more)."""
+        grow asks for more); ``park``: give the devices up first, find room later (a yield)."""
         self.port, self.clock, self.log = port, clock, log
-        self.only, self.target = only, dict(target or {})
+        self.only, self.target, self.park = only, dict(target or {}), park
+        self.need: dict[str, int] = {}
         self.request = request
         self.phase = D.LEASING
         self.spares: dict[str, SlicePlace] = {}
@@ -183,6 +200,17 @@ class Drain:
             self._lease()
         if self.phase is D.SAVING and self.port.reached(self.record.slices, self.record.step):
             self.record.marks["saved"] = self.clock.monotonic()
+            if self.park:
+                self.port.park(self.worker, self.record.slices, self.record.step)
+                self._set(D.PARKED)
+            else:
+                self._set(D.MOVING)
+        if self.phase is D.PARKED:
+            got = self.port.room_for(self.need, self.record.slices)
+            if got is None:
+                return self.phase
+            self.spares = got
+            self.record.marks["room"] = self.clock.monotonic()
             self._set(D.MOVING)
         if self.phase is D.MOVING:
             self.port.move(self.worker, self.spares, self.record.step)
@@ -211,7 +239,13 @@ class Drain:
         if why:
             self._set(D.CANCELLED, why)
             return
-        need = {s: self.target.get(s, len(port.placement[s].devices)) for s in rec.slices}
+        need = self.need = {s: self.target.get(s, len(port.placement[s].devices)) for s in rec.slices}
+        if self.park:  # room is found after the devices went to the job that asked for them
+            rec.step = port.drain_step()
+            port.hold(self.worker, rec.step)
+            rec.marks["held"] = self.clock.monotonic()
+            self._set(D.SAVING)
+            return
         got = port.lease_spares(need, frozenset(port.loaded_workers()) | {self.worker})
         if isinstance(got, str):
             self._set(D.CANCELLED, f"cannot drain worker {self.worker}: {got}")
@@ -221,6 +255,11 @@ class Drain:
         port.hold(self.worker, rec.step)
         rec.marks["held"] = self.clock.monotonic()
         self._set(D.SAVING)
+
+    @property
+    def parked(self) -> list[str]:
+        """The slices this drain holds off every device right now (a recovery must place them)."""
+        return list(self.record.slices) if self.phase is D.PARKED else []
 
     def abort(self, reason: str) -> None:
         """A loss or the job's end came first: give back what the drain took; the request stays in etcd."""

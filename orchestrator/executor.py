@@ -38,25 +38,28 @@ import grpc
 import numpy as np
 
 from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.errors import AllocationError, NotLeader, RallypointError, StoreError
+from rallypoint.etcd.cluster_view import job_records, read_cluster
+from rallypoint.etcd.errors import AllocationError, NoSpareDevices, NotLeader, RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
-from rallypoint.etcd.store import Delete, Store
+from rallypoint.etcd.store import Delete, Put, Store
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S
 from rallypoint.orchestrator.job_drains import JobDrains
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
-from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
+from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES, TRANSITIONS, HandedOff, JobFailed, JobState
 from rallypoint.orchestrator.placement import SlicePlace, instances_per_step
 from rallypoint.orchestrator.recovery_machine import Recovery, classify_setback
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE, flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Setback, Source, decide
+from rallypoint.recovery.fairness import Holding, NoVictims, plan_preemption
+from rallypoint.recovery.remap import eligible
+from rallypoint.orchestrator.devices import Placement
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 
@@ -120,6 +123,7 @@ class JobExecutor(JobDrains):
         self._checked = float("-inf")
         self._t0 = clock.monotonic()
         self._stop_reason: str | None = None
+        self._asked: list[str] = []  # yield requests this job put (while it places itself)
         self._stop_lock = threading.Lock()
 
     # -- state ----------------------------------------------------------------------
@@ -216,8 +220,11 @@ class JobExecutor(JobDrains):
 
     def _place(self) -> None:
         leases = self.leases()
-        for s in self.spec.slices:
-            p = leases.allocate(self.spec.job, s.slice, self.devices_of(s.slice))
+        for s in sorted(self.spec.slices, key=lambda s: -self.devices_of(s.slice)):
+            try:
+                p = leases.allocate(self.spec.job, s.slice, self.devices_of(s.slice))
+            except NoSpareDevices:
+                p = self._take_from_lower_priority(s.slice)
             self.placement[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
         snap = read_cluster(self.store, self.keys)
         for name, p in self.placement.items():
@@ -227,6 +234,55 @@ class JobExecutor(JobDrains):
             self.placement[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
         self.event("job.placed", **{s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
                                     for s, p in self.placement.items()})
+
+    def _take_from_lower_priority(self, slice_name: str) -> Placement:
+        """No free room for the slice: ask lower-priority jobs to yield slices (``recovery.fairness``), then lease.
+
+        Raises the original :class:`NoSpareDevices` when no lower-priority slice makes room.
+        """
+        assert self.settings is not None
+        need = self.devices_of(slice_name)
+        snap = read_cluster(self.store, self.keys)
+        priorities = {j: int(r.get("priority", 0)) for j, r in job_records(self.store, self.keys).items()
+                      if r.get("state") not in FINAL_RECORD_STATES}
+        holdings = [Holding(job, sl, w, n, priorities[job])
+                    for w, ws in snap.workers.items()
+                    for (job, sl), n in Counter((h.job, h.slice) for h in ws.holders.values()).items()
+                    if job != self.spec.job and job in priorities]
+        free = {w: len(ws.free) for w, ws in snap.workers.items() if eligible(w, ws, snap)}
+        plan = plan_preemption({slice_name: need}, priority=self.spec.priority, free=free, holdings=holdings)
+        if isinstance(plan, NoVictims):
+            largest = max(free.values(), default=0)
+            raise NoSpareDevices(self.spec.job, slice_name, need, largest)
+        asked = [self.keys.yield_slice(v.job, v.slice) for v in plan.victims]
+        why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name, "at": time.time()})
+        self.writer.txn([], [Put(k, why) for k in asked])
+        victims = [f"{v.job}/{v.slice} (priority {v.priority}, on {v.worker})" for v in plan.victims]
+        self.log.warning("job.preempting", slice=slice_name, victims=victims)
+        self.event("job.waiting", reason=f"no free room for slice {slice_name!r} ({need} devices): taking "
+                   f"{', '.join(victims)} from lower-priority jobs", missing={slice_name: need}, victims=victims)
+        self._asked += asked
+        leases = self.leases()
+        t0 = self.clock.monotonic()
+        while True:
+            self.hold_term()
+            try:
+                return leases.allocate(self.spec.job, slice_name, need)
+            except NoSpareDevices:
+                if self.clock.monotonic() - t0 > self.settings.wait_timeout_s:
+                    raise JobFailed(f"slice {slice_name!r}: the lower-priority slices asked to yield ({', '.join(victims)})"
+                                    f" did not free {need} devices within wait_timeout_s="
+                                    f"{self.settings.wait_timeout_s:g}") from None
+                self.clock.sleep(0.1)
+
+    def _withdraw_yields(self) -> None:
+        """Placed (or ended): the lower-priority jobs may take devices back."""
+        if self._asked:
+            try:
+                self.writer.txn([], [Delete(k) for k in self._asked])
+                self._asked = []
+            except (StoreError, NotLeader) as exc:
+                self.log.warning("job.withdraw_failed", error=str(exc))
 
     def _load_all_from_cut(self) -> dict[str, str]:
         """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
@@ -421,13 +477,14 @@ class JobExecutor(JobDrains):
                              detection_s=max(now - self._last_heard.get(w, now) for w in lost))
         for m in self.machines:
             m.supersede(f"recovery {rec.number} started")
-        self.abort_drains(f"recovery {rec.number} started")
+        parked = self.abort_drains(f"recovery {rec.number} started")
         self.recoveries.append(rec)
         frontier = {n.name: self.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
         self.event("job.recovering", step=self.completed, recovery=rec.number, lost=lost)
         machine = Recovery(self, rec, lost, policy=self.settings.policy, budget=self.budget, clock=self.clock,
-                           log=self.log, frontier=frontier, microbatches=self.spec.microbatches, hooks=self.hooks)
+                           log=self.log, frontier=frontier, microbatches=self.spec.microbatches, hooks=self.hooks,
+                           parked=parked)
         self.machines.append(machine)
         machine.run_to_replay()
 
@@ -450,7 +507,10 @@ class JobExecutor(JobDrains):
         self._t0 = self.clock.monotonic()
         self._prepare()
         self._set_state(JobState.PLACING, adopted=self.adopted, resumed=self.resume)
-        self._place()
+        try:
+            self._place()
+        finally:
+            self._withdraw_yields()
         self._set_state(JobState.LOADING)
         lost = self._load_all_from_cut() if self.resume else self._lost_at_load(self.load(None, 0, {}), 0)
         self._set_state(JobState.RUNNING)

@@ -96,10 +96,10 @@ class JobCluster(RecoveryPort):
         record = {
             "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": self.completed,
             "term": self.term, "run_dir": str(self.run_dir or ""), "cut": self.cut,
-            "policy": self.settings.policy if self.settings else "",
+            "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
             "placement": {s: {"worker": p.worker, "devices": list(p.devices)} for s, p in self.placement.items()},
             "failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
-            "replayed_instances": dict(self.replayed), "at": time.time(), **fields,
+            "replayed_instances": dict(self.replayed), "resharded": self.resharded, "at": time.time(), **fields,
         }
         self.writer.txn([], [Put(self.keys.job(self.spec.job), json.dumps(record))])
 

@@ -17,13 +17,13 @@ from typing import Any
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_requests
 from rallypoint.etcd.errors import NotLeader, StoreError
-from rallypoint.etcd.store import Put
+from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.drain import Drain, DrainPhase, DrainPort, DrainRecord
 from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.orchestrator.job_cluster import JobCluster
-from rallypoint.orchestrator.job_state import JobState
+from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES, JobState
 from rallypoint.orchestrator.placement import SlicePlace
-from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
+from rallypoint.recovery.remap import Remap, RemapPolicy, Shrink, plan_remap
 
 FLUSH_S = 30.0  # how long a drained worker gets to deliver the pushes it had sent before it was unloaded
 LEASE_ATTEMPTS = 4  # fresh plans after losing a race for spare devices
@@ -40,6 +40,9 @@ class JobDrains(JobCluster, DrainPort):
         self.log_floor: dict[str, int] = {}  # node -> the first step its output log holds, when past the cut
         self._saved: set[tuple[str, int]] = set()  # (slice, step) commits heard
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
+
+    def record(self, **fields: Any) -> None:
+        super().record(drains=[d.to_json() for d in self.drain_records], **fields)
 
     @abc.abstractmethod
     def _recover(self, lost: dict[str, str]) -> None:
@@ -60,7 +63,28 @@ class JobDrains(JobCluster, DrainPort):
             if self.granted >= self.spec.steps:
                 continue  # every step is granted: the job ends soon and frees the worker anyway
             self.start_drain(req)
+        self.poll_yields()
         self.poll_grow()
+
+    def poll_yields(self) -> None:
+        """A higher-priority job asked for some of this job's slices: park them (save, release, wait for room)."""
+        if self.drains or self.state is not JobState.RUNNING or self.granted >= self.spec.steps:
+            return
+        try:
+            kvs, _rev = self.store.get_prefix(self.keys.job_yields(self.spec.job))
+        except StoreError:
+            return
+        asked = {self.keys.tail(kv.key, self.keys.job_yields(self.spec.job))[0]: kv.json() for kv in kvs}
+        by_worker: dict[str, list[str]] = {}
+        for s in sorted(asked):
+            if s in self.placement and self.placement[s].worker in self.workers:
+                by_worker.setdefault(self.placement[s].worker, []).append(s)
+        for worker, slices in sorted(by_worker.items()):
+            why = asked[slices[0]]
+            self.log.warning("drain.yield", slices=slices, to=why.get("for"), priority=why.get("priority"))
+            self.start_drain(DrainRequest(worker, "yield", f"job {why.get('for')}", time.time(), 0.0), only=slices,
+                             park=True)
+            return  # one at a time
 
     def poll_grow(self) -> None:
         """A slice running on fewer devices than declared (shrunk) moves back onto a worker with room for all of
@@ -93,6 +117,8 @@ class JobDrains(JobCluster, DrainPort):
 
     def step_drains(self) -> None:
         """Advance every drain in flight; a worker call that fails turns into the ordinary loss path."""
+        if any(d.parked for d in self.drains.values()) and self.watchdog is not None:
+            self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
         for worker, d in list(self.drains.items()):
             try:
                 phase = d.step()
@@ -105,11 +131,16 @@ class JobDrains(JobCluster, DrainPort):
                 self.drains.pop(worker, None)
                 self._answer(d)
 
-    def abort_drains(self, reason: str) -> None:
-        """A loss or the job's end: every drain in flight gives back what it took (the requests stay)."""
+    def abort_drains(self, reason: str) -> list[str]:
+        """A loss or the job's end: every drain in flight gives back what it took (the requests stay).
+
+        Returns the slices that were parked (off every device): the recovery must place them.
+        """
+        parked = sorted(s for d in self.drains.values() for s in d.parked)
         for d in self.drains.values():
             d.abort(reason)
         self.drains.clear()
+        return parked
 
     def _answer(self, d: Drain) -> None:
         rec = d.record
@@ -163,17 +194,20 @@ class JobDrains(JobCluster, DrainPort):
                     "state through one; give the coordinator a --checkpoint-dir (or the job a checkpoint_dir)")
         return ""
 
-    def lease_spares(self, need: Mapping[str, int], exclude: frozenset[str]) -> dict[str, SlicePlace] | str:
+    def lease_spares(self, need: Mapping[str, int], exclude: frozenset[str], *,
+                     shrink: bool = False) -> dict[str, SlicePlace] | str:
+        """``shrink``: fewer devices will do when the job allows it (on_no_spare='shrink')."""
         leases = self.leases()
         placed: dict[str, SlicePlace] = {}
+        allow_shrink = shrink and self.settings is not None and self.settings.on_no_spare == "shrink"
         for _ in range(LEASE_ATTEMPTS):
             todo = {s: n for s, n in need.items() if s not in placed}
             if not todo:
                 return placed
             snap = self.until_etcd("reading the cluster", lambda: read_cluster(self.store, self.keys))
-            decision = plan_remap(snap, todo, RemapPolicy(on_no_spare="fail"),
-                                  exclude=exclude | {p.worker for p in placed.values()})
-            if not isinstance(decision, Remap):
+            decision = plan_remap(snap, todo, RemapPolicy(on_no_spare="shrink" if allow_shrink else "fail"),
+                                  exclude=exclude | {p.worker for p in placed.values()}, allowed=self.device_counts)
+            if not isinstance(decision, Remap | Shrink):
                 self.release_spares(placed)
                 return getattr(decision, "reason", f"no spare devices ({type(decision).__name__})").replace(
                     "lost slice", "slice")
@@ -185,6 +219,38 @@ class JobDrains(JobCluster, DrainPort):
                     placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
         self.release_spares(placed)
         return "other jobs kept taking the free devices first; ask again"
+
+    def park(self, worker: str, slices: list[str], step: int) -> None:
+        self.workers.unload(worker, flush_s=FLUSH_S)
+        self.forget(worker)
+        self.holds.pop(worker, None)
+        leases = self.leases()
+        for s in slices:
+            self.until_etcd("releasing a yielded slice's devices",
+                            lambda s=s: leases.release(self.spec.job, s, worker=worker))
+        self.log.info("drain.parked", slices=slices, step=step)
+        self.event("job.yielded", step=step, slices=slices, worker=worker)
+
+    def room_for(self, need: Mapping[str, int], slices: list[str]) -> dict[str, SlicePlace] | None:
+        try:
+            kvs, _rev = self.store.get_prefix(self.keys.job_yields(self.spec.job))
+            pending = {self.keys.tail(kv.key, self.keys.job_yields(self.spec.job))[0]: kv.json() for kv in kvs}
+            waiting = [w for s, w in pending.items() if s in slices and not self._asker_ended(str(w.get("for", "")))]
+        except StoreError:
+            return None
+        if waiting:
+            return None  # the job that asked has not placed itself yet: do not take the devices back
+        got = self.lease_spares(need, frozenset(self.loaded_workers()), shrink=True)
+        if isinstance(got, str):
+            return None
+        for s in slices:  # what the asking job left behind, if it ended without removing it
+            self.until_etcd("removing a yield request", lambda s=s: self.writer.txn(
+                [], [Delete(self.keys.yield_slice(self.spec.job, s))]))
+        return got
+
+    def _asker_ended(self, job: str) -> bool:
+        kv = self.store.get(self.keys.job(job)) if job else None
+        return kv is None or kv.json().get("state") in FINAL_RECORD_STATES
 
     def release_spares(self, places: Mapping[str, SlicePlace]) -> None:
         leases = self.leases()

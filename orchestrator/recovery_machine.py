@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -230,11 +230,15 @@ class Recovery:
 
     def __init__(self, port: RecoveryPort, record: RecoveryRecord, lost: Mapping[str, str], *, policy: str,
                  budget: Budget, clock: Clock, log: Any, frontier: Mapping[str, int], microbatches: int,
-                 hooks: ExecutorHooks = ExecutorHooks()) -> None:
+                 hooks: ExecutorHooks = ExecutorHooks(), parked: Iterable[str] = ()) -> None:
+        """``parked``: slices a yield had taken off every device (``drain.py``); they are placed
+        and restored like the lost ones."""
         self.port, self.record, self.budget, self.clock, self.log, self.hooks = port, record, budget, clock, log, hooks
         self.microbatches = microbatches
         self.frontier = dict(frontier)  # every node -> the step it had reached when the loss was noticed
         self.data = RecoveryData(policy=policy)
+        self.data.lost_slices.update(parked)
+        self.data.unplaced.update(parked)
         self.state: RecoveryState = Fencing(dict(lost))
 
     @property

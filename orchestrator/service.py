@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from rallypoint.etcd.cluster_view import parse_job_records
 from rallypoint.etcd.errors import RallypointError, StoreError
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
@@ -299,16 +300,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except StoreError as exc:
             self.log.warning("job.adoption_scan_failed", term=term, error=str(exc))
             return
-        records = []
-        for kv in kvs:
-            name = kv.key[len(self.c.keys.jobs):]
-            if not name or "/" in name:
-                continue  # checkpoint commits live under jobs/<job>/
-            try:
-                records.append((name, kv.json()))
-            except ValueError:
-                self.log.warning("job.adoption_impossible", job=name, reason="the job record is not JSON")
-        for job, record in records:
+        parsed, bad = parse_job_records(kvs, self.c.keys)
+        for name in bad:
+            self.log.warning("job.adoption_impossible", job=name, reason="the job record is not JSON")
+        for job, record in parsed.items():
             if not self._term_holds(term):
                 return
             state = record.get("state", "")

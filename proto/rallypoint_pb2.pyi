@@ -409,7 +409,7 @@ class UnloadJobResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class JobSpec(_message.Message):
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LOG_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -440,7 +441,8 @@ class JobSpec(_message.Message):
     wait_timeout_s: float
     log_limit_bytes: int
     stall_timeout_s: float
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ...) -> None: ...
+    priority: int
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("job", "checkpoint_dir")

@@ -33,6 +33,7 @@ class FakeJob(DrainPort):
         self.spares, self.checkpoints = spares, checkpoints
         self.granted, self.done_at, self.calls = 12, 0, []  # type: ignore[var-annotated]
         self.move_fails: WorkerCallFailed | None = None
+        self.room: dict[str, SlicePlace] | None = None
 
     def drain_step(self) -> int:
         return self.granted
@@ -60,6 +61,13 @@ class FakeJob(DrainPort):
         if self.move_fails is not None:
             raise self.move_fails
         self.placement.update(places)
+
+    def park(self, worker: str, slices: list[str], step: int) -> None:
+        self.calls.append(("park", worker, slices, step))
+
+    def room_for(self, need: Mapping[str, int], slices: list[str]) -> dict[str, SlicePlace] | None:
+        self.calls.append(("room", dict(need)))
+        return self.room
 
     def devices_of(self, slice_name: str) -> int:
         return 1
@@ -153,3 +161,28 @@ def test_every_transition_the_machine_takes_is_declared() -> None:
     with pytest.raises(AssertionError, match="no transition saving -> done"):
         d.phase = D.SAVING
         d._set(D.DONE)
+
+
+def test_a_yield_parks_the_slice_without_a_spare_then_moves_it_once_room_returns() -> None:
+    job = FakeJob(spares=False)
+    d = Drain(job, 1, DrainRequest("w1", "yield", "job high", 0.0, 0.0), clock=FakeClock(), log=Log(), only=["a"],
+              park=True)
+    assert d.step() is D.SAVING and not any(c[0] == "lease" for c in job.calls)
+    job.done_at = 12
+    assert d.step() is D.PARKED and ("park", "w1", ["a"], 12) in job.calls and d.parked == ["a"]
+    assert d.step() is D.PARKED  # no room yet
+    job.room = {"a": SlicePlace("w5", "w5:1", 3, (0,))}
+    assert d.step() is D.RESUMING and job.calls[-1] == ("move", "w1", ["a"], 12) and d.parked == []
+    d.observe("w5", "a", 12)
+    assert d.step() is D.DONE and d.record.to_json()["paused_s"] is not None
+
+
+def test_an_aborted_park_leaves_its_slices_for_the_recovery() -> None:
+    job = FakeJob()
+    d = Drain(job, 1, DrainRequest("w1", "yield", "job high", 0.0, 0.0), clock=FakeClock(), log=Log(), park=True)
+    d.step()
+    job.done_at = 12
+    d.step()
+    assert d.parked == ["a", "c"]
+    d.abort("recovery 1 started")
+    assert d.phase is D.ABORTED and not any(c[0] == "release" for c in job.calls)
