@@ -98,6 +98,16 @@ class ScenarioRun:
         self.outcome: dict[str, Any] = {"state": "failed", "reason": "not run"}
         self.detail: dict[str, Any] = {}
         self._channel: grpc.Channel | None = None
+        self.second: Any = None  # (compiled, reference digest) of the scenario's [second_job]
+        self.second_outcome: dict[str, Any] = {}
+        if scenario.second_job is not None:
+            from rallypoint.client.compile import compile_program
+            from rallypoint.client.jobfile import load_program
+            from rallypoint.client.reference import ReferenceExecutor
+
+            prog = load_program(scenario.second_job.job_file, steps=scenario.second_job.steps)
+            other = compile_program(prog)
+            self.second = (other, ReferenceExecutor(other).run().state_digest)
         self._last_event = time.monotonic()
 
     # -- the job --------------------------------------------------------------------------
@@ -150,6 +160,36 @@ class ScenarioRun:
         self.final_states = {v.state: [codec.from_tensor(t) for t in v.leaves] for v in ev.states}
         state = "finished" if ev.event == "job.finished" else "failed"
         self.outcome = {"state": state, "reason": self.detail.get("reason", "")}
+
+    def _second_job(self) -> None:
+        """Submit the scenario's second job once the first reaches its step; follow it to its end."""
+        from rallypoint.client.submit import JobError, submit
+
+        threading.current_thread().name = "second-job"
+        sj = self.s.second_job
+        assert sj is not None and self.second is not None
+        while self.completed < sj.at_step and not self.done.is_set():
+            time.sleep(0.05)
+        if self.done.is_set():
+            self.second_outcome = {"state": "not submitted", "reason": "the first job ended first"}
+            return
+        self.say({"event": "chaos.second_job", "job": self.second[0].name, "priority": sj.priority,
+                  "step": self.completed})
+        t0 = time.monotonic()
+        try:
+            r = submit(self.second[0], endpoints=self.lc.endpoints, cluster=self.lc.keys.cluster, priority=sj.priority)
+            self.second_outcome = {"state": "finished", "digest": r.state_digest, "wall_s": round(time.monotonic() - t0, 3),
+                                   "recoveries": len(r.recovery.get("recoveries", []))}
+        except (JobError, RallypointError) as exc:
+            self.second_outcome = {"state": "failed", "reason": str(exc)}
+
+    def _check_second(self) -> Check:
+        name, want = self.second[0].name, self.second[1]
+        got = self.second_outcome
+        if got.get("state") != "finished":
+            return Check("second-job", False, f"job {name} did not finish: {got}")
+        return Check("second-job", got["digest"] == want, f"job {name} (priority {self.s.second_job.priority}) "
+                     f"digest {got['digest']} {'==' if got['digest'] == want else '!='} its reference {want} (bitwise)")
 
     def _watchdog(self, t0: float) -> None:
         """End the run past its time bound (a hung leader is the follower's to see: it switches by itself)."""
@@ -243,16 +283,18 @@ class ScenarioRun:
         t0 = time.monotonic()
         try:
             spec = job_spec(self.compiled, window=s.window, policy=s.policy, checkpoint_every=s.checkpoint_every,
-                            on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s)
+                            on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s, priority=s.priority)
             threads = [threading.Thread(target=self._scheduler, args=(schedule, t0), daemon=True),
                        threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]
+            if self.second is not None:
+                threads.append(threading.Thread(target=self._second_job, daemon=True))
             for th in threads:
                 th.start()
             self._follow(spec)
             wall = time.monotonic() - t0
             self.done.set()
             for th in threads:
-                th.join(timeout=30)
+                th.join(timeout=30 if th.name != "second-job" else s.time_bound_s)
             evidence = self._evidence()
         finally:
             self.done.set()
@@ -275,6 +317,8 @@ class ScenarioRun:
             check_outcome(self.outcome["state"], self.outcome.get("reason", ""), wall, expect=s.expect_outcome,
                           expect_reason=s.expect_reason, time_bound_s=s.time_bound_s),
         ]
+        if self.second is not None:
+            checks.append(self._check_second())
         if s.expect_outcome == "failed":  # the state of a job expected to fail is not compared
             checks[0] = Check("final-state-digest", True, "not compared: the scenario expects the job to fail")
             checks[1] = Check("applied-exactly-once", True, "not checked: the scenario expects the job to fail")
@@ -335,6 +379,7 @@ class ScenarioRun:
                         "time_bound_s": s.time_bound_s},
             "faults": self.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
             "resumes": self.resumes, "recoveries": recoveries,
+            "second_job": self.second_outcome or None,
             "drains": self.detail.get("drains") or self.drains, "resharded": self.detail.get("resharded") or [],
             "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),

@@ -21,6 +21,12 @@ etcd_members = 1                    # 3 for the etcd faults
 lease_ttl_s = 2
 compile_cache = true                # the workers' shared compilation cache (false: every load compiles)
 
+[second_job]                        # optional: another job on the same cluster, submitted mid-run
+file = "examples/urgent.py"
+priority = 10                       # the first job's priority: [job] priority (default 0)
+at_step = 10                        # submitted once the first job reaches this step
+steps = 40
+
 [expect]
 outcome = "finished"                # or "failed", with `reason` a regular expression
 time_bound_s = 180
@@ -85,6 +91,16 @@ class FaultSpec:
 
 
 @dataclass(frozen=True)
+class SecondJob:
+    """Another job submitted on the same cluster once the first reaches ``at_step``; it must finish bitwise."""
+
+    job_file: Path
+    at_step: int
+    priority: int = 0
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
 class RandomFaults:
     seed: int
     mtbf_s: float
@@ -119,6 +135,8 @@ class Scenario:
     faults: tuple[FaultSpec, ...] = ()
     random: RandomFaults | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    second_job: SecondJob | None = None
 
     def with_seed(self, seed: int) -> Scenario:
         """The scenario with its random faults drawn from ``seed`` instead."""
@@ -167,6 +185,15 @@ def _unknown(table: dict[str, Any], known: set[str], where: str) -> None:
         raise ConfigError(f"{where}: unknown keys {extra}; known: {sorted(known)}")
 
 
+def _job_file(path: Path, file: str, where: str) -> Path:
+    if not file:
+        raise ConfigError(f"{where}.file: name the job file (e.g. examples/pipeline_mlp.py)")
+    job_file = (path.parent / file) if (path.parent / file).exists() else ROOT / file
+    if not job_file.exists():
+        raise ConfigError(f"{where}.file: {file!r} exists neither beside the scenario nor in {ROOT}")
+    return job_file
+
+
 def load_scenario(path: Path) -> Scenario:
     """Read and check a scenario file.
 
@@ -183,20 +210,25 @@ def load_scenario(path: Path) -> Scenario:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"scenario {path} is not valid TOML: {exc}") from None
     w = str(path)
-    _unknown(data, {"name", "description", "job", "cluster", "expect", "faults", "random"}, w)
+    _unknown(data, {"name", "description", "job", "cluster", "expect", "faults", "random", "second_job"}, w)
     name = _get(data, "name", str, w) or path.stem
     job = _get(data, "job", dict, w, {})
-    _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s"},
-             f"{w} [job]")
+    _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s",
+                   "priority"}, f"{w} [job]")
     on_no_spare = _get(job, "on_no_spare", str, f"{w} [job]", "wait")
     if on_no_spare not in ("wait", "fail", "shrink"):
         raise ConfigError(f"{w} [job].on_no_spare: {on_no_spare!r} is not 'wait', 'fail' or 'shrink'")
-    file = _get(job, "file", str, f"{w} [job]")
-    if not file:
-        raise ConfigError(f"{w} [job].file: name the job file (e.g. examples/pipeline_mlp.py)")
-    job_file = (path.parent / file) if (path.parent / file).exists() else ROOT / file
-    if not job_file.exists():
-        raise ConfigError(f"{w} [job].file: {file!r} exists neither beside the scenario nor in {ROOT}")
+    job_file = _job_file(path, _get(job, "file", str, f"{w} [job]", ""), f"{w} [job]")
+    second = None
+    if "second_job" in data:
+        sj = _get(data, "second_job", dict, w)
+        where = f"{w} [second_job]"
+        _unknown(sj, {"file", "priority", "at_step", "steps"}, where)
+        at = _get(sj, "at_step", int, where, 0)
+        if at < 1:
+            raise ConfigError(f"{where}.at_step: submit the second job at a step >= 1")
+        second = SecondJob(_job_file(path, _get(sj, "file", str, where, ""), where), at,
+                           _get(sj, "priority", int, where, 0), _get(sj, "steps", int, where))
     policy = _get(job, "policy", str, f"{w} [job]", "partial")
     if policy not in ("partial", "restart-all"):
         raise ConfigError(f"{w} [job].policy: {policy!r} is not 'partial' or 'restart-all'")
@@ -262,7 +294,7 @@ def load_scenario(path: Path) -> Scenario:
         compile_cache=_get(cluster, "compile_cache", bool, f"{w} [cluster]", True),
         expect_outcome=outcome, expect_reason=_get(expect, "reason", str, f"{w} [expect]", ""),
         time_bound_s=float(_get(expect, "time_bound_s", (int, float), f"{w} [expect]", 300.0)),
-        faults=tuple(faults), random=rnd,
+        faults=tuple(faults), random=rnd, priority=_get(job, "priority", int, f"{w} [job]", 0), second_job=second,
     )
     etcd_kinds = {"etcd_kill", "etcd_quorum"} & s.kinds
     if etcd_kinds and s.etcd_members != 3:

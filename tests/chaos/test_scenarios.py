@@ -59,6 +59,12 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
         assert shrunk["to"] < shrunk["from"] and grown["to"] == shrunk["from"], summary["resharded"]
         digest = next(c for c in summary["invariants"] if c["name"] == "final-state-digest")
         assert "within a tolerance, not bitwise" in digest["evidence"], digest
+    if s.second_job is not None:
+        # Two jobs shared the pool: the higher-priority one took a slice, which was given back with no lost work.
+        assert summary["second_job"]["state"] == "finished", summary["second_job"]
+        yields = [d for d in summary["drains"] if d["reason"] == "yield"]
+        assert yields and all(d["state"] == "done" and d["replayed_instances"] == 0 for d in yields), summary["drains"]
+        assert next(c for c in summary["invariants"] if c["name"] == "exclusive-device-leases")["ok"]
     if "hang" in kinds:
         assert all(f["detail"]["zombie_refused"] for f in summary["faults"] if f["kind"] == "hang")
     if kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
