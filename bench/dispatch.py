@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,6 +45,16 @@ from rallypoint.client.reference import ReferenceExecutor  # noqa: E402
 from rallypoint.client.submit import submit  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 from rallypoint.etcd.logs import configure  # noqa: E402
+
+
+def pipeline_args(ap: Any, *, steps: int = 60, every: int = 10) -> None:
+    """The options every recovery-style benchmark takes: the heavier pipeline, its checkpoints, repeats."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--every", type=int, default=every, help="checkpoint every K steps")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--microbatch-size", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
 
 
 def pipeline_module():  # type: ignore[no-untyped-def]

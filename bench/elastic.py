@@ -33,7 +33,7 @@ from rallypoint.client.compile import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)
 
-from bench.dispatch import pipeline_module  # noqa: E402
+from bench.dispatch import pipeline_args, pipeline_module  # noqa: E402
 from rallypoint.client.compile import compile_program  # noqa: E402
 from rallypoint.client.faults import Fault, FaultInjector  # noqa: E402
 from rallypoint.client.submit import submit  # noqa: E402
@@ -65,14 +65,9 @@ def median(xs: list[float]) -> float | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--microbatch-size", type=int, default=256)
+    pipeline_args(ap)
     ap.add_argument("--slices", default="stage1,stage2", help="the slices whose worker is drained, then killed")
     ap.add_argument("--at", type=int, default=27, help="the step of the drain and of the kill")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args()
     configure(level="error")
     compiled = compile_program(pipeline_module().build(steps=args.steps, width=args.width,

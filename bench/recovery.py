@@ -38,7 +38,7 @@ from rallypoint.client.compile import ensure_host_devices  # noqa: E402
 
 ensure_host_devices(8)
 
-from bench.dispatch import pipeline_module  # noqa: E402
+from bench.dispatch import pipeline_args, pipeline_module  # noqa: E402
 from rallypoint.client.compile import compile_program  # noqa: E402
 from rallypoint.client.faults import Fault, FaultInjector  # noqa: E402
 from rallypoint.client.submit import submit  # noqa: E402
@@ -80,13 +80,8 @@ def median(xs: list[float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--microbatch-size", type=int, default=256)
+    pipeline_args(ap)
     ap.add_argument("--kills", default="stage1@17,stage3@34,stage2@47", help="SLICE@STEP,...")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args()
     configure(level="error")
     kills = [Fault(s, s, int(st)) for s, st in (k.split("@") for k in args.kills.split(","))]

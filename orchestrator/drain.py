@@ -4,10 +4,9 @@ An operator (``rallypoint drain WORKER``) or a preempted worker (SIGTERM) asks f
 in etcd (:mod:`rallypoint.etcd.drains`); the executor of every job with a slice there
 runs one :class:`Drain`, stepped from its loop (:meth:`Drain.step`)::
 
-    LEASING -> SAVING -> MOVING -> RESUMING -> DONE
-       |          |   \       ^
-       |          |    PARKED +       (a yield: the devices go first, room is found later)
-       |          +---------+--> ABORTED (a loss, or the job's end, came first)
+    LEASING -> SAVING --------> MOVING -> RESUMING -> DONE
+       |          |  `-> PARKED -^     (a yield: the devices go first, room is found later)
+       |          +----------+-------> ABORTED (a loss, or the job's end, came first)
        +--> CANCELLED (no spare, no checkpoints: nothing was changed)
 
 * **LEASING**: lease spare devices for every slice of the job on the worker (the

@@ -14,14 +14,14 @@ import abc
 import json
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from rallypoint.etcd.clock import Clock
-from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path, consistent_cut, read_commit_records, \
     read_commits
 from rallypoint.etcd.errors import StoreError
@@ -37,7 +37,7 @@ from rallypoint.orchestrator.job_workers import JobWorkers
 from rallypoint.orchestrator.placement import SlicePlace, device_counts, load_requests
 from rallypoint.orchestrator.recovery_machine import Commits, RecoveryPort
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.remap import Fail, Remap, RemapPolicy, Shrink, Wait, plan_remap
+from rallypoint.recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, plan_remap
 from rallypoint.recovery.replay import Graph, ReplayPlan
 
 ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
@@ -227,6 +227,22 @@ class JobCluster(RecoveryPort):
                 lost[w] = "its etcd registration is gone (lease expired or fenced)"
         return lost
 
+    def lease_assignment(self, snap: ClusterSnapshot, a: Assignment, leases: DeviceLeases,
+                         placed: dict[str, SlicePlace]) -> bool:
+        """Lease the devices the remap policy chose for one slice into ``placed``; False: another holder won them."""
+        p = self.until_etcd("leasing spare devices", lambda: leases.lease(self.spec.job, a.slice, a.worker, a.devices))
+        if p is None:
+            return False
+        info = snap.workers[a.worker].info
+        placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+        return True
+
+    def release_on(self, worker: str, slices: Iterable[str], what: str) -> None:
+        """Release the devices the job's ``slices`` hold on ``worker`` (etcd outages ridden out)."""
+        leases = self.leases()
+        for s in slices:
+            self.until_etcd(what, lambda s=s: leases.release(self.spec.job, s, worker=worker))
+
     def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
         """Lease spare devices for each lost slice per the job's policy (waits, or fails the job)."""
         assert self.settings is not None
@@ -244,16 +260,11 @@ class JobCluster(RecoveryPort):
                                   allowed=self.device_counts)
             if isinstance(decision, Remap | Shrink):
                 for a in decision.assignments:
-                    p = self.until_etcd("leasing spare devices",
-                                        lambda a=a: leases.lease(self.spec.job, a.slice, a.worker, a.devices))
-                    if p is not None:
-                        info = snap.workers[a.worker].info
-                        placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
-                        if a.shrunk:
-                            self.resharded.append({"slice": a.slice, "from": a.needed, "to": len(a.devices),
-                                                   "why": f"recovery {record.number}: no spare with {a.needed} "
-                                                          "devices (on_no_spare='shrink')", "at": time.time()})
-                            self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
+                    if self.lease_assignment(snap, a, leases, placed) and a.shrunk:
+                        self.resharded.append({"slice": a.slice, "from": a.needed, "to": len(a.devices),
+                                               "why": f"recovery {record.number}: no spare with {a.needed} "
+                                                      "devices (on_no_spare='shrink')", "at": time.time()})
+                        self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
                 continue
             if isinstance(decision, Wait):
                 if not told:

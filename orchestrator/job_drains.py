@@ -212,11 +212,7 @@ class JobDrains(JobCluster, DrainPort):
                 return getattr(decision, "reason", f"no spare devices ({type(decision).__name__})").replace(
                     "lost slice", "slice")
             for a in decision.assignments:
-                p = self.until_etcd("leasing spare devices",
-                                    lambda a=a: leases.lease(self.spec.job, a.slice, a.worker, a.devices))
-                if p is not None:
-                    info = snap.workers[a.worker].info
-                    placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+                self.lease_assignment(snap, a, leases, placed)
         self.release_spares(placed)
         return "other jobs kept taking the free devices first; ask again"
 
@@ -224,10 +220,7 @@ class JobDrains(JobCluster, DrainPort):
         self.workers.unload(worker, flush_s=FLUSH_S)
         self.forget(worker)
         self.holds.pop(worker, None)
-        leases = self.leases()
-        for s in slices:
-            self.until_etcd("releasing a yielded slice's devices",
-                            lambda s=s: leases.release(self.spec.job, s, worker=worker))
+        self.release_on(worker, slices, "releasing a yielded slice's devices")
         self.log.info("drain.parked", slices=slices, step=step)
         self.event("job.yielded", step=step, slices=slices, worker=worker)
 
@@ -253,9 +246,8 @@ class JobDrains(JobCluster, DrainPort):
         return kv is None or kv.json().get("state") in FINAL_RECORD_STATES
 
     def release_spares(self, places: Mapping[str, SlicePlace]) -> None:
-        leases = self.leases()
         for s, p in places.items():
-            self.until_etcd("releasing spare devices", lambda s=s, p=p: leases.release(self.spec.job, s, worker=p.worker))
+            self.release_on(p.worker, [s], "releasing spare devices")
 
     def hold(self, worker: str, step: int | None) -> None:
         if step is None:
@@ -281,10 +273,7 @@ class JobDrains(JobCluster, DrainPort):
         self.workers.unload(worker, flush_s=FLUSH_S)  # what it pushed before it stopped arrives first
         self.forget(worker)
         self.holds.pop(worker, None)
-        leases = self.leases()
-        for s in places:
-            self.until_etcd("releasing the drained devices",
-                            lambda s=s: leases.release(self.spec.job, s, worker=worker))
+        self.release_on(worker, places, "releasing the drained devices")
         commits = self.commits()
         new = {p.worker for p in places.values()} - set(self.loaded_workers())
         failures = self.load(new, step, commits)
