@@ -28,8 +28,9 @@ from typing import Any
 from rallypoint.etcd.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
-from rallypoint.workers.checkpoint import SliceCheckpointer, States, restore_commit
+from rallypoint.workers.checkpoint import CheckpointCorrupt, SliceCheckpointer, States, restore_commit
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
+from rallypoint.workers.runtime_state import LoadError, RestoreError
 
 CommitFn = Callable[[CheckpointCommit], None]
 
@@ -42,6 +43,24 @@ def restore(req: pb.LoadJobRequest) -> dict[str, States]:
     """
     return {ref.slice: restore_commit(CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum))
             for ref in req.restore}
+
+
+def restore_for_load(req: pb.LoadJobRequest) -> dict[str, States]:
+    """What a runtime starting at ``req.start_step`` (> 0) restores, every slice with states included.
+
+    Raises:
+        LoadError: a slice with states has no checkpoint in the request.
+        RestoreError: a checkpoint does not read back as committed (typed: the executor drops its commit).
+    """
+    missing = sorted({sa.slice for sa in req.slices if any(st.slice == sa.slice for st in req.states)}
+                     - {ref.slice for ref in req.restore})
+    if missing:
+        raise LoadError(f"start step {req.start_step} needs a checkpoint of slices {missing} to restore")
+    try:
+        return restore(req)
+    except CheckpointCorrupt as exc:
+        raise RestoreError(f"corrupt checkpoint slice={exc.commit.slice_name} step={exc.commit.step}: {exc}",
+                           slice_name=exc.commit.slice_name, step=exc.commit.step) from exc
 
 
 class JobCheckpoints:

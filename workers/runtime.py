@@ -35,7 +35,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,14 +43,13 @@ import numpy as np
 from rallypoint.etcd.errors import RallypointError
 from rallypoint.etcd.logs import get_logger
 from rallypoint.proto import codec, rallypoint_pb2 as pb
-from rallypoint.workers.checkpoint import CheckpointCorrupt
-from rallypoint.workers.job_checkpoints import NO_FAULTS, CommitFn, JobCheckpoints, WorkerFaults, restore
+from rallypoint.workers.job_checkpoints import NO_FAULTS, CommitFn, JobCheckpoints, WorkerFaults, restore_for_load
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.records import InstanceRecords
 from rallypoint.workers.runtime_state import (DeliveryError, Inbox, Key, Leaves, LoadError, NodeProgress, RestoreError,
                                    StateVersions, runs_at, running_steps)
-from rallypoint.workers.transfer import NotAllowed, PeerChannels
+from rallypoint.workers.transfer import NotAllowed, PeerChannels, PushPools
 
 B = pb.InputBinding
 Admit = Callable[[pb.Identity], object]
@@ -115,10 +113,7 @@ class JobRuntime:
         self.completed = 0
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
         self.outlog.low = self.start_step  # a runtime started at a checkpoint made nothing before it
-        self._push_threads = push_threads
-        self._pools: dict[tuple[str, int], futures.ThreadPoolExecutor] = {}  # per consumer worker incarnation
-        self._pushing = 0  # pushes submitted and not yet ended (delivered, dropped or cancelled)
-        self._pushes_cv = threading.Condition()
+        self._pushes = PushPools(self.job, push_threads)
         self._load(req, devices)
         start = self.start_step
         self.expected = sum((running_steps(self.steps, n.prog.every) - running_steps(start, n.prog.every)) * len(n.mbs)
@@ -172,17 +167,7 @@ class JobRuntime:
         self._state_routes: list[_StateRoute] = []
         self._set_routes(req.routes)
 
-        restored: dict[str, dict[str, list[Any]]] = {}
-        if self.start_step > 0:
-            missing = sorted({sa.slice for sa in req.slices if any(st.slice == sa.slice for st in req.states)}
-                             - {ref.slice for ref in req.restore})
-            if missing:
-                raise LoadError(f"start step {self.start_step} needs a checkpoint of slices {missing} to restore")
-            try:
-                restored = restore(req)
-            except CheckpointCorrupt as exc:  # the executor drops its commit (typed, in the RPC's metadata)
-                raise RestoreError(f"corrupt checkpoint slice={exc.commit.slice_name} step={exc.commit.step}: "
-                                   f"{exc}", slice_name=exc.commit.slice_name, step=exc.commit.step) from exc
+        restored = restore_for_load(req) if self.start_step > 0 else {}
         self.states: dict[str, StateVersions] = {}
         for st in req.states:
             readers = [(n.prog.every, len(n.mbs)) for n in self.nodes.values() for b in n.prog.inputs
@@ -222,8 +207,7 @@ class JobRuntime:
                 raise LoadError(f"route from node {r.node!r}, which is not loaded on worker {self.worker_id}")
         self._state_routes = state_routes
         self._targets = {(r.worker_id, r.incarnation) for r in routes}
-        for target in [t for t in self._pools if t not in self._targets]:
-            self._pools.pop(target).shutdown(wait=False, cancel_futures=True)  # moved away: the log has its values
+        self._pushes.keep_only(self._targets)
 
     def start(self) -> None:
         """Start the device threads; instances run once steps are granted."""
@@ -336,8 +320,7 @@ class JobRuntime:
             for sv in self.states.values():
                 sv.clear()
             self._cv.notify_all()
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._pushes.shutdown()
         deadline = time.monotonic() + 5.0
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
@@ -537,27 +520,14 @@ class JobRuntime:
             self._deliver_locked(header, value)
         elif not self.stopped:
             self.outlog.put(header, value)
-            target = (r.worker_id, int(r.incarnation))
-            if target not in self._pools:  # one pool per consumer: a stuck peer holds up no other
-                self._pools[target] = futures.ThreadPoolExecutor(max_workers=self._push_threads,
-                                                                 thread_name_prefix=f"push-{self.job}-{r.worker_id}")
-            with self._pushes_cv:
-                self._pushing += 1
-            future = self._pools[target].submit(self._push, r.data_address or r.address, header, value,
-                                                bool(r.data_address))
-            future.add_done_callback(self._push_ended)
-
-    def _push_ended(self, _future: futures.Future[None]) -> None:
-        with self._pushes_cv:
-            self._pushing -= 1
-            self._pushes_cv.notify_all()
+            self._pushes.submit((r.worker_id, int(r.incarnation)), self._push, r.data_address or r.address, header,
+                                value, bool(r.data_address))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every push submitted so far has ended (a drain, before unloading); whether they all did."""
-        with self._pushes_cv:
-            done = self._pushes_cv.wait_for(lambda: self._pushing <= 0, timeout_s)
+        done, left = self._pushes.wait_idle(timeout_s)
         if not done:
-            self.log.warning("job.flush_timed_out", pending=self._pushing, timeout_s=timeout_s)
+            self.log.warning("job.flush_timed_out", pending=left, timeout_s=timeout_s)
         return done
 
     def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:

@@ -191,3 +191,4 @@ class Inbox:
 
     def clear(self) -> None:
         self._values.clear()
+

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -120,3 +121,41 @@ class PeerChannels:
         for ch in channels:
             ch.close()
         self._data.close()
+
+
+class PushPools:
+    """The pushes of one job's outputs to other workers: one thread pool per consumer worker
+    incarnation (a stuck peer holds up no other), and a count of pushes not yet ended."""
+
+    def __init__(self, job: str, threads: int) -> None:
+        self.job, self.threads = job, threads
+        self._pools: dict[tuple[str, int], futures.ThreadPoolExecutor] = {}
+        self._pending = 0
+        self._cv = threading.Condition()
+
+    def submit(self, target: tuple[str, int], fn: Callable[..., None], *args: Any) -> None:
+        if target not in self._pools:
+            self._pools[target] = futures.ThreadPoolExecutor(max_workers=self.threads,
+                                                             thread_name_prefix=f"push-{self.job}-{target[0]}")
+        with self._cv:
+            self._pending += 1
+        self._pools[target].submit(fn, *args).add_done_callback(self._ended)
+
+    def _ended(self, _future: futures.Future[None]) -> None:
+        with self._cv:
+            self._pending -= 1
+            self._cv.notify_all()
+
+    def keep_only(self, targets: set[tuple[str, int]]) -> None:
+        """Drop the pools of consumers no route names (moved away: the output log has their values)."""
+        for target in [t for t in self._pools if t not in targets]:
+            self._pools.pop(target).shutdown(wait=False, cancel_futures=True)
+
+    def shutdown(self) -> None:
+        self.keep_only(set())
+
+    def wait_idle(self, timeout_s: float) -> tuple[bool, int]:
+        """Wait until every push submitted so far has ended; whether they did, and how many are left."""
+        with self._cv:
+            done = self._cv.wait_for(lambda: self._pending <= 0, timeout_s)
+            return done, self._pending
