@@ -191,4 +191,3 @@ class Inbox:
 
     def clear(self) -> None:
         self._values.clear()
-
