@@ -472,4 +472,3 @@ class StaleTerm(RallypointError):
         )
         self.asked = asked
         self.newest = newest
-
