@@ -413,4 +413,3 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 main.add_command(jobs_cli.status)
 main.add_command(jobs_cli.jobs)
 main.add_command(jobs_cli.resume)
-
