@@ -44,6 +44,7 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.orchestrator.devices import Placement
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.hooks import ExecutorHooks
@@ -59,7 +60,6 @@ from rallypoint.proto.digest import RESHARD_TOLERANCE, flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Setback, Source, decide
 from rallypoint.recovery.fairness import Holding, NoVictims, plan_preemption
 from rallypoint.recovery.remap import eligible
-from rallypoint.orchestrator.devices import Placement
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 
