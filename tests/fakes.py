@@ -256,7 +256,7 @@ class FakeWorkers(JobWorkers):
         self.rewires.append((worker, from_step))
         return pb.RewireResponse(resent=0, log_from=from_step)
 
-    def unload(self, worker: str) -> None:
+    def unload(self, worker: str, *, flush_s: float = 0.0) -> None:
         self.unloaded.append(worker)
 
     def unload_stale(self, worker: str, address: str, to: pb.Identity) -> None:
