@@ -17,13 +17,15 @@ from typing import Any
 
 import pytest
 
-from rallypoint.client.compile import CompiledProgram
+from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.faults import Fault
+from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.cluster.local import LocalCluster, is_running
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.client.test_cli import rp
+from tests.examples import example
 from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
 
 
@@ -53,7 +55,8 @@ def test_draining_the_worker_of_each_slice_moves_it_with_nothing_replayed_and_en
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
 ) -> None:
     compiled, reference = pipeline
-    step = random.Random(f"drain-{victim}").randint(3, STEPS - 6)
+    # Early enough that the leader (it polls requests every second) sees it well before the job's last steps.
+    step = random.Random(f"drain-{victim}").randint(3, STEPS // 2 - 2)
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
     result, injector = run(lc, compiled, [Fault(victim, victim, step, "drain")])
     drained = injector.fired[0]["worker"]
@@ -98,9 +101,11 @@ def test_rallypoint_drain_refuses_what_cannot_work_and_changes_nothing(
 
 
 def test_rallypoint_drain_moves_the_slices_reports_the_pause_and_leaves_the_worker_cordoned(
-    local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
+    local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    compiled, reference = pipeline
+    # Long enough that the command (its start-up) and the leader's poll land well inside the run.
+    compiled = compile_program(example("pipeline_mlp").build(steps=80))
+    reference = ReferenceExecutor(compiled).run().state_digest
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
     answers: list[Any] = []
     threads: list[threading.Thread] = []
