@@ -121,10 +121,6 @@ class DrainPort(abc.ABC):
         """Lease room for parked slices once the job they yielded to no longer waits (None: not yet)."""
 
     @abc.abstractmethod
-    def devices_of(self, slice_name: str) -> int:
-        """How many devices the slice needs."""
-
-    @abc.abstractmethod
     def loaded_workers(self) -> list[str]:
         """The workers whose runtimes the job uses now."""
 

@@ -33,9 +33,8 @@ def counter_job(steps: int) -> Program:
     total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
     src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",
                       outputs=("x",))
-    node = prog.node("add", lambda total, x: {"total": total + x}, slice=s, inputs={"total": total, "x": src["x"]},
+    prog.node("add", lambda total, x: {"total": total + x}, slice=s, inputs={"total": total, "x": src["x"]},
                      outputs=("total",), updates={"total": total})
-    del node
     return prog
 
 

@@ -69,9 +69,6 @@ class FakeJob(DrainPort):
         self.calls.append(("room", dict(need)))
         return self.room
 
-    def devices_of(self, slice_name: str) -> int:
-        return 1
-
     def loaded_workers(self) -> list[str]:
         return ["w1", "w2"]
 
