@@ -206,7 +206,8 @@ class ScenarioRun:
 
     def _scheduler(self, schedule: list[FaultSpec], t0: float) -> None:
         pending = sorted(schedule, key=lambda f: (f.at_s if f.at_s is not None else 0.0, f.at_step or 0))
-        heals: list[tuple[float, dict[str, Any], Callable[[], dict[str, Any]]]] = []
+        # (the fault, its monotonic deadline, its record, its heal): due at the deadline or at the fault's until_step
+        heals: list[tuple[FaultSpec, float, dict[str, Any], Callable[[], dict[str, Any]]]] = []
         healing: list[threading.Thread] = []
         try:
             while not self.done.is_set() and (pending or heals):
@@ -221,21 +222,22 @@ class ScenarioRun:
                         rec["worker"] = detail.get("worker", detail.get("coordinator", ""))
                         rec["detail"] = detail
                         if heal is not None:
-                            heals.append((time.monotonic() + f.duration_s, rec, heal))
+                            heals.append((f, time.monotonic() + f.duration_s, rec, heal))
                     except (InjectionError, OSError, RallypointError) as exc:
                         rec["error"] = str(exc)
                     self.faults.append(rec)
                     self.say({"event": "chaos.fault", **{k: v for k, v in rec.items() if k != "detail"}})
-                for h in [h for h in heals if time.monotonic() >= h[0]]:
+                for h in [h for h in heals if (self.completed >= h[0].until_step if h[0].until_step is not None
+                                               else time.monotonic() >= h[1])]:
                     heals.remove(h)
                     # Each heal in its own thread: one that waits (a hung worker re-registering
                     # behind a partition) must not delay the faults and heals after it.
-                    th = threading.Thread(target=self._heal, args=h[1:], name=f"heal-{h[1]['kind']}", daemon=True)
+                    th = threading.Thread(target=self._heal, args=h[2:], name=f"heal-{h[0].kind}", daemon=True)
                     th.start()
                     healing.append(th)
                 self.done.wait(0.05)
         finally:
-            for _, rec, heal in heals:  # the job ended first: undo what is still in force
+            for _, _, rec, heal in heals:  # the job ended first: undo what is still in force
                 self._heal(rec, heal)
             for th in healing:
                 th.join(timeout=30)

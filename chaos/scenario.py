@@ -36,6 +36,7 @@ kind = "kill"
 target = "stage2"                   # a slice, a node, or a worker (w0, ...)
 at_step = 12                        # or at_s = 5.0
 # duration_s = 3                    # hang, straggler, partition, leader_hang, etcd_quorum, disk_*, tenant
+# until_step = 100                  # or: in force until the job reaches this step (instead of duration_s)
 # devices = 2                       # tenant: devices of the target worker another holder takes (default: all free)
 
 [random]                            # optional: faults at random, the same schedule for the same seed
@@ -84,10 +85,12 @@ class FaultSpec:
     duration_s: float = 0.0
     origin: str = "fixed"  # or "random"
     devices: int = 0  # tenant: how many of the worker's free devices it takes (0: all)
+    until_step: int | None = None  # in force until the job reaches this step (instead of duration_s)
 
     def describe(self) -> str:
         when = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:.2f}s"
-        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}"
+        until = f" until step {self.until_step}" if self.until_step is not None else ""
+        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}{until}"
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,7 @@ def load_scenario(path: Path) -> Scenario:
         where = f"{w} [[faults]] #{i + 1}"
         if not isinstance(f, dict):
             raise ConfigError(f"{where}: expected a table")
-        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "devices"}, where)
+        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "until_step", "devices"}, where)
         kind = _get(f, "kind", str, where, "")
         if kind not in KINDS:
             raise ConfigError(f"{where}.kind: {kind!r} is not one of {sorted(KINDS)}")
@@ -259,11 +262,21 @@ def load_scenario(path: Path) -> Scenario:
         if (at_step is not None and at_step < 1) or (at_s is not None and at_s < 0):
             raise ConfigError(f"{where}: at_step must be >= 1 and at_s >= 0")
         duration = float(_get(f, "duration_s", (int, float), where, DEFAULT_DURATION_S if KINDS[kind][1] else 0.0))
+        until_step = _get(f, "until_step", int, where)
+        if until_step is not None:
+            if not KINDS[kind][1]:
+                raise ConfigError(f"{where}.until_step: a {kind} fault has no duration; drop until_step")
+            if "duration_s" in f:
+                raise ConfigError(f"{where}: give at most one of duration_s and until_step")
+            if at_step is None or until_step <= at_step:
+                raise ConfigError(f"{where}.until_step: needs at_step and must be past it (at_step {at_step}, "
+                                  f"until_step {until_step})")
+            duration = 0.0
         devices = _get(f, "devices", int, where, 0)
         if devices < 0 or (devices and kind != "tenant"):
             raise ConfigError(f"{where}.devices: only a tenant fault takes devices (>= 1; 0 or absent: all free ones)")
         faults.append(FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), duration,
-                                devices=devices))
+                                devices=devices, until_step=until_step))
     rnd = None
     if "random" in data:
         r = _get(data, "random", dict, w)

@@ -49,10 +49,22 @@ def write(tmp_path: Path, body: str) -> Path:
     ('[expect]\noutcome = "maybe"\n', r"\[expect\]\.outcome: 'maybe'"),
     ('[jobb]\n', r"unknown keys \['jobb'\]"),
     ('[random]\nkinds = []\n', r"\[random\]\.kinds"),
+    ('[[faults]]\nkind = "kill"\ntarget = "w0"\nat_step = 3\nuntil_step = 9\n', r"#1\.until_step: a kill fault has no"),
+    ('[[faults]]\nkind = "hang"\ntarget = "w0"\nat_step = 3\nuntil_step = 9\nduration_s = 2\n',
+     r"#1: give at most one of duration_s and until_step"),
+    ('[[faults]]\nkind = "hang"\ntarget = "w0"\nat_s = 3\nuntil_step = 9\n', r"#1\.until_step: needs at_step"),
+    ('[[faults]]\nkind = "hang"\ntarget = "w0"\nat_step = 9\nuntil_step = 9\n', r"must be past it"),
 ])
 def test_a_bad_scenario_is_refused_naming_the_field(tmp_path: Path, body: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_scenario(write(tmp_path, body))
+
+
+def test_a_fault_may_last_until_a_step_instead_of_a_duration(tmp_path: Path) -> None:
+    (f,) = load_scenario(write(tmp_path, '[[faults]]\nkind = "tenant"\ntarget = "w1"\nat_step = 2\n'
+                                         'until_step = 50\n')).faults
+    assert (f.until_step, f.duration_s) == (50, 0.0)
+    assert f.describe() == "tenant w1 at step 2 until step 50"
 
 
 def test_the_compilation_cache_is_on_unless_the_scenario_turns_it_off(tmp_path: Path) -> None:
