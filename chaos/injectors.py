@@ -24,9 +24,10 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
 * ``leader_kill`` / ``leader_hang``: SIGKILL / SIGSTOP of the leader coordinator.
 * ``etcd_kill``: SIGKILL of one etcd member (of three; the job goes on).
   ``etcd_quorum``: SIGKILL of two members, restarted from their data when healed.
-* ``corrupt_checkpoint`` / ``truncate_checkpoint``: overwrite bytes in (or cut in
-  half) the largest file of the target slice's newest committed checkpoint, then
-  SIGKILL its worker so that a recovery has to restore it.
+* ``corrupt_checkpoint`` / ``truncate_checkpoint``: SIGSTOP the target slice's worker
+  (so it commits nothing newer), overwrite bytes in (or cut in half) the largest file
+  of the slice's newest committed checkpoint, then SIGKILL the worker so that a
+  recovery has to restore it, or an older cut.
 * ``disk_full`` / ``disk_readonly``: the checkpoint directory fills up or turns
   read-only (:class:`rallypoint.chaos.storage.Storage`: a small tmpfs when root, else an error
   injected at the storage layer).
@@ -107,6 +108,7 @@ class Target:
 
 
 TENANT_JOB = "chaos-tenant"  # the holder name of the devices a tenant fault takes
+SETTLE_S = 0.3  # a frozen worker's commit already sent lands in etcd within this (damaged checkpoints)
 
 
 class Injectors:
@@ -304,10 +306,20 @@ class Injectors:
 
     def _damage(self, spec: FaultSpec, how: str) -> tuple[dict[str, Any], Heal | None]:
         s = self.t.slice_of(spec.target)
-        c = self._newest_commit(s)
-        files = [p for p in Path(c.path).rglob("*") if p.is_file()]
-        if not files:
-            raise InjectionError(f"the checkpoint at {c.path} has no files")
+        w = self.t.worker_of(s)
+        # Freeze the worker first, so the checkpoint damaged is its slice's newest for good: a save that
+        # commits between the choice and the kill would give the recovery a newer, intact cut. The pause
+        # lets a commit already on its way to etcd land; it is far under the lease TTL, so nobody is lost yet.
+        pid = self._signal(w, signal.SIGSTOP)
+        time.sleep(SETTLE_S)
+        try:
+            c = self._newest_commit(s)
+            files = [p for p in Path(c.path).rglob("*") if p.is_file()]
+            if not files:
+                raise InjectionError(f"the checkpoint at {c.path} has no files")
+        except InjectionError:
+            os.kill(pid, signal.SIGCONT)
+            raise
         f = max(files, key=lambda p: p.stat().st_size)
         data = bytearray(f.read_bytes())
         if how == "corrupt":
@@ -316,8 +328,7 @@ class Injectors:
         else:
             data = data[: len(data) // 2]
         f.write_bytes(bytes(data))
-        w = self.t.worker_of(s)
-        pid = self._signal(w, signal.SIGKILL)  # a recovery now has to restore it
+        self._signal(w, signal.SIGKILL)  # a recovery now has to restore it (or an older cut)
         return {"slice": s, "step": c.step, "file": str(f), "how": how, "worker": w, "pid": pid}, None
 
     def corrupt_checkpoint(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:

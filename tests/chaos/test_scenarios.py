@@ -77,7 +77,8 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
         assert summary["cluster"]["network"] in ("netns", "proxy")
     if kinds & {"corrupt_checkpoint", "truncate_checkpoint"}:
         (fault,) = [f for f in summary["faults"] if "checkpoint" in f["kind"]]
-        assert all(r["checkpoint_step"] < fault["detail"]["step"] for r in summary["recoveries"])
+        assert all(r["checkpoint_step"] < fault["detail"]["step"] for r in summary["recoveries"]), (
+            fault, summary["recoveries"])
 
 
 def test_a_short_soak_of_random_faults_passes_every_invariant(tmp_path: Path) -> None:
