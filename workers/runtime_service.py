@@ -197,6 +197,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
     def JobEvents(self, request: pb.JobEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.InstanceDone]:
         rt = self._job(request.to, request.job, context)
         q = rt.subscribe()
+        context.send_initial_metadata(())  # the caller may wait for this: from here on no event is missed
         try:
             while context.is_active():
                 try:

@@ -114,6 +114,7 @@ class Events:
     ended: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
+        self.call.initial_metadata()  # the worker has subscribed: a fence set after this loses no event
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
