@@ -40,6 +40,7 @@ DEFAULT_FACTOR = 2.0
 DEFAULT_WINDOW = 6
 DEFAULT_PERSIST = 4
 DEFAULT_MIN_EXCESS_S = 0.02
+BASELINE_FLOOR_S = 0.001  # a baseline under a millisecond counts as one (slowdowns of a near-idle slice stay finite)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +92,8 @@ class Keep:
 
 
 def slowdowns(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, float]) -> dict[str, list[float]]:
-    """Each slice's own time over its baseline, step by step (a zero baseline counts as 1 µs)."""
-    return {s: [x / max(baseline[s], 1e-6) for x in xs] for s, xs in samples.items()}
+    """Each slice's own time over its baseline, step by step (the baseline at least :data:`BASELINE_FLOOR_S`)."""
+    return {s: [x / max(baseline[s], BASELINE_FLOOR_S) for x in xs] for s, xs in samples.items()}
 
 
 def slow_steps(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, float],
