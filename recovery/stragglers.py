@@ -8,19 +8,21 @@ own time, so a pipeline that runs at the pace of its slowest stage charges the w
 to that stage alone (a wall time per step, or the time between a slice's completions,
 grows on every slice of a coupled pipeline alike).
 
-:func:`judge` decides from those samples. Each slice's **slowdown** at a step is its
-own time over its **baseline** (the median of its first steps, so a stage that does
-more work is not slower for it); a step is **slow** for the slice when
+:func:`judge` decides from the last ``window`` samples of each slice, taken together
+(one stop of a slice stopped half the time falls into some steps and not others, so
+single steps are bimodal; their mean is not). A slice's **slowdown** is its mean own
+time over its **baseline** (the median of its first steps, so a stage that does more
+work is not slower for it). A slice **straggles** when
 
 1. its slowdown is at least ``factor``;
-2. it is at least ``factor`` times the median slowdown of its peers at that step (the
-   other slices of the job: a machine that is busy for everyone slows nobody down
-   relative to the rest);
-3. its own time exceeds its baseline by at least ``min_excess_s`` (a 50 µs step that
-   took 150 µs is noise, not a straggler).
+2. it is at least ``factor`` times the median slowdown of its peers (the other slices
+   of the job: a machine busy for everyone slows nobody down relative to the rest);
+3. its mean own time exceeds its baseline by at least ``min_excess_s`` a step (a
+   50 µs step that took 150 µs is noise, not a straggler);
+4. it persisted: at least ``persist`` of the steps were each ``factor`` times its
+   baseline or more (one long hiccup does not make a straggler).
 
-A slice slow in at least ``persist`` of the last ``window`` steps **straggles**; the
-one with the largest median slowdown is the candidate. It is moved
+The straggler with the largest slowdown is the candidate. It is moved
 (:class:`Migrate`) unless the settings only report (``mode="report"``), something is
 moving already (``busy``: a drain or a recovery), or it moved less than ``cooldown``
 steps ago; each of those is a :class:`Keep` naming the reason. The evidence (the
@@ -37,9 +39,9 @@ from typing import Any
 
 MODES = ("migrate", "report", "off")
 DEFAULT_FACTOR = 2.0
-DEFAULT_WINDOW = 6
+DEFAULT_WINDOW = 8
 DEFAULT_PERSIST = 4
-DEFAULT_MIN_EXCESS_S = 0.02
+DEFAULT_MIN_EXCESS_S = 0.03
 BASELINE_FLOOR_S = 0.001  # a baseline under a millisecond counts as one (slowdowns of a near-idle slice stay finite)
 
 
@@ -96,19 +98,20 @@ def slowdowns(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, flo
     return {s: [x / max(baseline[s], BASELINE_FLOOR_S) for x in xs] for s, xs in samples.items()}
 
 
-def slow_steps(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, float],
-               settings: StragglerSettings) -> dict[str, list[bool]]:
-    """For each slice, which of the judged steps were slow (rules 1-3 of the module doc)."""
-    ratio = slowdowns(samples, baseline)
-    out: dict[str, list[bool]] = {}
-    for s, xs in samples.items():
-        flags = []
-        for i, x in enumerate(xs):
-            peers = [ratio[p][i] for p in samples if p != s]
-            peer = statistics.median(peers) if peers else 1.0
-            flags.append(ratio[s][i] >= settings.factor and ratio[s][i] >= settings.factor * peer
-                         and x - baseline[s] >= settings.min_excess_s)
-        out[s] = flags
+def straggling(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, float],
+               settings: StragglerSettings) -> dict[str, dict[str, Any]]:
+    """Each slice's numbers over the samples given, and whether it straggles (rules 1-4 of the module doc)."""
+    per_step = slowdowns(samples, baseline)
+    mean = {s: statistics.fmean(xs) for s, xs in samples.items()}
+    slow = {s: mean[s] / max(baseline[s], BASELINE_FLOOR_S) for s in samples}
+    out: dict[str, dict[str, Any]] = {}
+    for s in samples:
+        peers = statistics.median(slow[p] for p in samples if p != s) if len(samples) > 1 else 1.0
+        slow_steps = sum(r >= settings.factor for r in per_step[s])
+        excess = mean[s] - baseline[s]
+        out[s] = {"slowdown": slow[s], "peers_slowdown": peers, "excess_s": excess, "slow_steps": slow_steps,
+                  "straggles": (slow[s] >= settings.factor and slow[s] >= settings.factor * peers
+                                and excess >= settings.min_excess_s and slow_steps >= settings.persist)}
     return out
 
 
@@ -138,34 +141,31 @@ def judge(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, float],
     short = sorted(s for s, xs in recent.items() if len(xs) < w)
     if short:
         return Keep(f"fewer than {w} steps measured for slices {short}")
-    flags = slow_steps(recent, baseline, settings)
+    judged = straggling(recent, baseline, settings)
     ratio = slowdowns(recent, baseline)
-    peer_median = [statistics.median(ratio[s][i] for s in recent) for i in range(w)]
     per_slice = {s: {"worker": workers.get(s, ""), "baseline_s": round(baseline[s], 6),
-                     "own_s": [round(x, 6) for x in recent[s]], "slowdown": [round(r, 3) for r in ratio[s]],
-                     "slow_steps": sum(flags[s]), "median_slowdown": round(statistics.median(ratio[s]), 3)}
+                     "own_s": [round(x, 6) for x in recent[s]], "step_slowdown": [round(r, 3) for r in ratio[s]],
+                     **{k: round(v, 6) if isinstance(v, float) else v for k, v in judged[s].items()}}
                  for s in sorted(recent)}
-    straggling = sorted((s for s in recent if sum(flags[s]) >= settings.persist),
-                        key=lambda s: (-statistics.median(ratio[s]), s))
+    slow = sorted((s for s in recent if judged[s]["straggles"]), key=lambda s: (-judged[s]["slowdown"], s))
     evidence: dict[str, Any] = {
         "step": step, "window": w, "persist": settings.persist, "factor": settings.factor,
-        "min_excess_s": settings.min_excess_s, "median_slowdown_by_step": [round(r, 3) for r in peer_median],
-        "slices": per_slice,
+        "min_excess_s": settings.min_excess_s, "slices": per_slice,
     }
-    if not straggling:
+    if not slow:
         return Keep("no slice straggles", evidence=evidence)
-    first = straggling[0]
+    first = slow[0]
     evidence["straggler"] = first
-    evidence["slow_since_index"] = flags[first].index(True)
+    evidence["slow_since_index"] = next(i for i, r in enumerate(ratio[first]) if r >= settings.factor)
     if settings.mode == "report":
-        return Keep("stragglers are only reported (stragglers='report')", tuple(straggling), evidence)
+        return Keep("stragglers are only reported (stragglers='report')", tuple(slow), evidence)
     if busy:
-        return Keep(busy, tuple(straggling), evidence)
+        return Keep(busy, tuple(slow), evidence)
     moved = (moved_at or {}).get(first)
     if moved is not None and step - moved < settings.cooldown_steps:
         return Keep(f"slice {first!r} was moved for straggling at step {moved}; it may move again from step "
                     f"{moved + settings.cooldown_steps} (cooldown {settings.cooldown_steps} steps)",
-                    tuple(straggling), evidence)
+                    tuple(slow), evidence)
     if not workers.get(first):
-        return Keep(f"slice {first!r} is on no worker now", tuple(straggling), evidence)
+        return Keep(f"slice {first!r} is on no worker now", tuple(slow), evidence)
     return Migrate(first, workers[first], evidence)

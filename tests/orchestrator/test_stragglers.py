@@ -80,7 +80,8 @@ def test_a_slow_slice_moves_to_the_spare_by_a_drain_and_its_worker_stays_cordone
     assert migrate["slice"] == "s1" and migrate["worker"] == slow and migrate["slices"] == ["s1"]
     ev = migrate["evidence"]["slices"]
     assert ev["s1"]["slow_steps"] >= 4 and ev["s0"]["slow_steps"] == 0
-    assert min(ev["s1"]["slowdown"][-4:]) >= 2.0 and ev["s1"]["own_s"][-1] >= SLOW_S * 0.9
+    assert min(ev["s1"]["step_slowdown"][-4:]) >= 2.0 and ev["s1"]["own_s"][-1] >= SLOW_S * 0.9
+    assert ev["s1"]["straggles"] and ev["s1"]["slowdown"] >= 2 * ev["s1"]["peers_slowdown"] and not ev["s0"]["straggles"]
     assert 0 < migrate["detection_s"] < 2.0  # the slowness began at most a few steps before the decision
     (drain,) = h.x.drain_records
     assert drain.reason == "straggler" and drain.state == "done" and drain.moved["s1"] not in (slow, h.worker_of("s0"))
@@ -112,7 +113,7 @@ def test_no_spare_is_said_once_a_window_and_nothing_is_cordoned(tmp_path: Path) 
     said = straggler_events(h)
     assert said and {d["decision"] for d in said} == {"no_spare"}, said
     assert "no live, uncordoned worker" in said[0]["reason"] and said[0]["evidence"]["straggler"] == "s0"
-    assert len(said) <= (60 - 20) // 6 + 1
+    assert len(said) <= (60 - 20) // 8 + 1
     assert h.x.drain_records == [] and h.store.get(h.keys.cordon(slow)) is None and h.x.state is JobState.RUNNING
 
 
