@@ -11,8 +11,9 @@ producer of a state it reads at the step before). An instance with an input not
 heard yet counts nothing (its producer, not it, is late). A stage stopped half the
 time thus shows its stops as its own time, while the stages waiting for it show none.
 
-Samples count only while the job runs undisturbed (no drain, no recovery; the step
-after one is skipped too). Each slice's **baseline** is the median of its first
+Samples count only while the job runs undisturbed (no drain, no recovery, and not
+in the ``window`` steps after one: a freshly loaded runtime compiles on its first
+calls, and a rewired one sends its logged outputs again). Each slice's **baseline** is the median of its first
 ``window`` samples after the first ``WARMUP_STEPS`` steps (compiles); from then on
 every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
 :class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
@@ -166,7 +167,9 @@ class StragglerWatch:
                 del marks[old]
 
     def _disturbed(self) -> None:
-        self._quiet_from = max(self._quiet_from, self.ex.completed + 1)
+        # A runtime loaded (or rewired, resending its log) by a drain or recovery is slower for some steps
+        # (first calls compile, logged outputs go out again): a window of steps passes before samples count.
+        self._quiet_from = max(self._quiet_from, self.ex.completed + self.settings.window)
         for q in self.recent.values():
             q.clear()
         self._recent_steps.clear()

@@ -69,6 +69,8 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
         assert all(f["detail"]["zombie_refused"] for f in summary["faults"] if f["kind"] == "hang")
     if kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
         assert not summary["recoveries"], "nobody may be declared lost for a straggler or an etcd outage"
+    if "straggler" not in kinds:  # nothing was slowed on purpose: the straggler watch must not have moved anything
+        assert not [d for d in summary["stragglers"] if d["decision"] == "migrate"], summary["stragglers"]
     if kinds == {"straggler"}:
         # The straggler watch moved the slowed stage to the spare by a drain: planned, nothing replayed, within 5 s
         # of the fault, and the harness took the worker's cordon back when the fault healed.
