@@ -360,6 +360,12 @@ def _describe(d: dict[str, Any]) -> str:
                 f"{', '.join(d.get('planned_instances', {})) or 'no node'}")
     if ev == "job.waiting":
         return f"[yellow]waiting[/yellow] {d.get('reason')}"
+    if ev == "job.straggler":
+        n = d.get("evidence", {}).get("slices", {}).get(d.get("slice"), {})
+        numbers = (f" ({n['slowdown']:.1f}x its baseline, peers {n['peers_slowdown']:.1f}x)"
+                   if "slowdown" in n else "")
+        return f"[yellow]straggler[/yellow] {d.get('slice')} on {d.get('worker')}{numbers}: {d.get('decision')}: " \
+               f"{d.get('reason')}"
     return json.dumps(d)
 
 
@@ -383,7 +389,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 
         def on_event(ev: pb.JobEvent) -> None:
             injector.on_event(ev)
-            if ev.event in ("job.recovering", "job.recovered", "job.waiting"):
+            if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler"):
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
