@@ -11,9 +11,11 @@ producer of a state it reads at the step before). An instance with an input not
 heard yet counts nothing (its producer, not it, is late). A stage stopped half the
 time thus shows its stops as its own time, while the stages waiting for it show none.
 
-Samples count only while the job runs undisturbed (no drain, no recovery, and not
-in the ``window`` steps after one: a freshly loaded runtime compiles on its first
-calls, and a rewired one sends its logged outputs again). Each slice's **baseline** is the median of its first
+Samples count only while the job runs undisturbed (no drain, no recovery, no pause
+of the whole job: no instance heard for ``PAUSE_S``, as when etcd is away and
+the executor and workers wait; and not in the ``window`` steps after one: a freshly
+loaded runtime compiles on its first calls, a rewired one sends its logged outputs
+again, and an instance ready since its grant would be charged the whole pause). Each slice's **baseline** is the median of its first
 ``window`` samples after the first ``WARMUP_STEPS`` steps (compiles); from then on
 every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
 :class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
@@ -44,6 +46,7 @@ from rallypoint.recovery.stragglers import Keep, Migrate, StragglerSettings, jud
 WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a baseline
 KEPT_DECISIONS = 20  # the decisions job.finished reports (the newest)
 CORDON_BY = "straggler"  # the cordon's "by": what the chaos harness (an operator) may take back
+PAUSE_S = 0.5  # no instance of the job heard for this long: the job stood still, the steps around it are not judged
 
 
 class StragglerWatch:
@@ -88,6 +91,7 @@ class StragglerWatch:
         self._last_said: tuple[str, str, str] | None = None
         self._said_at = -(10 ** 9)
         self.decisions: list[dict[str, Any]] = []
+        self._last_instance = float("inf")
 
     @property
     def settings(self) -> StragglerSettings:
@@ -101,6 +105,9 @@ class StragglerWatch:
         if self.settings.mode == "off":
             return
         now = self.ex.clock.monotonic()
+        if now - self._last_instance > PAUSE_S:
+            self._disturbed()  # the job as a whole stood still (etcd away, the executor paused): nobody's own time
+        self._last_instance = now
         node, step = item.node, int(item.step)
         mb = int(item.microbatch) if self.per_mb[node] else -1
         self.heard.setdefault(step, {})[(node, mb)] = now

@@ -15,6 +15,9 @@ import queue
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from rallypoint.orchestrator import stragglers
 from rallypoint.orchestrator.job_state import JobState
 from tests.orchestrator.test_executor import Harness, pipeline_spec
 
@@ -27,7 +30,7 @@ class TimedEvents(queue.Queue):  # type: ignore[type-arg]
     worker; times ``everyone``); an event is heard when its instance is done, the clock moved there."""
 
     def __init__(self, h: Harness) -> None:
-        self.h, self.slow, self.everyone = h, "", 1.0
+        self.h, self.slow, self.everyone, self.pause = h, "", 1.0, 0.0
         super().__init__()
 
     def _init(self, maxsize: int) -> None:
@@ -53,6 +56,9 @@ class TimedEvents(queue.Queue):  # type: ignore[type-arg]
     def _get(self) -> Any:
         at, _, item = heapq.heappop(self.queue)
         self.h.clock.advance(max(0.0, at - self.h.clock.monotonic()))
+        kind, (_worker, _gen, ev) = item
+        if self.pause and kind == "done" and ev.node == "fwd0" and ev.step % 2 == 0:
+            self.h.clock.advance(self.pause)  # the whole job stands still (etcd away): nothing is heard meanwhile
         return item
 
 
@@ -131,3 +137,18 @@ def test_report_mode_moves_nothing_and_off_measures_nothing(tmp_path: Path) -> N
     q2.slow = h2.worker_of("s1")
     h2.steps_until(40)
     assert straggler_events(h2) == [] and h2.x.stragglers.baseline == {} and h2.x.drain_records == []
+
+
+@pytest.mark.parametrize("pause_s, moved", [(stragglers.PAUSE_S * 2, False), (stragglers.PAUSE_S / 2, True)])
+def test_the_whole_job_standing_still_is_nobodys_own_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        pause_s: float, moved: bool) -> None:
+    # Every other step the job stands still before s0's instance is heard (as while etcd is away, with s0's
+    # instance ready since its grant). A pause past PAUSE_S resets the window; shorter ones are s0's own time.
+    h, q = harness(tmp_path)
+    h.x.begin()
+    h.steps_until(20)
+    q.pause = pause_s
+    h.steps_until(60)
+    said = straggler_events(h)
+    assert ([d["decision"] for d in said][:1] == ["migrate"]) is moved, said
+    assert (len(h.x.drain_records) == 1) is moved
