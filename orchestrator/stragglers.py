@@ -20,7 +20,8 @@ again, and an instance ready since its grant would be charged the whole pause). 
 every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
 :class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
 (reason ``straggler``) when a spare has room, after cordoning the worker, as an
-operator's drain does; no room: ``straggler.no_spare``, asked again a window later.
+operator's drain does; no room: ``straggler.no_spare``, asked again a window later;
+etcd away: the window starts again (a worker waiting on etcd is not a slow host).
 Every decision that names a straggler is a ``straggler.*`` log event and a
 ``job.straggler`` JobEvent carrying its evidence. When the drain ends the worker stays
 cordoned (``done``), or its cordon is taken back (cancelled, aborted).
@@ -228,19 +229,24 @@ class StragglerWatch:
             return
         on_worker = sorted(s for s, p in ex.placement.items() if p.worker == got.worker)
         why, cordoned = self._no_room(got.worker, on_worker)
+        if why is None:  # etcd is away: workers waiting on it are slow for that, not for their hosts
+            ex.log.info("straggler.etcd_away", slice=got.slice, worker=got.worker, step=step)
+            self._disturbed()
+            return
         if why:
             self._next_try = step + self.settings.window
             self._say("no_spare", got.slice, got.worker, why, got.evidence)
             return
         self._migrate(got, on_worker, step, cordoned)
 
-    def _no_room(self, worker: str, slices: list[str]) -> tuple[str, bool]:
-        """Why no spare has room for ``slices`` ("" when one has), and whether ``worker`` is cordoned already."""
+    def _no_room(self, worker: str, slices: list[str]) -> tuple[str | None, bool]:
+        """Why no spare has room for ``slices`` ("" when one has; None: etcd is away), and whether ``worker`` is
+        cordoned already."""
         ex = self.ex
         try:
             snap = read_cluster(ex.store, ex.keys)
-        except StoreError as exc:
-            return f"etcd is away ({exc})", False
+        except StoreError:
+            return None, False
         need = {s: len(ex.placement[s].devices) for s in slices}
         plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"),
                           exclude=frozenset(ex.loaded_workers()) | {worker})

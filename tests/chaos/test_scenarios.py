@@ -69,7 +69,9 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
         assert all(f["detail"]["zombie_refused"] for f in summary["faults"] if f["kind"] == "hang")
     if kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
         assert not summary["recoveries"], "nobody may be declared lost for a straggler or an etcd outage"
-    if "straggler" not in kinds:  # nothing was slowed on purpose: the straggler watch must not have moved anything
+    if not kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
+        # Nothing was slowed on purpose: the straggler watch must not have moved anything. (A worker whose etcd
+        # client was on a killed member can be slow for real until it fails over; moving it is allowed.)
         assert not [d for d in summary["stragglers"] if d["decision"] == "migrate"], summary["stragglers"]
     if kinds == {"straggler"}:
         # The straggler watch moved the slowed stage to the spare by a drain: planned, nothing replayed, within 5 s
