@@ -20,7 +20,8 @@ again, and an instance ready since its grant would be charged the whole pause). 
 every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
 :class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
 (reason ``straggler``) when a spare has room, after cordoning the worker, as an
-operator's drain does; no room: ``straggler.no_spare``, asked again a window later;
+operator's drain does, and only while another spare with that room is left for
+recoveries (``KEEP_SPARES``): no room: ``straggler.no_spare``, asked again a window later;
 etcd away: the window starts again (a worker waiting on etcd is not a slow host).
 Every decision that names a straggler is a ``straggler.*`` log event and a
 ``job.straggler`` JobEvent carrying its evidence. When the drain ends the worker stays
@@ -41,12 +42,13 @@ from rallypoint.etcd.errors import NotLeader, StoreError
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.job_state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
+from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
 from rallypoint.recovery.stragglers import Keep, Migrate, StragglerSettings, judge
 
 WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a baseline
 KEPT_DECISIONS = 20  # the decisions job.finished reports (the newest)
 CORDON_BY = "straggler"  # the cordon's "by": what the chaos harness (an operator) may take back
+KEEP_SPARES = 1  # spares with room a straggler move leaves for recoveries: a loss needs a spare more than a slow slice
 PAUSE_S = 0.5  # no instance of the job heard for this long: the job stood still, the steps around it are not judged
 
 
@@ -248,9 +250,16 @@ class StragglerWatch:
         except StoreError:
             return None, False
         need = {s: len(ex.placement[s].devices) for s in slices}
-        plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"),
-                          exclude=frozenset(ex.loaded_workers()) | {worker})
+        exclude = frozenset(ex.loaded_workers()) | {worker}
+        plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"), exclude=exclude)
         if isinstance(plan, Remap):
+            largest = max(need.values())
+            room = sorted(w for w, ws in snap.workers.items()
+                          if eligible(w, ws, snap, exclude) and len(ws.free) >= largest)
+            if len(room) < 1 + KEEP_SPARES:
+                return (f"only {len(room)} worker ({', '.join(room)}) has room for {largest} devices; "
+                        f"{KEEP_SPARES} such spare is kept for recoveries (a lost worker needs it more than a "
+                        "slow one)"), False
             return "", worker in snap.cordoned
         return getattr(plan, "reason", f"no spare ({type(plan).__name__})").replace("lost slice", "slice"), False
 

@@ -74,7 +74,7 @@ def straggler_events(h: Harness) -> list[dict[str, Any]]:
 
 
 def test_a_slow_slice_moves_to_the_spare_by_a_drain_and_its_worker_stays_cordoned(tmp_path: Path) -> None:
-    h, q = harness(tmp_path)
+    h, q = harness(tmp_path, workers=4)  # two spares: one to move to, one kept for recoveries
     h.x.begin()
     h.steps_until(20)
     assert h.x.stragglers.baseline and not straggler_events(h)  # measured, and nothing straggles yet
@@ -110,15 +110,16 @@ def test_slow_for_everyone_alike_is_no_straggler(tmp_path: Path) -> None:
     assert straggler_events(h) == [] and h.x.drain_records == []
 
 
-def test_no_spare_is_said_once_a_window_and_nothing_is_cordoned(tmp_path: Path) -> None:
-    h, q = harness(tmp_path, workers=2)
+@pytest.mark.parametrize("workers, why", [(2, "no live, uncordoned worker"), (3, "is kept for recoveries")])
+def test_no_spare_is_said_once_a_window_and_nothing_is_cordoned(tmp_path: Path, workers: int, why: str) -> None:
+    h, q = harness(tmp_path, workers=workers)
     h.x.begin()
     h.steps_until(20)
     slow = q.slow = h.worker_of("s0")
     h.steps_until(60)
     said = straggler_events(h)
     assert said and {d["decision"] for d in said} == {"no_spare"}, said
-    assert "no live, uncordoned worker" in said[0]["reason"] and said[0]["evidence"]["straggler"] == "s0"
+    assert why in said[0]["reason"] and said[0]["evidence"]["straggler"] == "s0"
     assert len(said) <= (60 - 20) // 8 + 1
     assert h.x.drain_records == [] and h.store.get(h.keys.cordon(slow)) is None and h.x.state is JobState.RUNNING
 
@@ -144,7 +145,7 @@ def test_the_whole_job_standing_still_is_nobodys_own_time(tmp_path: Path, monkey
                                                         pause_s: float, moved: bool) -> None:
     # Every other step the job stands still before s0's instance is heard (as while etcd is away, with s0's
     # instance ready since its grant). A pause past PAUSE_S resets the window; shorter ones are s0's own time.
-    h, q = harness(tmp_path)
+    h, q = harness(tmp_path, workers=4)
     h.x.begin()
     h.steps_until(20)
     q.pause = pause_s
