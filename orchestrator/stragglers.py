@@ -7,8 +7,11 @@ it measures, per slice and step, the slice's **own time**: the union of its
 instances' ``[ready, done]`` intervals, where an instance is ready once its step was
 granted and the executor heard every instance it reads (the same microbatch of a
 per-microbatch producer, a per-step producer, every microbatch of a gathered one, the
-producer of a state it reads at the step before). An instance with an input not
-heard yet counts nothing (its producer, not it, is late). A stage stopped half the
+producer of a state it reads at the step before), less the ``compute_s`` its
+instances report: what is left is time the slice had work it could do and did not
+(stopped, starved of CPU, blocked), while a slice busy computing (the pipeline's
+bottleneck, whose work queues behind its own) has little. An instance with an input
+not heard yet counts nothing (its producer, not it, is late). A stage stopped half the
 time thus shows its stops as its own time, while the stages waiting for it show none.
 
 Samples count only while the job runs undisturbed (no drain, no recovery, no pause
@@ -80,6 +83,7 @@ class StragglerWatch:
         self.heard: dict[int, dict[tuple[str, int], float]] = {}  # step -> (node, microbatch) -> when heard
         self.spans: dict[int, dict[str, list[tuple[float, float]]]] = {}  # step -> slice -> [ready, done] intervals
         self.granted_at: dict[int, float] = {}
+        self.computed: dict[int, dict[str, float]] = {}  # step -> slice -> compute_s its instances reported
         self.finished_at: dict[int, float] = {}
         self._granted = 0
         self._judged = 0  # steps below this are measured (or skipped)
@@ -117,6 +121,8 @@ class StragglerWatch:
         ready = self._ready(node, step, mb)
         if ready is not None and now > ready:
             self.spans.setdefault(step, {}).setdefault(self.slice_of[node], []).append((ready, now))
+        busy = self.computed.setdefault(step, {})
+        busy[self.slice_of[node]] = busy.get(self.slice_of[node], 0.0) + float(item.compute_s)
 
     def _ready(self, node: str, step: int, mb: int) -> float | None:
         """When the instance could start, as the executor heard it; None when an input is not heard yet."""
@@ -171,6 +177,7 @@ class StragglerWatch:
             self.finished_at[s] = now
             self._measure(s)
         for marks, keep_from in ((self.heard, self._judged - 2), (self.spans, self._judged - 2),
+                                 (self.computed, self._judged - 2),
                                  (self.granted_at, self._judged - 2),
                                  (self.finished_at, self._judged - 2 * self.settings.window - 2)):
             for old in [s for s in marks if s < keep_from]:
@@ -185,13 +192,15 @@ class StragglerWatch:
         self._recent_steps.clear()
 
     def _own(self, step: int, slice_name: str) -> float:
+        """The slice's ready-but-not-done time in the step, less what its instances spent computing: a slice busy
+        with its own work (the pipeline's bottleneck) has little left; one stopped or starved has all of it."""
         total, end = 0.0, float("-inf")
         for a, b in sorted(self.spans.get(step, {}).get(slice_name, [])):
             if b <= end:
                 continue
             total += b - max(a, end)
             end = b
-        return total
+        return max(0.0, total - self.computed.get(step, {}).get(slice_name, 0.0))
 
     def _measure(self, step: int) -> None:
         if step < max(self._quiet_from, self.ex.start + WARMUP_STEPS):

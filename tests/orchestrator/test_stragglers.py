@@ -86,7 +86,7 @@ def test_a_slow_slice_moves_to_the_spare_by_a_drain_and_its_worker_stays_cordone
     assert migrate["slice"] == "s1" and migrate["worker"] == slow and migrate["slices"] == ["s1"]
     ev = migrate["evidence"]["slices"]
     assert ev["s1"]["slow_steps"] >= 4 and ev["s0"]["slow_steps"] == 0
-    assert min(ev["s1"]["step_slowdown"][-4:]) >= 2.0 and ev["s1"]["own_s"][-1] >= SLOW_S * 0.9
+    assert min(ev["s1"]["step_slowdown"][-4:]) >= 2.0 and ev["s1"]["own_s"][-1] >= (SLOW_S - 0.01) * 0.9  # less its 10 ms of compute_s
     assert ev["s1"]["straggles"] and ev["s1"]["slowdown"] >= 2 * ev["s1"]["peers_slowdown"] and not ev["s0"]["straggles"]
     assert 0 < migrate["detection_s"] < 2.0  # the slowness began at most a few steps before the decision
     (drain,) = h.x.drain_records
