@@ -97,16 +97,20 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
 @click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
               "(shared by every worker; empty: such jobs run without checkpoints).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
+@click.option("--suspect-after-s", type=float, default=1.0, show_default=True,
+              help="The leader fences a worker whose heartbeats stopped this long (hung or cut off), well before its "
+                   "lease TTL; 0: only the TTL finds it.")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str,
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str, suspect_after_s: float,
                 test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     hooks = ExecutorHooks(skip_replay=test_skip_replay)
     c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
-                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks))
+                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks,
+                                      suspect_after_s=suspect_after_s))
     serve_jobs(c)
     done = threading.Event()
     _run_daemon(lambda: None, c.run, c.stop, done.set)

@@ -55,7 +55,7 @@ def test_draining_the_worker_of_each_slice_moves_it_with_nothing_replayed_and_en
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
 ) -> None:
     compiled, reference = pipeline
-    # Early enough that the leader (it polls requests every second) sees it well before the job's last steps.
+    # Early enough that the leader (it polls requests every 0.1 s) sees it well before the job's last steps.
     step = random.Random(f"drain-{victim}").randint(3, STEPS // 2 - 2)
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
     result, injector = run(lc, compiled, [Fault(victim, victim, step, "drain")])
@@ -160,7 +160,7 @@ def test_sigterm_without_time_to_drain_falls_back_on_the_loss_path_and_still_end
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
 ) -> None:
     compiled, reference = pipeline
-    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1, preempt_deadline_s=0.2)
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1, preempt_deadline_s=0.02)
     result, injector = run(lc, compiled, [Fault("stage2", "stage2", 7, "preempt")])
     (fired,) = injector.fired
     assert result.state_digest == reference
