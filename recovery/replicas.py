@@ -46,8 +46,16 @@ def plan_replicas(placement: Mapping[str, str], spares: Iterable[str] = ()) -> d
     return {s: others[0] for s in placement}
 
 
-def replica_sources(holders: Mapping[str, str], restoring: Iterable[str], lost: Iterable[str]) -> dict[str, str]:
-    """Where a copy of each restoring slice's commit may be: its holder under the plan in
-    force when the commit was made (``holders``), unless that holder was lost too."""
-    gone = set(lost)
-    return {s: holders[s] for s in restoring if s in holders and holders[s] not in gone}
+def replica_sources(previous: Mapping[str, str], current: Mapping[str, str], restoring: Iterable[str],
+                    alive: Iterable[str]) -> dict[str, list[str]]:
+    """Where a copy of each restoring slice's commit may be, nearest first: its holder under
+    the plan in force when the commit was made (``previous``), then under the plan now
+    (``current``; the same worker unless slices moved), leaving out workers not ``alive``
+    (a lost holder would only cost a timeout). Slices with no candidate are left out."""
+    up = set(alive)
+    out: dict[str, list[str]] = {}
+    for s in restoring:
+        cands = [h for h in (previous.get(s), current.get(s)) if h is not None and h in up]
+        if cands:
+            out[s] = list(dict.fromkeys(cands))
+    return out

@@ -32,10 +32,13 @@ def test_a_moved_slice_keeps_the_other_holders() -> None:
     assert after["stage1"] == "w4"  # the holder that was lost is replaced by the worker that took its place
 
 
-def test_sources_skip_lost_holders() -> None:
-    holders = {"stage0": "w2", "stage1": "w3", "stage2": "w1"}
-    assert replica_sources(holders, ["stage1", "stage2"], lost=["w3"]) == {"stage2": "w1"}
-    assert replica_sources(holders, ["stage9"], lost=[]) == {}
+def test_sources_put_the_old_holder_first_and_skip_lost_ones() -> None:
+    previous = {"stage0": "w2", "stage1": "w3", "stage2": "w1"}
+    current = {"stage0": "w2", "stage1": "w4", "stage2": "w1"}
+    alive = ["w1", "w2", "w4"]
+    assert replica_sources(previous, current, ["stage1", "stage2"], alive) == {"stage1": ["w4"], "stage2": ["w1"]}
+    assert replica_sources({"a": "w5"}, {"a": "w4"}, ["a"], ["w5", "w4"]) == {"a": ["w5", "w4"]}
+    assert replica_sources({}, {}, ["stage9"], alive) == {}
 
 
 placements = st.dictionaries(st.sampled_from(SLICES), st.sampled_from(WORKERS), min_size=1, max_size=6)
