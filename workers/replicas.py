@@ -63,7 +63,7 @@ class Replica:
     from_worker: str
     from_incarnation: int
     nbytes: int
-    at: float
+    at: float = 0.0  # when stored (the store's clock)
 
 
 def _nbytes(states: Mapping[str, Sequence[np.ndarray]]) -> int:
@@ -104,6 +104,7 @@ class ReplicaStore:
             return False, f"{r.nbytes} bytes exceed the replica store's limit of {self.limit_bytes}"
         if self.corrupt:
             r.states = _flip_one_byte(r.states)
+        r.at = self._clock()
         evicted: list[tuple[tuple[str, str, int], str]] = []
         with self._lock:
             self._expire_locked()
@@ -250,7 +251,7 @@ class ReplicaTier:
     def receive(self, header: pb.ReplicaHeader, states: States) -> tuple[bool, str]:
         """A copy pushed to this worker (``PushReplica``, after the gate)."""
         r = Replica(header.job, header.slice, int(header.step), header.checksum, states, header.from_worker,
-                    int(header.from_incarnation), _nbytes(states), self.store._clock())
+                    int(header.from_incarnation), _nbytes(states))
         stored, why = self.store.put(r)
         self.store.log.info("replica.stored" if stored else "replica.refused", job=r.job, slice=r.slice_name,
                             step=r.step, bytes=r.nbytes, from_worker=r.from_worker,
