@@ -75,10 +75,12 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Test fault: seconds each checkpoint commit waits after Orbax finalized it.")
 @click.option("--fault-storage-flag", default="", hidden=True,
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
+@click.option("--fault-corrupt-replicas", is_flag=True, hidden=True,
+              help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
            register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, fault_commit_delay_s: float,
-           fault_storage_flag: str) -> None:
+           fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
@@ -87,7 +89,8 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
                        preempt_deadline_s=preempt_deadline_s,
-                       faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag))
+                       faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag,
+                                          corrupt_replicas=fault_corrupt_replicas))
     d = WorkerDaemon(cfg)
     _run_daemon(d.start, d.run, d.request_stop, d.stop, on_sigterm=d.request_preemption)
 
