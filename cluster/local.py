@@ -307,7 +307,8 @@ class LocalCluster:
                 base += ["--compile-cache-dir", str(self.compile_cache_dir)]
             base += self.config.worker_faults.args()
         else:
-            base += ["--checkpoint-dir", str(self.checkpoint_dir), "--suspect-after-s", f"{self.config.suspect_after_s:g}"]
+            base += ["--checkpoint-dir", str(self.checkpoint_dir),
+                     "--suspect-after-s", f"{self.config.suspect_after_s:g}"]
             if self.config.host != DEFAULT_HOST:
                 base += ["--host", self.config.host]
             if self.config.coordinator_hooks.skip_replay:

@@ -131,6 +131,7 @@ class RecoveryRecord:
         return {
             "recovery": self.number, "lost": self.lost, "reasons": self.reasons, "detected_at": self.detected_at,
             "policy": self.policy, "checkpoint_step": self.checkpoint_step, "escalated": self.escalated,
-            "moved": self.moved, "restore_tiers": self.restore_tiers, "replay_nodes": self.replay_nodes, "planned_instances": self.planned_instances,
+            "moved": self.moved, "restore_tiers": self.restore_tiers, "replay_nodes": self.replay_nodes,
+            "planned_instances": self.planned_instances,
             "attempts": self.attempts, "phases": ph, "mttr_s": round(mttr, 4) if mttr is not None else None,
         }
