@@ -14,6 +14,7 @@ reference, bitwise equal to a fault-free cluster run) and writes the report
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import shutil
 import statistics
 import tempfile
@@ -275,7 +276,8 @@ class ScenarioRun:
             devices_per_worker=s.devices_per_worker or max(sl.devices for sl in program.slices.values()),
             coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s,
             compile_cache_dir=None if s.compile_cache else "",
-            worker_faults=storage.faults if storage else NO_FAULTS,  # a storage flag, without root
+            # a storage flag, without root; damaged in-memory checkpoint copies, when the scenario asks
+            worker_faults=replace(storage.faults if storage else NO_FAULTS, corrupt_replicas=s.corrupt_replicas),
             coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay))
         if "partition" in s.kinds:
             from rallypoint.chaos.network import start_partitionable_cluster
@@ -358,6 +360,7 @@ class ScenarioRun:
         total = useful = 0.0
         seen: set[tuple[str, int, int]] = set()
         progress: list[dict[str, Any]] = []
+        first_runs: dict[str, list[float]] = {}
         for r in evidence["runtimes"]:
             for x in r["instances"]:
                 total += x["c"]
@@ -365,6 +368,7 @@ class ScenarioRun:
                 if key not in seen:
                     seen.add(key)
                     useful += x["c"]
+                    first_runs.setdefault(x["n"], []).append(x["c"])
                 progress.append({"t": x["t"], "node": x["n"], "step": x["s"]})
         progress.sort(key=lambda p: p["t"])
         per_node: dict[str, list[dict[str, Any]]] = {}
@@ -395,7 +399,9 @@ class ScenarioRun:
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
                         "goodput": round(useful / total, 4) if total else None,
                         "steps_per_s": round(program.steps / wall, 3) if wall else None,
-                        "fault_free_wall_s": round(fault_free_wall, 3)},
+                        "fault_free_wall_s": round(fault_free_wall, 3),
+                        # per node, the median compute of one instance (first runs): what a replay costs
+                        "instance_s": {n: round(statistics.median(cs), 6) for n, cs in sorted(first_runs.items())}},
             "mttr_s": {"median": round(statistics.median(mttrs), 4) if mttrs else None,
                        "max": round(max(mttrs), 4) if mttrs else None},
             "progress": thinned,

@@ -75,10 +75,12 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Test fault: seconds each checkpoint commit waits after Orbax finalized it.")
 @click.option("--fault-storage-flag", default="", hidden=True,
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
+@click.option("--fault-corrupt-replicas", is_flag=True, hidden=True,
+              help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
            register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, fault_commit_delay_s: float,
-           fault_storage_flag: str) -> None:
+           fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
@@ -87,7 +89,8 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
                        preempt_deadline_s=preempt_deadline_s,
-                       faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag))
+                       faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag,
+                                          corrupt_replicas=fault_corrupt_replicas))
     d = WorkerDaemon(cfg)
     _run_daemon(d.start, d.run, d.request_stop, d.stop, on_sigterm=d.request_preemption)
 
@@ -97,16 +100,20 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
 @click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
               "(shared by every worker; empty: such jobs run without checkpoints).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
+@click.option("--suspect-after-s", type=float, default=1.0, show_default=True,
+              help="The leader fences a worker whose heartbeats stopped this long (hung or cut off), well before its "
+                   "lease TTL; 0: only the TTL finds it.")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str,
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str, suspect_after_s: float,
                 test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     hooks = ExecutorHooks(skip_replay=test_skip_replay)
     c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
-                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks))
+                                      lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks,
+                                      suspect_after_s=suspect_after_s))
     serve_jobs(c)
     done = threading.Event()
     _run_daemon(lambda: None, c.run, c.stop, done.set)

@@ -68,6 +68,8 @@ class LocalClusterConfig:
             across ``down`` and ``up``), "" turns it off.
         preempt_deadline_s: how long a worker's preemption notice (SIGTERM) gives the
             leader to drain it before it leaves anyway (``--preempt-deadline-s``).
+        suspect_after_s: the leader fences a worker whose heartbeats stopped this long
+            (``--suspect-after-s``; 0: hangs are found by the lease TTL only).
         worker_faults: test fault hooks every worker starts with (hidden ``--fault-*``
             options, :mod:`rallypoint.workers.faults`); none by default.
         coordinator_hooks: test fault hooks every coordinator starts with (hidden
@@ -86,6 +88,7 @@ class LocalClusterConfig:
     host: str = DEFAULT_HOST
     compile_cache_dir: str | Path | None = None
     preempt_deadline_s: float = 30.0
+    suspect_after_s: float = 1.0
     worker_faults: WorkerFaults = NO_FAULTS
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
 
@@ -112,6 +115,8 @@ class LocalClusterConfig:
             raise ConfigError(f"--lease-ttl-s must be at least 1, got {self.lease_ttl_s}")
         if self.preempt_deadline_s < 0:
             raise ConfigError(f"--preempt-deadline-s must be 0 or more, got {self.preempt_deadline_s:g}")
+        if self.suspect_after_s < 0:
+            raise ConfigError(f"--suspect-after-s must be 0 (off) or more, got {self.suspect_after_s:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,7 +307,8 @@ class LocalCluster:
                 base += ["--compile-cache-dir", str(self.compile_cache_dir)]
             base += self.config.worker_faults.args()
         else:
-            base += ["--checkpoint-dir", str(self.checkpoint_dir)]
+            base += ["--checkpoint-dir", str(self.checkpoint_dir),
+                     "--suspect-after-s", f"{self.config.suspect_after_s:g}"]
             if self.config.host != DEFAULT_HOST:
                 base += ["--host", self.config.host]
             if self.config.coordinator_hooks.skip_replay:

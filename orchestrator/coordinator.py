@@ -68,6 +68,10 @@ class CoordinatorConfig:
         endpoints: etcd client endpoints.
         lease_ttl_s: leader lease TTL (a dead leader is replaced within about this).
         attach_interval_s: heartbeat period asked of workers on Attach streams.
+        suspect_after_s: a worker whose Attach stream has been silent this long (hung,
+            partitioned, its host frozen) is suspected and fenced at once, well before its
+            lease TTL runs out; 0 leaves hangs to the TTL. Fencing first keeps this safe: a
+            worker that was only slow comes back as a new incarnation.
         campaign_interval_s: how often a standby tries to take the lead.
         host, port: where the coordinator's gRPC service (job submission) listens; port 0
             picks a free one. The leader publishes the address in the leader key.
@@ -80,7 +84,8 @@ class CoordinatorConfig:
     coordinator_id: str
     endpoints: tuple[str, ...]
     lease_ttl_s: int = 2
-    attach_interval_s: float = 0.5
+    attach_interval_s: float = 0.1
+    suspect_after_s: float = 1.0
     campaign_interval_s: float = 0.25
     host: str = "127.0.0.1"
     port: int = 0
@@ -93,6 +98,9 @@ class CoordinatorConfig:
             raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if not self.endpoints:
             raise ConfigError("no etcd endpoints: pass --cluster HOST:PORT")
+        if self.suspect_after_s and self.suspect_after_s < 3 * self.attach_interval_s:
+            raise ConfigError(f"suspect_after_s ({self.suspect_after_s:g}) must be 0 (off) or at least three heartbeat "
+                              f"periods ({3 * self.attach_interval_s:g} s): a late heartbeat is not a hang")
 
 
 class WorkerLink:
@@ -107,6 +115,8 @@ class WorkerLink:
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name=f"link-{info.worker}", daemon=True)
+        self.heard_at = coordinator.clock.monotonic()  # the last heartbeat (or the link's start)
+        self.suspected = False  # the silence was reported once
 
     def _identity(self) -> pb.Identity:
         return pb.Identity(
@@ -144,6 +154,7 @@ class WorkerLink:
         try:
             for _hb in self._call:
                 answered = True
+                self.heard_at = self.c.clock.monotonic()
                 if self._stop.is_set():
                     return "done"
         except grpc.RpcError as exc:
@@ -202,6 +213,8 @@ class Coordinator:
         self.monitor: MembershipMonitor | None = None
         self._confirmed_at = float("-inf")
         self._listeners: list[tuple[Callable[[int], None], Callable[[str], None]]] = []
+        self._fence_listeners: list[Callable[[str, int, str], None]] = []
+        self._silence_checked = float("-inf")
         self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
 
     def _set_state(self, new: CoordinatorState, **fields: Any) -> None:
@@ -220,6 +233,13 @@ class Coordinator:
         one is logged (``coordinator.listener_failed``) and changes nothing else.
         """
         self._listeners.append((on_lead, on_step_down))
+
+    def add_fence_listener(self, on_fenced: Callable[[str, int, str], None]) -> None:
+        """Call ``on_fenced(worker, incarnation, reason)`` as soon as this leader has revoked a
+        worker's lease, before etcd's watch reports the registration gone: the executors
+        start their recoveries without waiting for their next registration check. It runs
+        on the coordinator thread; an exception is logged and changes nothing else."""
+        self._fence_listeners.append(on_fenced)
 
     def _notify(self, which: str, arg: Any) -> None:
         for on_lead, on_step_down in list(self._listeners):
@@ -333,11 +353,44 @@ class Coordinator:
             return  # already gone (lease expired first) or re-registered
         self.log.warning(
             "lease.revoked", worker=info.worker, incarnation=info.incarnation, lease=f"{lease:x}",
-            reason=reason, detail=detail,
+            reason=reason, detail=detail, fence_s=round(self.clock.monotonic() - at, 4),
         )
+        for on_fenced in list(self._fence_listeners):
+            try:
+                on_fenced(info.worker, info.incarnation, f"{reason}: {detail}" if detail else reason)
+            except Exception as exc:
+                self.log.exception("coordinator.listener_failed", listener="fenced", error=repr(exc))
+
+    def _check_silence(self) -> None:
+        """Suspect every worker whose Attach stream has been silent for ``suspect_after_s``.
+
+        Silence is measured against this coordinator's own loop: if the loop itself was held
+        up that long (the process was stopped, or starved), nobody's silence counts, since
+        the heartbeats may be waiting unread; the count starts again from now.
+        """
+        limit = self.config.suspect_after_s
+        if not limit:
+            return
+        now = self.clock.monotonic()
+        held_up = now - self._silence_checked > limit / 2
+        self._silence_checked = now
+        for link in list(self._links.values()):
+            if held_up:
+                link.heard_at = max(link.heard_at, now)
+                continue
+            quiet = now - link.heard_at
+            if quiet >= limit and not link.suspected:
+                link.suspected = True
+                self.log.warning("worker.silent", worker=link.info.worker, incarnation=link.info.incarnation,
+                                 silent_s=round(quiet, 3), limit_s=limit)
+                self.suspect(link.info, reason="silent",
+                             detail=f"no heartbeat for {quiet:.2f}s (suspect_after_s {limit:g})")
 
     def lead_step(self, timeout_s: float = 0.25) -> None:
-        """One iteration of the leader loop: handle one event, or confirm the term."""
+        """One iteration of the leader loop: look for silent workers, handle one event, or confirm the term."""
+        self._check_silence()
+        if self.config.suspect_after_s:
+            timeout_s = min(timeout_s, self.config.suspect_after_s / 4)
         try:
             kind, payload = self._events.get(timeout=timeout_s)
         except queue.Empty:

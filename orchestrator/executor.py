@@ -38,34 +38,32 @@ import grpc
 import numpy as np
 
 from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.cluster_view import job_records, read_cluster
-from rallypoint.etcd.errors import AllocationError, NoSpareDevices, NotLeader, RallypointError, StoreError
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.errors import AllocationError, NotLeader, RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
-from rallypoint.etcd.store import Delete, Put, Store
-from rallypoint.orchestrator.devices import Placement
+from rallypoint.etcd.store import Delete, Store
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S
-from rallypoint.orchestrator.job_drains import JobDrains
+from rallypoint.orchestrator.job_placement import JobPlacement
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
-from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES, TRANSITIONS, HandedOff, JobFailed, JobState
-from rallypoint.orchestrator.placement import SlicePlace, instances_per_step
+from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
+from rallypoint.orchestrator.placement import instances_per_step
 from rallypoint.orchestrator.recovery_machine import Recovery, classify_setback
 from rallypoint.orchestrator.stragglers import StragglerWatch
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE, flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Setback, Source, decide
-from rallypoint.recovery.fairness import Holding, NoVictims, plan_preemption
-from rallypoint.recovery.remap import eligible
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 
-LOSS_GRACE_S = 0.2  # after one loss, how long to gather others that happened with it
+LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
+DRAIN_POLL_S = 0.1  # how often drain and yield requests are read: a drain lands a step or two after it is asked
 JOBSPEC_FILE = "jobspec.pb"
 LATEST_FILE = "LATEST"
 
@@ -84,7 +82,7 @@ def run_dir(root: Path, job: str, *, create: bool) -> Path:
     return base / latest.read_text().strip()
 
 
-class JobExecutor(JobDrains):
+class JobExecutor(JobPlacement):
     """Runs one submitted, resumed or adopted job to its end; reports through ``emit``.
 
     Args:
@@ -121,10 +119,9 @@ class JobExecutor(JobDrains):
         self._step_count: Counter[int] = Counter()
         self._metrics: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
         self._ungranted: set[str] = set()
-        self._checked = float("-inf")
+        self._checked = self._drains_polled = float("-inf")
         self._t0 = clock.monotonic()
         self._stop_reason: str | None = None
-        self._asked: list[str] = []  # yield requests this job put (while it places itself)
         self._stop_lock = threading.Lock()
         self.stragglers = StragglerWatch(self)  # docs/elastic.md: a straggling slice moves to a spare
 
@@ -220,72 +217,6 @@ class JobExecutor(JobDrains):
             self.workers.unload_stale(w, ws.info.address, pb.Identity(cluster=self.keys.cluster, worker_id=w,
                                                                       incarnation=ws.info.incarnation, term=self.term))
 
-    def _place(self) -> None:
-        leases = self.leases()
-        for s in sorted(self.spec.slices, key=lambda s: -self.devices_of(s.slice)):
-            try:
-                p = leases.allocate(self.spec.job, s.slice, self.devices_of(s.slice))
-            except NoSpareDevices:
-                p = self._take_from_lower_priority(s.slice)
-            self.placement[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
-        snap = read_cluster(self.store, self.keys)
-        for name, p in self.placement.items():
-            w = snap.workers.get(p.worker)
-            if w is None or w.info.incarnation != p.incarnation:
-                raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
-            self.placement[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
-        self.event("job.placed", **{s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
-                                    for s, p in self.placement.items()})
-
-    def _take_from_lower_priority(self, slice_name: str) -> Placement:
-        """No free room for the slice: ask lower-priority jobs to yield slices (``recovery.fairness``), then lease.
-
-        Raises the original :class:`NoSpareDevices` when no lower-priority slice makes room.
-        """
-        assert self.settings is not None
-        need = self.devices_of(slice_name)
-        snap = read_cluster(self.store, self.keys)
-        priorities = {j: int(r.get("priority", 0)) for j, r in job_records(self.store, self.keys).items()
-                      if r.get("state") not in FINAL_RECORD_STATES}
-        holdings = [Holding(job, sl, w, n, priorities[job])
-                    for w, ws in snap.workers.items()
-                    for (job, sl), n in Counter((h.job, h.slice) for h in ws.holders.values()).items()
-                    if job != self.spec.job and job in priorities]
-        free = {w: len(ws.free) for w, ws in snap.workers.items() if eligible(w, ws, snap)}
-        plan = plan_preemption({slice_name: need}, priority=self.spec.priority, free=free, holdings=holdings)
-        if isinstance(plan, NoVictims):
-            largest = max(free.values(), default=0)
-            raise NoSpareDevices(self.spec.job, slice_name, need, largest)
-        asked = [self.keys.yield_slice(v.job, v.slice) for v in plan.victims]
-        why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name, "at": time.time()})
-        self.writer.txn([], [Put(k, why) for k in asked])
-        victims = [f"{v.job}/{v.slice} (priority {v.priority}, on {v.worker})" for v in plan.victims]
-        self.log.warning("job.preempting", slice=slice_name, victims=victims)
-        self.event("job.waiting", reason=f"no free room for slice {slice_name!r} ({need} devices): taking "
-                   f"{', '.join(victims)} from lower-priority jobs", missing={slice_name: need}, victims=victims)
-        self._asked += asked
-        leases = self.leases()
-        t0 = self.clock.monotonic()
-        while True:
-            self.hold_term()
-            try:
-                return leases.allocate(self.spec.job, slice_name, need)
-            except NoSpareDevices:
-                if self.clock.monotonic() - t0 > self.settings.wait_timeout_s:
-                    raise JobFailed(f"slice {slice_name!r}: the lower-priority slices asked to yield ({', '.join(victims)})"
-                                    f" did not free {need} devices within wait_timeout_s="
-                                    f"{self.settings.wait_timeout_s:g}") from None
-                self.clock.sleep(0.1)
-
-    def _withdraw_yields(self) -> None:
-        """Placed (or ended): the lower-priority jobs may take devices back."""
-        if self._asked:
-            try:
-                self.writer.txn([], [Delete(k) for k in self._asked])
-                self._asked = []
-            except (StoreError, NotLeader) as exc:
-                self.log.warning("job.withdraw_failed", error=str(exc))
-
     def _load_all_from_cut(self) -> dict[str, str]:
         """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
         commits, before, corrupt_count = self.commits(), None, 0
@@ -352,25 +283,36 @@ class JobExecutor(JobDrains):
             if self._ungranted:
                 retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
                 self._grant(retry)
-            self.poll_drains()
             assert self.watchdog is not None
             quiet = self.watchdog.check()
             if quiet is not None:
                 self._stalled(quiet)
                 return
+        if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S:
+            self._drains_polled = self.clock.monotonic()
+            self.poll_drains()
         if self.drains:
             self.step_drains()
         try:
-            kind, (worker, gen, item) = self.workers.events.get(timeout=timeout_s)
+            kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, DRAIN_POLL_S))
         except queue.Empty:
             return
         self._handle(kind, worker, gen, item)
+
+    def worker_fenced(self, worker: str, incarnation: int, reason: str) -> None:
+        """The leader fenced ``worker`` (any thread): if this job runs on that incarnation, recover it."""
+        to, gen = self.workers.identity.get(worker), self.workers.generation.get(worker)
+        if to is not None and gen is not None and to.incarnation == incarnation:
+            self.workers.events.put(("fenced", (worker, gen, reason)))
 
     def _handle(self, kind: str, worker: str, gen: int, item: Any) -> None:
         if not self.workers.current(worker, gen):
             return  # a runtime given up on
         if kind == "grant_failed":
             self._grant_failed(worker, item)
+            return
+        if kind == "fenced":
+            self._recover({worker: f"fenced by the leader ({item})"})
             return
         self._last_heard[worker] = self.clock.monotonic()
         if kind == "ended":

@@ -38,6 +38,7 @@ from rallypoint.orchestrator.placement import SlicePlace, device_counts, load_re
 from rallypoint.orchestrator.recovery_machine import Commits, RecoveryPort
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, plan_remap
+from rallypoint.recovery.replicas import plan_replicas, replica_sources
 from rallypoint.recovery.replay import Graph, ReplayPlan
 
 ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
@@ -75,6 +76,8 @@ class JobCluster(RecoveryPort):
         self._last_heard: dict[str, float] = {}
         self._ckpt_slices = sorted({s.slice for s in spec.states})
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
+        self.holders: dict[str, pb.ReplicaPeer] = {}  # slice -> where its commits are copied now (in-memory tier)
+        self.restore_tiers: dict[str, str] = {}  # slice -> "memory" | "disk": what the last load restored from
 
     # -- etcd ----------------------------------------------------------------------------
 
@@ -119,7 +122,10 @@ class JobCluster(RecoveryPort):
         """Load requests (of ``workers``, or all) that start from the cut at ``start`` with the given commits."""
         assert self.settings is not None
         reqs = load_requests(self.spec, self.placement, cluster=self.keys.cluster, term=self.term)
+        targets, sources = self.replica_plan(start > 0)
         for w, req in reqs.items():
+            req.replica_targets.extend(targets[sa.slice] for sa in req.slices if sa.slice in targets)
+            req.replica_sources.extend(p for sa in req.slices for p in sources.get(sa.slice, ()))
             req.checkpoint_every = self.settings.checkpoint_every
             req.checkpoint_dir = str(self.run_dir or "")
             req.keep_checkpoints = self.settings.keep_checkpoints
@@ -144,7 +150,40 @@ class JobCluster(RecoveryPort):
         now = self.clock.monotonic()
         for w in reqs:
             self._last_heard[w] = now
-        return self.workers.load(reqs, addresses)
+        failed = self.workers.load(reqs, addresses)
+        self.restore_tiers = dict(self.workers.restore_tiers)
+        for w, req in reqs.items():
+            if w not in failed:
+                self.holders.update({t.slice: t for t in req.replica_targets})
+        return failed
+
+    def replica_plan(self, restoring: bool) -> tuple[dict[str, pb.ReplicaPeer], dict[str, list[pb.ReplicaPeer]]]:
+        """The in-memory checkpoint tier (``recovery.replicas``): where each slice's commits are
+        copied, and (``restoring``) where copies of the commits it restores may be: the holder
+        in force when they were made, then the new one, if registered. etcd is read only when
+        needed (a one-worker job's spares, a restore's live holders); unreachable: no copies."""
+        peers = {p.worker: pb.ReplicaPeer(worker_id=p.worker, address=p.address, incarnation=p.incarnation)
+                 for p in self.placement.values()}
+        snap = None
+        if restoring or len(peers) == 1:
+            try:
+                snap = read_cluster(self.store, self.keys)
+            except StoreError as exc:
+                self.log.warning("replicas.unplanned", error=str(exc))
+        spares = snap.spares if snap is not None else []
+        if snap is not None:
+            for w in spares:
+                info = snap.workers[w].info
+                peers[w] = pb.ReplicaPeer(worker_id=w, address=info.address, incarnation=info.incarnation)
+        plan = plan_replicas({s: p.worker for s, p in self.placement.items()}, spares)
+        targets = {s: pb.ReplicaPeer(slice=s, worker_id=h, address=peers[h].address, incarnation=peers[h].incarnation)
+                   for s, h in plan.items()}
+        if not restoring or snap is None:
+            return targets, {}
+        known = {(p.slice, p.worker_id): p for p in [*self.holders.values(), *targets.values()]}
+        alive = {w for (_, w), p in known.items() if w in snap.workers and snap.workers[w].info.incarnation == p.incarnation}
+        chosen = replica_sources({s: p.worker_id for s, p in self.holders.items()}, plan, list(self.placement), alive)
+        return targets, {s: [known[(s, w)] for w in ws] for s, ws in chosen.items()}
 
     def loaded_workers(self) -> list[str]:
         return self.workers.workers
@@ -160,7 +199,9 @@ class JobCluster(RecoveryPort):
 
     def rewire(self, worker: str, plan: ReplayPlan, cut: int, commits: Commits) -> None:
         reqs = self.requests(None, cut, commits)
-        r = self.workers.rewire(worker, reqs[worker].routes if worker in reqs else [], plan.nodes, cut, self.granted)
+        req = reqs.get(worker, pb.LoadJobRequest())
+        r = self.workers.rewire(worker, req.routes, plan.nodes, cut, self.granted, req.replica_targets)
+        self.holders.update({t.slice: t for t in req.replica_targets})
         self.log.info("recovery.rewired", worker=worker, resent=r.resent, log_from=r.log_from)
 
     # -- commits ------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 :class:`RecoverySettings` is what a ``JobSpec`` asks for (defaults filled in,
 checked). :class:`RecoveryRecord` is one recovery as the executor measures it: the
-lost workers and slices, the checkpoint step, the plan, and its phases, each a
-duration in seconds:
+lost workers and slices, the checkpoint step, where each restored slice's checkpoint
+was read from (``restore_tiers``: ``"memory"``, a peer's in-memory copy, or ``"disk"``),
+the plan, and its phases, each a duration in seconds:
 
 * ``detection``: the lost worker's last event to its loss being noticed (an upper
   bound on how long the death went unseen; events flow constantly while it runs);
@@ -92,6 +93,7 @@ class RecoveryRecord:
     checkpoint_step: int = 0
     escalated: str = ""  # why partial became restart-all, if it did
     moved: dict[str, str] = field(default_factory=dict)  # slice -> new worker
+    restore_tiers: dict[str, str] = field(default_factory=dict)  # restored slice -> "memory" | "disk"
     replay_nodes: list[str] = field(default_factory=list)
     planned_instances: dict[str, int] = field(default_factory=dict)
     attempts: int = 0
@@ -138,6 +140,7 @@ class RecoveryRecord:
         return {
             "recovery": self.number, "lost": self.lost, "reasons": self.reasons, "detected_at": self.detected_at,
             "policy": self.policy, "checkpoint_step": self.checkpoint_step, "escalated": self.escalated,
-            "moved": self.moved, "replay_nodes": self.replay_nodes, "planned_instances": self.planned_instances,
+            "moved": self.moved, "restore_tiers": self.restore_tiers, "replay_nodes": self.replay_nodes,
+            "planned_instances": self.planned_instances,
             "attempts": self.attempts, "phases": ph, "mttr_s": round(mttr, 4) if mttr is not None else None,
         }

@@ -45,6 +45,7 @@ class JobWorkers:
         self.generation: dict[str, int] = {}
         self._streams: list[Any] = []
         self._gens = itertools.count(1)
+        self.restore_tiers: dict[str, str] = {}  # slice -> "memory" | "disk": what the last load restored from
         self._lock = threading.Lock()
         self.log = get_logger("rallypoint.executor", job=job)
 
@@ -73,12 +74,13 @@ class JobWorkers:
     def load(self, requests: Mapping[str, pb.LoadJobRequest], addresses: Mapping[str, str]) -> dict[str, WorkerCallFailed]:
         """Load the job on each worker in parallel and follow its events. Returns the failures by worker."""
         failed: dict[str, WorkerCallFailed] = {}
+        self.restore_tiers = {}
         with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
             futures = {w: pool.submit(self._stub(w, addresses[w]).LoadJob, req, timeout=LOAD_TIMEOUT_S)
                        for w, req in requests.items()}
             for w, f in futures.items():
                 try:
-                    f.result()
+                    self.restore_tiers.update(f.result().restore_tiers)
                 except grpc.RpcError as exc:
                     failed[w] = WorkerCallFailed.from_rpc_error(w, "LoadJob", exc)
         for w, req in requests.items():
@@ -129,10 +131,11 @@ class JobWorkers:
             future.add_done_callback(done)
 
     def rewire(self, worker: str, routes: Iterable[pb.Route], resend_to: Iterable[str], from_step: int,
-               until: int) -> pb.RewireResponse:
+               until: int, replica_targets: Iterable[pb.ReplicaPeer] = ()) -> pb.RewireResponse:
         """Raises :class:`WorkerCallFailed`."""
         req = pb.RewireRequest(to=self.identity[worker], job=self.job, routes=list(routes),
-                               resend_to=sorted(resend_to), from_step=from_step, until_step=until)
+                               resend_to=sorted(resend_to), from_step=from_step, until_step=until,
+                               replica_targets=list(replica_targets))
         try:
             return self._stub(worker).Rewire(req, timeout=LOAD_TIMEOUT_S)
         except grpc.RpcError as exc:

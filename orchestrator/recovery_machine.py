@@ -150,6 +150,7 @@ class RecoveryPort(abc.ABC):
     placement: dict[str, SlicePlace]
     cut: int  # the newest cut the workers were told of (their output logs reach back to it)
     log_floor: Mapping[str, int] = MappingProxyType({})  # node -> its log's first step, where past the cut (a drain)
+    restore_tiers: Mapping[str, str] = MappingProxyType({})  # slice -> "memory" | "disk": what the last load read
 
     @abc.abstractmethod
     def loaded_workers(self) -> list[str]:
@@ -384,6 +385,7 @@ class Recovery:
     def _restored(self, s: Restoring) -> None:
         rec, plan = self.record, s.plan
         rec.policy, rec.checkpoint_step = plan.policy, s.cut
+        rec.restore_tiers = dict(sorted(self.port.restore_tiers.items()))
         rec.replay_nodes = sorted(plan.nodes)
         rec.planned_instances = {n: k for n, k in plan.instances(self.microbatches).items() if k}
         rec.targets = {n: r.to_step for n, r in plan.nodes.items()}

@@ -112,6 +112,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
         coordinator.add_leadership_listener(self.on_lead, self.on_step_down)
+        coordinator.add_fence_listener(self.on_fenced)
 
     # -- the RPCs ---------------------------------------------------------------------------
 
@@ -348,6 +349,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             started.unsubscribe(started.first)  # nobody asked for it: clients come through WatchJob
         self.log.info("job.adopting", job=job, old_term=old_term, state=state, step_done=record.get("step_done"),
                       cut=record.get("cut"), run_dir=rd, term=term)
+
+    def on_fenced(self, worker: str, incarnation: int, reason: str) -> None:
+        """The leader fenced a worker: every executor that runs on it recovers now."""
+        with self._lock:
+            runs = list(self._runs.values())
+        for r in runs:
+            if r.executor is not None:
+                r.executor.worker_fenced(worker, incarnation, reason)
 
     def on_step_down(self, reason: str) -> None:
         """This coordinator stopped leading: hand its jobs off, unless its term may come back."""

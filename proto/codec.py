@@ -8,6 +8,7 @@ joined once into the array's buffer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -80,3 +81,39 @@ def assemble(messages: Iterable[pb.TransferChunk]) -> tuple[pb.TransferHeader, l
         buf = parts[i][0] if len(parts[i]) == 1 else b"".join(parts[i])
         leaves.append(np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape))
     return header, leaves
+
+
+def replica_chunks(header: pb.ReplicaHeader, states: dict[str, Sequence[np.ndarray]],
+                   chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ReplicaChunk]:
+    """The messages of one ``PushReplica`` / ``FetchReplica`` stream: the header (with the
+    state names and leaf counts, in name order), then every leaf chunked as in a ``Push``."""
+    names = sorted(states)
+    del header.states[:], header.state_leaves[:]
+    header.states.extend(names)
+    header.state_leaves.extend(len(states[n]) for n in names)
+    leaves = [leaf for n in names for leaf in states[n]]
+    for i, c in enumerate(chunks(pb.TransferHeader(), leaves, chunk_bytes)):
+        yield pb.ReplicaChunk(header=header, chunk=c) if i == 0 else pb.ReplicaChunk(chunk=c)
+
+
+def assemble_replica(messages: Iterable[pb.ReplicaChunk]) -> tuple[pb.ReplicaHeader, dict[str, list[np.ndarray]]]:
+    """Rebuild the header and ``{state: [leaves]}`` of one replica stream.
+
+    Raises:
+        ValueError: the stream is malformed (no header, leaf counts that do not add up, missing leaves).
+    """
+    it = iter(messages)
+    first = next(it, None)
+    if first is None or not first.HasField("header"):
+        raise ValueError("replica stream does not start with a header")
+    header = first.header
+    if len(header.states) != len(header.state_leaves):
+        raise ValueError(f"replica header names {len(header.states)} states but {len(header.state_leaves)} leaf counts")
+    _, leaves = assemble(itertools.chain([first.chunk], (m.chunk for m in it)))
+    if len(leaves) != sum(header.state_leaves):
+        raise ValueError(f"replica of {sum(header.state_leaves)} leaves carried {len(leaves)}")
+    out: dict[str, list[np.ndarray]] = {}
+    at = 0
+    for name, n in zip(header.states, header.state_leaves):
+        out[name], at = leaves[at:at + n], at + n
+    return header, out

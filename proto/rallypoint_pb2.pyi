@@ -198,7 +198,7 @@ class Route(_message.Message):
     def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class LoadJobRequest(_message.Message):
-    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed")
+    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,8 @@ class LoadJobRequest(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SOURCES_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     steps: int
@@ -229,7 +231,21 @@ class LoadJobRequest(_message.Message):
     start_step: int
     restore: _containers.RepeatedCompositeFieldContainer[CheckpointRef]
     committed: _containers.RepeatedCompositeFieldContainer[CheckpointRef]
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ...) -> None: ...
+    replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
+    replica_sources: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ...) -> None: ...
+
+class ReplicaPeer(_message.Message):
+    __slots__ = ("slice", "worker_id", "address", "incarnation")
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    slice: str
+    worker_id: str
+    address: str
+    incarnation: int
+    def __init__(self, slice: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class CheckpointRef(_message.Message):
     __slots__ = ("slice", "step", "path", "checksum")
@@ -244,10 +260,19 @@ class CheckpointRef(_message.Message):
     def __init__(self, slice: _Optional[str] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class LoadJobResponse(_message.Message):
-    __slots__ = ("load_s",)
+    __slots__ = ("load_s", "restore_tiers")
+    class RestoreTiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_TIERS_FIELD_NUMBER: _ClassVar[int]
     load_s: float
-    def __init__(self, load_s: _Optional[float] = ...) -> None: ...
+    restore_tiers: _containers.ScalarMap[str, str]
+    def __init__(self, load_s: _Optional[float] = ..., restore_tiers: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
     __slots__ = ("to", "job", "until_step", "cut_step", "save_at")
@@ -355,20 +380,22 @@ class InstanceDone(_message.Message):
     def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ...) -> None: ...
 
 class RewireRequest(_message.Message):
-    __slots__ = ("to", "job", "routes", "resend_to", "from_step", "until_step")
+    __slots__ = ("to", "job", "routes", "resend_to", "from_step", "until_step", "replica_targets")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     RESEND_TO_FIELD_NUMBER: _ClassVar[int]
     FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     routes: _containers.RepeatedCompositeFieldContainer[Route]
     resend_to: _containers.RepeatedScalarFieldContainer[str]
     from_step: int
     until_step: int
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., resend_to: _Optional[_Iterable[str]] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ...) -> None: ...
+    replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., resend_to: _Optional[_Iterable[str]] = ..., from_step: _Optional[int] = ..., until_step: _Optional[int] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ...) -> None: ...
 
 class RewireResponse(_message.Message):
     __slots__ = ("resent", "log_from")
@@ -407,6 +434,56 @@ class UnloadJobRequest(_message.Message):
 class UnloadJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("to", "job", "slice", "step", "checksum", "states", "state_leaves", "from_worker", "from_incarnation")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    STATE_LEAVES_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    FROM_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    slice: str
+    step: int
+    checksum: str
+    states: _containers.RepeatedScalarFieldContainer[str]
+    state_leaves: _containers.RepeatedScalarFieldContainer[int]
+    from_worker: str
+    from_incarnation: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ..., checksum: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ..., state_leaves: _Optional[_Iterable[int]] = ..., from_worker: _Optional[str] = ..., from_incarnation: _Optional[int] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    chunk: TransferChunk
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., chunk: _Optional[_Union[TransferChunk, _Mapping]] = ...) -> None: ...
+
+class PushReplicaResponse(_message.Message):
+    __slots__ = ("stored", "reason")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    reason: str
+    def __init__(self, stored: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FetchReplicaRequest(_message.Message):
+    __slots__ = ("to", "job", "slice", "step")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    slice: str
+    step: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist")

@@ -184,6 +184,16 @@ class WorkerRuntimeStub:
                 request_serializer=proto_dot_rallypoint__pb2.RewireRequest.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.RewireResponse.FromString,
                 _registered_method=True)
+        self.PushReplica = channel.stream_unary(
+                '/rallypoint.v1.WorkerRuntime/PushReplica',
+                request_serializer=proto_dot_rallypoint__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.PushReplicaResponse.FromString,
+                _registered_method=True)
+        self.FetchReplica = channel.unary_stream(
+                '/rallypoint.v1.WorkerRuntime/FetchReplica',
+                request_serializer=proto_dot_rallypoint__pb2.FetchReplicaRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.ReplicaChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerRuntimeServicer:
@@ -232,6 +242,20 @@ class WorkerRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushReplica(self, request_iterator, context):
+        """keep a copy of a commit in memory
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchReplica(self, request, context):
+        """the copy kept, if any (NOT_FOUND)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +293,16 @@ def add_WorkerRuntimeServicer_to_server(servicer, server):
                     servicer.Rewire,
                     request_deserializer=proto_dot_rallypoint__pb2.RewireRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.RewireResponse.SerializeToString,
+            ),
+            'PushReplica': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushReplica,
+                    request_deserializer=proto_dot_rallypoint__pb2.ReplicaChunk.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.PushReplicaResponse.SerializeToString,
+            ),
+            'FetchReplica': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchReplica,
+                    request_deserializer=proto_dot_rallypoint__pb2.FetchReplicaRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.ReplicaChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -460,6 +494,60 @@ class WorkerRuntime:
             '/rallypoint.v1.WorkerRuntime/Rewire',
             proto_dot_rallypoint__pb2.RewireRequest.SerializeToString,
             proto_dot_rallypoint__pb2.RewireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushReplica(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rallypoint.v1.WorkerRuntime/PushReplica',
+            proto_dot_rallypoint__pb2.ReplicaChunk.SerializeToString,
+            proto_dot_rallypoint__pb2.PushReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/FetchReplica',
+            proto_dot_rallypoint__pb2.FetchReplicaRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.ReplicaChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -262,7 +262,7 @@ class FakeWorkers(JobWorkers):
         self.events.put(("ended", (worker, self.generation[worker], "StatusCode.UNAVAILABLE Socket closed")))
 
     def rewire(self, worker: str, routes: Iterable[pb.Route], resend_to: Iterable[str], from_step: int,
-               until: int) -> pb.RewireResponse:
+               until: int, replica_targets: Iterable[pb.ReplicaPeer] = ()) -> pb.RewireResponse:
         self.rewires.append((worker, from_step))
         return pb.RewireResponse(resent=0, log_from=from_step)
 

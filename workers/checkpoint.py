@@ -161,11 +161,14 @@ class SliceCheckpointer:
             exception means the checkpoint does not count; :meth:`wait` raises it.
         log_fields: extra fields bound to every log event (worker, incarnation).
         forget: called with a step before retention deletes it (to delete its commit).
+        replicate: called with each commit and its states once it counts (the in-memory
+            tier copies them to a peer: :mod:`rallypoint.workers.replicas`); must not block.
     """
 
     def __init__(self, directory: Path, *, job: str, slice_name: str, max_to_keep: int | None,
                  commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None,
-                 forget: Callable[[int], None] | None = None) -> None:
+                 forget: Callable[[int], None] | None = None,
+                 replicate: Callable[[CheckpointCommit, States], None] | None = None) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be None or at least 1, got {max_to_keep}")
         self.job, self.slice_name = check_name("job", job), check_name("slice", slice_name)
@@ -173,6 +176,7 @@ class SliceCheckpointer:
         self.max_to_keep = max_to_keep
         self._commit = commit
         self._forget = forget
+        self._replicate = replicate
         self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, **(log_fields or {}))
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
@@ -293,7 +297,7 @@ class SliceCheckpointer:
                       save_s=round(time.monotonic() - item.started, 4))
         c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), state_checksum(item.states),
                              tuple(sorted(item.states)))
-        item.states = None
+        states, item.states = item.states, None
         try:
             self._commit(c)
         except Exception as e:
@@ -304,6 +308,8 @@ class SliceCheckpointer:
             self.commits.append(c)
         self.log.info("checkpoint.committed", step=c.step, path=c.path, checksum=c.checksum,
                       commit_s=round(time.monotonic() - item.started, 4))
+        if self._replicate is not None:  # it counts: a peer may now keep a copy in memory
+            self._replicate(c, states)
 
     def _finalized_path(self, step: int) -> Path | None:
         for p in ocp.path.step.checkpoint_steps_paths(self.directory):

@@ -1,7 +1,8 @@
 """Fault hooks of a worker, for tests and the chaos harness (never set in production).
 
 They are injected, not read from the environment: the worker daemon takes them as
-hidden options (``--fault-commit-delay-s``, ``--fault-storage-flag``), the local
+hidden options (``--fault-commit-delay-s``, ``--fault-storage-flag``,
+``--fault-corrupt-replicas``), the local
 cluster passes :attr:`rallypoint.cluster.local.LocalClusterConfig.worker_faults` to
 every worker it starts, and the daemon hands them through the runtime to each job's
 checkpoints (:mod:`rallypoint.workers.job_checkpoints`).
@@ -28,10 +29,14 @@ class WorkerFaults:
         storage_flag: a file; while it exists, every checkpoint save fails with the
             errno named in it (``ENOSPC``, ``EROFS``; empty or unknown: ``EIO``). This is
             how ``chaos/storage.py`` fills or freezes the disk without root ("": off).
+        corrupt_replicas: every checkpoint copy this worker holds in memory for a peer
+            (:mod:`rallypoint.workers.replicas`) gets one byte flipped when stored, so a
+            restore from it fails its checksum and reads the disk.
     """
 
     commit_delay_s: float = 0.0
     storage_flag: str = ""
+    corrupt_replicas: bool = False
 
     def __post_init__(self) -> None:
         if not self.commit_delay_s >= 0:
@@ -49,6 +54,8 @@ class WorkerFaults:
             out += ["--fault-commit-delay-s", repr(float(self.commit_delay_s))]
         if self.storage_flag:
             out += ["--fault-storage-flag", self.storage_flag]
+        if self.corrupt_replicas:
+            out += ["--fault-corrupt-replicas"]
         return out
 
     def check_storage(self, where: str) -> None:

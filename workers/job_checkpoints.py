@@ -35,18 +35,39 @@ from rallypoint.workers.runtime_state import LoadError, RestoreError
 CommitFn = Callable[[CheckpointCommit], None]
 
 
-def restore(req: pb.LoadJobRequest) -> dict[str, States]:
-    """Each slice's states from its commit in ``req.restore`` (checksums checked).
+Fetch = Callable[[pb.CheckpointRef], "States | None"]
+"""A copy of a commit's states from the in-memory tier (checksum checked), or None."""
+
+
+def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
+            tiers: dict[str, str] | None = None) -> dict[str, States]:
+    """Each slice's states from its commit in ``req.restore``: the nearest valid copy, a
+    peer's memory (``fetch``, see :mod:`rallypoint.workers.replicas`) first, then the disk
+    (checksums checked). ``tiers`` gets ``{slice: "memory" | "disk"}``.
 
     Raises:
-        workers.checkpoint.CheckpointCorrupt: a checkpoint does not read back as committed.
+        workers.checkpoint.CheckpointCorrupt: a checkpoint on disk does not read back as committed.
     """
-    return {ref.slice: restore_commit(CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum))
-            for ref in req.restore}
+    out: dict[str, States] = {}
+    for ref in req.restore:
+        t0 = time.perf_counter()
+        states, tier = (fetch(ref) if fetch is not None else None), "memory"
+        if states is None:
+            commit = CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum)
+            states, tier = restore_commit(commit), "disk"
+        out[ref.slice] = states
+        if tiers is not None:
+            tiers[ref.slice] = tier
+        get_logger("rallypoint.checkpoint", job=req.job, slice=ref.slice).info(
+            "checkpoint.restored", step=int(ref.step), tier=tier, restore_s=round(time.perf_counter() - t0, 4),
+            bytes=sum(int(x.nbytes) for leaves in states.values() for x in leaves))
+    return out
 
 
-def restore_for_load(req: pb.LoadJobRequest) -> dict[str, States]:
-    """What a runtime starting at ``req.start_step`` (> 0) restores, every slice with states included.
+def restore_for_load(req: pb.LoadJobRequest, fetch: Fetch | None = None,
+                     tiers: dict[str, str] | None = None) -> dict[str, States]:
+    """What a runtime starting at ``req.start_step`` (> 0) restores, every slice with states included
+    (from the nearest valid copy: see :func:`restore`).
 
     Raises:
         LoadError: a slice with states has no checkpoint in the request.
@@ -57,7 +78,7 @@ def restore_for_load(req: pb.LoadJobRequest) -> dict[str, States]:
     if missing:
         raise LoadError(f"start step {req.start_step} needs a checkpoint of slices {missing} to restore")
     try:
-        return restore(req)
+        return restore(req, fetch, tiers)
     except CheckpointCorrupt as exc:
         raise RestoreError(f"corrupt checkpoint slice={exc.commit.slice_name} step={exc.commit.step}: {exc}",
                            slice_name=exc.commit.slice_name, step=exc.commit.step) from exc
@@ -73,12 +94,16 @@ class JobCheckpoints:
         on_commit: called with ``(slice, step)`` once a checkpoint counts.
         log_fields: bound to every log event.
         faults: test fault hooks (a commit delay, failing saves); none in production.
+        replicate: called with each commit and its states once it counts (the
+            in-memory tier's :meth:`rallypoint.workers.replicas.Replicator.submit`).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, commit_factory: Callable[[], CommitFn] | None,
                  on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any],
-                 faults: WorkerFaults = NO_FAULTS) -> None:
+                 faults: WorkerFaults = NO_FAULTS,
+                 replicate: Callable[[CheckpointCommit, States], None] | None = None) -> None:
         self.job = req.job
+        self._replicate = replicate
         self.faults = faults
         self.steps = int(req.steps)
         self.every = int(req.checkpoint_every)
@@ -112,7 +137,7 @@ class JobCheckpoints:
             assert self.root is not None
             ck = SliceCheckpointer(self.root / s, job=self.job, slice_name=s, max_to_keep=self._keep,
                                    commit=self._committer(self._commit), log_fields=self._log_fields,
-                                   forget=self._forgetter(self._commit, s))
+                                   forget=self._forgetter(self._commit, s), replicate=self._replicate)
             ck.protect(self.cut)
             self._ckpt[s] = ck
         return self._ckpt[s]

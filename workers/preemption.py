@@ -58,6 +58,6 @@ def handle_preemption(store: Store, keys: Keys, worker: str, *, lease_id: int, d
                 return "drained"
         except StoreError:
             pass
-        clock.sleep(POLL_S)
+        clock.sleep(max(0.0, min(POLL_S, deadline_s - (clock.monotonic() - t0))))
     log.warning("worker.preemption_deadline", deadline_s=deadline_s)
     return "deadline"

@@ -44,6 +44,7 @@ from rallypoint.etcd.errors import RallypointError
 from rallypoint.etcd.logs import get_logger
 from rallypoint.proto import codec, rallypoint_pb2 as pb
 from rallypoint.workers.job_checkpoints import NO_FAULTS, CommitFn, JobCheckpoints, WorkerFaults, restore_for_load
+from rallypoint.workers.replicas import ReplicaTier
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.records import InstanceRecords
@@ -86,11 +87,13 @@ class JobRuntime:
         push_threads: threads pushing outputs to other workers.
         commit_factory: makes this incarnation's checkpoint commit (None: no checkpoints).
         faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
+        replicas: the worker's in-memory checkpoint tier (:mod:`rallypoint.workers.replicas`; None: disk only).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
-                 commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS) -> None:
+                 commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
+                 replicas: ReplicaTier | None = None) -> None:
         t0 = time.perf_counter()
         self.job = req.job
         self.steps = int(req.steps)
@@ -114,12 +117,16 @@ class JobRuntime:
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
         self.outlog.low = self.start_step  # a runtime started at a checkpoint made nothing before it
         self._pushes = PushPools(self.job, push_threads)
+        self.restore_tiers: dict[str, str] = {}  # slice -> "memory" (a peer's copy) or "disk", when restored
+        self._fetch = (lambda ref: replicas.fetch(req, ref, self.log)) if replicas is not None else None
         self._load(req, devices)
         start = self.start_step
         self.expected = sum((running_steps(self.steps, n.prog.every) - running_steps(start, n.prog.every)) * len(n.mbs)
                             for n in self.nodes.values())
+        self.replicator = replicas.replicator(req, incarnation=self.incarnation, log=self.log) if replicas else None
         self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed, faults=faults,
-                                          log_fields={"worker": worker_id, "incarnation": self.incarnation})
+                                          log_fields={"worker": worker_id, "incarnation": self.incarnation},
+                                          replicate=self.replicator.submit if self.replicator else None)
         self.records = InstanceRecords(self.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
                                        slices=list(self._slice_nodes), start_step=start,
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
@@ -167,7 +174,7 @@ class JobRuntime:
         self._state_routes: list[_StateRoute] = []
         self._set_routes(req.routes)
 
-        restored = restore_for_load(req) if self.start_step > 0 else {}
+        restored = restore_for_load(req, self._fetch, self.restore_tiers) if self.start_step > 0 else {}
         self.states: dict[str, StateVersions] = {}
         for st in req.states:
             readers = [(n.prog.every, len(n.mbs)) for n in self.nodes.values() for b in n.prog.inputs
@@ -325,7 +332,7 @@ class JobRuntime:
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(max(deadline - time.monotonic(), 0.0))
-        for part in (self.checkpoints, self.outlog, self.records):
+        for part in (self.checkpoints, self.outlog, self.records, *([self.replicator] if self.replicator else [])):
             try:
                 part.close()
             except Exception as exc:  # noqa: BLE001 - e.g. a save a fenced incarnation cannot finalize

@@ -1,7 +1,9 @@
 """The worker's runtime service: the gRPC and data-plane front of :class:`rallypoint.workers.runtime.JobRuntime`.
 
 Every request passes the daemon's gate first (fence, incarnation, coordinator term);
-then it is routed to the job it names.
+then it is routed to the job it names. ``PushReplica`` and ``FetchReplica`` serve the
+in-memory checkpoint tier (:mod:`rallypoint.workers.replicas`): the copies this worker
+holds for peers live here, beside the runtimes, since a holder may run no part of the job.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.replicas import ReplicaStore, ReplicaTier
 from rallypoint.workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
 from rallypoint.workers.transfer import PeerChannels
 
@@ -63,6 +66,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self._loading: set[str] = set()
         self.peers = PeerChannels()
         self.log = get_logger("rallypoint.runtime", worker=worker_id)
+        self.replicas = ReplicaTier(worker_id, self.peers, ReplicaStore(
+            corrupt=faults.corrupt_replicas, log=get_logger("rallypoint.replicas", worker=worker_id)))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -146,7 +151,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         try:
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
-                            commit_factory=self._commit_factory, faults=self._faults)
+                            commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas)
         except RestoreError as exc:
             failure, corrupt = (grpc.StatusCode.DATA_LOSS, str(exc)), exc
         except LoadError as exc:
@@ -164,7 +169,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
                 context.set_trailing_metadata(corrupt_checkpoint_metadata(corrupt.slice_name, corrupt.step))
             _abort(context, *failure)
         rt.start()
-        return pb.LoadJobResponse(load_s=rt.load_s)
+        return pb.LoadJobResponse(load_s=rt.load_s, restore_tiers=rt.restore_tiers)
 
     def RunSteps(self, request: pb.RunStepsRequest, context: grpc.ServicerContext) -> pb.RunStepsResponse:
         self._job(request.to, request.job, context).grant(int(request.until_step), int(request.cut_step),
@@ -175,6 +180,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         rt = self._job(request.to, request.job, context)
         try:
             resent = rt.rewire(request.routes, request.resend_to, int(request.from_step), int(request.until_step))
+            if rt.replicator is not None:
+                rt.replicator.set_targets(request.replica_targets)
         except DeliveryError as exc:
             _abort(context, grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except LoadError as exc:
@@ -228,5 +235,32 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         if rt is not None:
             if request.flush_s > 0:  # a drain: what this worker sent before it stopped must arrive
                 rt.flush(float(request.flush_s))
+            finished = rt.wait_finished(0)
             rt.stop()
+            if finished:  # the job ran to its end here: the copies held for it are of no more use
+                self.replicas.store.drop_job(request.job)
         return pb.UnloadJobResponse()
+
+    def PushReplica(self, request_iterator: Iterable[pb.ReplicaChunk],
+                    context: grpc.ServicerContext) -> pb.PushReplicaResponse:
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or not first.HasField("header"):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "replica stream does not start with a header")
+        self._admit(first.header.to, context)
+        try:
+            header, states = codec.assemble_replica(chain([first], it))
+        except ValueError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stored, reason = self.replicas.receive(header, states)
+        return pb.PushReplicaResponse(stored=stored, reason=reason)
+
+    def FetchReplica(self, request: pb.FetchReplicaRequest, context: grpc.ServicerContext) -> Iterator[pb.ReplicaChunk]:
+        self._admit(request.to, context)
+        r = self.replicas.store.get(request.job, request.slice, int(request.step))
+        if r is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"worker {self.worker_id} holds no copy of job "
+                   f"{request.job!r} slice {request.slice!r} at step {request.step}")
+        yield from codec.replica_chunks(pb.ReplicaHeader(
+            job=r.job, slice=r.slice_name, step=r.step, checksum=r.checksum, from_worker=r.from_worker,
+            from_incarnation=r.from_incarnation), r.states)

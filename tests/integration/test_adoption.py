@@ -252,11 +252,13 @@ def _service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any]
     keeper = SimpleNamespace(fence=SimpleNamespace(dead=False))
     election = SimpleNamespace(term=7, is_leader=True, keeper=keeper, current_leader=lambda: ("c0", 7))
     listeners: list[Any] = []
+    fence_listeners: list[Any] = []
     c = SimpleNamespace(store=MemoryStore(), keys=Keys("t"), election=election, clock=FakeClock(), stopping=False,
                         config=SimpleNamespace(coordinator_id="c0", checkpoint_dir=str(tmp_path), hooks=ExecutorHooks()),
-                        add_leadership_listener=lambda a, b: listeners.append((a, b)))
+                        add_leadership_listener=lambda a, b: listeners.append((a, b)),
+                        add_fence_listener=fence_listeners.append)
     svc = service_mod.CoordinatorService(c)  # type: ignore[arg-type]
-    assert listeners == [(svc.on_lead, svc.on_step_down)]
+    assert listeners == [(svc.on_lead, svc.on_step_down)] and fence_listeners == [svc.on_fenced]
     return svc, c
 
 

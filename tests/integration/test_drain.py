@@ -24,6 +24,7 @@ from rallypoint.cluster.local import LocalCluster, is_running
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.faults import WorkerFaults
 from tests.client.test_cli import rp
 from tests.examples import example
 from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
@@ -55,7 +56,7 @@ def test_draining_the_worker_of_each_slice_moves_it_with_nothing_replayed_and_en
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
 ) -> None:
     compiled, reference = pipeline
-    # Early enough that the leader (it polls requests every second) sees it well before the job's last steps.
+    # Early enough that the leader (it polls requests every 0.1 s) sees it well before the job's last steps.
     step = random.Random(f"drain-{victim}").randint(3, STEPS // 2 - 2)
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
     result, injector = run(lc, compiled, [Fault(victim, victim, step, "drain")])
@@ -160,7 +161,10 @@ def test_sigterm_without_time_to_drain_falls_back_on_the_loss_path_and_still_end
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
 ) -> None:
     compiled, reference = pipeline
-    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1, preempt_deadline_s=0.2)
+    # Every commit waits 0.5 s, so the drain's save cannot commit before the worker's 0.02 s are up (without
+    # it a drain can take under 0.1 s here and finish before the worker has gone).
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1, preempt_deadline_s=0.02,
+                       worker_faults=WorkerFaults(commit_delay_s=0.5))
     result, injector = run(lc, compiled, [Fault("stage2", "stage2", 7, "preempt")])
     (fired,) = injector.fired
     assert result.state_digest == reference

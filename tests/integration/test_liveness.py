@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -56,7 +57,7 @@ def test_killed_worker_is_fenced_through_the_broken_connection_and_its_devices_f
 def test_stopped_worker_is_lost_refuses_everything_on_resume_and_registers_a_new_incarnation(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    lc = local_cluster(workers=2, lease_ttl_s=1)
+    lc = local_cluster(workers=2, lease_ttl_s=1, suspect_after_s=0)  # the lease path alone
     store = lc.store()
     try:
         snap = read_cluster(store, lc.keys)
@@ -121,6 +122,50 @@ def test_stopped_worker_is_lost_refuses_everything_on_resume_and_registers_a_new
         # The coordinator saw it come back.
         joined = [e for e in read_events(_leader_log(lc), "worker.joined") if e["worker"] == "w1"]
         assert [e["incarnation"] for e in joined][-1] == new
+    finally:
+        store.close()
+
+
+def test_a_silent_worker_is_fenced_well_before_its_lease_ttl_and_comes_back_as_a_new_incarnation(
+    local_cluster: Callable[..., LocalCluster],
+) -> None:
+    lc = local_cluster(workers=2, lease_ttl_s=6, suspect_after_s=1.0)
+    store = lc.store()
+    try:
+        old = read_cluster(store, lc.keys).workers["w1"].info.incarnation
+        wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+        t0 = time.monotonic()
+        lc.signal("w1", signal.SIGSTOP)
+        lost = wait_until(lambda: store.get(lc.keys.lost("w1")), 6, "w1 recorded lost").json()
+        fenced_s = time.monotonic() - t0
+        # Its lease had 6 s to run: the heartbeats' silence found it, and the leader fenced it.
+        assert lost["reason"] == "silent" and lost["incarnation"] == old
+        assert fenced_s < 4.0, f"fenced after {fenced_s:.2f}s: the silence was not acted on"
+        (silent,) = [e for e in read_events(_leader_log(lc), "worker.silent") if e["worker"] == "w1"]
+        assert 1.0 <= silent["silent_s"] < 2.0
+        assert "w1" not in read_cluster(store, lc.keys).workers
+        lc.signal("w1", signal.SIGCONT)
+        new = wait_until(lambda: (kv := store.get(lc.keys.worker("w1"))) and kv.create_revision != old
+                         and kv.create_revision, 15, "w1 re-registered")
+        assert new > old
+        assert "w0" in read_cluster(store, lc.keys).workers and not store.get(lc.keys.lost("w0"))
+    finally:
+        store.close()
+
+
+def test_a_coordinator_that_was_itself_stopped_suspects_nobody(local_cluster: Callable[..., LocalCluster]) -> None:
+    lc = local_cluster(workers=2, coordinators=1, lease_ttl_s=6, suspect_after_s=1.0)
+    store = lc.store()
+    try:
+        before = {w: s.info.incarnation for w, s in read_cluster(store, lc.keys).workers.items()}
+        wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+        lc.signal("c0", signal.SIGSTOP)  # the leader freezes; its lease (6 s) outlives the pause
+        time.sleep(2.5)
+        lc.signal("c0", signal.SIGCONT)
+        time.sleep(2.0)  # heartbeats it had not read arrive now; nobody may be called silent for that
+        assert not read_events(lc.process("c0").log, "worker.silent")
+        assert store.get_prefix(lc.keys.lost_workers)[0] == []
+        assert {w: s.info.incarnation for w, s in read_cluster(store, lc.keys).workers.items()} == before
     finally:
         store.close()
 

@@ -256,7 +256,9 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
 ) -> None:
     compiled, reference = pipeline
-    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
+    # The in-memory copies are damaged too (a sound one would be restored instead: test_memory_tier.py).
+    lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1,
+                       worker_faults=WorkerFaults(corrupt_replicas=True))
     corrupted: list[int] = []
     injector_box: list[FaultInjector] = []
 

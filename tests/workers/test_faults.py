@@ -106,13 +106,14 @@ def test_faults_validate_and_become_hidden_worker_options(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="commit_delay_s"):
         WorkerFaults(commit_delay_s=-1)
     assert NO_FAULTS.args() == [] and not NO_FAULTS.any
-    faults = WorkerFaults(commit_delay_s=3, storage_flag=str(tmp_path / "flag"))
-    assert faults.args() == ["--fault-commit-delay-s", "3.0", "--fault-storage-flag", str(tmp_path / "flag")]
+    faults = WorkerFaults(commit_delay_s=3, storage_flag=str(tmp_path / "flag"), corrupt_replicas=True)
+    assert faults.args() == ["--fault-commit-delay-s", "3.0", "--fault-storage-flag", str(tmp_path / "flag"),
+                             "--fault-corrupt-replicas"]
 
     cfg = LocalClusterConfig(state_dir=tmp_path / "c", worker_faults=faults)
     lc = LocalCluster(cfg, ["127.0.0.1:1"], [])
     argv = lc.argv("worker", "w0")
-    assert argv[-4:] == faults.args()
+    assert argv[-5:] == faults.args()
     assert "--fault-commit-delay-s" not in lc.argv("coordinator", "c0")
     assert "--fault-commit-delay-s" not in LocalCluster(LocalClusterConfig(state_dir=tmp_path / "d"), ["x:1"],
                                                         []).argv("worker", "w0")
@@ -134,11 +135,12 @@ def test_the_worker_command_hands_its_cache_and_hidden_fault_options_to_the_daem
     monkeypatch.setattr(daemons, "configure_logs", lambda: None)
     base = ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0"]
     r = CliRunner().invoke(daemons.main, [*base, "--fault-commit-delay-s", "2.5", "--fault-storage-flag", "/f",
-                                          "--compile-cache-dir", "/shared/cache"])
+                                          "--fault-corrupt-replicas", "--compile-cache-dir", "/shared/cache"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(daemons.main, base)
     assert r.exit_code == 0, r.output
-    assert [c.faults for c in configs] == [WorkerFaults(commit_delay_s=2.5, storage_flag="/f"), NO_FAULTS]
+    assert [c.faults for c in configs] == [WorkerFaults(commit_delay_s=2.5, storage_flag="/f", corrupt_replicas=True),
+                                           NO_FAULTS]
     assert [c.compile_cache_dir for c in configs] == ["/shared/cache", ""]
     help_text = CliRunner().invoke(daemons.main, ["worker", "--help"]).output
     assert "--fault" not in help_text and "--compile-cache-dir" in help_text
