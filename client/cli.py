@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import click
 
 from rallypoint.client import jobs_cli
-from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, resolve_cluster, store_and_keys
+from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, insecure, resolve_cluster, store_and_keys
+from rallypoint.client.clusters import tls_options
 from rallypoint.etcd.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.cluster.group import RallypointGroup
@@ -43,14 +44,16 @@ def main() -> None:
 @click.option("--name", "cluster_name", default="local", show_default=True, help="Cluster name.")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_STATE_DIR,
               envvar="RALLYPOINT_STATE_DIR", show_default=True)
+@click.option("--insecure", is_flag=True, help="No TLS and no etcd auth: plain TCP everywhere (docs/security.md).")
 def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, etcd_members: str,
-       lease_ttl_s: int, cluster_name: str, state_dir: Path) -> None:
+       lease_ttl_s: int, cluster_name: str, state_dir: Path, insecure: bool) -> None:
     """Start a local cluster in the background (etcd, coordinators, workers)."""
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 
     config = LocalClusterConfig(
         state_dir=state_dir.resolve(), workers=workers, spares=spares, devices_per_worker=devices_per_worker,
         coordinators=coordinators, etcd_members=int(etcd_members), lease_ttl_s=lease_ttl_s, cluster=cluster_name,
+        tls=not insecure,
     )
     configure_logs(level="warning")
     lc = LocalCluster.start(config)
@@ -59,8 +62,34 @@ def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, et
                f"{coordinators} coordinators, {n} workers x {devices_per_worker} devices")
     click.echo(f"  state dir: {config.state_dir}  (logs in {config.state_dir / 'logs'})")
     click.echo(f"  reach it:  rallypoint workers --state-dir {state_dir}")
-    click.echo(f"        or:  rallypoint workers --cluster {config.cluster}@{','.join(lc.endpoints)}")
+    tls = f"--tls-dir {lc.tls_dir}" if config.tls else "--insecure"
+    click.echo(f"        or:  rallypoint workers --cluster {config.cluster}@{','.join(lc.endpoints)} {tls}")
     click.echo(f"  stop it:   rallypoint down --state-dir {state_dir}")
+
+
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Directory for ca.crt/ca.key and NAME.crt/NAME.key (made if missing; an existing CA is kept).")
+@click.option("--names", default="etcd,c0,c1,w0,w1,w2,client", show_default=True, metavar="NAME[,NAME...]",
+              help="One certificate per process: the ids given to --id, plus `client` for the CLI and `etcd`.")
+@click.option("--hosts", default="127.0.0.1,localhost", show_default=True, metavar="HOST[,HOST...]",
+              help="IPs and DNS names every certificate is valid for (where the processes are reached).")
+@click.option("--user", default="rallypoint", show_default=True,
+              help="The etcd user the certificates act as (their common name; etcd --client-cert-auth).")
+@click.option("--cluster", "cluster_name", default="local", show_default=True, help="Cluster name (in the CA's name).")
+def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str) -> None:
+    """Make a CA and per-process certificates for mutual TLS (docs/security.md)."""
+    from rallypoint.cluster.certs import make_certs
+
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted:
+        raise ConfigError("--names is empty: name at least one process")
+    made = make_certs(out, wanted, hosts=[h.strip() for h in hosts.split(",") if h.strip()], user=user,
+                      cluster=cluster_name)
+    click.echo(f"CA: {out / 'ca.crt'} (its key {out / 'ca.key'} signs new certificates: keep it private)")
+    for name, tls in made.items():
+        click.echo(f"  {name}: {tls.cert} {tls.key}")
+    click.echo(f"daemons: --tls-dir {out} (each loads ca.crt and <id>.crt/<id>.key); CLI: --tls-dir {out}")
 
 
 @main.command()
@@ -242,6 +271,7 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--reference", is_flag=True, help="Run in this process, no cluster: the bitwise reference.")
 @click.option("--cluster", "cluster", default=None, metavar="[NAME@]HOST:PORT[,...]",
               help="Run on this cluster (etcd endpoints) instead of an embedded one.")
+@tls_options
 @click.option("--workers", type=int, default=None, help="Embedded cluster: workers (default: one per slice).")
 @click.option("--spares", type=int, default=1, show_default=True, help="Embedded cluster: spare workers.")
 @click.option("--devices-per-worker", type=int, default=None,
@@ -409,7 +439,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
         click.echo(f"note: {len(faults)} kills and {spares} spares: recovery will wait for spares that never come; "
                    "add --spares", err=True)
     lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=n_workers, spares=spares,
-                                               devices_per_worker=k, coordinators=2))
+                                               devices_per_worker=k, coordinators=2, tls=not insecure()))
     ok = False
     try:
         result = go(lc.endpoints, lc.config.cluster)

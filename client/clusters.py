@@ -1,4 +1,11 @@
-"""Finding a cluster from the command line: ``--state-dir`` or ``--cluster [NAME@]HOST:PORT[,...]``."""
+"""Finding a cluster from the command line: ``--state-dir`` or ``--cluster [NAME@]HOST:PORT[,...]``.
+
+And the identity to reach it with: a cluster of ``--state-dir`` brings its own (its
+``tls/client.crt``); with ``--cluster``, ``--tls-dir DIR`` (``DIR/ca.crt``,
+``DIR/client.crt``, ``DIR/client.key``) or an explicit ``--insecure``. The identity is
+recorded for the cluster's etcd endpoints (:func:`rallypoint.etcd.tls.remember`), so every
+connection of this process to that cluster (etcd, the coordinators) uses it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,52 @@ from typing import Any, TypeVar
 
 import click
 
-from rallypoint.etcd.errors import ClusterNotFound
+from rallypoint.etcd import tls as tls_registry
+from rallypoint.etcd.errors import ClusterNotFound, ConfigError, StoreError
 from rallypoint.etcd.keys import Keys, all_clusters_prefix, cluster_of, parse_cluster
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_STATE_DIR = ".rallypoint"
+CLIENT_CERT = "client"
+
+
+def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    ctx.meta[f"rallypoint.{param.name}"] = value
+    return value
+
+
+def tls_options(f: F) -> F:
+    """``--tls-dir`` and ``--insecure``; read back with :func:`insecure` and :func:`client_tls`."""
+    f = click.option("--insecure", is_flag=True, expose_value=False, callback=_keep,
+                     help="Plain TCP to a --cluster started with --insecure; for an embedded cluster: start it "
+                     "without TLS and etcd auth (docs/security.md).")(f)
+    f = click.option("--tls-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     envvar="RALLYPOINT_TLS_DIR", expose_value=False, callback=_keep,
+                     help="With --cluster: the cluster's certificates (ca.crt, client.crt, client.key; "
+                     "`rallypoint certs`, or STATE_DIR/tls of `rallypoint up`).")(f)
+    return f
+
+
+def insecure() -> bool:
+    """Whether ``--insecure`` was given to the running command."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get("rallypoint.insecure"))
+
+
+def client_tls() -> tls_registry.TlsConfig | None:
+    """The identity for ``--cluster``: ``--tls-dir``, or None for ``--insecure``; one is required."""
+    ctx = click.get_current_context(silent=True)
+    tls_dir = ctx.meta.get("rallypoint.tls_dir") if ctx is not None else None
+    if tls_dir and insecure():
+        raise ConfigError("--tls-dir and --insecure exclude each other: pass one")
+    if insecure():
+        return None
+    if not tls_dir:
+        raise ConfigError("--cluster needs the cluster's certificates: pass --tls-dir DIR (ca.crt, client.crt, "
+                          "client.key; for a `rallypoint up` cluster STATE_DIR/tls), or --insecure for a cluster "
+                          "started with --insecure")
+    return tls_registry.TlsConfig.from_dir(tls_dir, CLIENT_CERT)
 
 
 @dataclass(frozen=True)
@@ -32,10 +79,16 @@ def resolve_cluster(state_dir: Path, cluster: str | None) -> ClusterAddress:
 
     if cluster:
         name, endpoints = parse_cluster(cluster)
+        tls_registry.remember(endpoints, client_tls())
         if name is None:
             store = EtcdStore(endpoints)
             try:
                 kvs, _ = store.get_prefix(all_clusters_prefix())
+            except StoreError as exc:
+                if "PERMISSION_DENIED" not in str(exc):
+                    raise
+                raise ClusterNotFound(f"etcd at {','.join(endpoints)} lets this client see only its own cluster's "
+                                      "keys (etcd auth): name the cluster with --cluster NAME@HOST:PORT") from None
             finally:
                 store.close()
             names = sorted({cluster_of(kv.key) for kv in kvs})
@@ -55,6 +108,7 @@ def cluster_options(f: F) -> F:
         "--cluster", "cluster", default=None, metavar="[NAME@]HOST:PORT[,...]",
         help="etcd endpoints of the cluster (instead of --state-dir).",
     )(f)
+    f = tls_options(f)
     f = click.option(
         "--state-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_STATE_DIR,
         envvar="RALLYPOINT_STATE_DIR", show_default=True, help="Where `rallypoint up` records its cluster.",

@@ -23,6 +23,8 @@ from rallypoint.etcd.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.etcd.tls import tls_of
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -204,8 +206,8 @@ class JobFollower:
             if leader is None:
                 return None
             address, term = leader
-            channel = grpc.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+            channel = tls_channel(  # the identity the store reaches etcd with
+                address, tls_of(self._store), options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
             stream = rpc(pb_grpc.CoordinatorStub(channel))
             with self._lock:
                 self._call = stream

@@ -16,7 +16,9 @@ from typing import Any, TypeVar
 import click
 
 from rallypoint.cluster.group import RallypointGroup
+from rallypoint.etcd.errors import ConfigError
 from rallypoint.etcd.keys import parse_cluster
+from rallypoint.etcd.tls import TlsConfig
 from rallypoint.etcd.logs import configure as configure_logs
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
 from rallypoint.orchestrator.hooks import ExecutorHooks
@@ -33,10 +35,27 @@ def main() -> None:
 
 
 def _daemon_options(f: F) -> F:
+    f = click.option("--insecure", is_flag=True,
+                     help="Plain TCP on every connection (gRPC, data plane, etcd): anyone who reaches a port can "
+                     "act on the cluster. Only for a trusted network; see docs/security.md.")(f)
+    f = click.option("--tls-dir", default="", metavar="DIR", envvar="RALLYPOINT_TLS_DIR",
+                     help="Mutual TLS: DIR/ca.crt, DIR/<id>.crt and DIR/<id>.key (`rallypoint certs`).")(f)
     f = click.option("--lease-ttl-s", type=int, default=2, show_default=True)(f)
     f = click.option("--id", "ident", required=True, help="Stable id of this process.")(f)
     f = click.option("--cluster", "cluster", required=True, metavar="NAME@HOST:PORT[,...]")(f)
     return f
+
+
+def tls_from_options(tls_dir: str, insecure: bool, ident: str) -> TlsConfig | None:
+    """The daemon's identity from ``--tls-dir``/``--insecure``: one of the two is required."""
+    if tls_dir and insecure:
+        raise ConfigError("--tls-dir and --insecure exclude each other: pass one")
+    if insecure:
+        return None
+    if not tls_dir:
+        raise ConfigError(f"no TLS identity: pass --tls-dir DIR holding ca.crt, {ident}.crt and {ident}.key (make them "
+                          f"with `rallypoint certs --out DIR --names {ident}`), or --insecure for plain TCP")
+    return TlsConfig.from_dir(tls_dir, ident)
 
 
 def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop: Callable[[], None],
@@ -77,14 +96,15 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
 @click.option("--fault-corrupt-replicas", is_flag=True, hidden=True,
               help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
-def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, port: int,
-           register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
+def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, host: str,
+           port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, fault_commit_delay_s: float,
            fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
-    cfg = WorkerConfig(cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
+    tls = tls_from_options(tls_dir, insecure, ident)
+    cfg = WorkerConfig(tls=tls, cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
                        lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
@@ -105,13 +125,14 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
                    "lease TTL; 0: only the TTL finds it.")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str, suspect_after_s: float,
-                test_skip_replay: bool) -> None:
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str,
+                host: str, suspect_after_s: float, test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     hooks = ExecutorHooks(skip_replay=test_skip_replay)
-    c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
+    tls = tls_from_options(tls_dir, insecure, ident)
+    c = Coordinator(CoordinatorConfig(tls=tls, cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks,
                                       suspect_after_s=suspect_after_s))
     serve_jobs(c)

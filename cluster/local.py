@@ -12,6 +12,13 @@ cut it off (``chaos/network.py``). This module knows nothing of namespaces or
 proxies: etcd and coordinators bind ``config.host``, and a ``worker_network``
 hook (:data:`WorkerNetworkHook`) says, per worker, what to run the worker under,
 where it binds, how it reaches etcd and what it advertises.
+
+Security (``LocalClusterConfig.tls``, on by default; ``docs/security.md``): the cluster
+keeps a CA in ``<state-dir>/tls`` and gives every process its own certificate (made
+afresh at each start of the process, naming the addresses it binds and advertises);
+etcd runs with TLS and client-certificate auth, and a ``rallypoint`` user that may only
+touch this cluster's prefix; every daemon gets ``--tls-dir``. Clients (the CLI, tests)
+use the ``client`` certificate.
 """
 
 from __future__ import annotations
@@ -29,12 +36,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
+from rallypoint.etcd import tls as tls_registry
+from rallypoint.etcd.auth import enable_auth
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.tls import TlsConfig
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 
@@ -42,6 +53,9 @@ STATE_FILE = "cluster.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NETWORKS = ("loopback", "netns", "proxy")
 DEFAULT_HOST = "127.0.0.1"
+TLS_DIR = "tls"
+CLIENT_CERT = "client"  # the identity the CLI and in-process clients use
+ETCD_CERT = "etcd"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +88,8 @@ class LocalClusterConfig:
             options, :mod:`rallypoint.workers.faults`); none by default.
         coordinator_hooks: test fault hooks every coordinator starts with (hidden
             ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
+        tls: mutual TLS everywhere and etcd auth (the default); False runs every process
+            ``--insecure`` (plain TCP, etcd without auth): ``rallypoint up --insecure``.
     """
 
     state_dir: Path
@@ -91,6 +107,7 @@ class LocalClusterConfig:
     suspect_after_s: float = 1.0
     worker_faults: WorkerFaults = NO_FAULTS
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
+    tls: bool = True
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
@@ -240,6 +257,9 @@ class LocalCluster:
         self.etcd: EtcdCluster | None = None
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
         self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
+        if config.tls:  # in-process clients (EtcdStore(endpoints), submit) find the identity by the endpoints
+            d = self.tls_dir
+            tls_registry.remember(endpoints, TlsConfig(d / "ca.crt", d / f"{CLIENT_CERT}.crt", d / f"{CLIENT_CERT}.key"))
 
     # -- starting ---------------------------------------------------------------------
 
@@ -273,8 +293,18 @@ class LocalCluster:
         for sub in ("etcd", "logs"):
             shutil.rmtree(state / sub, ignore_errors=True)
         (state / "logs").mkdir()
-        etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host)
+        tls_dir = state / TLS_DIR
+        hosts = list(dict.fromkeys([config.host, *DEFAULT_HOSTS]))
+        etcd_tls = issue(tls_dir, ETCD_CERT, hosts=hosts, cluster=config.cluster) if config.tls else None
+        client_tls = issue(tls_dir, CLIENT_CERT, hosts=hosts, cluster=config.cluster) if config.tls else None
+        etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host, tls=etcd_tls)
         etcd.detach()
+        if client_tls is not None:
+            try:
+                enable_auth(etcd.endpoints, client_tls, Keys(config.cluster).prefix, secrets_dir=state / "etcd")
+            except BaseException:
+                etcd.stop()
+                raise
         processes = [
             ProcessRecord("etcd", m.name, m.pid or 0, process_start_time(m.pid or 0) or 0, str(m.log_path))
             for m in etcd.members
@@ -299,6 +329,7 @@ class LocalCluster:
         base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "rallypoint.cluster.daemons", role,
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
+        base += ["--tls-dir", str(self.tls_dir)] if self.config.tls else ["--insecure"]
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker),
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
@@ -326,6 +357,25 @@ class LocalCluster:
         return net
 
     @property
+    def tls_dir(self) -> Path:
+        """The cluster's CA and per-process certificates."""
+        return (self.config.state_dir / TLS_DIR).absolute()
+
+    @property
+    def client_tls(self) -> TlsConfig | None:
+        """The identity clients of this cluster use (None: an ``--insecure`` cluster)."""
+        if not self.config.tls:
+            return None
+        return TlsConfig.from_dir(self.tls_dir, CLIENT_CERT)
+
+    def _issue(self, name: str, net: WorkerNetwork | None) -> None:
+        """A fresh certificate for process ``name``, naming every address it binds or is reached at."""
+        hosts = [self.config.host, *DEFAULT_HOSTS]
+        if net is not None:
+            hosts += [net.host] + [a.rpartition(":")[0] for a in (net.advertise_address, net.advertise_data_address) if a]
+        issue(self.tls_dir, name, hosts=list(dict.fromkeys(hosts)), cluster=self.config.cluster)
+
+    @property
     def checkpoint_dir(self) -> Path:
         """Where this cluster's jobs keep checkpoints (kept across ``down`` and ``up``)."""
         return (self.config.state_dir / "checkpoints").absolute()
@@ -341,7 +391,10 @@ class LocalCluster:
     def spawn(self, role: str, name: str, *, extra_env: dict[str, str] | None = None) -> ProcessRecord:
         """Start one coordinator or worker process and record it."""
         log_path = self.config.state_dir / "logs" / f"{name}.log"
-        argv = self.argv(role, name, self._place(name) if role == "worker" else None)
+        net = self._place(name) if role == "worker" else None
+        if self.config.tls:
+            self._issue(name, net)
+        argv = self.argv(role, name, net)
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
         with open(log_path, "ab") as log:
@@ -416,7 +469,7 @@ class LocalCluster:
     # -- using and stopping -------------------------------------------------------------------
 
     def store(self) -> EtcdStore:
-        return EtcdStore(self.endpoints)
+        return EtcdStore(self.endpoints, tls=self.client_tls)
 
     def process(self, name: str) -> ProcessRecord:
         for p in self.processes:
@@ -451,6 +504,7 @@ class LocalCluster:
                     pass
         if self.etcd is not None:
             self.etcd.stop()
+        tls_registry.remember(self.endpoints, None)
         path = self.config.state_dir / STATE_FILE
         if path.exists():
             path.unlink()

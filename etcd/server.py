@@ -22,6 +22,11 @@ heartbeat``: about ``ceil(1.5 * election_timeout)``. Measured on etcd 3.5.1
 not ceil(1.05) = 2, as ticks are whole (3*7//2 = 10 ticks). TTLs at or above the
 floor are granted unchanged; right after a grant, ``LeaseTimeToLive.TTL`` (time
 remaining) already reads ``granted - 1``. See :func:`min_lease_ttl_s`.
+
+TLS (``tls=``, what the embedded cluster uses): client and peer URLs are https, both
+require a client certificate of the CA (``--client-cert-auth``, ``--peer-client-cert-auth``),
+and the health check presents the member's own certificate. Without ``tls`` (tests of the
+store itself) the members listen on plain http.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from types import TracebackType
 import structlog
 
 from rallypoint.etcd.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
+from rallypoint.etcd.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -114,17 +120,18 @@ class EtcdMember:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     host: str = "127.0.0.1"
+    scheme: str = "http"
     _log_offset: int = field(default=0, repr=False)
 
     @property
     def client_url(self) -> str:
-        """``http://HOST:CLIENT_PORT``."""
-        return f"http://{self.host}:{self.client_port}"
+        """``http(s)://HOST:CLIENT_PORT``."""
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        """``http://HOST:PEER_PORT``."""
-        return f"http://{self.host}:{self.peer_port}"
+        """``http(s)://HOST:PEER_PORT``."""
+        return f"{self.scheme}://{self.host}:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
@@ -183,8 +190,11 @@ class EtcdCluster:
 
     def __init__(self, members: list[EtcdMember], binary: Path, token: str,
                  heartbeat_interval_ms: int, election_timeout_ms: int,
-                 ready_timeout_s: float) -> None:
+                 ready_timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._members = members
+        self.tls = tls
+        self._http = _http if tls is None else urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=tls.client_context()))
         self._binary = binary
         self._token = token
         self.heartbeat_interval_ms = heartbeat_interval_ms
@@ -195,8 +205,11 @@ class EtcdCluster:
     @classmethod
     def start(cls, *, members: int = 1, base_dir: Path, heartbeat_interval_ms: int = 50,
               election_timeout_ms: int = 500, ready_timeout_s: float = 30.0,
-              host: str = "127.0.0.1") -> EtcdCluster:
+              host: str = "127.0.0.1", tls: TlsConfig | None = None) -> EtcdCluster:
         """Start a new cluster under ``base_dir`` and wait until every member is healthy.
+
+        ``tls``: the members' certificate (its names must cover ``host``), key and CA; None
+        starts them on plain http (say so at the call site: only tests of etcd itself do).
 
         Retries with fresh ports (up to 3 attempts) when a port was taken meanwhile.
         Raises ConfigError for bad settings and EtcdStartError (with log tails) otherwise.
@@ -221,9 +234,10 @@ class EtcdCluster:
                 if (port := free_port(host)) not in ports:
                     ports.append(port)
             ms = [EtcdMember(name, ports[2 * i], ports[2 * i + 1], base_dir / f"{name}.etcd",
-                             base_dir / f"{name}.log", host=host) for i, name in enumerate(names)]
+                             base_dir / f"{name}.log", host=host, scheme="http" if tls is None else "https")
+                  for i, name in enumerate(names)]
             cluster = cls(ms, binary, f"rallypoint-{uuid.uuid4().hex[:12]}", heartbeat_interval_ms,
-                          election_timeout_ms, ready_timeout_s)
+                          election_timeout_ms, ready_timeout_s, tls=tls)
             try:
                 for i in range(members):
                     cluster._spawn(i, "new")
@@ -269,6 +283,11 @@ class EtcdCluster:
                 "--heartbeat-interval", str(self.heartbeat_interval_ms),
                 "--election-timeout", str(self.election_timeout_ms), "--log-level", "warn",
                 "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000"]
+        if self.tls is not None:
+            t = self.tls
+            argv += ["--client-cert-auth", "--trusted-ca-file", str(t.ca), "--cert-file", str(t.cert),
+                     "--key-file", str(t.key), "--peer-client-cert-auth", "--peer-trusted-ca-file", str(t.ca),
+                     "--peer-cert-file", str(t.cert), "--peer-key-file", str(t.key)]
         with m.log_path.open("ab") as logf:
             m._log_offset = logf.tell()
             m.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
@@ -278,7 +297,7 @@ class EtcdCluster:
     def is_healthy(self, i: int) -> bool:
         """True when member ``i`` answers ``/health`` with ``"health": "true"``."""
         try:
-            with _http.open(f"{self._members[i].client_url}/health", timeout=0.5) as resp:
+            with self._http.open(f"{self._members[i].client_url}/health", timeout=0.5) as resp:
                 return bool(json.load(resp).get("health") == "true")
         except (OSError, ValueError):  # URLError/HTTPError (503 without quorum) are OSErrors
             return False

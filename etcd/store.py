@@ -34,6 +34,8 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 
+from rallypoint.etcd.tls import AUTO, TlsConfig, resolve
+from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.etcd.errors import (
     LeaseNotFound,
     StoreError,
@@ -269,17 +271,24 @@ class EtcdStore:
             over them (gRPC round robin), so losing a member does not lose the store.
         request_timeout_s: deadline of each unary request. A write past it is
             indeterminate.
+        tls: mutual TLS to etcd (:class:`~rallypoint.etcd.tls.TlsConfig`); etcd started with
+            ``--client-cert-auth`` takes the user from the certificate's common name. The
+            members' certificates must name the first endpoint's host (the name checked).
+            None: plain; ``AUTO`` (the default): the identity a local cluster of this process
+            recorded for these endpoints, plain if none did.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 2.0) -> None:
+    def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 2.0, tls: Any = AUTO) -> None:
         if not endpoints:
             raise StoreError("no etcd endpoints given; pass --cluster HOST:PORT[,HOST:PORT...]")
         self.endpoints = list(endpoints)
         self.request_timeout_s = request_timeout_s
+        self.tls: TlsConfig | None = resolve(tls, self.endpoints)
         target = "ipv4:" + ",".join(self.endpoints)
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
+        authority = [("grpc.default_authority", self.endpoints[0])] if self.tls is not None else []
+        self._channel = tls_channel(
+            target, self.tls,
+            options=[*authority,
                 ("grpc.lb_policy_name", "round_robin"),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),

@@ -44,6 +44,8 @@ from rallypoint.etcd.retry import retrying
 from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import EtcdStore, Put, Store
+from rallypoint.etcd.tls import TlsConfig, add_port
+from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -78,6 +80,8 @@ class CoordinatorConfig:
         checkpoint_dir: where jobs keep checkpoints when they name no directory
             (a filesystem every worker shares; "": such jobs run without checkpoints).
         hooks: fault hooks for tests (:class:`ExecutorHooks`); the defaults break nothing.
+        tls: this coordinator's certificate, key and CA: mutual TLS on its gRPC service, its
+            channels to workers (executors take it from the store) and etcd (None: ``--insecure``).
     """
 
     cluster: str
@@ -91,6 +95,7 @@ class CoordinatorConfig:
     port: int = 0
     checkpoint_dir: str = ""
     hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)
@@ -111,7 +116,7 @@ class WorkerLink:
         self.info = info
         self.term = term
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(info.address)
+        self._channel = tls_channel(info.address, coordinator.config.tls)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name=f"link-{info.worker}", daemon=True)
@@ -195,10 +200,10 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, *, store: Store | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.keys = Keys(config.cluster)
-        self.store = store or EtcdStore(config.endpoints)
+        self.store = store or EtcdStore(config.endpoints, tls=config.tls)
         self.clock = clock
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
-        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_port(self.server, f"{config.host}:{config.port}", config.tls)
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"

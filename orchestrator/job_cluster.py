@@ -28,6 +28,7 @@ from rallypoint.etcd.errors import StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.etcd.tls import tls_of
 from rallypoint.orchestrator.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.election import LeaderElection, TermWriter
 from rallypoint.orchestrator.failures import WorkerCallFailed
@@ -58,7 +59,7 @@ class JobCluster(RecoveryPort):
         self.writer = TermWriter(election, self.term)  # this job writes under the term that started it, or not at all
         self.state = JobState.PLACING
         self.placement: dict[str, SlicePlace] = {}
-        self.workers = JobWorkers(spec.job)
+        self.workers = JobWorkers(spec.job, tls_of(store))  # the coordinator's identity, as its store has it
         self.graph = Graph.from_spec(spec)
         self.settings: RecoverySettings | None = None
         self.run_dir: Path | None = None

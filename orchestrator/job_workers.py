@@ -21,6 +21,8 @@ from typing import Any
 import grpc
 
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.tls import TlsConfig
+from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -35,8 +37,9 @@ Event = tuple[str, tuple[str, int, Any]]
 class JobWorkers:
     """The workers of one job, as the executor talks to them."""
 
-    def __init__(self, job: str) -> None:
+    def __init__(self, job: str, tls: TlsConfig | None = None) -> None:
         self.job = job
+        self.tls = tls
         self.events: queue.Queue[Event] = queue.Queue()
         self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -66,8 +69,8 @@ class JobWorkers:
             self._address[worker] = address
         address = self._address[worker]
         if address not in self._stubs:
-            self._channels[address] = grpc.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+            self._channels[address] = tls_channel(
+                address, self.tls, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
             self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
         return self._stubs[address]
 

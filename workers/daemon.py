@@ -43,6 +43,7 @@ from rallypoint.etcd.lease import LeaseKeeper
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import EtcdStore, Store, created_at
+from rallypoint.etcd.tls import TlsConfig, add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.checkpoint import etcd_commit
@@ -101,6 +102,8 @@ class WorkerConfig:
         preempt_deadline_s: how long a preemption notice (SIGTERM) gives the leader to
             drain this worker before it leaves anyway (:mod:`rallypoint.workers.preemption`).
         faults: test fault hooks (:mod:`rallypoint.workers.faults`); none in production.
+        tls: this worker's certificate, key and CA: mutual TLS on its gRPC server, its data
+            plane, its pushes to peers and its etcd connection (None: plain, ``--insecure``).
     """
 
     cluster: str
@@ -118,6 +121,7 @@ class WorkerConfig:
     compile_cache_dir: str = ""
     preempt_deadline_s: float = 30.0
     faults: WorkerFaults = NO_FAULTS
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         check_name("worker", self.worker_id)
@@ -160,7 +164,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
     def __init__(self, config: WorkerConfig, *, store: Store | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.keys = Keys(config.cluster)
-        self.store = store or EtcdStore(config.endpoints)
+        self.store = store or EtcdStore(config.endpoints, tls=config.tls)
         self.clock = clock
         self.state = WorkerState.STARTING
         self.registration: Registration | None = None
@@ -205,11 +209,12 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
                                             incarnation=lambda: self.incarnation, commit_factory=self._commit_factory,
-                                            faults=self.config.faults)
+                                            faults=self.config.faults, tls=self.config.tls)
         pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
-        self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive, port=self.config.data_port)
+        self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive, port=self.config.data_port,
+                                         tls=self.config.tls)
         self.dataplane.start()
-        port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        port = add_port(self._server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if port == 0:
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"

@@ -16,6 +16,13 @@ and the receiver answers one status byte (``DELIVERED``, ``DUPLICATE``, ``REFUSE
 ``NO_JOB``, ``INVALID``), followed for the last three by a u32 length and a message.
 The header carries the same identities as a gRPC ``Push`` (the receiving worker's
 incarnation), and the receiver admits it through the same gate.
+
+With a :class:`~rallypoint.etcd.tls.TlsConfig` every connection is mutual TLS (the server
+requires a client certificate of the cluster CA, the client checks the server's name and
+certificate); the handshake runs on the connection's own thread, bounded by
+``HANDSHAKE_TIMEOUT_S``. A malformed frame (bad magic, header, dtype or shape; a value
+over the limits) is answered ``INVALID`` when the stream still allows it, and the
+connection is closed: the handler never sees it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import enum
 import queue
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -30,12 +38,22 @@ from typing import Any
 
 import numpy as np
 
+from google.protobuf.message import DecodeError
+
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.tls import HANDSHAKE_TIMEOUT_S, TlsConfig
 from rallypoint.proto import rallypoint_pb2 as pb
 
 MAGIC = b"RPV1"
 _U32 = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
+MAX_META_BYTES = 1 << 16
+MAX_LEAVES = 1 << 16
+MAX_LEAF_BYTES = 1 << 36  # 64 GiB: a bound on what one frame makes the receiver allocate
+
+
+class FrameError(ValueError):
+    """A malformed data-plane frame; the connection is closed after the answer."""
 
 
 class Status(enum.IntEnum):
@@ -76,6 +94,28 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _leaf_array(meta: pb.Tensor) -> np.ndarray:
+    """An empty array for a leaf's (dtype, shape); FrameError for anything but plain numeric data."""
+    try:
+        dtype = np.dtype(meta.dtype)
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"unknown dtype {meta.dtype!r}: {exc}") from None
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufcV":
+        raise FrameError(f"dtype {meta.dtype!r} is not plain numeric data")
+    shape = tuple(int(d) for d in meta.shape)
+    if any(d < 0 for d in shape) or len(shape) > 32:
+        raise FrameError(f"bad shape {shape}")
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes > MAX_LEAF_BYTES:
+        raise FrameError(f"a leaf of {nbytes} bytes is over the limit of {MAX_LEAF_BYTES}")
+    try:
+        return np.empty(shape, dtype=dtype)
+    except (ValueError, MemoryError) as exc:
+        raise FrameError(f"cannot allocate a leaf of shape {shape} and dtype {dtype}: {exc}") from None
+
+
 def _c_order(a: Any) -> np.ndarray:
     arr = np.asarray(a)
     return arr if arr.flags.c_contiguous else np.array(arr, order="C")
@@ -88,10 +128,12 @@ class DataPlaneServer:
         host: address to listen on.
         handler: ``(header, leaves) -> (status, message)``; runs on the connection's thread.
         port: 0 picks a free port.
+        tls: mutual TLS (None: plain TCP, only when asked for with ``--insecure``).
     """
 
-    def __init__(self, host: str, handler: Handler, port: int = 0) -> None:
+    def __init__(self, host: str, handler: Handler, port: int = 0, *, tls: TlsConfig | None = None) -> None:
         self.handler = handler
+        self._tls = tls.server_context() if tls is not None else None
         self._sock = socket.create_server((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
@@ -114,14 +156,37 @@ class DataPlaneServer:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _handshake(self, conn: socket.socket) -> socket.socket | None:
+        """The TLS side of an accepted connection (None: the peer failed the handshake, closed)."""
+        if self._tls is None:
+            return conn
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            tconn = self._tls.wrap_socket(conn, server_side=True)
+            tconn.settimeout(None)
+        except (OSError, ssl.SSLError) as exc:
+            self.log.warning("dataplane.handshake_refused", error=str(exc))
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            return None
+        with self._lock:
+            self._conns.discard(conn)
+            self._conns.add(tconn)
+        return tconn
+
+    def _serve(self, raw: socket.socket) -> None:
+        conn = self._handshake(raw)
+        if conn is None:
+            return
         try:
             while not self._stop.is_set():
-                magic = conn.recv(4, socket.MSG_WAITALL)
-                if not magic:
+                first = conn.recv(1)
+                if not first:
                     return  # the peer closed an idle connection
+                magic = first + _recv_exact(conn, len(MAGIC) - 1)
                 if magic != MAGIC:
-                    raise ConnectionError(f"not a data-plane frame: {magic!r}")
+                    raise FrameError(f"not a data-plane frame: {magic!r}")
                 header, leaves = self._read_value(conn)
                 try:
                     status, message = self.handler(header, leaves)
@@ -133,6 +198,13 @@ class DataPlaneServer:
                 else:
                     data = message.encode()
                     conn.sendall(bytes([status]) + _U32.pack(len(data)) + data)
+        except FrameError as exc:
+            self.log.warning("dataplane.malformed_frame", error=str(exc))
+            data = str(exc).encode()[:4096]
+            try:
+                conn.sendall(bytes([Status.INVALID]) + _U32.pack(len(data)) + data)
+            except OSError:
+                pass
         except (ConnectionError, OSError, ValueError) as exc:
             if not self._stop.is_set():
                 self.log.info("dataplane.connection_closed", error=str(exc))
@@ -145,13 +217,25 @@ class DataPlaneServer:
     def _read_value(conn: socket.socket) -> tuple[pb.TransferHeader, list[np.ndarray]]:
         (hlen,) = _U32.unpack(_recv_exact(conn, 4))
         if hlen > MAX_HEADER_BYTES:
-            raise ValueError(f"header of {hlen} bytes")
-        header = pb.TransferHeader.FromString(_recv_exact(conn, hlen))
+            raise FrameError(f"header of {hlen} bytes is over the limit of {MAX_HEADER_BYTES}")
+        try:
+            header = pb.TransferHeader.FromString(_recv_exact(conn, hlen))
+        except DecodeError as exc:
+            raise FrameError(f"bad header: {exc}") from None
+        if header.leaves > MAX_LEAVES:
+            raise FrameError(f"{header.leaves} leaves is over the limit of {MAX_LEAVES}")
         leaves = []
         for _ in range(header.leaves):
             (mlen,) = _U32.unpack(_recv_exact(conn, 4))
-            meta = pb.Tensor.FromString(_recv_exact(conn, mlen))
-            arr = np.empty(tuple(meta.shape), dtype=np.dtype(meta.dtype))
+            if mlen > MAX_META_BYTES:
+                raise FrameError(f"leaf metadata of {mlen} bytes is over the limit of {MAX_META_BYTES}")
+            try:
+                meta = pb.Tensor.FromString(_recv_exact(conn, mlen))
+            except DecodeError as exc:
+                raise FrameError(f"bad leaf metadata: {exc}") from None
+            if meta.data:
+                raise FrameError("leaf metadata carries data (the bytes follow it raw)")
+            arr = _leaf_array(meta)
             if arr.nbytes:
                 _recv_into(conn, memoryview(arr).cast("B"))
             leaves.append(arr)
@@ -173,8 +257,9 @@ class DataPlaneServer:
 class DataPlaneClient:
     """Sends values to peers' data planes over pooled connections (one per value in flight)."""
 
-    def __init__(self, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, *, timeout_s: float = 120.0, tls: TlsConfig | None = None) -> None:
         self.timeout_s = timeout_s
+        self._tls = tls.client_context() if tls is not None else None
         self._idle: dict[str, queue.SimpleQueue[socket.socket]] = {}
         self._lock = threading.Lock()
 
@@ -182,7 +267,13 @@ class DataPlaneClient:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if self._tls is None:
+            return sock
+        try:
+            return self._tls.wrap_socket(sock, server_hostname=host)  # checks the name we dialled
+        except (OSError, ssl.SSLError):
+            sock.close()
+            raise
 
     def _checkout(self, address: str) -> socket.socket:
         with self._lock:

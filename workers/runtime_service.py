@@ -18,6 +18,7 @@ import grpc
 
 from rallypoint.etcd.errors import RallypointError
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.tls import TlsConfig
 from rallypoint.proto import codec
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -53,7 +54,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
 
     def __init__(self, worker_id: str, *, admit: Admit, devices: Sequence[Any] | Callable[[], Sequence[Any]],
                  incarnation: Callable[[], int], push_threads: int = 4,
-                 commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS) -> None:
+                 commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
+                 tls: TlsConfig | None = None) -> None:
         self._commit_factory = commit_factory
         self._faults = faults
         self.worker_id = worker_id
@@ -64,7 +66,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self._lock = threading.Lock()
         self._jobs: dict[str, JobRuntime] = {}
         self._loading: set[str] = set()
-        self.peers = PeerChannels()
+        self.peers = PeerChannels(tls)  # pushes to peers: mutual TLS with this worker's identity
         self.log = get_logger("rallypoint.runtime", worker=worker_id)
         self.replicas = ReplicaTier(worker_id, self.peers, ReplicaStore(
             corrupt=faults.corrupt_replicas, log=get_logger("rallypoint.replicas", worker=worker_id)))

@@ -24,6 +24,8 @@ from typing import Any
 import grpc
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
+from rallypoint.etcd.tls import TlsConfig
+from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -42,17 +44,18 @@ class NotAllowed(Exception):
 class PeerChannels:
     """The channels this worker pushes on, one per peer address, kept for the process."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._lock = threading.Lock()
+        self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
-        self._data = DataPlaneClient(timeout_s=PUSH_TIMEOUT_S)
+        self._data = DataPlaneClient(timeout_s=PUSH_TIMEOUT_S, tls=tls)
 
     def stub(self, address: str) -> pb_grpc.WorkerRuntimeStub:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                self._channels[address] = grpc.insecure_channel(address)
+                self._channels[address] = tls_channel(address, self._tls)
                 stub = self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
             return stub
 

@@ -56,10 +56,15 @@ def test_up_workers_cordon_uncordon_down(state_dir: Path) -> None:
 
     rp("cordon", "w1", "--state-dir", str(state_dir))
     assert rows("--state-dir", str(state_dir))["w1"]["state"] == "cordoned"
-    # --cluster reaches the same cluster, with or without its name.
+    # --cluster reaches the same cluster with its certificates; without them it is refused, and without its
+    # name it cannot be found (etcd auth lets the client list only its own cluster's keys).
     endpoints = ",".join(lc.endpoints)
-    assert rows("--cluster", f"local@{endpoints}")["w1"]["state"] == "cordoned"
-    assert set(rows("--cluster", endpoints)) == {"w0", "w1"}
+    tls = ("--tls-dir", str(state_dir / "tls"))
+    assert rows("--cluster", f"local@{endpoints}", *tls)["w1"]["state"] == "cordoned"
+    r = rp("workers", "--cluster", f"local@{endpoints}", check=False)
+    assert r.returncode == 1 and "--tls-dir" in r.stderr and "--insecure" in r.stderr
+    r = rp("workers", "--cluster", endpoints, *tls, check=False)
+    assert r.returncode == 1 and "name the cluster" in r.stderr
     assert "uncordoned" in rp("uncordon", "w1", "--state-dir", str(state_dir)).stdout
     assert rows("--state-dir", str(state_dir))["w1"]["state"] == "spare"
 

@@ -133,7 +133,7 @@ def test_the_worker_command_hands_its_cache_and_hidden_fault_options_to_the_daem
 
     monkeypatch.setattr(daemons, "WorkerDaemon", FakeDaemon)
     monkeypatch.setattr(daemons, "configure_logs", lambda: None)
-    base = ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0"]
+    base = ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0", "--insecure"]
     r = CliRunner().invoke(daemons.main, [*base, "--fault-commit-delay-s", "2.5", "--fault-storage-flag", "/f",
                                           "--fault-corrupt-replicas", "--compile-cache-dir", "/shared/cache"])
     assert r.exit_code == 0, r.output

@@ -1,0 +1,125 @@
+"""A certificate authority and per-process certificates for a cluster (``rallypoint certs``).
+
+EC P-256 keys (a certificate takes a few milliseconds), SHA-256 signatures. Each process
+certificate is good for both ends of a connection (server and client auth), names the
+process and the addresses it is reached at as subject-alternative names (so clients check
+the name they dialled), and carries the etcd user as its common name (see
+:mod:`rallypoint.etcd.tls`). Keys are written mode 0600. An existing CA in the directory is
+kept and signs the new certificates; an existing certificate is replaced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from rallypoint.etcd.errors import ConfigError
+from rallypoint.etcd.keys import check_name
+from rallypoint.etcd.tls import CA_FILE, CA_KEY_FILE, ETCD_USER, TlsConfig
+
+DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+CA_DAYS = 3650
+CERT_DAYS = 825
+
+
+def _write(path: Path, data: bytes, *, secret: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    tmp.replace(path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)  # allow clock skew
+
+
+def _load_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    crt, key = out / CA_FILE, out / CA_KEY_FILE
+    try:
+        cert = x509.load_pem_x509_certificate(crt.read_bytes())
+        pkey = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"the CA in {out} ({crt}, {key}) cannot be loaded ({exc}); remove both to make a new "
+                          "CA (every certificate it signed must then be made again)") from None
+    if not isinstance(pkey, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{key} is not an EC key; remove {crt} and {key} to make a new CA")
+    return cert, pkey
+
+
+def ensure_ca(out: Path, *, cluster: str = "local") -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA of ``out`` (made when ``ca.crt`` is missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / CA_FILE).exists():
+        return _load_ca(out)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Rallypoint"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, f"Rallypoint CA {cluster}")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(_now())
+            .not_valid_after(_now() + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    _write(out / CA_KEY_FILE, _key_pem(key), secret=True)
+    _write(out / CA_FILE, cert.public_bytes(serialization.Encoding.PEM), secret=False)
+    return cert, key
+
+
+def _san(name: str, hosts: Iterable[str]) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = []
+    for h in dict.fromkeys([name, *hosts]):
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            entries.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(entries)
+
+
+def issue(out: Path, name: str, *, hosts: Sequence[str] = DEFAULT_HOSTS, user: str = ETCD_USER,
+          cluster: str = "local") -> TlsConfig:
+    """Make ``out/NAME.crt`` and ``out/NAME.key`` signed by the CA of ``out``; return their TlsConfig.
+
+    ``hosts``: the IPs and DNS names the process is reached at (subject-alternative names,
+    beside ``name`` itself); ``user``: the common name, the etcd user the process acts as.
+    """
+    check_name("certificate", name)
+    ca_cert, ca_key = ensure_ca(out, cluster=cluster)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Rallypoint"),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, name),
+                         x509.NameAttribute(NameOID.COMMON_NAME, user)])
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(_now()).not_valid_after(_now() + datetime.timedelta(days=CERT_DAYS))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_san(name, hosts), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write(out / f"{name}.key", _key_pem(key), secret=True)
+    _write(out / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM), secret=False)
+    return TlsConfig(out / CA_FILE, out / f"{name}.crt", out / f"{name}.key")
+
+
+def make_certs(out: Path, names: Sequence[str], *, hosts: Sequence[str] = DEFAULT_HOSTS, user: str = ETCD_USER,
+               cluster: str = "local") -> dict[str, TlsConfig]:
+    """A CA (kept if present) and one certificate per name in ``out``."""
+    return {n: issue(out, n, hosts=hosts, user=user, cluster=cluster) for n in names}

@@ -1,0 +1,178 @@
+"""Mutual TLS for every connection Rallypoint makes: gRPC, the data plane and etcd.
+
+One :class:`TlsConfig` is a process's identity: the CA it trusts, and its own certificate
+and key (PEM files). Every server requires a client certificate signed by the CA
+(``require_client_auth``; the data plane's ``CERT_REQUIRED``) and every client verifies
+the server's certificate against the CA *and* the address it dialled (IP or DNS
+subject-alternative names), so a peer without a certificate of this cluster's CA is
+refused at the handshake, before a byte of a request is read.
+
+``None`` in place of a config means plain TCP: the daemons take it only from an explicit
+``--insecure`` (see ``docs/security.md``). Helpers here never fall back to plain by
+themselves.
+
+Layout of a certificate directory (``rallypoint certs``, :mod:`rallypoint.cluster.certs`)::
+
+    ca.crt                the cluster CA (ca.key beside it signs new certificates)
+    <name>.crt <name>.key one per process (c0, w1, client, etcd0, ...)
+
+Every certificate's common name is the etcd user it acts as (``rallypoint``): etcd started
+with ``--client-cert-auth`` takes the user from it, so no password crosses the wire.
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rallypoint.etcd.errors import ConfigError
+
+CA_FILE = "ca.crt"
+CA_KEY_FILE = "ca.key"
+ETCD_USER = "rallypoint"  # the etcd user every Rallypoint certificate names (its CN)
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def _read_pem(path: Path, what: str, marker: str) -> bytes:
+    hint = "make them with `rallypoint certs --out DIR` (docs/security.md), or pass --insecure for plain TCP"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"TLS {what} {path} does not exist; {hint}") from None
+    except OSError as exc:
+        raise ConfigError(f"TLS {what} {path} cannot be read ({exc.strerror}); check its permissions") from None
+    if marker.encode() not in data:
+        raise ConfigError(f"TLS {what} {path} is not a PEM file (no '{marker}' line); {hint}")
+    return data
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """The CA to trust and this process's certificate and key (PEM paths)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, name: str) -> TlsConfig:
+        """``DIR/ca.crt``, ``DIR/NAME.crt``, ``DIR/NAME.key``; ConfigError naming a missing or bad file."""
+        d = Path(directory)
+        if not d.is_dir():
+            raise ConfigError(f"TLS directory {d} does not exist; make it with `rallypoint certs --out {d} "
+                              f"--names {name}`, or pass --insecure for plain TCP")
+        cfg = cls(d / CA_FILE, d / f"{name}.crt", d / f"{name}.key")
+        cfg.check()
+        return cfg
+
+    def check(self) -> TlsConfig:
+        """Raise ConfigError unless all three files are readable PEM (and the pair loads)."""
+        self.pem()
+        try:
+            ssl.create_default_context().load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"TLS key {self.key} does not match certificate {self.cert} ({exc.reason}); "
+                              "make both again with `rallypoint certs`") from None
+        return self
+
+    def pem(self) -> tuple[bytes, bytes, bytes]:
+        """(ca, cert, key) bytes."""
+        return (_read_pem(self.ca, "CA certificate", "BEGIN CERTIFICATE"),
+                _read_pem(self.cert, "certificate", "BEGIN CERTIFICATE"),
+                _read_pem(self.key, "private key", "PRIVATE KEY"))
+
+    # -- gRPC -----------------------------------------------------------------------
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """gRPC server credentials that require and verify a client certificate."""
+        ca, cert, key = self.pem()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials: verify the server against the CA, present our certificate."""
+        ca, cert, key = self.pem()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    # -- sockets (the data plane, etcd's HTTP health endpoint) ----------------------
+
+    def server_context(self) -> ssl.SSLContext:
+        """An SSL server context that requires a client certificate signed by the CA."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_verify_locations(cafile=str(self.ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        """An SSL client context: verifies the server's certificate and name, presents ours."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED by default
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_verify_locations(cafile=str(self.ca))
+        ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A gRPC channel to ``address``: mutual TLS with ``tls``, plain only when ``tls`` is None."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+
+
+def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
+    """Bind ``server`` to ``address`` (mutual TLS with ``tls``); returns the port (0: failed)."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.server_credentials())
+
+
+def tls_of(obj: Any) -> TlsConfig | None:
+    """The TLS identity a store (or other connection holder) was opened with; None for plain or fakes."""
+    tls = getattr(obj, "tls", None)
+    return tls if isinstance(tls, TlsConfig) else None
+
+
+# -- the identity of a cluster this process started (for in-process clients) -------------
+
+_known: dict[str, TlsConfig] = {}
+_known_lock = threading.Lock()
+
+
+def remember(endpoints: Iterable[str], tls: TlsConfig | None) -> None:
+    """Record the client identity for a cluster by its etcd endpoints (a LocalCluster does it)."""
+    with _known_lock:
+        for e in endpoints:
+            if tls is None:
+                _known.pop(e, None)
+            else:
+                _known[e] = tls
+
+
+class _Auto:
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO: Any = _Auto()
+"""``tls=AUTO``: the identity :func:`remember` recorded for the endpoints (plain if none was)."""
+
+
+def resolve(tls: TlsConfig | None | _Auto, endpoints: Iterable[str]) -> TlsConfig | None:
+    """``tls`` itself, or for :data:`AUTO` the identity recorded for ``endpoints``."""
+    return for_endpoints(endpoints) if isinstance(tls, _Auto) else tls
+
+
+def for_endpoints(endpoints: Iterable[str]) -> TlsConfig | None:
+    """The identity :func:`remember` recorded for any of ``endpoints``; None when none was."""
+    with _known_lock:
+        for e in endpoints:
+            if e in _known:
+                return _known[e]
+    return None
