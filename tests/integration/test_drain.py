@@ -29,8 +29,9 @@ from tests.examples import example
 from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
 
 
-def cluster_arg(lc: LocalCluster) -> str:
-    return f"{lc.keys.cluster}@{lc.endpoints[0]}"
+def cluster_args(lc: LocalCluster) -> list[str]:
+    """``--cluster NAME@ENDPOINT`` with the cluster's certificates (``--tls-dir``)."""
+    return ["--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}", "--tls-dir", str(lc.tls_dir)]
 
 
 def snapshot(lc: LocalCluster) -> Any:
@@ -65,7 +66,7 @@ def test_draining_the_worker_of_each_slice_moves_it_with_nothing_replayed_and_en
     assert d["worker"] == drained and d["slices"] == [victim] and d["step"] >= step
     assert set(d["moved"]) == {victim} and d["moved"][victim] != drained
     # The drain checkpoint is off the every-5 schedule when the step is, and counts like any other.
-    status = json.loads(rp("status", "--json", "--cluster", cluster_arg(lc), compiled.program.name).stdout)
+    status = json.loads(rp("status", "--json", *cluster_args(lc), compiled.program.name).stdout)
     assert status["placement"][victim]["worker"] == d["moved"][victim]
     w = snapshot(lc).workers[drained]
     assert w.cordoned and not w.holders
@@ -84,13 +85,13 @@ def test_rallypoint_drain_refuses_what_cannot_work_and_changes_nothing(
             leases.allocate("train", s, 1)
         before = snapshot(lc)
         worker = sorted(before.workers)[0]
-        r = rp("drain", worker, "--cluster", cluster_arg(lc), check=False)
+        r = rp("drain", worker, *cluster_args(lc), check=False)
         assert r.returncode == 1
         assert f"cannot drain worker {worker}: slice 'train/s" in r.stderr, r.stderr
         assert "no live, uncordoned worker" in r.stderr and "Nothing was changed" in r.stderr
-        r = rp("drain", "nope", "--cluster", cluster_arg(lc), check=False)
+        r = rp("drain", "nope", *cluster_args(lc), check=False)
         assert r.returncode == 1 and "no worker 'nope' is registered" in r.stderr, r.stderr
-        r = rp("drain", worker, "--deadline-s", "0", "--cluster", cluster_arg(lc), check=False)
+        r = rp("drain", worker, "--deadline-s", "0", *cluster_args(lc), check=False)
         assert r.returncode == 2 and "--deadline-s" in r.stderr, r.stderr
         after = snapshot(lc)
         assert after.cordoned == before.cordoned == frozenset()
@@ -117,7 +118,7 @@ def test_rallypoint_drain_moves_the_slices_reports_the_pause_and_leaves_the_work
             def drain() -> None:
                 while not answers and time.monotonic() < t0 + 60:
                     time.sleep(0.5)  # a few steps in
-                    answers.append((worker, rp("drain", worker, "--json", "--cluster", cluster_arg(lc), check=False)))
+                    answers.append((worker, rp("drain", worker, "--json", *cluster_args(lc), check=False)))
             threads.append(threading.Thread(target=drain))
             threads[0].start()
 

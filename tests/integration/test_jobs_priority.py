@@ -23,7 +23,7 @@ from rallypoint.client.submit import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.client.test_cli import rp
-from tests.integration.test_drain import cluster_arg
+from tests.integration.test_drain import cluster_args
 from tests.integration.test_recovery import assert_settled, pipeline  # noqa: F401 (fixture)
 
 
@@ -82,9 +82,9 @@ def test_a_higher_priority_job_takes_a_slice_of_a_lower_one_which_takes_it_back_
     assert rows["pipeline-mlp"]["priority"] == 0 and rows["pipeline-mlp"]["state"] == "running"
     assert rows["pipeline-mlp"]["devices_held"] == 3  # one slice parked
     assert rows["pipeline-mlp"]["asked_to_yield"] == 1 and rows["urgent"]["priority"] == 10
-    after = [json.loads(line) for line in rp("jobs", "--json", "--cluster", cluster_arg(lc)).stdout.splitlines()]
+    after = [json.loads(line) for line in rp("jobs", "--json", *cluster_args(lc)).stdout.splitlines()]
     assert [(r["job"], r["priority"], r["state"], r["devices_held"]) for r in after] == [
         ("urgent", 10, "succeeded", 0), ("pipeline-mlp", 0, "succeeded", 0)]
-    table = rp("jobs", "--cluster", cluster_arg(lc)).stdout
+    table = rp("jobs", *cluster_args(lc)).stdout
     assert "urgent" in table and "pipeline-mlp" in table and "highest priority first" in table
     assert_settled(lc)
