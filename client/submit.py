@@ -207,7 +207,8 @@ class JobFollower:
                 return None
             address, term = leader
             channel = tls_channel(  # the identity the store reaches etcd with
-                address, tls_of(self._store), options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+                address, tls_of(self._store),
+                options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
             stream = rpc(pb_grpc.CoordinatorStub(channel))
             with self._lock:
                 self._call = stream

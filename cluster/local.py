@@ -259,7 +259,8 @@ class LocalCluster:
         self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
         if config.tls:  # in-process clients (EtcdStore(endpoints), submit) find the identity by the endpoints
             d = self.tls_dir
-            tls_registry.remember(endpoints, TlsConfig(d / "ca.crt", d / f"{CLIENT_CERT}.crt", d / f"{CLIENT_CERT}.key"))
+            tls_registry.remember(endpoints,
+                                  TlsConfig(d / "ca.crt", d / f"{CLIENT_CERT}.crt", d / f"{CLIENT_CERT}.key"))
 
     # -- starting ---------------------------------------------------------------------
 
@@ -372,7 +373,8 @@ class LocalCluster:
         """A fresh certificate for process ``name``, naming every address it binds or is reached at."""
         hosts = [self.config.host, *DEFAULT_HOSTS]
         if net is not None:
-            hosts += [net.host] + [a.rpartition(":")[0] for a in (net.advertise_address, net.advertise_data_address) if a]
+            advertised = (net.advertise_address, net.advertise_data_address)
+            hosts += [net.host] + [a.rpartition(":")[0] for a in advertised if a]
         issue(self.tls_dir, name, hosts=list(dict.fromkeys(hosts)), cluster=self.config.cluster)
 
     @property

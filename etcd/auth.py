@@ -8,7 +8,9 @@
     user add rallypoint (random password)  user grant-role rallypoint rallypoint
     auth enable
 
-(PREFIX: the cluster's :attr:`~rallypoint.etcd.keys.Keys.prefix`.) Rallypoint's processes never send a password: etcd takes the user from the common name
+(PREFIX: the cluster's :attr:`~rallypoint.etcd.keys.Keys.prefix`.)
+
+Rallypoint's processes never send a password: etcd takes the user from the common name
 of their client certificate (``rallypoint``, :data:`~rallypoint.etcd.tls.ETCD_USER`), so
 there is no auth token to expire and renew. The root password is written (mode 0600) for
 an operator's ``etcdctl --user root``; nothing in Rallypoint reads it.

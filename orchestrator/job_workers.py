@@ -70,7 +70,8 @@ class JobWorkers:
         address = self._address[worker]
         if address not in self._stubs:
             self._channels[address] = tls_channel(
-                address, self.tls, options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+                address, self.tls,
+                options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
             self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
         return self._stubs[address]
 

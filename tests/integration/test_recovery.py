@@ -100,7 +100,8 @@ def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_an
     assert set(r["phases"]) == {"detection", "fencing", "remap", "restore", "replay", "catch_up"}
     assert r["mttr_s"] is not None and r["mttr_s"] > 0
     # The operator's view says the same.
-    status = json.loads(rp("status", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}", "--tls-dir", str(lc.tls_dir),
+    status = json.loads(rp("status", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}",
+                           "--tls-dir", str(lc.tls_dir),
                            compiled.program.name).stdout)
     assert status["state"] == "succeeded" and status["step_done"] == STEPS
     assert status["placement"][victim]["worker"] == r["moved"][victim]

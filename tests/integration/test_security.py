@@ -31,8 +31,9 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.dataplane import MAGIC, DataPlaneClient, DataPlaneError, Status
 
-WORKER_METHODS = ["/rallypoint.v1.Worker/Ping", "/rallypoint.v1.WorkerRuntime/LoadJob", "/rallypoint.v1.WorkerRuntime/RunSteps",
-                  "/rallypoint.v1.WorkerRuntime/UnloadJob", "/rallypoint.v1.WorkerRuntime/Rewire"]
+WORKER_METHODS = ["/rallypoint.v1.Worker/Ping", "/rallypoint.v1.WorkerRuntime/LoadJob",
+                  "/rallypoint.v1.WorkerRuntime/RunSteps", "/rallypoint.v1.WorkerRuntime/UnloadJob",
+                  "/rallypoint.v1.WorkerRuntime/Rewire"]
 COORDINATOR_METHODS = ["/rallypoint.v1.Coordinator/SubmitJob", "/rallypoint.v1.Coordinator/ResumeJob",
                        "/rallypoint.v1.Coordinator/WatchJob"]
 
