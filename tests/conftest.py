@@ -23,8 +23,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """A single-member etcd (50 ms heartbeat, 500 ms election: 1 s TTLs allowed)."""
-    cluster = EtcdCluster.start(members=1, base_dir=tmp_path / "etcd")
+    """A single-member etcd (50 ms heartbeat, 500 ms election: 1 s TTLs allowed), on plain http without auth:
+    tests of the store and of single components; every local cluster runs etcd with TLS and auth."""
+    cluster = EtcdCluster.start(members=1, base_dir=tmp_path / "etcd", tls=None)
     try:
         yield cluster
     finally:
@@ -33,7 +34,7 @@ def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
 
 @pytest.fixture
 def store(etcd: EtcdCluster) -> Iterator[EtcdStore]:
-    s = EtcdStore(etcd.endpoints)
+    s = EtcdStore(etcd.endpoints, tls=None)
     try:
         yield s
     finally:

@@ -31,6 +31,7 @@ from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.clock import FakeClock
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.orchestrator import service as service_mod
 from rallypoint.orchestrator.executor import JOBSPEC_FILE
 from rallypoint.orchestrator.hooks import ExecutorHooks
@@ -74,8 +75,8 @@ def _no_resume(lc: LocalCluster) -> None:
         assert not read_events(lc.process(c).log, "job.resume_requested"), f"{c} was asked to resume the job"
 
 
-def _watch(address: str, job: str) -> list[pb.JobEvent]:
-    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+def _watch(lc: LocalCluster, address: str, job: str) -> list[pb.JobEvent]:
+    channel = tls_channel(address, lc.client_tls, options=[("grpc.max_receive_message_length", -1)])
     try:
         return list(pb_grpc.CoordinatorStub(channel).WatchJob(pb.WatchJobRequest(job=job), timeout=30))
     finally:
@@ -128,10 +129,10 @@ def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_
     _assert_settled(lc)
     # Whoever asks the new leader after the end still gets it; an unknown job or a standby says so.
     address = _address(lc, new)
-    seen = _watch(address, job)
+    seen = _watch(lc, address, job)
     assert [e.event for e in seen] == ["job.watching", "job.finished"]
     with pytest.raises(grpc.RpcError) as err:
-        _watch(address, "nope")
+        _watch(lc, address, "nope")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no job 'nope'" in (err.value.details() or "")
 
 

@@ -13,6 +13,7 @@ from rallypoint.orchestrator.devices import DeviceLeases
 
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.errors import StoreError
+from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -63,7 +64,7 @@ def test_stopped_worker_is_lost_refuses_everything_on_resume_and_registers_a_new
         snap = read_cluster(store, lc.keys)
         info = snap.workers["w1"].info
         old = info.incarnation
-        channel = grpc.insecure_channel(info.address)
+        channel = tls_channel(info.address, lc.client_tls)
         stub = pb_grpc.WorkerStub(channel)
         ident = pb.Identity(cluster=lc.keys.cluster, worker_id="w1", incarnation=old)
         assert stub.Ping(pb.PingRequest(to=ident), timeout=2).incarnation == old
@@ -109,7 +110,7 @@ def test_stopped_worker_is_lost_refuses_everything_on_resume_and_registers_a_new
         assert fenced and fenced[-1]["incarnation"] == old
         assert [r["incarnation"] for r in registered] == [old, new]
         # The new incarnation is served; the old one is refused by name.
-        channel = grpc.insecure_channel(info.address)
+        channel = tls_channel(info.address, lc.client_tls)
         stub = pb_grpc.WorkerStub(channel)
         assert stub.Ping(pb.PingRequest(to=pb.Identity(incarnation=new)), timeout=2).incarnation == new
         try:
@@ -251,7 +252,7 @@ def test_a_worker_refuses_requests_from_a_coordinator_term_older_than_one_it_obe
         info = read_cluster(store, lc.keys).workers["w0"].info
     finally:
         store.close()
-    channel = grpc.insecure_channel(info.address)
+    channel = tls_channel(info.address, lc.client_tls)
     try:
         stub = pb_grpc.WorkerStub(channel)
         newer = 10**9  # a term newer than the running leader's
