@@ -19,6 +19,7 @@ from rallypoint.cluster.group import RallypointGroup
 from rallypoint.etcd.keys import parse_cluster
 from rallypoint.etcd.logs import configure as configure_logs
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+from rallypoint.orchestrator.dashboard import start_dashboard
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.service import serve_jobs
 from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
@@ -103,10 +104,16 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, devices: int, host: str, 
 @click.option("--suspect-after-s", type=float, default=1.0, show_default=True,
               help="The leader fences a worker whose heartbeats stopped this long (hung or cut off), well before its "
                    "lease TTL; 0: only the TTL finds it.")
+@click.option("--dashboard-host", default="127.0.0.1", show_default=True,
+              help="Where the dashboard's HTTP server listens (docs/dashboard.md; plain HTTP: keep it on loopback "
+                   "or behind an authenticating proxy).")
+@click.option("--dashboard-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
+              help="The dashboard's port (0: a free one, -1: no dashboard). Its address is logged "
+                   "(dashboard.serving) and published in the leader key.")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
 def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str, host: str, suspect_after_s: float,
-                test_skip_replay: bool) -> None:
+                dashboard_host: str, dashboard_port: int, test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
@@ -114,9 +121,16 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, checkpoint_dir: str,
     c = Coordinator(CoordinatorConfig(cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks,
                                       suspect_after_s=suspect_after_s))
-    serve_jobs(c)
+    service = serve_jobs(c)
+    dashboard = start_dashboard(c, service, host=dashboard_host, port=dashboard_port) if dashboard_port >= 0 else None
     done = threading.Event()
-    _run_daemon(lambda: None, c.run, c.stop, done.set)
+
+    def stopped() -> None:
+        done.set()
+        if dashboard is not None:
+            dashboard.stop()
+
+    _run_daemon(lambda: None, c.run, c.stop, stopped)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ class LeaderElection:
         ttl_s: leader lease TTL; a dead leader is replaced within about this long.
         clock: injectable clock.
         address: this coordinator's gRPC address, published in the leader key.
+
+    Attributes:
+        published: more of this coordinator's addresses (e.g. ``dashboard``), published in its
+            coordinator key and the leader key; set them before the first :meth:`try_acquire`.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class LeaderElection:
     ) -> None:
         self.store = store
         self.address = address
+        self.published: dict[str, str] = {}
         self.keys = keys
         self.candidate_id = candidate_id
         self.ttl_s = ttl_s
@@ -75,12 +80,13 @@ class LeaderElection:
             self.keeper = self._new_keeper()
             self.store.put(
                 self.keys.coordinator(self.candidate_id),
-                json.dumps({"coordinator": self.candidate_id, "pid": os.getpid()}),
+                json.dumps({"coordinator": self.candidate_id, "pid": os.getpid(), **self.published}),
                 lease=self.keeper.lease_id,
             )
         self.keeper.fence.check()
         value = json.dumps(
-            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(), "address": self.address}
+            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(), "address": self.address,
+             **self.published}
         )
         r = self.store.txn(
             [key_missing(self.keys.leader)],
