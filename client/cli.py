@@ -58,6 +58,9 @@ def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, et
     click.echo(f"cluster {config.cluster!r} is up: etcd {','.join(lc.endpoints)}, "
                f"{coordinators} coordinators, {n} workers x {devices_per_worker} devices")
     click.echo(f"  state dir: {config.state_dir}  (logs in {config.state_dir / 'logs'})")
+    dashboard = lc.leader_dashboard()
+    click.echo(f"  dashboard: {dashboard}  (the leader's live view; docs/dashboard.md)" if dashboard
+               else "  dashboard: none published yet (see the coordinators' logs: dashboard.serving)")
     click.echo(f"  reach it:  rallypoint workers --state-dir {state_dir}")
     click.echo(f"        or:  rallypoint workers --cluster {config.cluster}@{','.join(lc.endpoints)}")
     click.echo(f"  stop it:   rallypoint down --state-dir {state_dir}")
@@ -121,6 +124,8 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     lead = f"{leader.json()['coordinator']} (term {leader.create_revision})" if leader else "none"
+    if leader and leader.json().get("dashboard"):
+        lead += f", dashboard {leader.json()['dashboard']}"
     table = Table(title=f"cluster {keys.cluster}: {len(snap.workers)} live workers, leader {lead}")
     for col in ("worker", "pid", "incarnation", "state", "devices", "free", "leased to"):
         table.add_column(col)

@@ -377,6 +377,25 @@ class LocalCluster:
         finally:
             store.close()
 
+    def leader_dashboard(self, *, timeout_s: float = 15.0) -> str | None:
+        """The leader's dashboard address (docs/dashboard.md), once a leader published one; None if none did."""
+        deadline = time.monotonic() + timeout_s
+        store = self.store()
+        try:
+            while True:
+                try:
+                    kv = store.get(self.keys.leader)
+                    url = kv.json().get("dashboard") if kv is not None else None
+                    if url:
+                        return str(url)
+                except StoreError:
+                    pass
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.1)
+        finally:
+            store.close()
+
     # -- persistence --------------------------------------------------------------------
 
     def save(self) -> None:

@@ -84,7 +84,8 @@ class DashboardServer:
         return self
 
     def stop(self) -> None:
-        self._httpd.shutdown()
+        if self._thread.is_alive():
+            self._httpd.shutdown()
         self._httpd.server_close()
 
     def allowed_host(self, host_header: str | None) -> bool:

@@ -131,7 +131,7 @@ class TimelineRecorder:
                 t.faults.append({"kind": "lost", "target": worker, "at": now, "healed_at": None, "reason": str(why)})
         elif name == "job.recovered":
             n = int(detail.get("recovery", 0))
-            t.recoveries[n] = {k: v for k, v in detail.items() if k != "placement"}
+            t.recoveries[n] = {**t.recoveries.get(n, {}), **{k: v for k, v in detail.items() if k != "placement"}}
         elif name == "job.stalled":
             t.faults.append({"kind": "stall", "target": f"step {ev.step}", "at": now, "healed_at": None})
         elif name in ("job.drained", "job.drain_cancelled"):
