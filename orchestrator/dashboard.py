@@ -51,7 +51,7 @@ SECURITY_HEADERS = {
 
 
 def json_response(body: Any, status: int = 200) -> Response:
-    return status, JSON_TYPE, json.dumps(body, sort_keys=True).encode()
+    return status, JSON_TYPE, json.dumps(body).encode()
 
 
 class DashboardServer:

@@ -53,10 +53,14 @@ class JobTimeline:
     faults: list[dict[str, Any]] = field(default_factory=list)
     stalls: int = 0
     reason: str = ""
-    progress: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # (time, step of each node)
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     done_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=512))
     sampled_at: float = float("-inf")
+
+    def progress(self) -> list[dict[str, Any]]:
+        """The samples as a chaos report's ``progress`` points: ``{t, node, step}``."""
+        return [{"t": at, "node": n, "step": s} for at, steps in self.samples for n, s in steps.items()]
 
     def steps_per_s(self, now: float) -> float | None:
         """Steps done per second over the last ``RATE_WINDOW_S`` (None before two steps)."""
@@ -77,7 +81,7 @@ class JobTimeline:
             "events": list(self.events),
             # The timeline, in the shape of a chaos report's summary (timeline_svg draws it).
             "timeline": {"started_at": self.started_at, "ended_at": self.ended_at or now,
-                         "job": {"name": self.job, "steps": self.steps}, "progress": list(self.progress),
+                         "job": {"name": self.job, "steps": self.steps}, "progress": self.progress(),
                          "faults": list(self.faults), "recoveries": recoveries},
         }
 
@@ -164,10 +168,10 @@ class TimelineRecorder:
         if graph is None or done_through is None:
             return
         t.sampled_at = now
-        for n in graph.nodes:
-            t.progress.append({"t": now, "node": n.name, "step": int(done_through(n.name))})
-        if len(t.progress) > self.max_points:
-            t.progress = t.progress[::2]
+        t.samples.append((now, {n.name: int(done_through(n.name)) for n in graph.nodes}))
+        if sum(len(steps) for _, steps in t.samples) > self.max_points:
+            # every other sample, the first and the newest kept: coarser, never shorter
+            t.samples = [t.samples[0], *t.samples[1:-1][1::2], t.samples[-1]]
 
     def _trim(self) -> None:
         ended = [j for j, t in self._jobs.items() if t.ended_at is not None]

@@ -129,7 +129,9 @@ def test_the_recorder_keeps_progress_recoveries_and_rates_bounded() -> None:
     assert j["state"] == "running" and j["step_done"] == 60 and j["steps"] == 100 and j["priority"] == 3
     assert j["steps_per_s"] == pytest.approx(5.0) and j["devices_held"] == 2
     assert len(j["timeline"]["progress"]) <= 50
-    assert {p["node"] for p in j["timeline"]["progress"]} == {"fwd", "bwd"}
+    for node in ("fwd", "bwd"):  # thinned as a whole: each node's line still starts at the first sample
+        points = [p for p in j["timeline"]["progress"] if p["node"] == node]
+        assert points[0]["t"] == 1000.0 and len(points) >= 10
     assert max(p["step"] for p in j["timeline"]["progress"]) == 60  # the newest point is kept
     clock[0] += 1
     emit("job.recovering", step=60, recovery=1, lost={"w0": "event stream ended"})
