@@ -85,8 +85,8 @@ class LeaderElection:
             )
         self.keeper.fence.check()
         value = json.dumps(
-            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(), "address": self.address,
-             **self.published}
+            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(),
+             "address": self.address, **self.published}
         )
         r = self.store.txn(
             [key_missing(self.keys.leader)],
