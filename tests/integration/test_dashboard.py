@@ -162,12 +162,16 @@ def test_a_follower_points_to_the_leader(local_cluster: Callable[..., LocalClust
     lc = local_cluster(workers=1, spares=0, devices_per_worker=1, coordinators=2)
     leader_url = lc.leader_dashboard()
     store = lc.store()
-    try:
+
+    def follower_dashboard() -> str | None:  # the follower publishes its key on its first campaign
         leader = store.get(lc.keys.leader).json()["coordinator"]
         others = [json.loads(kv.value) for kv in store.get_prefix(lc.keys.coordinators)[0]]
+        return next((c.get("dashboard") for c in others if c["coordinator"] != leader), None)
+
+    try:
+        follower = wait_until(follower_dashboard, 30, "the follower to publish its dashboard")
     finally:
         store.close()
-    (follower,) = [c["dashboard"] for c in others if c["coordinator"] != leader]
     dom = dump(follower)
     assert dom.by_id["leader"]["data-leading"] == "false"
     assert dom.by_id["leader-link"]["href"] == leader_url
