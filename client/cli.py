@@ -61,6 +61,13 @@ def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, et
     click.echo(f"  reach it:  rallypoint workers --state-dir {state_dir}")
     click.echo(f"        or:  rallypoint workers --cluster {config.cluster}@{','.join(lc.endpoints)}")
     click.echo(f"  stop it:   rallypoint down --state-dir {state_dir}")
+    targets = lc.metrics_targets()
+    deadline = time.monotonic() + 5.0  # coordinators record themselves as they first campaign
+    while sum(t["role"] == "coordinator" for t in targets) < coordinators and time.monotonic() < deadline:
+        time.sleep(0.2)
+        targets = lc.metrics_targets()
+    click.echo("  metrics:   " + (", ".join(f"{t['name']} http://{t['address']}/metrics" for t in targets) or "none")
+               + f"  (rallypoint metrics --state-dir {state_dir})")
 
 
 @main.command()
@@ -128,6 +135,28 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
         table.add_row(r["worker"], str(r["pid"]), str(r["incarnation"]), r["state"], str(r["devices"]),
                       str(r["free"]), ", ".join(r["leased_to"]) or "-")
     Console(width=120).print(table)
+
+
+@main.command()
+@cluster_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def metrics(state_dir: Path, cluster: str | None, as_json: bool) -> None:
+    """List the Prometheus endpoints of the live coordinators and workers (docs/metrics.md)."""
+    from rallypoint.etcd.metrics_server import read_metrics_targets
+
+    store, keys = store_and_keys(state_dir, cluster)
+    try:
+        rows = read_metrics_targets(store, keys)
+    finally:
+        store.close()
+    for r in rows:
+        url = f"http://{r['address']}/metrics"
+        if as_json:
+            click.echo(json.dumps({**r, "url": url}))
+        else:
+            click.echo(f"{r['role']:<12} {r['name']:<12} {url}{'  (leader)' if r['leader'] else ''}")
+    if not rows and not as_json:
+        click.echo("no process serves metrics (start the daemons with --metrics-port)")
 
 
 @main.command()

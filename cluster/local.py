@@ -34,6 +34,7 @@ from rallypoint.etcd.errors import ClusterNotFound, ConfigError, RallypointError
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.metrics_server import read_metrics_targets
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
@@ -74,6 +75,9 @@ class LocalClusterConfig:
             options, :mod:`rallypoint.workers.faults`); none by default.
         coordinator_hooks: test fault hooks every coordinator starts with (hidden
             ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
+        metrics: every coordinator and worker serves Prometheus metrics on a free port
+            (``--metrics-port 0``); each publishes the address in its etcd record, where
+            :meth:`LocalCluster.metrics_targets` and ``rallypoint metrics`` find it (docs/metrics.md).
     """
 
     state_dir: Path
@@ -91,6 +95,7 @@ class LocalClusterConfig:
     suspect_after_s: float = 1.0
     worker_faults: WorkerFaults = NO_FAULTS
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
@@ -313,6 +318,8 @@ class LocalCluster:
                 base += ["--host", self.config.host]
             if self.config.coordinator_hooks.skip_replay:
                 base += ["--test-skip-replay"]
+        if self.config.metrics:
+            base += ["--metrics-port", "0"]
         return base
 
     def _place(self, name: str) -> WorkerNetwork | None:
@@ -417,6 +424,14 @@ class LocalCluster:
 
     def store(self) -> EtcdStore:
         return EtcdStore(self.endpoints)
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Every live coordinator's and worker's Prometheus endpoint, from etcd (``read_metrics_targets``)."""
+        store = self.store()
+        try:
+            return read_metrics_targets(store, self.keys)
+        finally:
+            store.close()
 
     def process(self, name: str) -> ProcessRecord:
         for p in self.processes:

@@ -46,6 +46,7 @@ from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import Delete, Store
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.goodput import StepTimes
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S
 from rallypoint.orchestrator.job_placement import JobPlacement
@@ -124,6 +125,8 @@ class JobExecutor(JobPlacement):
         self._stop_reason: str | None = None
         self._stop_lock = threading.Lock()
         self.stragglers = StragglerWatch(self)  # docs/elastic.md: a straggling slice moves to a spare
+        self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
+        self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
 
     # -- state ----------------------------------------------------------------------
 
@@ -344,6 +347,7 @@ class JobExecutor(JobPlacement):
         self.stragglers.instance(item)
         self._step_count[step] += 1
         self.compute_s[node] += item.compute_s
+        self.step_times.instance(node, step, item.compute_s)
         self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
 
     def _advance(self) -> None:
@@ -355,6 +359,7 @@ class JobExecutor(JobPlacement):
                 by_name[name].append((mb, v))
             metrics = {name: float(np.mean([v for _, v in sorted(vals)])) for name, vals in by_name.items()}
             self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=s, metrics=metrics))
+            self.step_times.step_done(s)
             for n in self.spec.nodes:
                 self._done.pop((n.name, s), None)
             del self._step_count[s]
@@ -510,6 +515,7 @@ class JobExecutor(JobPlacement):
             terminal = pb.JobEvent(job=self.spec.job, event="job.failed",
                                    detail=json.dumps({"reason": reason, **self.summary()}))
         finally:
+            self.ended_mono = self.clock.monotonic()
             self._cleanup()
             try:
                 self._set_state(final, **({"reason": reason} if reason and final is JobState.FAILED else {}))

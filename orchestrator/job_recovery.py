@@ -9,7 +9,7 @@ the plan, and its phases, each a duration in seconds:
 * ``detection``: the lost worker's last event to its loss being noticed (an upper
   bound on how long the death went unseen; events flow constantly while it runs);
 * ``fencing``: revoking its lease (its device leases go with it);
-* ``remap``: choosing and leasing spare devices (includes waiting for a spare);
+* ``remap``: choosing and leasing spare devices (includes waiting for a spare: ``spare_wait_s``);
 * ``restore``: loading programs and the checkpoint on the spare, rewiring the survivors;
 * ``replay``: the replaying nodes re-running their instances from the checkpoint up
   to where they had got (the lost slice is back at the step it had reached);
@@ -97,6 +97,7 @@ class RecoveryRecord:
     replay_nodes: list[str] = field(default_factory=list)
     planned_instances: dict[str, int] = field(default_factory=dict)
     attempts: int = 0
+    spare_wait_s: float = 0.0  # of the remap phase, the seconds it waited for a worker with room
     marks: dict[str, float] = field(default_factory=dict)  # phase -> monotonic end
     # replay tracking
     targets: dict[str, int] = field(default_factory=dict)  # replaying node -> step it had reached
@@ -142,5 +143,6 @@ class RecoveryRecord:
             "policy": self.policy, "checkpoint_step": self.checkpoint_step, "escalated": self.escalated,
             "moved": self.moved, "restore_tiers": self.restore_tiers, "replay_nodes": self.replay_nodes,
             "planned_instances": self.planned_instances,
-            "attempts": self.attempts, "phases": ph, "mttr_s": round(mttr, 4) if mttr is not None else None,
+            "attempts": self.attempts, "phases": ph, "spare_wait_s": round(self.spare_wait_s, 4),
+            "mttr_s": round(mttr, 4) if mttr is not None else None,
         }

@@ -128,7 +128,7 @@ class JobRuntime:
                                           log_fields={"worker": worker_id, "incarnation": self.incarnation},
                                           replicate=self.replicator.submit if self.replicator else None)
         self.records = InstanceRecords(self.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
-                                       slices=list(self._slice_nodes), start_step=start,
+                                       slices=list(self._slice_nodes), start_step=start, job=self.job,
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
         for name, sv in self.states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self.steps)))

@@ -22,6 +22,7 @@ from rallypoint.proto import codec
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers import meter
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
@@ -99,6 +100,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         rt = self.loaded(header.job)
         if rt is None:
             return Status.NO_JOB, f"job {header.job!r} is not loaded on worker {self.worker_id}"
+        meter.transferred("received", leaves)
         try:
             return (Status.DUPLICATE if rt.deliver(header, leaves) else Status.DELIVERED), ""
         except DeliveryError as exc:
@@ -108,6 +110,11 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         """The runtime of ``job`` if it is loaded here."""
         with self._lock:
             return self._jobs.get(job)
+
+    def runtimes(self) -> list[JobRuntime]:
+        """Every job loaded here now."""
+        with self._lock:
+            return list(self._jobs.values())
 
     def _device_list(self) -> list[Any]:
         devs = self._devices() if callable(self._devices) else self._devices
@@ -196,6 +203,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         rt = self._job(first.header.to, first.header.job, context)
         try:
             header, leaves = codec.assemble(chain([first], it))
+            meter.transferred("received", leaves)
             duplicate = rt.deliver(header, leaves)
         except (ValueError, DeliveryError) as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
