@@ -304,6 +304,7 @@ class LocalCluster:
         base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "rallypoint.cluster.daemons", role,
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
+        base += ["--metrics-port", "0"] if self.config.metrics else []  # docs/metrics.md
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker),
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
@@ -318,8 +319,6 @@ class LocalCluster:
                 base += ["--host", self.config.host]
             if self.config.coordinator_hooks.skip_replay:
                 base += ["--test-skip-replay"]
-        if self.config.metrics:
-            base += ["--metrics-port", "0"]
         return base
 
     def _place(self, name: str) -> WorkerNetwork | None:
