@@ -89,6 +89,8 @@ class _CoordinatorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self.m.c
+        if getattr(c, "election", None) is None:
+            return  # a scrape while the coordinator is still being made
         leading = bool(c.election.is_leader)
         g = GaugeMetricFamily("rallypoint_coordinator_leader", "1 while this coordinator leads, else 0")
         g.add_metric([], 1.0 if leading else 0.0)
