@@ -264,10 +264,14 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
 @click.option("--stall-timeout-s", type=float, default=None,
               help="No progress this long: job.stalled and a recovery of the workers it waits on (default 60).")
+@click.option("--warm-spares", type=int, default=None,
+              help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
+              "compilation (default 2; 0: off).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
-        wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None) -> None:
+        wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None,
+        warm_spares: int | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -284,11 +288,13 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                         ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
+    if warm_spares is not None and warm_spares < 0:
+        raise ConfigError(f"--warm-spares must be >= 0 (0: off), got {warm_spares}")
     faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
                           steps=program.steps)
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
                 "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
-                "priority": priority}
+                "priority": priority, "warm_spares": warm_spares}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
