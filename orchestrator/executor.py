@@ -574,13 +574,13 @@ class JobExecutor(JobPlacement):
     def _cleanup(self) -> None:
         """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""
         try:
-            if self.warmer is not None:
-                self.warmer.release()
             self.workers.close()
         except Exception as exc:  # closing must not hide why the run ended
             self.log.warning("job.close_failed", error=repr(exc))
         if self.writer.over:
-            return  # the next leader releases what this term held
+            return  # the next leader releases what this term held (and plans the warm spares again)
+        if self.warmer is not None:
+            self.warmer.release()  # best effort, bounded: the spares drop what they hold for the job
         try:
             self.leases().release(self.spec.job)
         except (StoreError, AllocationError, NotLeader) as exc:

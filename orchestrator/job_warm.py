@@ -60,6 +60,8 @@ class SpareWarmer:
 
     def __init__(self, spec: pb.JobSpec, workers: JobWorkers, *, cluster: str, term: int, max_spares: int,
                  log: Any) -> None:
+        if max_spares < 0:
+            raise ValueError(f"warm_spares must be >= 0 (0: no warm spares), got {max_spares}")
         self.spec, self.workers, self.cluster, self.term, self.max_spares = spec, workers, cluster, term, max_spares
         self.log = log
         self.targets: dict[str, SpareTarget] = {}  # spare -> what it was last asked to hold
