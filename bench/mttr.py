@@ -19,8 +19,13 @@ Then a long run with a fault (kill, hang or partition, drawn from a seed) every
 ``--mtbf-s`` seconds on average: its goodput (device-seconds of first runs over all
 device-seconds) and that it ends bitwise equal to the fault-free run.
 
+Last, ``scenarios/straggler.toml`` (one stage's worker stopped for 0.1 s of every 0.2 s):
+the seconds from the fault to the straggler watch's decision and to the slice running on
+the spare, the drained slice's pause, and the instances re-run (0: a planned move).
+
 Targets (issue "recovery time near the physical limit"): kill MTTR <= 0.5 s and <= 2x its
-limit; hang MTTR <= TTL + 0.5 s; goodput >= 0.90 at one fault per 10 s.
+limit; hang MTTR <= TTL + 0.5 s; goodput >= 0.90 at one fault per 10 s; a straggler
+detected and migrated within 5 s.
 The table goes to stderr; the last stdout line is ``{"bench": "mttr", ...}``.
 Run: ``python bench/mttr.py`` (``make bench``); ``--repeats`` for medians.
 """
@@ -42,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rallypoint.chaos.runner import run_scenario  # noqa: E402
-from rallypoint.chaos.scenario import FaultSpec, RandomFaults, Scenario  # noqa: E402
+from rallypoint.chaos.scenario import FaultSpec, RandomFaults, Scenario, load_scenario  # noqa: E402
 from rallypoint.client.compile import compile_program, ensure_host_devices  # noqa: E402
 from rallypoint.client.jobfile import load_program  # noqa: E402
 from rallypoint.etcd.logs import configure  # noqa: E402
@@ -78,6 +83,21 @@ def scenario(name: str, steps: int, every: int, faults: tuple[FaultSpec, ...] = 
     return Scenario(name=name, description=f"bench/mttr.py: {name}", path=JOB, job_file=JOB, steps=steps,
                     checkpoint_every=every, workers=4, spares=spares, coordinators=1, lease_ttl_s=TTL_S,
                     faults=faults, random=rnd, time_bound_s=bound_s)
+
+
+def med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4) if xs else float("nan")
+
+
+def straggler_move(summary: dict[str, Any]) -> dict[str, float | None]:
+    """Seconds from a straggler fault to the watch's decision and to the move's end; the drain's pause and re-runs."""
+    (fault,) = [f for f in summary["faults"] if f["kind"] == "straggler"]
+    at = {d["decision"]: d["at"] for d in summary["stragglers"] if d.get("worker") == fault["worker"]}
+    drains = [d for d in summary["drains"] if d["reason"] == "straggler"]
+    return {"decided_s": round(at["migrate"] - fault["at"], 3) if "migrate" in at else None,
+            "migrated_s": round(at["migrated"] - fault["at"], 3) if "migrated" in at else None,
+            "paused_s": drains[0]["paused_s"] if drains else None,
+            "replayed_instances": sum(d["replayed_instances"] for d in drains) if drains else None}
 
 
 def limit_of(rec: dict[str, Any], kind: str, node_slice: dict[str, str], instance_s: dict[str, float],
@@ -126,7 +146,6 @@ def main() -> int:
                 lim = limit_of(rec, kind, node_slice, summary["goodput"]["instance_s"], state_bytes, bandwidth)
                 runs.append({"mttr": rec["mttr_s"], "phases": rec["phases"], "limit": lim,
                              "tiers": rec.get("restore_tiers", {})})
-        med = lambda xs: round(statistics.median(xs), 4) if xs else float("nan")  # noqa: E731
         rows[kind] = {
             "recoveries": len(runs), "mttr_s": med([r["mttr"] for r in runs]),
             "phases_s": {p: med([r["phases"].get(p, 0.0) for r in runs])
@@ -142,11 +161,17 @@ def main() -> int:
     long_run, _ = run_scenario(scenario("mttr-goodput", args.goodput_steps, args.every, spares=3, rnd=rnd,
                                         bound_s=600.0), say=quiet)
     goodput = long_run["goodput"]["goodput"]
+    strag = []
+    for _ in range(args.repeats):
+        summary, _ = run_scenario(load_scenario(ROOT / "scenarios" / "straggler.toml"), say=quiet)
+        bitwise &= bool(summary["ok"])
+        strag.append(straggler_move(summary))
     out = {"bench": "mttr", "steps": args.steps, "every": args.every, "ttl_s": TTL_S, "suspect_after_s": SUSPECT_AFTER_S,
            "memory_gb_per_s": round(bandwidth / 1e9, 2), "state_bytes": state_bytes, "kinds": rows,
            "goodput": {"value": goodput, "faults": long_run["fired"], "recoveries": len(long_run["recoveries"]),
                        "wall_s": long_run["outcome"]["wall_s"], "ok": long_run["ok"],
                        "mttr_median_s": long_run["mttr_s"]["median"]},
+           "straggler": {k: med([r[k] for r in strag if r[k] is not None]) for k in strag[0]},
            "bitwise_equal": bitwise and bool(long_run["ok"])}
     kill, hang = rows["kill"], rows["hang"]
     out["targets"] = {
@@ -154,6 +179,7 @@ def main() -> int:
         "kill_mttr_le_2x_limit": kill["x_limit"] is not None and kill["x_limit"] <= 2.0,
         "hang_mttr_le_ttl_plus_0.5s": hang["mttr_s"] <= TTL_S + 0.5,
         "goodput_ge_0.90": goodput is not None and goodput >= 0.90,
+        "straggler_migrated_le_5s": all(r["migrated_s"] is not None and r["migrated_s"] <= 5.0 for r in strag),
     }
     w = sys.stderr.write
     w(f"pipeline {args.steps} steps, checkpoints every {args.every}, fault at step {args.at} on {args.target}; "
@@ -168,6 +194,9 @@ def main() -> int:
     g = out["goodput"]
     w(f"goodput {g['value']} over {g['wall_s']} s with faults {g['faults']} ({g['recoveries']} recoveries, MTTR median "
       f"{g['mttr_median_s']} s); every run passed its invariants (bitwise): {out['bitwise_equal']}\n")
+    st = out["straggler"]
+    w(f"straggler (stopped 0.1 s of every 0.2 s): decided after {st['decided_s']} s, on the spare after "
+      f"{st['migrated_s']} s, paused {st['paused_s']} s, {st['replayed_instances']} instances re-run\n")
     w("targets: " + ", ".join(f"{k} {v}" for k, v in out["targets"].items()) + "\n")
     print(json.dumps(out))
     return 1 if args.strict and not (all(out["targets"].values()) and out["bitwise_equal"]) else 0

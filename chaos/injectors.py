@@ -10,7 +10,11 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   slice, or a worker by name). ``hang``: SIGSTOP, SIGCONT when healed; the worker's
   lease expires meanwhile, so the woken process is a zombie that must be refused:
   the heal records whether it came back as a new incarnation. ``straggler``: a
-  stop/continue duty cycle (stopped half of every 0.2 s) for the duration.
+  stop/continue duty cycle (stopped half of every 0.2 s) for the duration. The job's
+  straggler watch may move the slice off it (a drain, reason ``straggler``), which
+  leaves the worker cordoned; the heal takes that cordon back, as an operator would
+  once the host is fixed, so the worker is a spare again (a migration that ends after
+  the heal is uncordoned then: :class:`~rallypoint.chaos.runner.ScenarioRun`).
 * ``preempt``: SIGTERM of the worker holding the target, a preemption notice: it asks
   to be drained and leaves once it holds nothing (or its deadline passed).
   ``drain``: an operator's drain of that worker (as ``rallypoint drain``; refused,
@@ -118,6 +122,8 @@ class Injectors:
         self.t = target
         self.fired: Counter[str] = Counter()
         self.healed: Counter[str] = Counter()
+        self.straggling: set[str] = set()  # workers a straggler fault slows now
+        self.straggled: set[str] = set()  # workers whose straggler fault healed
 
     def fire(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         """Fire one fault. Raises :class:`InjectionError` when it cannot be fired."""
@@ -236,9 +242,27 @@ class Injectors:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-            return {"cycles": cycles[0]}
+            self.straggling.discard(w)
+            self.straggled.add(w)
+            return {"cycles": cycles[0], "uncordoned": self.uncordon_straggler(w)}
+
+        self.straggling.add(w)
 
         return {"worker": w, "pid": pid, "duty": "stopped 0.1 s of every 0.2 s"}, heal
+
+    def uncordon_straggler(self, worker: str) -> bool:
+        """The host of a healed straggler is fixed: take back the cordon a straggler migration put on it, as the
+        operator would (``rallypoint uncordon``); an operator's cordon stays. Returns whether one was taken back."""
+        from rallypoint.orchestrator.stragglers import CORDON_BY
+
+        store = self.t.lc.store()
+        try:
+            kv = store.get(self.t.lc.keys.cordon(worker))
+            if kv is None or kv.json().get("by") != CORDON_BY:
+                return False
+            return store.delete(self.t.lc.keys.cordon(worker)) > 0
+        finally:
+            store.close()
 
     def partition(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         if self.t.network is None:

@@ -95,6 +95,7 @@ class ScenarioRun:
         self.faults: list[dict[str, Any]] = []
         self.recoveries: dict[tuple[int, float], dict[str, Any]] = {}
         self.drains: list[dict[str, Any]] = []
+        self.stragglers: list[dict[str, Any]] = []  # job.straggler events: each decision with its evidence
         self.resumes: list[dict[str, Any]] = []
         self.outcome: dict[str, Any] = {"state": "failed", "reason": "not run"}
         self.detail: dict[str, Any] = {}
@@ -130,6 +131,12 @@ class ScenarioRun:
             self.drains.append(detail)
             self.say({"event": "chaos.drained", "worker": detail["worker"], "moved": detail["moved"],
                       "step": int(ev.step), "paused_s": detail["paused_s"]})
+        elif ev.event == "job.straggler":
+            self.stragglers.append(detail)
+            self.say({"event": "chaos.straggler", **{k: v for k, v in detail.items() if k != "evidence"}})
+            w = detail["worker"]
+            if detail["decision"] == "migrated" and w in self.injectors.straggled - self.injectors.straggling:
+                detail["uncordoned"] = self.injectors.uncordon_straggler(w)  # its fault healed before the move ended
         elif ev.event in ("job.resumed", "job.adopted", "job.watching"):
             self.completed = max(self.completed, int(ev.step))
         if ev.event in ("job.handed_off", "job.adopted"):
@@ -387,6 +394,7 @@ class ScenarioRun:
             "resumes": self.resumes, "recoveries": recoveries,
             "second_job": self.second_outcome or None,
             "drains": self.detail.get("drains") or self.drains, "resharded": self.detail.get("resharded") or [],
+            "stragglers": self.stragglers, "replayed_instances": self.detail.get("replayed_instances", {}),
             "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
                         "goodput": round(useful / total, 4) if total else None,

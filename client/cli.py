@@ -264,14 +264,19 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
 @click.option("--stall-timeout-s", type=float, default=None,
               help="No progress this long: job.stalled and a recovery of the workers it waits on (default 60).")
+@click.option("--stragglers", type=click.Choice(["migrate", "report", "off"]), default=None,
+              help="A slice persistently slower than its baseline and its peers: move it to a spare by a drain "
+              "(migrate, default), only report it (job.straggler events), or judge nothing (off).")
+@click.option("--straggler-factor", type=float, default=None,
+              help="How many times slower than its baseline and its peers a slice must be to straggle (default 2).")
 @click.option("--warm-spares", type=int, default=None,
               help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
               "compilation (default 2; 0: off).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
-        wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None,
-        warm_spares: int | None) -> None:
+        wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
+        straggler_factor: float | None, warm_spares: int | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -290,11 +295,15 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
             raise ConfigError(f"{name} must be positive, got {value}")
     if warm_spares is not None and warm_spares < 0:
         raise ConfigError(f"--warm-spares must be >= 0 (0: off), got {warm_spares}")
+    if straggler_factor is not None and straggler_factor <= 1:
+        raise ConfigError(f"--straggler-factor must be > 1 (a slice that many times slower straggles), "
+                          f"got {straggler_factor}")
     faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
                           steps=program.steps)
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
                 "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
-                "priority": priority, "warm_spares": warm_spares}
+                "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
+                "warm_spares": warm_spares}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
@@ -357,6 +366,12 @@ def _describe(d: dict[str, Any]) -> str:
                 f"{', '.join(d.get('planned_instances', {})) or 'no node'}")
     if ev == "job.waiting":
         return f"[yellow]waiting[/yellow] {d.get('reason')}"
+    if ev == "job.straggler":
+        n = d.get("evidence", {}).get("slices", {}).get(d.get("slice"), {})
+        numbers = (f" ({n['slowdown']:.1f}x its baseline, peers {n['peers_slowdown']:.1f}x)"
+                   if "slowdown" in n else "")
+        return f"[yellow]straggler[/yellow] {d.get('slice')} on {d.get('worker')}{numbers}: {d.get('decision')}: " \
+               f"{d.get('reason')}"
     return json.dumps(d)
 
 
@@ -380,7 +395,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 
         def on_event(ev: pb.JobEvent) -> None:
             injector.on_event(ev)
-            if ev.event in ("job.recovering", "job.recovered", "job.waiting"):
+            if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler"):
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,

@@ -10,7 +10,8 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
-                   "log_limit_bytes", "stall_timeout_s", "priority", "warm_spares")
+                   "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor",
+                   "straggler_window", "straggler_persist", "warm_spares")
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> pb.JobSpec:

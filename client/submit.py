@@ -43,7 +43,8 @@ SILENT_SWITCH_S = 1.0
 
 
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
-                    "corrupt_checkpoints", "stalls", "drains", "resharded", "exact", "tolerance")
+                    "corrupt_checkpoints", "stalls", "drains", "resharded", "exact", "tolerance",
+                    "stragglers")
 
 
 def submit(

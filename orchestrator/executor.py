@@ -56,6 +56,7 @@ from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed,
 from rallypoint.orchestrator.job_warm import SpareWarmer
 from rallypoint.orchestrator.placement import instances_per_step
 from rallypoint.orchestrator.recovery_machine import Recovery, classify_setback
+from rallypoint.orchestrator.stragglers import StragglerWatch
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE, flat_state_digest
@@ -130,6 +131,7 @@ class JobExecutor(JobPlacement):
         self._warm_due: str | None = None  # why the spares are to be warmed again, once the job moves past ...
         self._warm_after = 0  # ... this many completed steps
         self._warm_checked = float("-inf")
+        self.stragglers = StragglerWatch(self)  # docs/elastic.md: a straggling slice moves to a spare
 
     # -- state ----------------------------------------------------------------------
 
@@ -357,6 +359,7 @@ class JobExecutor(JobPlacement):
             self.redone_s += item.compute_s
             return
         self._done[(node, step)].add(item.microbatch)
+        self.stragglers.instance(item)
         self._step_count[step] += 1
         self.compute_s[node] += item.compute_s
         self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
@@ -381,6 +384,7 @@ class JobExecutor(JobPlacement):
         if self.completed + window > self.granted and self.granted < steps:
             self.granted = min(self.completed + window, steps)
             self._grant()
+        self.stragglers.advanced()
 
     def _on_commit(self, slice_name: str, step: int) -> None:
         self.on_saved(slice_name, step)
@@ -569,7 +573,7 @@ class JobExecutor(JobPlacement):
                 "corrupt_checkpoints": self.corrupt, "drains": [d.to_json() for d in self.drain_records],
                 "resharded": self.resharded, "exact": not self.resharded,
                 **({"tolerance": RESHARD_TOLERANCE} if self.resharded else {}), "stalls": self.watchdog.stalls if self.watchdog else 0,
-                "output_log_peak": self.log_peak}
+                "output_log_peak": self.log_peak, "stragglers": self.stragglers.decisions}
 
     def _cleanup(self) -> None:
         """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.stragglers import DEFAULT_FACTOR, DEFAULT_PERSIST, DEFAULT_WINDOW, StragglerSettings
 from rallypoint.recovery.warm import DEFAULT_WARM_SPARES
 
 POLICIES = ("partial", "restart-all")
@@ -52,6 +53,7 @@ class RecoverySettings:
     keep_checkpoints: int
     log_limit_bytes: int
     stall_timeout_s: float = DEFAULT_STALL_S
+    stragglers: StragglerSettings = StragglerSettings()
     warm_spares: int = DEFAULT_WARM_SPARES  # spares that compile the job's programs ahead (0: off)
 
     @classmethod
@@ -73,12 +75,19 @@ class RecoverySettings:
         for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
+        for name in ("straggler_factor", "straggler_window", "straggler_persist"):
+            if getattr(spec, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
         warm = int(spec.warm_spares) if spec.HasField("warm_spares") else DEFAULT_WARM_SPARES
         if warm < 0:
             raise ValueError(f"warm_spares must be >= 0 (0: no warm spares; unset: {DEFAULT_WARM_SPARES}), got {warm}")
+        window = int(spec.straggler_window or DEFAULT_WINDOW)
+        stragglers = StragglerSettings(spec.stragglers or "migrate", float(spec.straggler_factor or DEFAULT_FACTOR),
+                                       window, int(spec.straggler_persist or min(DEFAULT_PERSIST, window)))
         return cls(policy, on_no_spare, float(spec.wait_timeout_s or DEFAULT_WAIT_S),
                    int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY), int(spec.keep_checkpoints or DEFAULT_KEEP),
-                   int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT), float(spec.stall_timeout_s or DEFAULT_STALL_S), warm)
+                   int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT), float(spec.stall_timeout_s or DEFAULT_STALL_S),
+                   stragglers, warm)
 
 
 @dataclass

@@ -535,7 +535,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "warm_spares")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +552,10 @@ class JobSpec(_message.Message):
     LOG_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_PERSIST_FIELD_NUMBER: _ClassVar[int]
     WARM_SPARES_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
@@ -569,8 +573,12 @@ class JobSpec(_message.Message):
     log_limit_bytes: int
     stall_timeout_s: float
     priority: int
+    stragglers: str
+    straggler_factor: float
+    straggler_window: int
+    straggler_persist: int
     warm_spares: int
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., warm_spares: _Optional[int] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("job", "checkpoint_dir")

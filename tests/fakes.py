@@ -209,6 +209,7 @@ class FakeWorkers(JobWorkers):
         self._slices: dict[str, list[str]] = {}
         self._ran: dict[str, int] = {}  # worker -> next step it runs
         self._every = max(1, spec.checkpoint_every or 10)
+        self._held_saves: set[tuple[str, int]] = set()
 
     def load(self, requests: Mapping[str, pb.LoadJobRequest], addresses: Mapping[str, str]) -> dict[str, WorkerCallFailed]:
         failed = self.load_failures.pop(0) if self.load_failures else {}
@@ -245,6 +246,15 @@ class FakeWorkers(JobWorkers):
                             self.store.put(self.keys.checkpoint(self.job, sl, s + 1), json.dumps(c.to_json()))
                         self.events.put(("done", (w, gen, pb.InstanceDone(checkpoint_slice=sl,
                                                                           checkpoint_step=s + 1))))
+
+            hold = (holds or {}).get(w)
+            if hold is not None and self._ran[w] == hold and hold % self._every and (w, hold) not in self._held_saves:
+                self._held_saves.add((w, hold))  # a drain holds the worker at its grant: it saves there
+                for sl in self._slices[w]:
+                    if self.store is not None and self.keys is not None:
+                        c = CheckpointCommit(self.job, sl, hold, f"/ck/{sl}/{hold}", "sum")
+                        self.store.put(self.keys.checkpoint(self.job, sl, hold), json.dumps(c.to_json()))
+                    self.events.put(("done", (w, gen, pb.InstanceDone(checkpoint_slice=sl, checkpoint_step=hold))))
 
     def end(self, worker: str) -> None:
         """The worker's process died: its stream breaks and it runs nothing more."""

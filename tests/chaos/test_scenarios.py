@@ -69,6 +69,28 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
         assert all(f["detail"]["zombie_refused"] for f in summary["faults"] if f["kind"] == "hang")
     if kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
         assert not summary["recoveries"], "nobody may be declared lost for a straggler or an etcd outage"
+    if not kinds & {"straggler", "etcd_kill", "etcd_quorum"}:
+        # Nothing was slowed on purpose: the straggler watch must not have moved anything. (A worker whose etcd
+        # client was on a killed member can be slow for real until it fails over; moving it is allowed.)
+        assert not [d for d in summary["stragglers"] if d["decision"] == "migrate"], summary["stragglers"]
+    if kinds == {"straggler"}:
+        # The straggler watch moved the slowed stage to the spare by a drain: planned, nothing replayed, within 5 s
+        # of the fault, and the harness took the worker's cordon back when the fault healed.
+        (fault,) = summary["faults"]
+        moves = [d for d in summary["stragglers"] if d["decision"] in ("migrate", "migrated")]
+        assert [(d["decision"], d["worker"]) for d in moves] == [("migrate", fault["worker"]),
+                                                                 ("migrated", fault["worker"])], summary["stragglers"]
+        ev = moves[0]["evidence"]["slices"]
+        straggler = moves[0]["slice"]
+        assert ev[straggler]["straggles"] and ev[straggler]["slowdown"] >= 2 * ev[straggler]["peers_slowdown"]
+        assert [s for s, e in ev.items() if e["straggles"]] == [straggler] == [fault["target"]]
+        (drain,) = summary["drains"]
+        assert drain["reason"] == "straggler" and drain["state"] == "done" and drain["worker"] == fault["worker"]
+        assert drain["replayed_instances"] == 0 and summary["replayed_instances"] == {}
+        assert moves[1]["at"] - fault["at"] <= 5.0, (moves, fault["at"])  # detected and moved within 5 s
+        assert fault["detail"]["uncordoned"] is True
+        digest = next(c for c in summary["invariants"] if c["name"] == "final-state-digest")
+        assert digest["ok"] and "bitwise" in digest["evidence"], digest
     if kinds & {"leader_kill", "leader_hang"}:
         # No operator: the new leader adopts the job by itself and the harness follows it there.
         assert summary["outcome"]["state"] == "finished", summary["outcome"]

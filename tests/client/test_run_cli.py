@@ -53,3 +53,20 @@ def test_bad_job_files_get_a_clear_message_and_a_nonzero_exit(tmp_path: Path) ->
     r = rp("run", "--reference", "--steps", "0", str(ROOT / "examples" / "rl_loop.py"), check=False)
     assert r.returncode == 1 and "--steps must be a positive integer" in r.stderr
 
+
+
+def test_a_straggler_factor_of_one_or_less_is_refused_before_anything_runs() -> None:
+    r = rp("run", "--reference", "--straggler-factor", "1", str(ROOT / "examples" / "rl_loop.py"), check=False)
+    assert r.returncode == 1 and "--straggler-factor must be > 1" in r.stderr and "Traceback" not in r.stderr
+    r = rp("run", "--reference", "--stragglers", "sometimes", str(ROOT / "examples" / "rl_loop.py"), check=False)
+    assert r.returncode == 2 and "'sometimes' is not one of 'migrate', 'report', 'off'" in r.stderr
+
+
+def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
+    from rallypoint.client.cli import _describe
+
+    line = _describe({"event": "job.straggler", "slice": "stage3", "worker": "w3", "decision": "migrate",
+                      "reason": "moving slices ['stage3'] off worker w3 by drain 1",
+                      "evidence": {"slices": {"stage3": {"slowdown": 3.48, "peers_slowdown": 1.23}}}})
+    assert line == ("[yellow]straggler[/yellow] stage3 on w3 (3.5x its baseline, peers 1.2x): migrate: "
+                    "moving slices ['stage3'] off worker w3 by drain 1")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable

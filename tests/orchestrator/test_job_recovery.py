@@ -27,6 +27,21 @@ def test_settings_fill_defaults_and_name_the_bad_field() -> None:
         RecoverySettings.from_spec(pb.JobSpec(job="j", checkpoint_every=-1))
 
 
+def test_straggler_settings_fill_defaults_and_name_the_bad_field() -> None:
+    s = RecoverySettings.from_spec(pb.JobSpec(job="j")).stragglers
+    assert (s.mode, s.factor, s.window, s.persist) == ("migrate", 2.0, 8, 4)
+    s = RecoverySettings.from_spec(pb.JobSpec(job="j", stragglers="report", straggler_factor=3.0, straggler_window=3))
+    assert (s.stragglers.mode, s.stragglers.factor, s.stragglers.window, s.stragglers.persist) == ("report", 3.0, 3, 3)
+    with pytest.raises(ValueError, match=r"stragglers 'always' is not one of \['migrate', 'report', 'off'\]"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", stragglers="always"))
+    with pytest.raises(ValueError, match="straggler_factor must be > 1"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", straggler_factor=0.5))
+    with pytest.raises(ValueError, match="straggler_window must be >= 0"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", straggler_window=-2))
+    with pytest.raises(ValueError, match="straggler_persist must be between 1 and straggler_window"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", straggler_window=3, straggler_persist=5))
+
+
 def test_a_record_reports_phases_in_order_and_mttr_only_once_replay_ended() -> None:
     now = time.monotonic()
     r = RecoveryRecord(number=1, lost={"w1": ["s"]}, reasons={"w1": "x"}, detected_at=0.0, detected_mono=now,

@@ -1,0 +1,334 @@
+"""A job's straggler watch: measures each slice's own time per step, asks the policy, starts the move.
+
+The executor tells :class:`StragglerWatch` of every first run of an instance
+(:meth:`StragglerWatch.instance`) and of every pass of its progress loop
+(:meth:`StragglerWatch.advanced`, after steps completed and were granted). From those
+it measures, per slice and step, the slice's **own time**: the union of its
+instances' ``[ready, done]`` intervals, where an instance is ready once its step was
+granted and the executor heard every instance it reads (the same microbatch of a
+per-microbatch producer, a per-step producer, every microbatch of a gathered one, the
+producer of a state it reads at the step before), less the ``compute_s`` its
+instances report: what is left is time the slice had work it could do and did not
+(stopped, starved of CPU, blocked), while a slice busy computing (the pipeline's
+bottleneck, whose work queues behind its own) has little. An instance with an input
+not heard yet counts nothing (its producer, not it, is late). A stage stopped half the
+time thus shows its stops as its own time, while the stages waiting for it show none.
+
+Samples count only while the job runs undisturbed (no drain, no recovery, no pause
+of the whole job: no instance heard for ``PAUSE_S``, as when etcd is away and
+the executor and workers wait; and not in the ``window`` steps after one: a freshly
+loaded runtime compiles on its first calls, a rewired one sends its logged outputs
+again, and an instance ready since its grant would be charged the whole pause). Each slice's **baseline** is the median of its first
+``window`` samples after the first ``WARMUP_STEPS`` steps (compiles); from then on
+every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
+:class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
+(reason ``straggler``) when a spare has room, after cordoning the worker, as an
+operator's drain does, and only while another spare with that room is left for
+recoveries (``KEEP_SPARES``): no room: ``straggler.no_spare``, asked again a window later;
+etcd away: the window starts again (a worker waiting on etcd is not a slow host).
+Every decision that names a straggler is a ``straggler.*`` log event and a
+``job.straggler`` JobEvent carrying its evidence. When the drain ends the worker stays
+cordoned (``done``), or its cordon is taken back (cancelled, aborted).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.drains import DrainRequest
+from rallypoint.etcd.errors import NotLeader, StoreError
+from rallypoint.etcd.store import Delete, Put
+from rallypoint.orchestrator.job_state import JobState
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
+from rallypoint.recovery.stragglers import Keep, Migrate, StragglerSettings, judge
+
+WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a baseline
+KEPT_DECISIONS = 20  # the decisions job.finished reports (the newest)
+CORDON_BY = "straggler"  # the cordon's "by": what the chaos harness (an operator) may take back
+KEEP_SPARES = 1  # spares with room a straggler move leaves for recoveries: a loss needs a spare more than a slow slice
+PAUSE_S = 0.5  # no instance of the job heard for this long: the job stood still, the steps around it are not judged
+
+
+class StragglerWatch:
+    """The straggler watch of one job's executor (see the module doc)."""
+
+    def __init__(self, ex: Any) -> None:
+        self.ex = ex
+        spec: pb.JobSpec = ex.spec
+        self.slice_of = {n.name: n.slice for n in spec.nodes}
+        self.slices = sorted({s.slice for s in spec.slices})
+        per_mb = {n.name: n.per_microbatch for n in spec.nodes}
+        every = {n.name: max(n.every, 1) for n in spec.nodes}
+        producer = {s.name: s.producer_node for s in spec.states}
+        # node -> (producer, how): "mb" the same microbatch, "step" the per-step instance, "all" every microbatch,
+        # "prev" the instance at the step before (a state it reads)
+        self.deps: dict[str, list[tuple[str, str]]] = {}
+        for n in spec.nodes:
+            out = []
+            for b in n.inputs:
+                if b.kind in (pb.InputBinding.REF, pb.InputBinding.GATHER):
+                    how = ("all" if b.kind == pb.InputBinding.GATHER or not n.per_microbatch else "mb") \
+                        if per_mb[b.node] else "step"
+                    out.append((b.node, how))
+                elif b.kind == pb.InputBinding.STATE and producer.get(b.state):
+                    out.append((producer[b.state], "prev"))
+            self.deps[n.name] = out
+        self.every, self.per_mb = every, per_mb
+        self.heard: dict[int, dict[tuple[str, int], float]] = {}  # step -> (node, microbatch) -> when heard
+        self.spans: dict[int, dict[str, list[tuple[float, float]]]] = {}  # step -> slice -> [ready, done] intervals
+        self.granted_at: dict[int, float] = {}
+        self.computed: dict[int, dict[str, float]] = {}  # step -> slice -> compute_s its instances reported
+        self.finished_at: dict[int, float] = {}
+        self._granted = 0
+        self._judged = 0  # steps below this are measured (or skipped)
+        self._quiet_from = 0  # the first step measured after a disturbance
+        self._warm: dict[str, list[float]] = {s: [] for s in self.slices}
+        self.baseline: dict[str, float] = {}
+        self.recent: dict[str, deque[float]] = {}
+        self._recent_steps: deque[int] = deque()
+        self.moved_at: dict[str, int] = {}
+        self.pending: dict[str, Any] | None = None  # the straggler drain in flight
+        self._next_try = 0  # no spare: ask again from this step
+        self._last_said: tuple[str, str, str] | None = None
+        self._said_at = -(10 ** 9)
+        self.decisions: list[dict[str, Any]] = []
+        self._last_instance = float("inf")
+
+    @property
+    def settings(self) -> StragglerSettings:
+        s = self.ex.settings
+        return s.stragglers if s is not None else StragglerSettings(mode="off")
+
+    # -- measuring ------------------------------------------------------------------------
+
+    def instance(self, item: pb.InstanceDone) -> None:
+        """A first run of an instance was heard now."""
+        if self.settings.mode == "off":
+            return
+        now = self.ex.clock.monotonic()
+        if now - self._last_instance > PAUSE_S:
+            self._disturbed()  # the job as a whole stood still (etcd away, the executor paused): nobody's own time
+        self._last_instance = now
+        node, step = item.node, int(item.step)
+        mb = int(item.microbatch) if self.per_mb[node] else -1
+        self.heard.setdefault(step, {})[(node, mb)] = now
+        ready = self._ready(node, step, mb)
+        if ready is not None and now > ready:
+            self.spans.setdefault(step, {}).setdefault(self.slice_of[node], []).append((ready, now))
+        busy = self.computed.setdefault(step, {})
+        busy[self.slice_of[node]] = busy.get(self.slice_of[node], 0.0) + float(item.compute_s)
+
+    def _ready(self, node: str, step: int, mb: int) -> float | None:
+        """When the instance could start, as the executor heard it; None when an input is not heard yet."""
+        ready = self.granted_at.get(step)
+        if ready is None:
+            return None
+        start = self.ex.start
+        for p, how in self.deps[node]:
+            at = step - 1 if how == "prev" else step
+            if how == "prev" and at >= 0:
+                at -= at % self.every[p]  # the producer's newest run before this step
+            if at < start or at % self.every[p]:
+                continue  # before this run started, or the producer does not run at that step
+            mbs = [mb] if how == "mb" else range(self.ex.spec.microbatches) if self.per_mb[p] else [-1]
+            for m in mbs:
+                t = self.heard.get(at, {}).get((p, m))
+                if t is None:
+                    return None
+                ready = max(ready, t)
+        return ready
+
+    def _busy(self) -> str:
+        ex = self.ex
+        if ex.state is not JobState.RUNNING:
+            return f"the job is {ex.state.value}"
+        if ex.drains:
+            d = next(iter(ex.drains.values()))
+            return f"drain {d.record.number} of worker {d.worker} ({d.record.reason}) runs"
+        active = [m for m in ex.machines if not m.phase.is_terminal]
+        if active:
+            return f"recovery {active[0].record.number} runs"
+        if ex.granted >= ex.spec.steps:
+            return "every step is granted: the job ends soon"
+        return ""
+
+    def advanced(self) -> None:
+        """After the executor's progress: note grants, measure completed steps, judge, follow a drain."""
+        if self.settings.mode == "off":
+            return
+        ex, now = self.ex, self.ex.clock.monotonic()
+        for s in range(max(self._granted, ex.completed), ex.granted):
+            self.granted_at.setdefault(s, now)
+        self._granted = max(self._granted, ex.granted)
+        if self.pending is not None:
+            self._follow()
+        busy = self._busy()
+        if busy and not busy.startswith("every step"):
+            self._disturbed()
+        while self._judged < ex.completed:
+            s = self._judged
+            self._judged += 1
+            self.finished_at[s] = now
+            self._measure(s)
+        for marks, keep_from in ((self.heard, self._judged - 2), (self.spans, self._judged - 2),
+                                 (self.computed, self._judged - 2),
+                                 (self.granted_at, self._judged - 2),
+                                 (self.finished_at, self._judged - 2 * self.settings.window - 2)):
+            for old in [s for s in marks if s < keep_from]:
+                del marks[old]
+
+    def _disturbed(self) -> None:
+        # A runtime loaded (or rewired, resending its log) by a drain or recovery is slower for some steps
+        # (first calls compile, logged outputs go out again): a window of steps passes before samples count.
+        self._quiet_from = max(self._quiet_from, self.ex.completed + self.settings.window)
+        for q in self.recent.values():
+            q.clear()
+        self._recent_steps.clear()
+
+    def _own(self, step: int, slice_name: str) -> float:
+        """The slice's ready-but-not-done time in the step, less what its instances spent computing: a slice busy
+        with its own work (the pipeline's bottleneck) has little left; one stopped or starved has all of it."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.spans.get(step, {}).get(slice_name, [])):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return max(0.0, total - self.computed.get(step, {}).get(slice_name, 0.0))
+
+    def _measure(self, step: int) -> None:
+        if step < max(self._quiet_from, self.ex.start + WARMUP_STEPS):
+            return
+        own = {s: self._own(step, s) for s in self.slices}
+        w = self.settings.window
+        if not self.baseline:
+            for s, x in own.items():
+                self._warm[s].append(x)
+            if len(self._warm[self.slices[0]]) >= w:
+                self.baseline = {s: statistics.median(xs) for s, xs in self._warm.items()}
+                self.recent = {s: deque(maxlen=w) for s in self.slices}
+                self.ex.log.info("straggler.baseline", step=step, window=w,
+                                 baseline_s={s: round(v, 6) for s, v in self.baseline.items()})
+            return
+        for s, x in own.items():
+            self.recent[s].append(x)
+        self._recent_steps.append(step)
+        while len(self._recent_steps) > w:
+            self._recent_steps.popleft()
+        if len(self._recent_steps) >= w:
+            self._judge(step)
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    def _judge(self, step: int) -> None:
+        ex = self.ex
+        workers = {s: p.worker for s, p in ex.placement.items()}
+        busy = self._busy()
+        if not busy and step < self._next_try:
+            return  # no spare was found a moment ago (said then): asked again a window later
+        got = judge({s: list(q) for s, q in self.recent.items()}, self.baseline, workers, settings=self.settings,
+                    step=step, busy=busy, moved_at=self.moved_at)
+        if isinstance(got, Keep):
+            if got.straggling:
+                self._say("keep", got.straggling[0], workers.get(got.straggling[0], ""), got.reason, got.evidence)
+            return
+        on_worker = sorted(s for s, p in ex.placement.items() if p.worker == got.worker)
+        why, cordoned = self._no_room(got.worker, on_worker)
+        if why is None:  # etcd is away: workers waiting on it are slow for that, not for their hosts
+            ex.log.info("straggler.etcd_away", slice=got.slice, worker=got.worker, step=step)
+            self._disturbed()
+            return
+        if why:
+            self._next_try = step + self.settings.window
+            self._say("no_spare", got.slice, got.worker, why, got.evidence)
+            return
+        self._migrate(got, on_worker, step, cordoned)
+
+    def _no_room(self, worker: str, slices: list[str]) -> tuple[str | None, bool]:
+        """Why no spare has room for ``slices`` ("" when one has; None: etcd is away), and whether ``worker`` is
+        cordoned already."""
+        ex = self.ex
+        try:
+            snap = read_cluster(ex.store, ex.keys)
+        except StoreError:
+            return None, False
+        need = {s: len(ex.placement[s].devices) for s in slices}
+        exclude = frozenset(ex.loaded_workers()) | {worker}
+        plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"), exclude=exclude)
+        if isinstance(plan, Remap):
+            largest = max(need.values())
+            room = sorted(w for w, ws in snap.workers.items()
+                          if eligible(w, ws, snap, exclude) and len(ws.free) >= largest)
+            if len(room) < 1 + KEEP_SPARES:
+                return (f"only {len(room)} worker ({', '.join(room)}) has room for {largest} devices; "
+                        f"{KEEP_SPARES} such spare is kept for recoveries (a lost worker needs it more than a "
+                        "slow one)"), False
+            return "", worker in snap.cordoned
+        return getattr(plan, "reason", f"no spare ({type(plan).__name__})").replace("lost slice", "slice"), False
+
+    def _migrate(self, got: Migrate, slices: list[str], step: int, cordoned: bool) -> None:
+        ex = self.ex
+        cordoned_now = False
+        if not cordoned:
+            try:
+                ex.writer.txn([], [Put(ex.keys.cordon(got.worker), json.dumps(
+                    {"by": CORDON_BY, "job": ex.spec.job, "slice": got.slice, "at": time.time()}))])
+                cordoned_now = True
+            except (StoreError, NotLeader) as exc:
+                self._say("keep", got.slice, got.worker, f"could not cordon worker {got.worker}: {exc}", got.evidence)
+                return
+        since = got.evidence.get("slow_since_index", 0)
+        first_slow = self._recent_steps[since] if since < len(self._recent_steps) else step
+        onset = self.finished_at.get(first_slow - 1, self.finished_at.get(first_slow, ex.clock.monotonic()))
+        detection_s = round(ex.clock.monotonic() - onset, 4)
+        d = ex.start_drain(DrainRequest(got.worker, "straggler", "executor", time.time(), 0.0))
+        self.pending = {"drain": d, "slices": slices, "slice": got.slice, "worker": got.worker,
+                        "cordoned": cordoned_now, "decided": ex.clock.monotonic(), "onset": onset, "step": step}
+        self._say("migrate", got.slice, got.worker, f"moving slices {slices} off worker {got.worker} by drain "
+                  f"{d.record.number}", got.evidence, detection_s=detection_s, slices=slices, drain=d.record.number,
+                  first_slow_step=first_slow)
+
+    def _follow(self) -> None:
+        """The straggler drain in flight: when it ends, note the move (cooldown) or take the cordon back."""
+        p = self.pending
+        assert p is not None
+        rec = p["drain"].record
+        if rec.state not in ("done", "cancelled", "aborted"):
+            return
+        self.pending = None
+        ex, now = self.ex, self.ex.clock.monotonic()
+        if rec.state == "done":
+            for s in rec.moved:
+                self.moved_at[s] = rec.step
+            self._say("migrated", p["slice"], p["worker"], f"slices {sorted(rec.moved)} moved to "
+                      f"{sorted(set(rec.moved.values()))} at step {rec.step}; worker {p['worker']} stays cordoned",
+                      {"drain": rec.to_json()}, moved=rec.moved, migrated_s=round(now - p["decided"], 4),
+                      since_onset_s=round(now - p["onset"], 4), drain=rec.number)
+            return
+        if p["cordoned"]:
+            try:
+                ex.writer.txn([], [Delete(ex.keys.cordon(p["worker"]))])
+            except (StoreError, NotLeader) as exc:
+                ex.log.warning("straggler.uncordon_failed", worker=p["worker"], error=str(exc))
+        self._say("not_moved", p["slice"], p["worker"], f"drain {rec.number} {rec.state}: {rec.detail}; the cordon "
+                  "this watch put is taken back", {"drain": rec.to_json()}, drain=rec.number)
+
+    def _say(self, decision: str, slice_name: str, worker: str, reason: str, evidence: Any, **extra: Any) -> None:
+        """Log and report a decision (a repeated ``keep`` only once per window of steps)."""
+        ex = self.ex
+        key = (decision, slice_name, reason.split(";")[0])
+        if decision == "keep" and key == self._last_said and self._judged - self._said_at < self.settings.window:
+            return
+        self._last_said, self._said_at = key, self._judged
+        detail = {"decision": decision, "slice": slice_name, "worker": worker, "reason": reason,
+                  "at": time.time(), **extra, "evidence": evidence}
+        level = ex.log.warning if decision in ("migrate", "no_spare", "not_moved") else ex.log.info
+        level(f"straggler.{decision}", **{k: v for k, v in detail.items() if k != "at"})
+        ex.event("job.straggler", step=ex.completed, **detail)
+        self.decisions = (self.decisions + [{k: v for k, v in detail.items() if k != "evidence"}])[-KEPT_DECISIONS:]

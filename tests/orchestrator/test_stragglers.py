@@ -1,0 +1,155 @@
+"""The executor's straggler watch against fake workers whose events arrive late (a FakeClock moved per event).
+
+A worker made slow has every one of its instances take ``SLOW_S`` of the fake clock
+before it is heard; the others take ``FAST_S``. The watch must move the slow one's
+slice to the spare by a drain (reason ``straggler``), leave its worker cordoned, and
+say why with the numbers; a machine slow for everyone, no spare, or
+``stragglers='off'`` move nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import queue
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint.orchestrator import stragglers
+from rallypoint.orchestrator.job_state import JobState
+from tests.orchestrator.test_executor import Harness, pipeline_spec
+
+FAST_S, SLOW_S = 0.002, 0.08
+
+
+class TimedEvents(queue.Queue):  # type: ignore[type-arg]
+    """The workers' event queue as independent servers on the fake clock: a worker runs its instances one after
+    another, each from when it was granted and its inputs were done, taking ``FAST_S`` (``SLOW_S`` on the slow
+    worker; times ``everyone``); an event is heard when its instance is done, the clock moved there."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h, self.slow, self.everyone, self.pause = h, "", 1.0, 0.0
+        super().__init__()
+
+    def _init(self, maxsize: int) -> None:
+        self.queue: list[tuple[float, int, Any]] = []  # type: ignore[assignment]
+        self.free_at: dict[str, float] = {}
+        self.done: dict[tuple[str, int], float] = {}  # (node, step) -> when its instance is done
+        self.n = 0
+
+    def _qsize(self) -> int:
+        return len(self.queue)
+
+    def _put(self, item: Any) -> None:
+        kind, (worker, _gen, ev) = item
+        at = self.h.clock.monotonic()
+        if kind == "done" and ev.node:
+            cost = (SLOW_S if worker == self.slow else FAST_S) * self.everyone
+            inputs = [self.done.get((p, ev.step - (how == "prev")), 0.0) for p, how in self.h.x.stragglers.deps[ev.node]]
+            at = self.free_at[worker] = max(at, self.free_at.get(worker, at), *inputs) + cost
+            self.done[(ev.node, ev.step)] = at
+        self.n += 1
+        heapq.heappush(self.queue, (at, self.n, item))
+
+    def _get(self) -> Any:
+        at, _, item = heapq.heappop(self.queue)
+        self.h.clock.advance(max(0.0, at - self.h.clock.monotonic()))
+        kind, (_worker, _gen, ev) = item
+        if self.pause and kind == "done" and ev.node == "fwd0" and ev.step % 2 == 0:
+            self.h.clock.advance(self.pause)  # the whole job stands still (etcd away): nothing is heard meanwhile
+        return item
+
+
+def harness(tmp_path: Path, workers: int = 3, **kw: Any) -> tuple[Harness, TimedEvents]:
+    h = Harness(tmp_path, workers=workers, spec=pipeline_spec(steps=80, checkpoint_every=5, stall_timeout_s=600, **kw))
+    q = TimedEvents(h)
+    h.workers.events = q
+    return h, q
+
+
+def straggler_events(h: Harness) -> list[dict[str, Any]]:
+    return [json.loads(e.detail) for e in h.events if e.event == "job.straggler"]
+
+
+def test_a_slow_slice_moves_to_the_spare_by_a_drain_and_its_worker_stays_cordoned(tmp_path: Path) -> None:
+    h, q = harness(tmp_path, workers=4)  # two spares: one to move to, one kept for recoveries
+    h.x.begin()
+    h.steps_until(20)
+    assert h.x.stragglers.baseline and not straggler_events(h)  # measured, and nothing straggles yet
+    slow = q.slow = h.worker_of("s1")
+    h.steps_until(45)
+    said = straggler_events(h)
+    assert [d["decision"] for d in said][:2] == ["migrate", "migrated"], said
+    migrate, migrated = said[0], said[1]
+    assert migrate["slice"] == "s1" and migrate["worker"] == slow and migrate["slices"] == ["s1"]
+    ev = migrate["evidence"]["slices"]
+    assert ev["s1"]["slow_steps"] >= 4 and ev["s0"]["slow_steps"] == 0
+    assert min(ev["s1"]["step_slowdown"][-4:]) >= 2.0 and ev["s1"]["own_s"][-1] >= (SLOW_S - 0.01) * 0.9  # less its 10 ms of compute_s
+    assert ev["s1"]["straggles"] and ev["s1"]["slowdown"] >= 2 * ev["s1"]["peers_slowdown"] and not ev["s0"]["straggles"]
+    assert 0 < migrate["detection_s"] < 2.0  # the slowness began at most a few steps before the decision
+    (drain,) = h.x.drain_records
+    assert drain.reason == "straggler" and drain.state == "done" and drain.moved["s1"] not in (slow, h.worker_of("s0"))
+    assert h.worker_of("s1") == drain.moved["s1"] and migrated["moved"] == drain.moved
+    cordon = h.store.get(h.keys.cordon(slow))
+    assert cordon is not None and cordon.json()["by"] == "straggler" and cordon.json()["slice"] == "s1"
+    assert not h.x.replayed  # a drain replays nothing
+    h.steps_until(80)
+    detail = json.loads(h.x.finish().detail)
+    assert [d["decision"] for d in detail["stragglers"]][:2] == ["migrate", "migrated"]
+    assert detail["drains"][0]["reason"] == "straggler" and detail["drains"][0]["replayed_instances"] == 0
+
+
+def test_slow_for_everyone_alike_is_no_straggler(tmp_path: Path) -> None:
+    h, q = harness(tmp_path)
+    h.x.begin()
+    h.steps_until(20)
+    q.everyone = 40.0
+    h.steps_until(60)
+    assert straggler_events(h) == [] and h.x.drain_records == []
+
+
+@pytest.mark.parametrize("workers, why", [(2, "no live, uncordoned worker"), (3, "is kept for recoveries")])
+def test_no_spare_is_said_once_a_window_and_nothing_is_cordoned(tmp_path: Path, workers: int, why: str) -> None:
+    h, q = harness(tmp_path, workers=workers)
+    h.x.begin()
+    h.steps_until(20)
+    slow = q.slow = h.worker_of("s0")
+    h.steps_until(60)
+    said = straggler_events(h)
+    assert said and {d["decision"] for d in said} == {"no_spare"}, said
+    assert why in said[0]["reason"] and said[0]["evidence"]["straggler"] == "s0"
+    assert len(said) <= (60 - 20) // 8 + 1
+    assert h.x.drain_records == [] and h.store.get(h.keys.cordon(slow)) is None and h.x.state is JobState.RUNNING
+
+
+def test_report_mode_moves_nothing_and_off_measures_nothing(tmp_path: Path) -> None:
+    h, q = harness(tmp_path / "r", stragglers="report")
+    h.x.begin()
+    h.steps_until(20)
+    q.slow = h.worker_of("s1")
+    h.steps_until(40)
+    said = straggler_events(h)
+    assert said and {d["decision"] for d in said} == {"keep"} and "only reported" in said[0]["reason"]
+    assert h.x.drain_records == []
+    h2, q2 = harness(tmp_path / "o", stragglers="off")
+    h2.x.begin()
+    q2.slow = h2.worker_of("s1")
+    h2.steps_until(40)
+    assert straggler_events(h2) == [] and h2.x.stragglers.baseline == {} and h2.x.drain_records == []
+
+
+@pytest.mark.parametrize("pause_s, moved", [(stragglers.PAUSE_S * 2, False), (stragglers.PAUSE_S / 2, True)])
+def test_the_whole_job_standing_still_is_nobodys_own_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        pause_s: float, moved: bool) -> None:
+    # Every other step the job stands still before s0's instance is heard (as while etcd is away, with s0's
+    # instance ready since its grant). A pause past PAUSE_S resets the window; shorter ones are s0's own time.
+    h, q = harness(tmp_path, workers=4)
+    h.x.begin()
+    h.steps_until(20)
+    q.pause = pause_s
+    h.steps_until(60)
+    said = straggler_events(h)
+    assert ([d["decision"] for d in said][:1] == ["migrate"]) is moved, said
+    assert (len(h.x.drain_records) == 1) is moved
