@@ -67,6 +67,7 @@ class SpareWarmer:
         self.targets: dict[str, SpareTarget] = {}  # spare -> what it was last asked to hold
         self._rounds = itertools.count(1)
         self._lock = threading.Lock()
+        self._open: set[int] = set()  # rounds with requests not yet answered
         self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
         self._shapes = {s.slice: s for s in spec.slices}
 
@@ -74,6 +75,12 @@ class SpareWarmer:
     def plan(self) -> dict[str, list[str]]:
         """Spare -> the slices it was last asked to warm."""
         return {w: [s for s, _ in t.held] for w, t in sorted(self.targets.items()) if t.held}
+
+    @property
+    def warming(self) -> bool:
+        """Some spare is still compiling for this job (a round of requests is not all answered)."""
+        with self._lock:
+            return bool(self._open)
 
     def refresh(self, snap: ClusterSnapshot, reason: str, *, exclude: frozenset[str] = frozenset()) -> bool:
         """Plan again from ``snap`` and send what changed; False when nothing did (no request sent)."""
@@ -91,6 +98,8 @@ class SpareWarmer:
         rnd = _Round(next(self._rounds), reason, time.monotonic(), {w: [s for s, _ in t.held] for w, t in want.items()},
                      waiting=set(changed) | set(dropped), dropped=sorted(dropped))
         self.targets = dict(want)
+        with self._lock:
+            self._open.add(rnd.number)
         self.log.info("job.warming", round=rnd.number, reason=reason, plan=rnd.plan, dropped=rnd.dropped)
         for w, t in sorted({**dropped, **changed}.items()):
             req = self.request(w, SpareTarget(t.incarnation, t.address, () if w in dropped else t.held))
@@ -125,6 +134,7 @@ class SpareWarmer:
             rnd.waiting.discard(worker)
             if rnd.waiting:
                 return
+            self._open.discard(rnd.number)
         detail = {"round": rnd.number, "reason": rnd.reason, "plan": rnd.plan, "dropped": rnd.dropped,
                   "compile_s": rnd.compile_s, "failed": rnd.failed, "warm_s": round(time.monotonic() - rnd.started, 3)}
         self.workers.events.put(("warmed", ("", 0, detail)))
