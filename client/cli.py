@@ -298,11 +298,14 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               "(migrate, default), only report it (job.straggler events), or judge nothing (off).")
 @click.option("--straggler-factor", type=float, default=None,
               help="How many times slower than its baseline and its peers a slice must be to straggle (default 2).")
+@click.option("--warm-spares", type=int, default=None,
+              help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
+              "compilation (default 2; 0: off).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
-        straggler_factor: float | None) -> None:
+        straggler_factor: float | None, warm_spares: int | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -319,6 +322,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                         ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
+    if warm_spares is not None and warm_spares < 0:
+        raise ConfigError(f"--warm-spares must be >= 0 (0: off), got {warm_spares}")
     if straggler_factor is not None and straggler_factor <= 1:
         raise ConfigError(f"--straggler-factor must be > 1 (a slice that many times slower straggles), "
                           f"got {straggler_factor}")
@@ -326,7 +331,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                           steps=program.steps)
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
                 "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
-                "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor}
+                "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
+                "warm_spares": warm_spares}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731

@@ -78,6 +78,7 @@ class JobCluster(RecoveryPort):
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self.holders: dict[str, pb.ReplicaPeer] = {}  # slice -> where its commits are copied now (in-memory tier)
         self.restore_tiers: dict[str, str] = {}  # slice -> "memory" | "disk": what the last load restored from
+        self.program_sources: dict[str, str] = {}  # node -> "warm" | "cold": what the last load found compiled
 
     # -- etcd ----------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class JobCluster(RecoveryPort):
             self._last_heard[w] = now
         failed = self.workers.load(reqs, addresses)
         self.restore_tiers = dict(self.workers.restore_tiers)
+        self.program_sources = dict(self.workers.program_sources)
         for w, req in reqs.items():
             if w not in failed:
                 self.holders.update({t.slice: t for t in req.replica_targets})
