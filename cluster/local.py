@@ -34,6 +34,7 @@ from rallypoint.etcd.errors import ClusterNotFound, ConfigError, RallypointError
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.metrics_server import read_metrics_targets
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
@@ -74,6 +75,9 @@ class LocalClusterConfig:
             options, :mod:`rallypoint.workers.faults`); none by default.
         coordinator_hooks: test fault hooks every coordinator starts with (hidden
             ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
+        metrics: every coordinator and worker serves Prometheus metrics on a free port
+            (``--metrics-port 0``); each publishes the address in its etcd record, where
+            :meth:`LocalCluster.metrics_targets` and ``rallypoint metrics`` find it (docs/metrics.md).
     """
 
     state_dir: Path
@@ -91,6 +95,7 @@ class LocalClusterConfig:
     suspect_after_s: float = 1.0
     worker_faults: WorkerFaults = NO_FAULTS
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
@@ -299,6 +304,7 @@ class LocalCluster:
         base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "rallypoint.cluster.daemons", role,
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
+        base += ["--metrics-port", "0"] if self.config.metrics else []  # docs/metrics.md
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker),
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
@@ -436,6 +442,14 @@ class LocalCluster:
 
     def store(self) -> EtcdStore:
         return EtcdStore(self.endpoints)
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Every live coordinator's and worker's Prometheus endpoint, from etcd (``read_metrics_targets``)."""
+        store = self.store()
+        try:
+            return read_metrics_targets(store, self.keys)
+        finally:
+            store.close()
 
     def process(self, name: str) -> ProcessRecord:
         for p in self.processes:

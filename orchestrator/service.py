@@ -192,6 +192,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                    else checkpoint_root,
                                    resume=resume, adopted=adopted, hooks=self.c.config.hooks)
             run.executor = executor
+            if getattr(self.c, "metrics", None) is not None:
+                self.c.metrics.job_started(executor)  # docs/metrics.md
             self._runs[spec.job] = run
             self._ended.pop(spec.job, None)
 

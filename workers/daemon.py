@@ -49,6 +49,7 @@ from rallypoint.workers.checkpoint import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.metrics import WorkerMetrics
 from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
@@ -101,6 +102,9 @@ class WorkerConfig:
         preempt_deadline_s: how long a preemption notice (SIGTERM) gives the leader to
             drain this worker before it leaves anyway (:mod:`rallypoint.workers.preemption`).
         faults: test fault hooks (:mod:`rallypoint.workers.faults`); none in production.
+        metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
+            endpoint). The address is logged (``metrics.serving``) and is ``metrics_address`` in
+            the worker's etcd record (docs/metrics.md).
     """
 
     cluster: str
@@ -118,6 +122,7 @@ class WorkerConfig:
     compile_cache_dir: str = ""
     preempt_deadline_s: float = 30.0
     faults: WorkerFaults = NO_FAULTS
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         check_name("worker", self.worker_id)
@@ -169,6 +174,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime: WorkerRuntimeService | None = None
         self.dataplane: DataPlaneServer | None = None
         self.address = ""
+        self.metrics: WorkerMetrics | None = None
         self.max_term = 0  # the newest coordinator term a request came from
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -214,6 +220,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"
         self._server.start()
+        if self.config.metrics_port is not None:
+            self.metrics = WorkerMetrics(self, host=self.config.host, port=self.config.metrics_port)
+            self.log.info("metrics.serving", address=self.metrics.address, url=self.metrics.server.url)
         self.register()
 
     def _commit_factory(self) -> CommitFn:
@@ -235,6 +244,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             "devices": len(self.devices),
             "state": "serving",
             "registered_at": time.time(),
+            **({"metrics_address": self.metrics.address} if self.metrics is not None else {}),
         }
 
     def register(self) -> int:
@@ -449,6 +459,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         if self._server is not None:
             self._server.stop(grace=0.5)
         self.store.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self._set_state(WorkerState.STOPPED, incarnation=reg.incarnation if reg else 0)
 
 
