@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test layers bench chaos soak proto clean
+.PHONY: install browser demo test layers bench chaos soak proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,21 @@ demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
 	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
-test: $(STAMP) layers
+test: $(STAMP) layers browser
 	$(PY) -m pytest -q tests
+
+# Chromium for the dashboard's browser tests (tests/integration/test_dashboard.py), from the system
+# packages when it is missing and this is root with apt-get; otherwise those tests skip and say why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	    command -v google-chrome >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make browser: installing chromium (apt-get)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+	  echo "make browser: could not install chromium; the dashboard's browser tests will skip"; \
+	else echo "make browser: no chromium and no root apt-get; the dashboard's browser tests will skip"; fi
 
 # The import-linter contracts of .importlinter, checked against the package as a wheel
 # installs it (grimp needs one folder holding all of `rallypoint`; the repository maps

@@ -61,10 +61,20 @@ def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, et
     click.echo(f"cluster {config.cluster!r} is up: etcd {','.join(lc.endpoints)}, "
                f"{coordinators} coordinators, {n} workers x {devices_per_worker} devices")
     click.echo(f"  state dir: {config.state_dir}  (logs in {config.state_dir / 'logs'})")
+    dashboard = lc.leader_dashboard()
+    click.echo(f"  dashboard: {dashboard}  (the leader's live view; docs/dashboard.md)" if dashboard
+               else "  dashboard: none published yet (see the coordinators' logs: dashboard.serving)")
     click.echo(f"  reach it:  rallypoint workers --state-dir {state_dir}")
     tls = f"--tls-dir {lc.tls_dir}" if config.tls else "--insecure"
     click.echo(f"        or:  rallypoint workers --cluster {config.cluster}@{','.join(lc.endpoints)} {tls}")
     click.echo(f"  stop it:   rallypoint down --state-dir {state_dir}")
+    targets = lc.metrics_targets()
+    deadline = time.monotonic() + 5.0  # coordinators record themselves as they first campaign
+    while sum(t["role"] == "coordinator" for t in targets) < coordinators and time.monotonic() < deadline:
+        time.sleep(0.2)
+        targets = lc.metrics_targets()
+    click.echo("  metrics:   " + (", ".join(f"{t['name']} http://{t['address']}/metrics" for t in targets) or "none")
+               + f"  (rallypoint metrics --state-dir {state_dir})")
 
 
 @main.command()
@@ -150,6 +160,8 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     lead = f"{leader.json()['coordinator']} (term {leader.create_revision})" if leader else "none"
+    if leader and leader.json().get("dashboard"):
+        lead += f", dashboard {leader.json()['dashboard']}"
     table = Table(title=f"cluster {keys.cluster}: {len(snap.workers)} live workers, leader {lead}")
     for col in ("worker", "pid", "incarnation", "state", "devices", "free", "leased to"):
         table.add_column(col)
@@ -157,6 +169,28 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
         table.add_row(r["worker"], str(r["pid"]), str(r["incarnation"]), r["state"], str(r["devices"]),
                       str(r["free"]), ", ".join(r["leased_to"]) or "-")
     Console(width=120).print(table)
+
+
+@main.command()
+@cluster_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def metrics(state_dir: Path, cluster: str | None, as_json: bool) -> None:
+    """List the Prometheus endpoints of the live coordinators and workers (docs/metrics.md)."""
+    from rallypoint.etcd.metrics_server import read_metrics_targets
+
+    store, keys = store_and_keys(state_dir, cluster)
+    try:
+        rows = read_metrics_targets(store, keys)
+    finally:
+        store.close()
+    for r in rows:
+        url = f"http://{r['address']}/metrics"
+        if as_json:
+            click.echo(json.dumps({**r, "url": url}))
+        else:
+            click.echo(f"{r['role']:<12} {r['name']:<12} {url}{'  (leader)' if r['leader'] else ''}")
+    if not rows and not as_json:
+        click.echo("no process serves metrics (start the daemons with --metrics-port)")
 
 
 @main.command()
@@ -299,11 +333,14 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               "(migrate, default), only report it (job.straggler events), or judge nothing (off).")
 @click.option("--straggler-factor", type=float, default=None,
               help="How many times slower than its baseline and its peers a slice must be to straggle (default 2).")
+@click.option("--warm-spares", type=int, default=None,
+              help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
+              "compilation (default 2; 0: off).")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
-        straggler_factor: float | None) -> None:
+        straggler_factor: float | None, warm_spares: int | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -320,6 +357,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                         ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
+    if warm_spares is not None and warm_spares < 0:
+        raise ConfigError(f"--warm-spares must be >= 0 (0: off), got {warm_spares}")
     if straggler_factor is not None and straggler_factor <= 1:
         raise ConfigError(f"--straggler-factor must be > 1 (a slice that many times slower straggles), "
                           f"got {straggler_factor}")
@@ -327,7 +366,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                           steps=program.steps)
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
                 "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
-                "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor}
+                "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
+                "warm_spares": warm_spares}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731

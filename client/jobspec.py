@@ -11,7 +11,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
                    "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor",
-                   "straggler_window", "straggler_persist")
+                   "straggler_window", "straggler_persist", "warm_spares")
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> pb.JobSpec:
@@ -25,6 +25,9 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> 
     unknown = sorted(set(recovery) - set(RECOVERY_FIELDS))
     if unknown:
         raise ProgramError(f"unknown recovery settings {unknown}; known: {list(RECOVERY_FIELDS)}")
+    warm = recovery.get("warm_spares")
+    if warm is not None and (isinstance(warm, bool) or not isinstance(warm, int) or warm < 0):
+        raise ProgramError(f"warm_spares must be an int >= 0 (0: no warm spares; None: the default), got {warm!r}")
     program = compiled.program
     metric_names: dict[tuple[str, str], list[str]] = {}
     for name, ref in program.metrics.items():

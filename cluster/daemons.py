@@ -21,6 +21,7 @@ from rallypoint.etcd.keys import parse_cluster
 from rallypoint.etcd.tls import TlsConfig
 from rallypoint.etcd.logs import configure as configure_logs
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+from rallypoint.orchestrator.dashboard import start_dashboard
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.service import serve_jobs
 from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
@@ -90,6 +91,8 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 @click.option("--preempt-deadline-s", type=float, default=30.0, show_default=True,
               help="On SIGTERM (a preemption notice): how long the leader gets to drain this worker before it "
               "leaves anyway (0: SIGTERM stops at once, as SIGINT does).")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on --host at this port (0: a free one; default: none). docs/metrics.md")
 @click.option("--fault-commit-delay-s", type=float, default=0.0, hidden=True,
               help="Test fault: seconds each checkpoint commit waits after Orbax finalized it.")
 @click.option("--fault-storage-flag", default="", hidden=True,
@@ -98,7 +101,7 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, host: str,
            port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
-           compile_cache_dir: str, preempt_deadline_s: float, fault_commit_delay_s: float,
+           compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, fault_commit_delay_s: float,
            fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
@@ -108,7 +111,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
                        lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
-                       preempt_deadline_s=preempt_deadline_s,
+                       preempt_deadline_s=preempt_deadline_s, metrics_port=metrics_port,
                        faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag,
                                           corrupt_replicas=fault_corrupt_replicas))
     d = WorkerDaemon(cfg)
@@ -123,10 +126,19 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
 @click.option("--suspect-after-s", type=float, default=1.0, show_default=True,
               help="The leader fences a worker whose heartbeats stopped this long (hung or cut off), well before its "
                    "lease TTL; 0: only the TTL finds it.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on --host at this port (0: a free one; default: none). docs/metrics.md")
+@click.option("--dashboard-host", default="127.0.0.1", show_default=True,
+              help="Where the dashboard's HTTP server listens (docs/dashboard.md; plain HTTP: keep it on loopback "
+                   "or behind an authenticating proxy).")
+@click.option("--dashboard-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
+              help="The dashboard's port (0: a free one, -1: no dashboard). Its address is logged "
+                   "(dashboard.serving) and published in the leader key.")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
 def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str,
-                host: str, suspect_after_s: float, test_skip_replay: bool) -> None:
+                host: str, suspect_after_s: float, metrics_port: int | None, dashboard_host: str, dashboard_port: int,
+                test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
@@ -134,10 +146,17 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
     tls = tls_from_options(tls_dir, insecure, ident)
     c = Coordinator(CoordinatorConfig(tls=tls, cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks,
-                                      suspect_after_s=suspect_after_s))
-    serve_jobs(c)
+                                      suspect_after_s=suspect_after_s, metrics_port=metrics_port))
+    service = serve_jobs(c)
+    dashboard = start_dashboard(c, service, host=dashboard_host, port=dashboard_port) if dashboard_port >= 0 else None
     done = threading.Event()
-    _run_daemon(lambda: None, c.run, c.stop, done.set)
+
+    def stopped() -> None:
+        done.set()
+        if dashboard is not None:
+            dashboard.stop()
+
+    _run_daemon(lambda: None, c.run, c.stop, stopped)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from rallypoint.etcd.errors import ClusterNotFound, ConfigError, RallypointError
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
+from rallypoint.etcd.metrics_server import read_metrics_targets
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.etcd.tls import TlsConfig
 from rallypoint.orchestrator.hooks import ExecutorHooks
@@ -90,6 +91,9 @@ class LocalClusterConfig:
             ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
         tls: mutual TLS everywhere and etcd auth (the default); False runs every process
             ``--insecure`` (plain TCP, etcd without auth): ``rallypoint up --insecure``.
+        metrics: every coordinator and worker serves Prometheus metrics on a free port
+            (``--metrics-port 0``); each publishes the address in its etcd record, where
+            :meth:`LocalCluster.metrics_targets` and ``rallypoint metrics`` find it (docs/metrics.md).
     """
 
     state_dir: Path
@@ -108,6 +112,7 @@ class LocalClusterConfig:
     worker_faults: WorkerFaults = NO_FAULTS
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
     tls: bool = True
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
@@ -331,6 +336,7 @@ class LocalCluster:
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
         base += ["--tls-dir", str(self.tls_dir)] if self.config.tls else ["--insecure"]
+        base += ["--metrics-port", "0"] if self.config.metrics else []  # docs/metrics.md
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker),
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
@@ -432,6 +438,25 @@ class LocalCluster:
         finally:
             store.close()
 
+    def leader_dashboard(self, *, timeout_s: float = 15.0) -> str | None:
+        """The leader's dashboard address (docs/dashboard.md), once a leader published one; None if none did."""
+        deadline = time.monotonic() + timeout_s
+        store = self.store()
+        try:
+            while True:
+                try:
+                    kv = store.get(self.keys.leader)
+                    url = kv.json().get("dashboard") if kv is not None else None
+                    if url:
+                        return str(url)
+                except StoreError:
+                    pass
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.1)
+        finally:
+            store.close()
+
     # -- persistence --------------------------------------------------------------------
 
     def save(self) -> None:
@@ -472,6 +497,14 @@ class LocalCluster:
 
     def store(self) -> EtcdStore:
         return EtcdStore(self.endpoints, tls=self.client_tls)
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Every live coordinator's and worker's Prometheus endpoint, from etcd (``read_metrics_targets``)."""
+        store = self.store()
+        try:
+            return read_metrics_targets(store, self.keys)
+        finally:
+            store.close()
 
     def process(self, name: str) -> ProcessRecord:
         for p in self.processes:

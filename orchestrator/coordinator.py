@@ -42,6 +42,7 @@ from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
 from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor
+from rallypoint.orchestrator.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import EtcdStore, Put, Store
 from rallypoint.etcd.tls import TlsConfig, add_port
@@ -82,6 +83,9 @@ class CoordinatorConfig:
         hooks: fault hooks for tests (:class:`ExecutorHooks`); the defaults break nothing.
         tls: this coordinator's certificate, key and CA: mutual TLS on its gRPC service, its
             channels to workers (executors take it from the store) and etcd (None: ``--insecure``).
+        metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
+            endpoint). The address is logged (``metrics.serving``) and published in the
+            coordinator's etcd record and the leader key (docs/metrics.md).
     """
 
     cluster: str
@@ -96,6 +100,7 @@ class CoordinatorConfig:
     checkpoint_dir: str = ""
     hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
     tls: TlsConfig | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)
@@ -207,8 +212,11 @@ class Coordinator:
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
         self.address = f"{config.host}:{port}"
+        self.metrics = (CoordinatorMetrics(self, host=config.host, port=config.metrics_port)
+                        if config.metrics_port is not None else None)
         self.election = LeaderElection(
-            self.store, self.keys, config.coordinator_id, ttl_s=config.lease_ttl_s, clock=clock, address=self.address
+            self.store, self.keys, config.coordinator_id, ttl_s=config.lease_ttl_s, clock=clock, address=self.address,
+            metrics_address=self.metrics.address if self.metrics else "",
         )
         self.state = CoordinatorState.STANDBY
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -221,6 +229,8 @@ class Coordinator:
         self._fence_listeners: list[Callable[[str, int, str], None]] = []
         self._silence_checked = float("-inf")
         self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
+        if self.metrics is not None:
+            self.log.info("metrics.serving", address=self.metrics.address, url=self.metrics.server.url)
 
     def _set_state(self, new: CoordinatorState, **fields: Any) -> None:
         old, self.state = self.state, new
@@ -464,6 +474,8 @@ class Coordinator:
         self._stop_leading("stopping")
         self.server.stop(grace=1.0)
         self.election.resign()
+        if self.metrics is not None:
+            self.metrics.close()
         self._set_state(CoordinatorState.STOPPED)
 
     def stop(self) -> None:

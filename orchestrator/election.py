@@ -36,14 +36,21 @@ class LeaderElection:
         ttl_s: leader lease TTL; a dead leader is replaced within about this long.
         clock: injectable clock.
         address: this coordinator's gRPC address, published in the leader key.
+        metrics_address: its Prometheus endpoint ("": none), in its coordinator record and the leader key.
+
+    Attributes:
+        published: more of this coordinator's addresses (e.g. ``dashboard``), published in its
+            coordinator key and the leader key; set them before the first :meth:`try_acquire`.
     """
 
     def __init__(
         self, store: Store, keys: Keys, candidate_id: str, *, ttl_s: int = 2, clock: Clock = SYSTEM_CLOCK,
-        address: str = "",
+        address: str = "", metrics_address: str = "",
     ) -> None:
         self.store = store
         self.address = address
+        self.published: dict[str, str] = {}
+        self.metrics_address = metrics_address
         self.keys = keys
         self.candidate_id = candidate_id
         self.ttl_s = ttl_s
@@ -75,12 +82,14 @@ class LeaderElection:
             self.keeper = self._new_keeper()
             self.store.put(
                 self.keys.coordinator(self.candidate_id),
-                json.dumps({"coordinator": self.candidate_id, "pid": os.getpid()}),
+                json.dumps({"coordinator": self.candidate_id, "pid": os.getpid(), **self.published,
+                            **({"metrics_address": self.metrics_address} if self.metrics_address else {})}),
                 lease=self.keeper.lease_id,
             )
         self.keeper.fence.check()
         value = json.dumps(
-            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(), "address": self.address}
+            {"coordinator": self.candidate_id, "pid": os.getpid(), "host": socket.gethostname(), "address": self.address,
+             **self.published, **({"metrics_address": self.metrics_address} if self.metrics_address else {})}
         )
         r = self.store.txn(
             [key_missing(self.keys.leader)],

@@ -13,7 +13,9 @@ does not allow). :meth:`JobExecutor.step` is one iteration of the running loop: 
 the term, check registrations and the progress watchdog every ``ETCD_CHECK_S``,
 handle one event. A lost worker starts a :class:`~rallypoint.orchestrator.recovery_machine.Recovery`
 (docs/recovery.md); a stall (no progress for the job's ``stall_timeout_s``) is a
-``job.stalled`` event and a recovery of the workers the job waits on.
+``job.stalled`` event and a recovery of the workers the job waits on. Spares warm the
+job's programs (:mod:`rallypoint.orchestrator.job_warm`) once the job has moved after its
+placement or a recovery, and again whenever the spares change.
 
 The executor writes only under its own term (:class:`~rallypoint.orchestrator.election.TermWriter`);
 when that term ends (:meth:`JobExecutor.stop`, or a newer term, or the lease gone) it
@@ -46,11 +48,13 @@ from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import Delete, Store
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.goodput import StepTimes
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S
 from rallypoint.orchestrator.job_placement import JobPlacement
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
+from rallypoint.orchestrator.job_warm import SpareWarmer
 from rallypoint.orchestrator.placement import instances_per_step
 from rallypoint.orchestrator.recovery_machine import Recovery, classify_setback
 from rallypoint.orchestrator.stragglers import StragglerWatch
@@ -64,6 +68,7 @@ __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
 DRAIN_POLL_S = 0.1  # how often drain and yield requests are read: a drain lands a step or two after it is asked
+WARM_CHECK_S = 5.0  # how often the warm-spare plan is made again (the spares may have changed)
 JOBSPEC_FILE = "jobspec.pb"
 LATEST_FILE = "LATEST"
 
@@ -123,7 +128,13 @@ class JobExecutor(JobPlacement):
         self._t0 = clock.monotonic()
         self._stop_reason: str | None = None
         self._stop_lock = threading.Lock()
+        self.warmer: SpareWarmer | None = None
+        self._warm_due: str | None = None  # why the spares are to be warmed again, once the job moves past ...
+        self._warm_after = 0  # ... this many completed steps
+        self._warm_checked = float("-inf")
         self.stragglers = StragglerWatch(self)  # docs/elastic.md: a straggling slice moves to a spare
+        self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
+        self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
 
     # -- state ----------------------------------------------------------------------
 
@@ -195,6 +206,8 @@ class JobExecutor(JobPlacement):
         try:
             self.settings = RecoverySettings.from_spec(self.spec)
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s)
+            self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term,
+                                      max_spares=self.settings.warm_spares, log=self.log)
         except ValueError as exc:
             raise JobFailed(str(exc)) from None
         if self.resume:
@@ -283,6 +296,7 @@ class JobExecutor(JobPlacement):
             if self._ungranted:
                 retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
                 self._grant(retry)
+            self._warm_check()
             assert self.watchdog is not None
             quiet = self.watchdog.check()
             if quiet is not None:
@@ -306,6 +320,10 @@ class JobExecutor(JobPlacement):
             self.workers.events.put(("fenced", (worker, gen, reason)))
 
     def _handle(self, kind: str, worker: str, gen: int, item: Any) -> None:
+        if kind == "warmed":  # a round of WarmJob requests answered (job_warm.py)
+            self.log.info("job.warmed", **item)
+            self.event("job.warmed", step=self.completed, **item)
+            return
         if not self.workers.current(worker, gen):
             return  # a runtime given up on
         if kind == "grant_failed":
@@ -336,6 +354,9 @@ class JobExecutor(JobPlacement):
         for m in self.machines:
             m.observe(worker, gen, node, step)
         self.on_instance(worker, node, step)
+        if item.program_source:  # a node's first call on this runtime: where its executable came from
+            for m in self.machines:
+                m.record.first_call(worker, gen, self.graph.node(node).slice, item.program_source, item.compile_s)
         if step < self.completed or item.microbatch in self._done[(node, step)]:
             self.replayed[node] += 1
             self.redone_s += item.compute_s
@@ -344,6 +365,7 @@ class JobExecutor(JobPlacement):
         self.stragglers.instance(item)
         self._step_count[step] += 1
         self.compute_s[node] += item.compute_s
+        self.step_times.instance(node, step, item.compute_s)
         self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
 
     def _advance(self) -> None:
@@ -355,6 +377,7 @@ class JobExecutor(JobPlacement):
                 by_name[name].append((mb, v))
             metrics = {name: float(np.mean([v for _, v in sorted(vals)])) for name, vals in by_name.items()}
             self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=s, metrics=metrics))
+            self.step_times.step_done(s)
             for n in self.spec.nodes:
                 self._done.pop((n.name, s), None)
             del self._step_count[s]
@@ -444,7 +467,35 @@ class JobExecutor(JobPlacement):
                    placement={s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
                               for s, p in self.placement.items()})
         self.log.info("recovery.restored", **rec.to_json())
+        self._warm_soon(f"recovery {rec.number}")
         self._grant()
+
+    # -- warm spares ----------------------------------------------------------------------
+
+    def _warm_soon(self, reason: str) -> None:
+        """Warm the spares again once the job has completed a step more (its own compiles come first)."""
+        self._warm_due, self._warm_after = reason, self.completed
+
+    def _warm_check(self) -> None:
+        """Plan the warm spares again when one is due, or every ``WARM_CHECK_S`` while no recovery runs."""
+        if self.warmer is None:
+            return
+        now = self.clock.monotonic()
+        if self._warm_due is not None:
+            if self.completed <= self._warm_after:
+                return
+            reason, self._warm_due = self._warm_due, None
+        elif now - self._warm_checked < WARM_CHECK_S or any(not m.phase.is_terminal for m in self.machines):
+            return
+        else:
+            reason = "the spares changed"
+        self._warm_checked = now
+        try:
+            snap = read_cluster(self.store, self.keys)
+        except StoreError as exc:
+            self.log.warning("job.warm_unplanned", error=str(exc))
+            return
+        self.warmer.refresh(snap, reason, exclude=frozenset(self.workers.workers))
 
     # -- the whole run ----------------------------------------------------------------------
 
@@ -460,6 +511,7 @@ class JobExecutor(JobPlacement):
         self._set_state(JobState.LOADING)
         lost = self._load_all_from_cut() if self.resume else self._lost_at_load(self.load(None, 0, {}), 0)
         self._set_state(JobState.RUNNING)
+        self._warm_soon("placed")
         self.granted = min(self.completed + max(1, self.spec.window), self.spec.steps)
         if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
             self._recover(lost)
@@ -510,6 +562,7 @@ class JobExecutor(JobPlacement):
             terminal = pb.JobEvent(job=self.spec.job, event="job.failed",
                                    detail=json.dumps({"reason": reason, **self.summary()}))
         finally:
+            self.ended_mono = self.clock.monotonic()
             self._cleanup()
             try:
                 self._set_state(final, **({"reason": reason} if reason and final is JobState.FAILED else {}))
@@ -535,7 +588,9 @@ class JobExecutor(JobPlacement):
         except Exception as exc:  # closing must not hide why the run ended
             self.log.warning("job.close_failed", error=repr(exc))
         if self.writer.over:
-            return  # the next leader releases what this term held
+            return  # the next leader releases what this term held (and plans the warm spares again)
+        if self.warmer is not None:
+            self.warmer.release()  # best effort, bounded: the spares drop what they hold for the job
         try:
             self.leases().release(self.spec.job)
         except (StoreError, AllocationError, NotLeader) as exc:

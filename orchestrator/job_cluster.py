@@ -79,6 +79,7 @@ class JobCluster(RecoveryPort):
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self.holders: dict[str, pb.ReplicaPeer] = {}  # slice -> where its commits are copied now (in-memory tier)
         self.restore_tiers: dict[str, str] = {}  # slice -> "memory" | "disk": what the last load restored from
+        self.program_sources: dict[str, str] = {}  # node -> "warm" | "cold": what the last load found compiled
 
     # -- etcd ----------------------------------------------------------------------------
 
@@ -153,6 +154,7 @@ class JobCluster(RecoveryPort):
             self._last_heard[w] = now
         failed = self.workers.load(reqs, addresses)
         self.restore_tiers = dict(self.workers.restore_tiers)
+        self.program_sources = dict(self.workers.program_sources)
         for w, req in reqs.items():
             if w not in failed:
                 self.holders.update({t.slice: t for t in req.replica_targets})
@@ -291,11 +293,13 @@ class JobCluster(RecoveryPort):
         policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
         leases = self.leases()
         placed: dict[str, SlicePlace] = {}
-        t0, told = self.clock.monotonic(), False
+        t0, told, waited_from = self.clock.monotonic(), False, 0.0
         while True:
             self.hold_term()
             todo = {s: n for s, n in need.items() if s not in placed}
             if not todo:
+                if told:  # the seconds this remap waited for a spare (the goodput bucket waiting_for_spares)
+                    record.spare_wait_s += self.clock.monotonic() - waited_from
                 return placed
             snap = self.until_etcd("reading the cluster", lambda: read_cluster(self.store, self.keys))
             decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
@@ -310,7 +314,7 @@ class JobCluster(RecoveryPort):
                 continue
             if isinstance(decision, Wait):
                 if not told:
-                    told = True
+                    told, waited_from = True, self.clock.monotonic()
                     self.log.warning("recovery.waiting", missing=dict(decision.missing), timeout_s=decision.timeout_s)
                     self.event("job.waiting", recovery=record.number, missing=dict(decision.missing),
                                timeout_s=decision.timeout_s,

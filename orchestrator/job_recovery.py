@@ -9,13 +9,19 @@ the plan, and its phases, each a duration in seconds:
 * ``detection``: the lost worker's last event to its loss being noticed (an upper
   bound on how long the death went unseen; events flow constantly while it runs);
 * ``fencing``: revoking its lease (its device leases go with it);
-* ``remap``: choosing and leasing spare devices (includes waiting for a spare);
+* ``remap``: choosing and leasing spare devices (includes waiting for a spare: ``spare_wait_s``);
 * ``restore``: loading programs and the checkpoint on the spare, rewiring the survivors;
 * ``replay``: the replaying nodes re-running their instances from the checkpoint up
   to where they had got (the lost slice is back at the step it had reached);
 * ``catch_up``: until every node is back where it was when the loss was noticed.
 
 ``mttr_s`` is the sum of the first five: the loss to the lost work redone.
+
+Warm spares (``recovery/warm.py``): ``warm`` says of each moved slice whether its new
+worker held every program of the slice compiled ahead; ``first_calls`` what the first
+call of the slice's nodes there paid to get their executables: ``source`` ``"warm"``
+(every node's came from the warm cache), ``"compiled"`` (every node compiled it) or
+``"mixed"``, and ``compile_s``, the seconds those first calls spent on it (0 when warm).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.stragglers import DEFAULT_FACTOR, DEFAULT_PERSIST, DEFAULT_WINDOW, StragglerSettings
+from rallypoint.recovery.warm import DEFAULT_WARM_SPARES
 
 POLICIES = ("partial", "restart-all")
 ON_NO_SPARE = ("wait", "fail", "shrink")
@@ -47,6 +54,7 @@ class RecoverySettings:
     log_limit_bytes: int
     stall_timeout_s: float = DEFAULT_STALL_S
     stragglers: StragglerSettings = StragglerSettings()
+    warm_spares: int = DEFAULT_WARM_SPARES  # spares that compile the job's programs ahead (0: off)
 
     @classmethod
     def from_spec(cls, spec: pb.JobSpec) -> RecoverySettings:
@@ -70,13 +78,16 @@ class RecoverySettings:
         for name in ("straggler_factor", "straggler_window", "straggler_persist"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
+        warm = int(spec.warm_spares) if spec.HasField("warm_spares") else DEFAULT_WARM_SPARES
+        if warm < 0:
+            raise ValueError(f"warm_spares must be >= 0 (0: no warm spares; unset: {DEFAULT_WARM_SPARES}), got {warm}")
         window = int(spec.straggler_window or DEFAULT_WINDOW)
         stragglers = StragglerSettings(spec.stragglers or "migrate", float(spec.straggler_factor or DEFAULT_FACTOR),
                                        window, int(spec.straggler_persist or min(DEFAULT_PERSIST, window)))
         return cls(policy, on_no_spare, float(spec.wait_timeout_s or DEFAULT_WAIT_S),
                    int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY), int(spec.keep_checkpoints or DEFAULT_KEEP),
                    int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT), float(spec.stall_timeout_s or DEFAULT_STALL_S),
-                   stragglers)
+                   stragglers, warm)
 
 
 @dataclass
@@ -97,6 +108,7 @@ class RecoveryRecord:
     replay_nodes: list[str] = field(default_factory=list)
     planned_instances: dict[str, int] = field(default_factory=dict)
     attempts: int = 0
+    spare_wait_s: float = 0.0  # of the remap phase, the seconds it waited for a worker with room
     marks: dict[str, float] = field(default_factory=dict)  # phase -> monotonic end
     # replay tracking
     targets: dict[str, int] = field(default_factory=dict)  # replaying node -> step it had reached
@@ -104,6 +116,9 @@ class RecoveryRecord:
     seen: Counter[str] = field(default_factory=Counter)
     generations: dict[str, int] = field(default_factory=dict)  # worker -> generation that replays
     frontier: dict[str, int] = field(default_factory=dict)  # every node -> step it had reached
+    # warm spares
+    warm: dict[str, bool] = field(default_factory=dict)  # moved slice -> its new worker held all its programs warm
+    first_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # moved slice -> source, compile_s, nodes
 
     def mark(self, phase: str, at: float) -> None:
         """Phase ``phase`` (one of :data:`PHASES`) ended at monotonic time ``at``."""
@@ -114,6 +129,16 @@ class RecoveryRecord:
         if (self.generations.get(worker) == generation and node in self.targets
                 and self.checkpoint_step <= step < self.targets[node]):
             self.seen[node] += 1
+
+    def first_call(self, worker: str, generation: int, slice_name: str, source: str, compile_s: float) -> None:
+        """A node's first call on a runtime loaded for this recovery, on a moved slice: what it paid to compile."""
+        if self.generations.get(worker) != generation or self.moved.get(slice_name) != worker:
+            return
+        fc = self.first_calls.setdefault(slice_name, {"source": source, "compile_s": 0.0, "nodes": 0})
+        if fc["source"] != source:
+            fc["source"] = "mixed"
+        fc["compile_s"] = round(fc["compile_s"] + compile_s, 4)
+        fc["nodes"] += 1
 
     @property
     def replayed(self) -> bool:
@@ -141,6 +166,7 @@ class RecoveryRecord:
             "recovery": self.number, "lost": self.lost, "reasons": self.reasons, "detected_at": self.detected_at,
             "policy": self.policy, "checkpoint_step": self.checkpoint_step, "escalated": self.escalated,
             "moved": self.moved, "restore_tiers": self.restore_tiers, "replay_nodes": self.replay_nodes,
-            "planned_instances": self.planned_instances,
-            "attempts": self.attempts, "phases": ph, "mttr_s": round(mttr, 4) if mttr is not None else None,
+            "planned_instances": self.planned_instances, "warm": self.warm, "first_calls": self.first_calls,
+            "attempts": self.attempts, "phases": ph, "spare_wait_s": round(self.spare_wait_s, 4),
+            "mttr_s": round(mttr, 4) if mttr is not None else None,
         }

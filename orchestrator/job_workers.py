@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -49,6 +49,7 @@ class JobWorkers:
         self._streams: list[Any] = []
         self._gens = itertools.count(1)
         self.restore_tiers: dict[str, str] = {}  # slice -> "memory" | "disk": what the last load restored from
+        self.program_sources: dict[str, str] = {}  # node -> "warm" | "cold": what the last load found compiled
         self._lock = threading.Lock()
         self.log = get_logger("rallypoint.executor", job=job)
 
@@ -78,13 +79,14 @@ class JobWorkers:
     def load(self, requests: Mapping[str, pb.LoadJobRequest], addresses: Mapping[str, str]) -> dict[str, WorkerCallFailed]:
         """Load the job on each worker in parallel and follow its events. Returns the failures by worker."""
         failed: dict[str, WorkerCallFailed] = {}
-        self.restore_tiers = {}
+        self.restore_tiers, self.program_sources = {}, {}
         with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
             futures = {w: pool.submit(self._stub(w, addresses[w]).LoadJob, req, timeout=LOAD_TIMEOUT_S)
                        for w, req in requests.items()}
             for w, f in futures.items():
                 try:
                     self.restore_tiers.update(f.result().restore_tiers)
+                    self.program_sources.update(f.result().program_sources)
                 except grpc.RpcError as exc:
                     failed[w] = WorkerCallFailed.from_rpc_error(w, "LoadJob", exc)
         for w, req in requests.items():
@@ -155,6 +157,25 @@ class JobWorkers:
                                          timeout=RPC_TIMEOUT_S + flush_s)
         except grpc.RpcError:
             self.log.warning("job.unload_failed", worker=worker)
+
+    def warm(self, worker: str, address: str, req: pb.WarmJobRequest,
+             done: Callable[[str, pb.WarmJobResponse | None, str], None]) -> None:
+        """Ask a spare to warm (or, no slices, to drop) the job's programs without waiting;
+        ``done(worker, response or None, error)`` is called when it answers."""
+        future = self._stub(worker, address).WarmJob.future(req, timeout=LOAD_TIMEOUT_S)
+
+        def answered(f: Any) -> None:
+            exc = f.exception()
+            if exc is None:
+                done(worker, f.result(), "")
+            else:
+                done(worker, None, f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc))
+
+        future.add_done_callback(answered)
+
+    def warm_now(self, worker: str, address: str, req: pb.WarmJobRequest, *, timeout_s: float) -> pb.WarmJobResponse:
+        """``WarmJob``, waiting for the answer (raises ``grpc.RpcError``)."""
+        return self._stub(worker, address).WarmJob(req, timeout=timeout_s)
 
     def unload_stale(self, worker: str, address: str, to: pb.Identity) -> None:
         """Unload the job from a worker this executor did not load (a lost leader's); best effort."""

@@ -151,6 +151,7 @@ class RecoveryPort(abc.ABC):
     cut: int  # the newest cut the workers were told of (their output logs reach back to it)
     log_floor: Mapping[str, int] = MappingProxyType({})  # node -> its log's first step, where past the cut (a drain)
     restore_tiers: Mapping[str, str] = MappingProxyType({})  # slice -> "memory" | "disk": what the last load read
+    program_sources: Mapping[str, str] = MappingProxyType({})  # node -> "warm" | "cold": what the last load found
 
     @abc.abstractmethod
     def loaded_workers(self) -> list[str]:
@@ -386,6 +387,9 @@ class Recovery:
         rec, plan = self.record, s.plan
         rec.policy, rec.checkpoint_step = plan.policy, s.cut
         rec.restore_tiers = dict(sorted(self.port.restore_tiers.items()))
+        sources = self.port.program_sources
+        rec.warm = {sl: all(sources.get(n.name) == "warm" for n in self.port.graph.nodes if n.slice == sl)
+                    for sl in sorted(rec.moved)}
         rec.replay_nodes = sorted(plan.nodes)
         rec.planned_instances = {n: k for n, k in plan.instances(self.microbatches).items() if k}
         rec.targets = {n: r.to_step for n, r in plan.nodes.items()}

@@ -42,6 +42,7 @@ from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.retry import retrying
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
+from rallypoint.orchestrator.job_timeline import TimelineRecorder
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -109,6 +110,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._runs: dict[str, _Run] = {}
         self._ended: OrderedDict[str, tuple[pb.JobEvent, float]] = OrderedDict()  # job -> (its end, when)
         self._lock = threading.Lock()
+        self.timeline = TimelineRecorder()  # what the dashboard shows of the jobs run here
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
         coordinator.add_leadership_listener(self.on_lead, self.on_step_down)
@@ -179,12 +181,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return None
             run = _Run(job=spec.job, term=self.c.election.term or 0, adopted=adopted)
             run.first = run.subscribe()
+
+            def emit(ev: pb.JobEvent) -> None:  # the dashboard's recorder, then the clients
+                self.timeline.observe(executor, ev)
+                run.publish(ev)
+
             executor = JobExecutor(spec, store=self.c.store, keys=self.c.keys, election=self.c.election,
-                                   emit=run.publish, clock=self.c.clock,
+                                   emit=emit, clock=self.c.clock,
                                    checkpoint_root=self.c.config.checkpoint_dir if checkpoint_root is None
                                    else checkpoint_root,
                                    resume=resume, adopted=adopted, hooks=self.c.config.hooks)
             run.executor = executor
+            if getattr(self.c, "metrics", None) is not None:
+                self.c.metrics.job_started(executor)  # docs/metrics.md
             self._runs[spec.job] = run
             self._ended.pop(spec.job, None)
 
@@ -193,12 +202,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 executor.run()
             except Exception as exc:  # a bug must not leave the clients waiting forever
                 self.log.exception("job.internal_error", job=spec.job)
-                run.publish(pb.JobEvent(job=spec.job, event="job.failed",
-                                        detail=json.dumps({"reason": f"internal error in the executor: {exc!r}"})))
+                emit(pb.JobEvent(job=spec.job, event="job.failed",
+                                 detail=json.dumps({"reason": f"internal error in the executor: {exc!r}"})))
             finally:
                 if run.last is None:
-                    run.publish(pb.JobEvent(job=spec.job, event="job.failed",
-                                            detail=json.dumps({"reason": "the executor ended without a result"})))
+                    emit(pb.JobEvent(job=spec.job, event="job.failed",
+                                     detail=json.dumps({"reason": "the executor ended without a result"})))
                 with self._lock:
                     if self._runs.get(spec.job) is run:
                         del self._runs[spec.job]

@@ -14,11 +14,12 @@ bottleneck, whose work queues behind its own) has little. An instance with an in
 not heard yet counts nothing (its producer, not it, is late). A stage stopped half the
 time thus shows its stops as its own time, while the stages waiting for it show none.
 
-Samples count only while the job runs undisturbed (no drain, no recovery, no pause
-of the whole job: no instance heard for ``PAUSE_S``, as when etcd is away and
-the executor and workers wait; and not in the ``window`` steps after one: a freshly
-loaded runtime compiles on its first calls, a rewired one sends its logged outputs
-again, and an instance ready since its grant would be charged the whole pause). Each slice's **baseline** is the median of its first
+Samples count only while the job runs undisturbed (no drain, no recovery, no spare
+compiling the job's programs, no pause of the whole job: no instance heard for
+``PAUSE_S``, as when etcd is away and the executor and workers wait; and not in the
+``window`` steps after one: a freshly loaded runtime compiles on its first calls, a
+rewired one sends its logged outputs again, and an instance ready since its grant
+would be charged the whole pause). Each slice's **baseline** is the median of its first
 ``window`` samples after the first ``WARMUP_STEPS`` steps (compiles); from then on
 every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
 :class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
@@ -154,6 +155,11 @@ class StragglerWatch:
         active = [m for m in ex.machines if not m.phase.is_terminal]
         if active:
             return f"recovery {active[0].record.number} runs"
+        warmer = getattr(ex, "warmer", None)
+        if warmer is not None and warmer.warming:
+            # Compiling takes CPU and memory bandwidth; where spares share hosts with the job's workers (the local
+            # cluster) the job's slices slow unevenly while it lasts: no slice is judged on those steps.
+            return "spares are compiling the job's programs"
         if ex.granted >= ex.spec.steps:
             return "every step is granted: the job ends soon"
         return ""

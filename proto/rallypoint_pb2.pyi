@@ -260,8 +260,15 @@ class CheckpointRef(_message.Message):
     def __init__(self, slice: _Optional[str] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class LoadJobResponse(_message.Message):
-    __slots__ = ("load_s", "restore_tiers")
+    __slots__ = ("load_s", "restore_tiers", "program_sources")
     class RestoreTiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class ProgramSourcesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -270,9 +277,11 @@ class LoadJobResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
     RESTORE_TIERS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_SOURCES_FIELD_NUMBER: _ClassVar[int]
     load_s: float
     restore_tiers: _containers.ScalarMap[str, str]
-    def __init__(self, load_s: _Optional[float] = ..., restore_tiers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    program_sources: _containers.ScalarMap[str, str]
+    def __init__(self, load_s: _Optional[float] = ..., restore_tiers: _Optional[_Mapping[str, str]] = ..., program_sources: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RunStepsRequest(_message.Message):
     __slots__ = ("to", "job", "until_step", "cut_step", "save_at")
@@ -349,7 +358,7 @@ class JobEventsRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class InstanceDone(_message.Message):
-    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes")
+    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +376,8 @@ class InstanceDone(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_SPILLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_S_FIELD_NUMBER: _ClassVar[int]
     node: str
     step: int
     microbatch: int
@@ -377,7 +388,9 @@ class InstanceDone(_message.Message):
     checkpoint_step: int
     log_bytes: int
     log_spilled_bytes: int
-    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ...) -> None: ...
+    program_source: str
+    compile_s: float
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ...) -> None: ...
 
 class RewireRequest(_message.Message):
     __slots__ = ("to", "job", "routes", "resend_to", "from_step", "until_step", "replica_targets")
@@ -435,6 +448,42 @@ class UnloadJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WarmJobRequest(_message.Message):
+    __slots__ = ("to", "job", "slices", "nodes")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    job: str
+    slices: _containers.RepeatedCompositeFieldContainer[SliceAssignment]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeProgram]
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ...) -> None: ...
+
+class WarmJobResponse(_message.Message):
+    __slots__ = ("compile_s", "failed", "warm_s")
+    class CompileSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMPILE_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    WARM_S_FIELD_NUMBER: _ClassVar[int]
+    compile_s: _containers.ScalarMap[str, float]
+    failed: _containers.ScalarMap[str, str]
+    warm_s: float
+    def __init__(self, compile_s: _Optional[_Mapping[str, float]] = ..., failed: _Optional[_Mapping[str, str]] = ..., warm_s: _Optional[float] = ...) -> None: ...
+
 class ReplicaHeader(_message.Message):
     __slots__ = ("to", "job", "slice", "step", "checksum", "states", "state_leaves", "from_worker", "from_incarnation")
     TO_FIELD_NUMBER: _ClassVar[int]
@@ -486,7 +535,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +556,7 @@ class JobSpec(_message.Message):
     STRAGGLER_FACTOR_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_PERSIST_FIELD_NUMBER: _ClassVar[int]
+    WARM_SPARES_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -527,7 +577,8 @@ class JobSpec(_message.Message):
     straggler_factor: float
     straggler_window: int
     straggler_persist: int
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ...) -> None: ...
+    warm_spares: int
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("job", "checkpoint_dir")

@@ -194,6 +194,11 @@ class WorkerRuntimeStub:
                 request_serializer=proto_dot_rallypoint__pb2.FetchReplicaRequest.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.ReplicaChunk.FromString,
                 _registered_method=True)
+        self.WarmJob = channel.unary_unary(
+                '/rallypoint.v1.WorkerRuntime/WarmJob',
+                request_serializer=proto_dot_rallypoint__pb2.WarmJobRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.WarmJobResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerRuntimeServicer:
@@ -256,6 +261,13 @@ class WorkerRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmJob(self, request, context):
+        """a spare: compile a job's programs ahead of a loss
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +315,11 @@ def add_WorkerRuntimeServicer_to_server(servicer, server):
                     servicer.FetchReplica,
                     request_deserializer=proto_dot_rallypoint__pb2.FetchReplicaRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.ReplicaChunk.SerializeToString,
+            ),
+            'WarmJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.WarmJobRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.WarmJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -548,6 +565,33 @@ class WorkerRuntime:
             '/rallypoint.v1.WorkerRuntime/FetchReplica',
             proto_dot_rallypoint__pb2.FetchReplicaRequest.SerializeToString,
             proto_dot_rallypoint__pb2.ReplicaChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.WorkerRuntime/WarmJob',
+            proto_dot_rallypoint__pb2.WarmJobRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.WarmJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,17 @@ from rallypoint.etcd.store import EtcdStore
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+SESSION_NOTES: list[str] = []
+"""Lines for the end of the session's output (a screenshot's path, why a browser test skipped)."""
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SESSION_NOTES:
+        terminalreporter.write_sep("-", "notes")
+        for line in SESSION_NOTES:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
     """A single-member etcd (50 ms heartbeat, 500 ms election: 1 s TTLs allowed), on plain http without auth:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -206,10 +206,21 @@ class FakeWorkers(JobWorkers):
         self.loads: list[tuple[str, int]] = []  # (worker, start step)
         self.rewires: list[tuple[str, int]] = []
         self.unloaded: list[str] = []
+        self.warms: list[tuple[str, list[str]]] = []  # (spare, the slices it was asked to warm)
         self._slices: dict[str, list[str]] = {}
         self._ran: dict[str, int] = {}  # worker -> next step it runs
         self._every = max(1, spec.checkpoint_every or 10)
         self._held_saves: set[tuple[str, int]] = set()
+
+    def warm(self, worker: str, address: str, req: pb.WarmJobRequest,
+             done: Callable[[str, pb.WarmJobResponse | None, str], None]) -> None:
+        """A spare answers a warm request at once, having compiled nothing (no programs run here)."""
+        self.warms.append((worker, [a.slice for a in req.slices]))
+        done(worker, pb.WarmJobResponse(), "")
+
+    def warm_now(self, worker: str, address: str, req: pb.WarmJobRequest, *, timeout_s: float) -> pb.WarmJobResponse:
+        self.warms.append((worker, [a.slice for a in req.slices]))
+        return pb.WarmJobResponse()
 
     def load(self, requests: Mapping[str, pb.LoadJobRequest], addresses: Mapping[str, str]) -> dict[str, WorkerCallFailed]:
         failed = self.load_failures.pop(0) if self.load_failures else {}

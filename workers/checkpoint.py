@@ -38,6 +38,7 @@ from rallypoint.etcd.errors import Fenced, RallypointError, StoreUnavailable, Wr
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.logs import get_logger
 from rallypoint.etcd.store import Compare, Delete, Put, Store
+from rallypoint.workers import meter
 
 __all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
            "EtcdCommitter", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
@@ -228,7 +229,9 @@ class SliceCheckpointer:
                 self.log.error("checkpoint.save_failed", step=step, error=f"{type(e).__name__}: {e}")
                 raise CheckpointError(f"saving {self.job}/{self.slice_name} after step {step} failed: {e}") from e
             self._last_step = step
-        self.log.debug("checkpoint.started", step=step, blocking_s=round(time.monotonic() - started, 4))
+        blocking_s = time.monotonic() - started
+        meter.checkpoint_blocking(self.job, blocking_s)  # the goodput bucket checkpoint_blocking (docs/metrics.md)
+        self.log.debug("checkpoint.started", step=step, blocking_s=round(blocking_s, 4))
         with self._cond:
             self._queue.append(_Pending(step, tree, started))
             self._cond.notify_all()
@@ -293,8 +296,10 @@ class SliceCheckpointer:
                                   f"after step {item.step} in {self.directory}")
         assert item.states is not None
         nbytes = sum(int(x.nbytes) for v in item.states.values() for x in v)
+        finalized = time.monotonic()
+        meter.checkpoint_saved(self.job, finalized - item.started)
         self.log.info("checkpoint.saved", step=item.step, path=str(path), bytes=nbytes,
-                      save_s=round(time.monotonic() - item.started, 4))
+                      save_s=round(finalized - item.started, 4))
         c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), state_checksum(item.states),
                              tuple(sorted(item.states)))
         states, item.states = item.states, None
@@ -303,6 +308,7 @@ class SliceCheckpointer:
         except Exception as e:
             self.log.error("checkpoint.commit_failed", step=c.step, error=f"{type(e).__name__}: {e}")
             raise
+        meter.checkpoint_committed(self.job, time.monotonic() - finalized)
         with self._cond:
             self._committed.append(c.step)
             self.commits.append(c)

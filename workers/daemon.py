@@ -50,6 +50,7 @@ from rallypoint.workers.checkpoint import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.metrics import WorkerMetrics
 from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
@@ -104,6 +105,9 @@ class WorkerConfig:
         faults: test fault hooks (:mod:`rallypoint.workers.faults`); none in production.
         tls: this worker's certificate, key and CA: mutual TLS on its gRPC server, its data
             plane, its pushes to peers and its etcd connection (None: plain, ``--insecure``).
+        metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
+            endpoint). The address is logged (``metrics.serving``) and is ``metrics_address`` in
+            the worker's etcd record (docs/metrics.md).
     """
 
     cluster: str
@@ -122,6 +126,7 @@ class WorkerConfig:
     preempt_deadline_s: float = 30.0
     faults: WorkerFaults = NO_FAULTS
     tls: TlsConfig | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         check_name("worker", self.worker_id)
@@ -173,6 +178,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime: WorkerRuntimeService | None = None
         self.dataplane: DataPlaneServer | None = None
         self.address = ""
+        self.metrics: WorkerMetrics | None = None
         self.max_term = 0  # the newest coordinator term a request came from
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -219,6 +225,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"
         self._server.start()
+        if self.config.metrics_port is not None:
+            self.metrics = WorkerMetrics(self, host=self.config.host, port=self.config.metrics_port)
+            self.log.info("metrics.serving", address=self.metrics.address, url=self.metrics.server.url)
         self.register()
 
     def _commit_factory(self) -> CommitFn:
@@ -240,6 +249,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             "devices": len(self.devices),
             "state": "serving",
             "registered_at": time.time(),
+            **({"metrics_address": self.metrics.address} if self.metrics is not None else {}),
         }
 
     def register(self) -> int:
@@ -454,6 +464,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         if self._server is not None:
             self._server.stop(grace=0.5)
         self.store.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self._set_state(WorkerState.STOPPED, incarnation=reg.incarnation if reg else 0)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from rallypoint.etcd.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
+from rallypoint.workers import meter
 from rallypoint.workers.checkpoint import CheckpointCorrupt, SliceCheckpointer, States, restore_commit
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.runtime_state import LoadError, RestoreError
@@ -58,6 +59,7 @@ def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
         out[ref.slice] = states
         if tiers is not None:
             tiers[ref.slice] = tier
+        meter.checkpoint_restored(req.job, tier, time.perf_counter() - t0)
         get_logger("rallypoint.checkpoint", job=req.job, slice=ref.slice).info(
             "checkpoint.restored", step=int(ref.step), tier=tier, restore_s=round(time.perf_counter() - t0, 4),
             bytes=sum(int(x.nbytes) for leaves in states.values() for x in leaves))

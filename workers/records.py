@@ -24,12 +24,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rallypoint.workers import meter
+
 
 class InstanceRecords:
     """The record file of one runtime (or nothing when ``run_dir`` is None)."""
 
     def __init__(self, run_dir: Path | None, *, worker: str, incarnation: int, slices: Sequence[str], start_step: int,
-                 restored_from: int | None) -> None:
+                 restored_from: int | None, job: str = "") -> None:
+        self.job = job
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._path: Path | None = None
@@ -60,6 +63,7 @@ class InstanceRecords:
             pass  # kept: written with the next record once the filesystem takes it
 
     def ran(self, node: str, step: int, microbatch: int, compute_s: float) -> None:
+        meter.instance(self.job, compute_s)  # docs/metrics.md
         self._write({"n": node, "s": step, "m": microbatch, "t": round(time.time(), 4), "c": round(compute_s, 6)})
 
     def close(self) -> None:

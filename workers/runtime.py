@@ -33,7 +33,6 @@ import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,23 +45,24 @@ from rallypoint.proto import codec, rallypoint_pb2 as pb
 from rallypoint.workers.job_checkpoints import NO_FAULTS, CommitFn, JobCheckpoints, WorkerFaults, restore_for_load
 from rallypoint.workers.replicas import ReplicaTier
 from rallypoint.workers.outlog import OutputLog
+from rallypoint.workers.events import EventFeed
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.records import InstanceRecords
 from rallypoint.workers.runtime_state import (DeliveryError, Inbox, Key, Leaves, LoadError, NodeProgress, RestoreError,
                                    StateVersions, runs_at, running_steps)
 from rallypoint.workers.transfer import NotAllowed, PeerChannels, PushPools
+from rallypoint.workers.warm import NodeExecutable, WarmCache, program_key
 
 B = pb.InputBinding
 Admit = Callable[[pb.Identity], object]
 
-BACKLOG_EVENTS = 100_000  # events kept while no JobEvents stream is open
 DEFAULT_LOG_LIMIT = 256 << 20  # output log bytes in memory when the request names none
 
 
 @dataclass
 class _Node:
     prog: pb.NodeProgram  # without its exported bytes
-    call: Callable[..., Any]
+    call: NodeExecutable
     mbs: tuple[int, ...]
     progress: NodeProgress
     routes: dict[str, list[pb.Route]] = field(default_factory=dict)
@@ -88,13 +88,16 @@ class JobRuntime:
         commit_factory: makes this incarnation's checkpoint commit (None: no checkpoints).
         faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
         replicas: the worker's in-memory checkpoint tier (:mod:`rallypoint.workers.replicas`; None: disk only).
+        warm: executables compiled ahead for this worker (:mod:`rallypoint.workers.warm`; None: compile at first calls).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
                  commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
-                 replicas: ReplicaTier | None = None) -> None:
+                 replicas: ReplicaTier | None = None, warm: WarmCache | None = None) -> None:
         t0 = time.perf_counter()
+        self._warm = warm
+        self.program_sources: dict[str, str] = {}  # node -> "warm" (compiled ahead) or "cold" (at its first call)
         self.job = req.job
         self.steps = int(req.steps)
         self.start_step = int(req.start_step)
@@ -111,8 +114,7 @@ class JobRuntime:
         self.stopped = False
         self.error = ""
         self._inbox = Inbox()
-        self._subscribers: list[queue.Queue[pb.InstanceDone | None]] = []
-        self._backlog: deque[pb.InstanceDone] = deque(maxlen=BACKLOG_EVENTS)
+        self._events = EventFeed()
         self.completed = 0
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
         self.outlog.low = self.start_step  # a runtime started at a checkpoint made nothing before it
@@ -128,7 +130,7 @@ class JobRuntime:
                                           log_fields={"worker": worker_id, "incarnation": self.incarnation},
                                           replicate=self.replicator.submit if self.replicator else None)
         self.records = InstanceRecords(self.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
-                                       slices=list(self._slice_nodes), start_step=start,
+                                       slices=list(self._slice_nodes), start_step=start, job=self.job,
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
         for name, sv in self.states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self.steps)))
@@ -160,8 +162,12 @@ class JobRuntime:
             return meshes[slice_name]
 
         self.nodes: dict[str, _Node] = {}
+        assigned = {sa.slice: sa for sa in req.slices}
         for n in req.nodes:  # topological order: the order instances of a step run in
-            call = load_exported(n.exported, mesh_of(f"node {n.name!r}", n.slice))
+            mesh = mesh_of(f"node {n.name!r}", n.slice)
+            call = NodeExecutable(n.exported, mesh, self._warm.take(program_key(self.job, n, assigned[n.slice]))
+                                  if self._warm is not None else None)
+            self.program_sources[n.name] = call.expected
             prog = pb.NodeProgram()
             prog.CopyFrom(n)
             prog.ClearField("exported")
@@ -283,24 +289,11 @@ class JobRuntime:
         return duplicate
 
     def subscribe(self) -> queue.Queue[pb.InstanceDone | None]:
-        """A queue of this job's ``InstanceDone`` events (None: the job was unloaded).
-
-        Events that came while no stream was open are handed to the next subscriber.
-        """
-        q: queue.Queue[pb.InstanceDone | None] = queue.Queue()
-        with self._cv:
-            for ev in self._backlog:
-                q.put(ev)
-            self._backlog.clear()
-            if self.stopped:
-                q.put(None)
-            else:
-                self._subscribers.append(q)
-        return q
+        """A queue of this job's ``InstanceDone`` events (:class:`~rallypoint.workers.events.EventFeed`)."""
+        return self._events.subscribe()
 
     def unsubscribe(self, q: queue.Queue[pb.InstanceDone | None]) -> None:
-        with self._cv:
-            self._subscribers = [s for s in self._subscribers if s is not q]
+        self._events.unsubscribe(q)
 
     def wait_finished(self, timeout_s: float) -> bool:
         """Wait until every instance of this worker has run, the job failed or it was unloaded."""
@@ -320,9 +313,7 @@ class JobRuntime:
             if self.stopped:
                 return
             self.stopped = True
-            for q in self._subscribers:
-                q.put(None)
-            self._subscribers.clear()
+            self._events.close()
             self._inbox.clear()
             for sv in self.states.values():
                 sv.clear()
@@ -486,6 +477,8 @@ class JobRuntime:
         self.completed += 1
         self.records.ran(n.prog.name, step, mb, compute_s)
         done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s)
+        if (first := n.call.first_report()) is not None:  # where the executable came from, and its compile time
+            done.program_source, done.compile_s = first
         i = 0
         new_state = False
         for out in n.prog.outputs:
@@ -578,11 +571,7 @@ class JobRuntime:
 
     def _publish(self, ev: pb.InstanceDone) -> None:
         ev.log_bytes, ev.log_spilled_bytes = self.outlog.memory_bytes, self.outlog.spilled_bytes
-        if self._subscribers:
-            for q in self._subscribers:
-                q.put(ev)
-        else:
-            self._backlog.append(ev)
+        self._events.publish(ev)
 
     def _fail_job(self, error: str) -> None:
         if not self.error:

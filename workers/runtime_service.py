@@ -4,6 +4,8 @@ Every request passes the daemon's gate first (fence, incarnation, coordinator te
 then it is routed to the job it names. ``PushReplica`` and ``FetchReplica`` serve the
 in-memory checkpoint tier (:mod:`rallypoint.workers.replicas`): the copies this worker
 holds for peers live here, beside the runtimes, since a holder may run no part of the job.
+``WarmJob`` serves warm spares (:mod:`rallypoint.workers.warm`): the executables a spare
+compiles for jobs it may take over live here too, until a ``LoadJob`` uses them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from rallypoint.proto import codec
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers import meter
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
 from rallypoint.workers.replicas import ReplicaStore, ReplicaTier
 from rallypoint.workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
 from rallypoint.workers.transfer import PeerChannels
+from rallypoint.workers.warm import WarmCache
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -70,6 +74,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.log = get_logger("rallypoint.runtime", worker=worker_id)
         self.replicas = ReplicaTier(worker_id, self.peers, ReplicaStore(
             corrupt=faults.corrupt_replicas, log=get_logger("rallypoint.replicas", worker=worker_id)))
+        self.warm = WarmCache(log=get_logger("rallypoint.warm", worker=worker_id))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -101,6 +106,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         rt = self.loaded(header.job)
         if rt is None:
             return Status.NO_JOB, f"job {header.job!r} is not loaded on worker {self.worker_id}"
+        meter.transferred("received", leaves)
         try:
             return (Status.DUPLICATE if rt.deliver(header, leaves) else Status.DELIVERED), ""
         except DeliveryError as exc:
@@ -110,6 +116,11 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         """The runtime of ``job`` if it is loaded here."""
         with self._lock:
             return self._jobs.get(job)
+
+    def runtimes(self) -> list[JobRuntime]:
+        """Every job loaded here now."""
+        with self._lock:
+            return list(self._jobs.values())
 
     def _device_list(self) -> list[Any]:
         devs = self._devices() if callable(self._devices) else self._devices
@@ -153,7 +164,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         try:
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
-                            commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas)
+                            commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas,
+                            warm=self.warm)
         except RestoreError as exc:
             failure, corrupt = (grpc.StatusCode.DATA_LOSS, str(exc)), exc
         except LoadError as exc:
@@ -170,8 +182,9 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             if corrupt is not None:
                 context.set_trailing_metadata(corrupt_checkpoint_metadata(corrupt.slice_name, corrupt.step))
             _abort(context, *failure)
+        self.warm.loaded(request)  # no spare of this job any more; its devices are taken
         rt.start()
-        return pb.LoadJobResponse(load_s=rt.load_s, restore_tiers=rt.restore_tiers)
+        return pb.LoadJobResponse(load_s=rt.load_s, restore_tiers=rt.restore_tiers, program_sources=rt.program_sources)
 
     def RunSteps(self, request: pb.RunStepsRequest, context: grpc.ServicerContext) -> pb.RunStepsResponse:
         self._job(request.to, request.job, context).grant(int(request.until_step), int(request.cut_step),
@@ -198,6 +211,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         rt = self._job(first.header.to, first.header.job, context)
         try:
             header, leaves = codec.assemble(chain([first], it))
+            meter.transferred("received", leaves)
             duplicate = rt.deliver(header, leaves)
         except (ValueError, DeliveryError) as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -241,6 +255,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             rt.stop()
             if finished:  # the job ran to its end here: the copies held for it are of no more use
                 self.replicas.store.drop_job(request.job)
+                self.warm.drop_job(request.job)
         return pb.UnloadJobResponse()
 
     def PushReplica(self, request_iterator: Iterable[pb.ReplicaChunk],
@@ -266,3 +281,14 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         yield from codec.replica_chunks(pb.ReplicaHeader(
             job=r.job, slice=r.slice_name, step=r.step, checksum=r.checksum, from_worker=r.from_worker,
             from_incarnation=r.from_incarnation), r.states)
+
+    def WarmJob(self, request: pb.WarmJobRequest, context: grpc.ServicerContext) -> pb.WarmJobResponse:
+        """Compile the programs of the slices this spare could take over (none: drop what it holds for the job)."""
+        self._admit(request.to, context)
+        if self.loaded(request.job) is not None and request.slices:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                   f"job {request.job!r} runs on worker {self.worker_id}: it is no spare of that job")
+        try:
+            return self.warm.warm(request, self._device_list())
+        except ValueError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -29,6 +29,7 @@ from rallypoint.etcd.tls import channel as tls_channel
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers import meter
 from rallypoint.workers.dataplane import DataPlaneClient, DataPlaneError, Status
 
 PUSH_TIMEOUT_S = 120.0
@@ -62,8 +63,11 @@ class PeerChannels:
     def send(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, data_plane: bool = False) -> bool:
         """One attempt: push the value; returns whether the peer already had it."""
         if data_plane:
-            return self._data.send(address, header, leaves)
-        return bool(self.stub(address).Push(codec.chunks(header, leaves), timeout=PUSH_TIMEOUT_S).duplicate)
+            duplicate = self._data.send(address, header, leaves)
+        else:
+            duplicate = bool(self.stub(address).Push(codec.chunks(header, leaves), timeout=PUSH_TIMEOUT_S).duplicate)
+        meter.transferred("sent", leaves)  # docs/metrics.md
+        return duplicate
 
     def push(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, may_act: Callable[[], None],
              cancelled: Callable[[], bool], log: Any, data_plane: bool = False) -> bool | None:

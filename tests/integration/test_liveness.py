@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -30,6 +31,16 @@ def _leader_log(lc: LocalCluster) -> str:
     return lc.process(leader.json()["coordinator"]).log
 
 
+def _leader_events(lc: LocalCluster, event: str) -> list[dict[str, Any]]:
+    """The leader's ``event`` records; none while no coordinator leads yet (an election under load takes a while)."""
+    store = lc.store()
+    try:
+        leader = store.get(lc.keys.leader)
+    finally:
+        store.close()
+    return read_events(lc.process(leader.json()["coordinator"]).log, event) if leader is not None else []
+
+
 def test_killed_worker_is_fenced_through_the_broken_connection_and_its_devices_freed(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
@@ -38,7 +49,7 @@ def test_killed_worker_is_fenced_through_the_broken_connection_and_its_devices_f
     try:
         placement = DeviceLeases(store, lc.keys).allocate("job1", "stage0", 2)
         victim = placement.worker
-        wait_until(lambda: read_events(_leader_log(lc), "worker.joined"), 10, "leader links to workers")
+        wait_until(lambda: _leader_events(lc, "worker.joined"), 10, "leader links to workers")
         lc.signal(victim, signal.SIGKILL)
         lost = wait_until(lambda: store.get(lc.keys.lost(victim)), 4, f"{victim} recorded lost").json()
         # The TTL is 4 s: a loss recorded well before it came from the broken stream, and the
@@ -134,7 +145,7 @@ def test_a_silent_worker_is_fenced_well_before_its_lease_ttl_and_comes_back_as_a
     store = lc.store()
     try:
         old = read_cluster(store, lc.keys).workers["w1"].info.incarnation
-        wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+        wait_until(lambda: len(_leader_events(lc, "worker.joined")) >= 2, 10, "leader links")
         t0 = time.monotonic()
         lc.signal("w1", signal.SIGSTOP)
         lost = wait_until(lambda: store.get(lc.keys.lost("w1")), 6, "w1 recorded lost").json()
@@ -159,7 +170,7 @@ def test_a_coordinator_that_was_itself_stopped_suspects_nobody(local_cluster: Ca
     store = lc.store()
     try:
         before = {w: s.info.incarnation for w, s in read_cluster(store, lc.keys).workers.items()}
-        wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+        wait_until(lambda: len(_leader_events(lc, "worker.joined")) >= 2, 10, "leader links")
         lc.signal("c0", signal.SIGSTOP)  # the leader freezes; its lease (6 s) outlives the pause
         time.sleep(2.5)
         lc.signal("c0", signal.SIGCONT)
@@ -179,7 +190,7 @@ def test_etcd_down_for_longer_than_the_ttl_loses_no_healthy_worker(
     store = lc.store()
     try:
         before = {w: s.info.incarnation for w, s in read_cluster(store, lc.keys).workers.items()}
-        wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+        wait_until(lambda: len(_leader_events(lc, "worker.joined")) >= 2, 10, "leader links")
         leader_before = store.get(lc.keys.leader)
         lc.etcd.stop_member(0)
         threading.Event().wait(3.5)  # longer than the 2 s TTL
@@ -224,7 +235,7 @@ def test_three_member_etcd_survives_a_member_loss_and_still_detects_a_dead_worke
 ) -> None:
     lc = local_cluster(workers=2, coordinators=2, etcd_members=3, lease_ttl_s=2)
     assert lc.etcd is not None and len(lc.endpoints) == 3
-    wait_until(lambda: len(read_events(_leader_log(lc), "worker.joined")) >= 2, 10, "leader links")
+    wait_until(lambda: len(_leader_events(lc, "worker.joined")) >= 2, 10, "leader links")
     lc.etcd.kill_member(0)
     store = lc.store()
     try:

@@ -75,3 +75,26 @@ def test_fail_specs_name_a_slice_or_a_node_and_a_step_inside_the_job() -> None:
         parse_faults(["kill:nope@3"], **kw)
     with pytest.raises(ConfigError, match="between 1 and 9"):
         parse_faults(["kill:s0@10"], **kw)
+
+
+def test_warm_spares_default_on_zero_off_negative_refused_naming_the_field() -> None:
+    from rallypoint.recovery.warm import DEFAULT_WARM_SPARES
+
+    assert RecoverySettings.from_spec(pb.JobSpec(job="j")).warm_spares == DEFAULT_WARM_SPARES > 0
+    assert RecoverySettings.from_spec(pb.JobSpec(job="j", warm_spares=0)).warm_spares == 0
+    assert RecoverySettings.from_spec(pb.JobSpec(job="j", warm_spares=5)).warm_spares == 5
+    with pytest.raises(ValueError, match="warm_spares must be >= 0"):
+        RecoverySettings.from_spec(pb.JobSpec(job="j", warm_spares=-1))
+
+
+def test_a_record_counts_first_calls_of_the_runtime_it_loaded_on_moved_slices_only() -> None:
+    rec = RecoveryRecord(number=1, lost={"w1": ["s"]}, reasons={}, detected_at=0.0, detected_mono=0.0, detection_s=0.0,
+                         moved={"s": "w9"}, generations={"w9": 4, "w2": 3})
+    rec.first_call("w9", 3, "s", "warm", 0.0)  # an older runtime of the worker
+    rec.first_call("w2", 3, "t", "compiled", 1.0)  # a slice that did not move
+    assert rec.first_calls == {}
+    rec.first_call("w9", 4, "s", "warm", 0.0)
+    rec.first_call("w9", 4, "s", "warm", 0.25)
+    assert rec.to_json()["first_calls"] == {"s": {"source": "warm", "compile_s": 0.25, "nodes": 2}}
+    rec.first_call("w9", 4, "s", "compiled", 0.5)
+    assert rec.first_calls["s"] == {"source": "mixed", "compile_s": 0.75, "nodes": 3}
