@@ -116,10 +116,11 @@ def test_a_scrape_of_the_leader_and_a_worker_matches_the_job_through_a_kill(
     assert value(after, "rallypoint_workers", state="lost") == 1.0
 
     # A surviving worker: what it ran, its checkpoints, its pushes.
-    status = json.loads(rp("status", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}", job).stdout)
+    status = json.loads(rp("status", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}",
+                           "--tls-dir", str(lc.tls_dir), job).stdout)
     survivor = status["placement"]["stage0"]["worker"]
-    rows = {row["name"]: row for row in map(json.loads, rp(
-        "metrics", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}").stdout.splitlines())}
+    listed = rp("metrics", "--json", "--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}", "--tls-dir", str(lc.tls_dir))
+    rows = {row["name"]: row for row in map(json.loads, listed.stdout.splitlines())}
     assert injector.fired[0]["worker"] not in rows and survivor in rows
     w = scrape(rows[survivor]["address"])
     assert value(w, "rallypoint_worker_state", state="serving") == 1.0

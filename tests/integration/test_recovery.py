@@ -264,8 +264,9 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
     injector_box: list[FaultInjector] = []
 
     def on_event(ev: pb.JobEvent) -> None:
-        # At step 11 every slice has saved step 10 (committed within moments) and none can have
-        # committed step 15: the worker of stage2 dies before it gets there, so the cut stays at 10.
+        # Once every slice has committed step 10, stage2's worker is stopped (it commits nothing more), every
+        # commit of stage2 at or past 10 is damaged, and the worker is killed: whatever the cut is by then (10,
+        # or 15 where the job ran ahead), its stage2 checkpoint fails its checksum.
         if ev.event == "step.done" and ev.step == 11 and not corrupted:
             deadline = time.monotonic() + 20
             while True:
@@ -274,16 +275,25 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
                     commits = read_commits(store, lc.keys, compiled.program.name)
                 finally:
                     store.close()
-                if consistent_cut(commits, SLICES) == 10 or time.monotonic() > deadline:
+                if consistent_cut(commits, SLICES) >= 10 or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
-            c = next(c for c in commits["stage2"] if c.step == 10)
-            f = largest_file(Path(c.path))
-            data = bytearray(f.read_bytes())
-            data[len(data) // 2: len(data) // 2 + 64] = b"\x5a" * 64
-            f.write_bytes(bytes(data))
-            corrupted.append(10)
-            injector_box[0].kill(Fault("stage2", "stage2", 12), 12)
+            injector = injector_box[0]
+            os.kill(lc.process(injector.placement["stage2"]).pid, signal.SIGSTOP)
+            time.sleep(0.3)  # a commit the worker had sent lands
+            store = lc.store()
+            try:
+                commits = read_commits(store, lc.keys, compiled.program.name)
+            finally:
+                store.close()
+            for c in commits["stage2"]:
+                if c.step >= 10:
+                    f = largest_file(Path(c.path))
+                    data = bytearray(f.read_bytes())
+                    data[len(data) // 2: len(data) // 2 + 64] = b"\x5a" * 64
+                    f.write_bytes(bytes(data))
+                    corrupted.append(c.step)
+            injector.kill(Fault("stage2", "stage2", 12), 12)  # SIGKILL ends a stopped process too
 
     injector = FaultInjector([], lc.endpoints, lc.keys.cluster)
     injector_box.append(injector)
@@ -295,7 +305,7 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
     result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=both, checkpoint_every=EVERY)
     assert result.state_digest == reference
     r = result.recovery["recoveries"][-1]
-    assert r["checkpoint_step"] < corrupted[0], (r, corrupted)
+    assert corrupted and r["checkpoint_step"] < min(corrupted), (r, corrupted)
     assert "did not restore" in r["escalated"] and "checksum" in r["escalated"]
 
 
