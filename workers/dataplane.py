@@ -214,25 +214,24 @@ class DataPlaneServer:
             conn.close()
 
     @staticmethod
-    def _read_value(conn: socket.socket) -> tuple[pb.TransferHeader, list[np.ndarray]]:
-        (hlen,) = _U32.unpack(_recv_exact(conn, 4))
-        if hlen > MAX_HEADER_BYTES:
-            raise FrameError(f"header of {hlen} bytes is over the limit of {MAX_HEADER_BYTES}")
+    def _read_message(conn: socket.socket, cls: Any, what: str, limit: int) -> Any:
+        """One length-prefixed protobuf message; FrameError over ``limit`` bytes or when it does not parse."""
+        (n,) = _U32.unpack(_recv_exact(conn, 4))
+        if n > limit:
+            raise FrameError(f"{what} of {n} bytes is over the limit of {limit}")
         try:
-            header = pb.TransferHeader.FromString(_recv_exact(conn, hlen))
+            return cls.FromString(_recv_exact(conn, n))
         except DecodeError as exc:
-            raise FrameError(f"bad header: {exc}") from None
+            raise FrameError(f"bad {what}: {exc}") from None
+
+    @staticmethod
+    def _read_value(conn: socket.socket) -> tuple[pb.TransferHeader, list[np.ndarray]]:
+        header = DataPlaneServer._read_message(conn, pb.TransferHeader, "header", MAX_HEADER_BYTES)
         if header.leaves > MAX_LEAVES:
             raise FrameError(f"{header.leaves} leaves is over the limit of {MAX_LEAVES}")
         leaves = []
         for _ in range(header.leaves):
-            (mlen,) = _U32.unpack(_recv_exact(conn, 4))
-            if mlen > MAX_META_BYTES:
-                raise FrameError(f"leaf metadata of {mlen} bytes is over the limit of {MAX_META_BYTES}")
-            try:
-                meta = pb.Tensor.FromString(_recv_exact(conn, mlen))
-            except DecodeError as exc:
-                raise FrameError(f"bad leaf metadata: {exc}") from None
+            meta = DataPlaneServer._read_message(conn, pb.Tensor, "leaf metadata", MAX_META_BYTES)
             if meta.data:
                 raise FrameError("leaf metadata carries data (the bytes follow it raw)")
             arr = _leaf_array(meta)
