@@ -68,7 +68,6 @@ __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
 DRAIN_POLL_S = 0.1  # how often drain and yield requests are read: a drain lands a step or two after it is asked
-WARM_CHECK_S = 5.0  # how often the warm-spare plan is made again (the spares may have changed)
 JOBSPEC_FILE = "jobspec.pb"
 LATEST_FILE = "LATEST"
 
@@ -129,9 +128,6 @@ class JobExecutor(JobPlacement):
         self._stop_reason: str | None = None
         self._stop_lock = threading.Lock()
         self.warmer: SpareWarmer | None = None
-        self._warm_due: str | None = None  # why the spares are to be warmed again, once the job moves past ...
-        self._warm_after = 0  # ... this many completed steps
-        self._warm_checked = float("-inf")
         self.stragglers = StragglerWatch(self)  # docs/elastic.md: a straggling slice moves to a spare
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
         self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
@@ -473,28 +469,21 @@ class JobExecutor(JobPlacement):
     # -- warm spares ----------------------------------------------------------------------
 
     def _warm_soon(self, reason: str) -> None:
-        """Warm the spares again once the job has completed a step more (its own compiles come first)."""
-        self._warm_due, self._warm_after = reason, self.completed
+        if self.warmer is not None:
+            self.warmer.soon(reason, self.completed)
 
     def _warm_check(self) -> None:
-        """Plan the warm spares again when one is due, or every ``WARM_CHECK_S`` while no recovery runs."""
-        if self.warmer is None:
+        """Plan the warm spares again when :meth:`SpareWarmer.due` says so."""
+        recovering = any(not m.phase.is_terminal for m in self.machines)
+        reason = self.warmer.due(self.clock.monotonic(), self.completed, recovering) if self.warmer else None
+        if reason is None:
             return
-        now = self.clock.monotonic()
-        if self._warm_due is not None:
-            if self.completed <= self._warm_after:
-                return
-            reason, self._warm_due = self._warm_due, None
-        elif now - self._warm_checked < WARM_CHECK_S or any(not m.phase.is_terminal for m in self.machines):
-            return
-        else:
-            reason = "the spares changed"
-        self._warm_checked = now
         try:
             snap = read_cluster(self.store, self.keys)
         except StoreError as exc:
             self.log.warning("job.warm_unplanned", error=str(exc))
             return
+        assert self.warmer is not None
         self.warmer.refresh(snap, reason, exclude=frozenset(self.workers.workers))
 
     # -- the whole run ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from rallypoint.recovery.remap import eligible
 from rallypoint.recovery.warm import plan_warm, warm_devices
 
 Held = tuple[tuple[str, tuple[int, ...]], ...]  # (slice, local devices) a spare warms
+WARM_CHECK_S = 5.0  # how often the warm-spare plan is made again (the spares may have changed)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class SpareWarmer:
         self._rounds = itertools.count(1)
         self._lock = threading.Lock()
         self._open: set[int] = set()  # rounds with requests not yet answered
+        self._due: str | None = None  # why the spares are to be warmed again, once the job moves past ...
+        self._after = 0  # ... this many completed steps
+        self._checked = float("-inf")
         self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
         self._shapes = {s.slice: s for s in spec.slices}
 
@@ -75,6 +79,24 @@ class SpareWarmer:
     def plan(self) -> dict[str, list[str]]:
         """Spare -> the slices it was last asked to warm."""
         return {w: [s for s, _ in t.held] for w, t in sorted(self.targets.items()) if t.held}
+
+    def soon(self, reason: str, completed: int) -> None:
+        """Warm again once the job has completed a step past ``completed`` (its own compiles come first)."""
+        self._due, self._after = reason, completed
+
+    def due(self, now: float, completed: int, recovering: bool) -> str | None:
+        """Why to plan again now (a :meth:`soon` whose step has passed, or ``WARM_CHECK_S`` since the last
+        plan while no recovery runs: the spares may have changed); None: not now."""
+        if self._due is not None:
+            if completed <= self._after:
+                return None
+            reason, self._due = self._due, None
+        elif recovering or now - self._checked < WARM_CHECK_S:
+            return None
+        else:
+            reason = "the spares changed"
+        self._checked = now
+        return reason
 
     @property
     def warming(self) -> bool:

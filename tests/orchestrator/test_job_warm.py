@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import structlog
 
-from rallypoint.orchestrator.job_warm import SpareWarmer
+from rallypoint.orchestrator.job_warm import WARM_CHECK_S, SpareWarmer
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.recovery.test_remap import cluster, worker
 
@@ -122,3 +122,15 @@ def test_release_drops_every_held_part_of_the_live_incarnations() -> None:
 def test_a_negative_budget_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="warm_spares"):
         warmer(max_spares=-1)
+
+
+def test_the_plan_is_made_again_a_step_after_it_was_asked_for_and_every_few_seconds_outside_recoveries() -> None:
+    w, _ = warmer()
+    assert w.due(0.0, 0, False) == "the spares changed"  # never planned: now
+    assert w.due(1.0, 0, False) is None  # planned a second ago
+    w.soon("placed", 3)
+    assert w.due(1.0, 3, False) is None  # the job's own step comes first
+    assert w.due(1.0, 4, True) == "placed"  # asked for: even while a recovery runs
+    assert w.due(1.0 + WARM_CHECK_S, 9, True) is None  # the periodic check waits for the recovery
+    assert w.due(1.0 + WARM_CHECK_S - 0.01, 9, False) is None
+    assert w.due(1.0 + WARM_CHECK_S, 9, False) == "the spares changed"
