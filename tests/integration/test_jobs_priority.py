@@ -42,7 +42,9 @@ def test_a_higher_priority_job_takes_a_slice_of_a_lower_one_which_takes_it_back_
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
 ) -> None:
     low, reference = pipeline
-    high = compile_program(counter_job(30))
+    # Long enough (a second or two) that the listing read at job.yielded, over a fresh TLS connection to etcd, sees
+    # the urgent job still holding the slice (30 steps were over in 0.15 s, before the read, on a loaded host).
+    high = compile_program(counter_job(300))
     high_reference = ReferenceExecutor(high).run().state_digest
     lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
     results: dict[str, Any] = {}
