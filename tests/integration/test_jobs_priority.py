@@ -22,6 +22,7 @@ from rallypoint.client.jobs_cli import job_rows
 from rallypoint.client.submit import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.faults import WorkerFaults
 from tests.client.test_cli import rp
 from tests.integration.test_drain import cluster_args
 from tests.integration.test_recovery import assert_settled, pipeline  # noqa: F401 (fixture)
@@ -42,17 +43,32 @@ def test_a_higher_priority_job_takes_a_slice_of_a_lower_one_which_takes_it_back_
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str],
 ) -> None:
     low, reference = pipeline
-    # Long enough (a second or two) that the listing read at job.yielded, over a fresh TLS connection to etcd, sees
-    # the urgent job still holding the slice (30 steps were over in 0.15 s, before the read, on a loaded host).
+    # Long enough (a second or two) that the listing read at job.yielded sees the urgent job still holding the slice.
     high = compile_program(counter_job(300))
     high_reference = ReferenceExecutor(high).run().state_digest
-    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
+    # Every commit waits 1 s, the drain's save included: the yield request stays up that long after the urgent job
+    # asked (it withdraws it once placed), so a listing read then, over a fresh TLS connection, sees it.
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1,
+                       worker_faults=WorkerFaults(commit_delay_s=1.0))
     results: dict[str, Any] = {}
     listing: list[list[dict[str, Any]]] = []
+    asking: list[list[dict[str, Any]]] = []
     events: list[pb.JobEvent] = []
 
+    def rows_now() -> list[dict[str, Any]]:
+        store = lc.store()
+        try:
+            return job_rows(store, lc.keys)
+        finally:
+            store.close()
+
+    def on_high_event(ev: pb.JobEvent) -> None:
+        if ev.event == "job.waiting" and not asking:  # it has asked pipeline-mlp to yield a slice
+            asking.append(rows_now())
+
     def run_high() -> None:
-        results["high"] = submit(high, endpoints=lc.endpoints, cluster=lc.keys.cluster, priority=10)
+        results["high"] = submit(high, endpoints=lc.endpoints, cluster=lc.keys.cluster, priority=10,
+                                 on_event=on_high_event)
 
     started: list[threading.Thread] = []
 
@@ -62,11 +78,7 @@ def test_a_higher_priority_job_takes_a_slice_of_a_lower_one_which_takes_it_back_
             started.append(threading.Thread(target=run_high))
             started[0].start()
         if ev.event == "job.yielded":  # read at once (the CLI's start-up would outlast the short job)
-            store = lc.store()
-            try:
-                listing.append(job_rows(store, lc.keys))
-            finally:
-                store.close()
+            listing.append(rows_now())
 
     results["low"] = submit(low, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=on_event,
                             checkpoint_every=5, priority=0)
@@ -83,7 +95,9 @@ def test_a_higher_priority_job_takes_a_slice_of_a_lower_one_which_takes_it_back_
     rows = {r["job"]: r for r in during}
     assert rows["pipeline-mlp"]["priority"] == 0 and rows["pipeline-mlp"]["state"] == "running"
     assert rows["pipeline-mlp"]["devices_held"] == 3  # one slice parked
-    assert rows["pipeline-mlp"]["asked_to_yield"] == 1 and rows["urgent"]["priority"] == 10
+    assert rows["urgent"]["priority"] == 10
+    (asked,) = asking
+    assert {r["job"]: r["asked_to_yield"] for r in asked}["pipeline-mlp"] == 1, asked
     after = [json.loads(line) for line in rp("jobs", "--json", *cluster_args(lc)).stdout.splitlines()]
     assert [(r["job"], r["priority"], r["state"], r["devices_held"]) for r in after] == [
         ("urgent", 10, "succeeded", 0), ("pipeline-mlp", 0, "succeeded", 0)]
