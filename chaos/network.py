@@ -35,9 +35,11 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rallypoint.etcd.errors import ConfigError, RallypointError
 from rallypoint.etcd.server import free_port
@@ -47,6 +49,7 @@ from rallypoint.etcd.logs import get_logger
 log = get_logger("rallypoint.chaos.network")
 
 POOL = ipaddress.IPv4Network("10.64.0.0/10")  # each NetnsNetwork takes a random /16 of it
+BR_STATE_FORWARDING = "3"  # /sys/class/net/PORT/brport/state (include/uapi/linux/if_bridge.h)
 _GONE = ("cannot find device", "no such file", "does not exist", "not found")
 
 
@@ -200,10 +203,36 @@ class NetnsNetwork:
         ip("link", "set", self._worker(name).host_veth, "down")
         log.info("netns.partitioned", worker=name)
 
-    def heal(self, name: str) -> None:
-        """Undo :meth:`partition`."""
-        ip("link", "set", self._worker(name).host_veth, "up")
+    def heal(self, name: str, *, timeout_s: float = 10.0) -> None:
+        """Undo :meth:`partition`; returns once the path carries packets again.
+
+        Setting the link up is not enough. When the partitioned worker was the bridge's only
+        port up, the bridge lost its carrier and drops what the host sends until the kernel's
+        link-watch work turns the carrier back on, which it defers by up to a second after the
+        previous link event (measured 0.7 s here; more on a loaded host). A SYN-ACK dropped
+        then is resent only a second later. So wait until the port forwards, both veth ends
+        and the bridge are up. NetworkError after ``timeout_s``.
+        """
+        w = self._worker(name)
+        ip("link", "set", w.host_veth, "up")
+        deadline = time.monotonic() + timeout_s
+        while not self._forwarding(w):
+            if time.monotonic() > deadline:
+                raise NetworkError(["ip", "link", "set", w.host_veth, "up"],
+                                   f"the link of worker {name!r} did not come up within {timeout_s} s")
+            time.sleep(0.02)
         log.info("netns.healed", worker=name)
+
+    def _forwarding(self, w: NetnsWorker) -> bool:
+        """Whether the bridge forwards on ``w``'s port and the bridge and both ends of the veth are up."""
+        sys_net = Path("/sys/class/net")
+        try:
+            port_state = (sys_net / w.host_veth / "brport" / "state").read_text().strip()
+            up = [(sys_net / d / "operstate").read_text().strip() == "up" for d in (w.host_veth, self.bridge)]
+        except OSError:
+            return False
+        return port_state == BR_STATE_FORWARDING and all(up) and "state UP" in ip("-n", w.netns, "-o", "link",
+                                                                                   "show", "eth0")
 
     def teardown(self) -> None:
         """Delete exactly the namespaces and links this instance created (idempotent).
