@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.client.drains import DrainRefused, begin_drain
+from rallypoint.etcd.clock import SYSTEM_CLOCK
 from rallypoint.etcd.errors import ConfigError
 from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.retry import retrying
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.proto import rallypoint_pb2 as pb
 
@@ -113,7 +115,10 @@ class FaultInjector:
                 except DrainRefused as exc:
                     return record | {"error": str(exc)}
                 return record | {"drain_revision": req.revision}
-            kv = store.get(keys.worker(worker))
+            # A fresh connection to etcd can fail its first call on a loaded host (a TLS handshake cut
+            # short): the read is idempotent, so it is retried for a few seconds before the fault is given up.
+            kv = retrying(clock=SYSTEM_CLOCK, what=f"reading worker {worker} for a fault", stop_after_s=10.0)(
+                store.get, keys.worker(worker))
         finally:
             store.close()
         if kv is None:
