@@ -116,7 +116,7 @@ class FaultInjector:
                     return record | {"error": str(exc)}
                 return record | {"drain_revision": req.revision}
             # A fresh connection to etcd can fail its first call on a loaded host (a TLS handshake cut
-            # short): the read is idempotent, so it is retried for a few seconds before the fault is given up.
+            # short): the read is idempotent, so it is retried for up to 10 s.
             kv = retrying(clock=SYSTEM_CLOCK, what=f"reading worker {worker} for a fault", stop_after_s=10.0)(
                 store.get, keys.worker(worker))
         finally:
