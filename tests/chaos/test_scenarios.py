@@ -76,17 +76,21 @@ def test_each_scenario_passes_every_invariant_and_fires_its_faults(name: str, tm
     if kinds == {"straggler"}:
         # The straggler watch moved the slowed stage to the spare by a drain: planned, nothing replayed, within 5 s
         # of the fault, and the harness took the worker's cordon back when the fault healed.
+        # A later move of a healthy stage is possible on a loaded 2-core host (docs/elastic.md, "Known false
+        # moves"): the first move must be the straggler's, and every move a clean drain.
         (fault,) = summary["faults"]
         moves = [d for d in summary["stragglers"] if d["decision"] in ("migrate", "migrated")]
-        assert [(d["decision"], d["worker"]) for d in moves] == [("migrate", fault["worker"]),
-                                                                 ("migrated", fault["worker"])], summary["stragglers"]
+        assert [(d["decision"], d["worker"]) for d in moves[:2]] == [("migrate", fault["worker"]),
+                                                                     ("migrated", fault["worker"])], summary["stragglers"]
         ev = moves[0]["evidence"]["slices"]
         straggler = moves[0]["slice"]
         assert ev[straggler]["straggles"] and ev[straggler]["slowdown"] >= 2 * ev[straggler]["peers_slowdown"]
         assert [s for s, e in ev.items() if e["straggles"]] == [straggler] == [fault["target"]]
-        (drain,) = summary["drains"]
+        drain, *later = summary["drains"]
         assert drain["reason"] == "straggler" and drain["state"] == "done" and drain["worker"] == fault["worker"]
-        assert drain["replayed_instances"] == 0 and summary["replayed_instances"] == {}
+        assert all(d["reason"] == "straggler" and d["state"] == "done" and d["worker"] != fault["worker"]
+                   for d in later), summary["drains"]
+        assert all(d["replayed_instances"] == 0 for d in summary["drains"]) and summary["replayed_instances"] == {}
         assert moves[1]["at"] - fault["at"] <= 5.0, (moves, fault["at"])  # detected and moved within 5 s
         assert fault["detail"]["uncordoned"] is True
         digest = next(c for c in summary["invariants"] if c["name"] == "final-state-digest")
