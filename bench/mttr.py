@@ -90,14 +90,17 @@ def med(xs: list[float]) -> float:
 
 
 def straggler_move(summary: dict[str, Any]) -> dict[str, float | None]:
-    """Seconds from a straggler fault to the watch's decision and to the move's end; the drain's pause and re-runs."""
+    """Seconds from a straggler fault to the watch's decision and to the move's end; the drain's pause and re-runs;
+    how many healthy workers were moved as well (false moves, docs/elastic.md)."""
     (fault,) = [f for f in summary["faults"] if f["kind"] == "straggler"]
     at = {d["decision"]: d["at"] for d in summary["stragglers"] if d.get("worker") == fault["worker"]}
     drains = [d for d in summary["drains"] if d["reason"] == "straggler"]
+    ours = [d for d in drains if d["worker"] == fault["worker"]]
     return {"decided_s": round(at["migrate"] - fault["at"], 3) if "migrate" in at else None,
             "migrated_s": round(at["migrated"] - fault["at"], 3) if "migrated" in at else None,
-            "paused_s": drains[0]["paused_s"] if drains else None,
-            "replayed_instances": sum(d["replayed_instances"] for d in drains) if drains else None}
+            "paused_s": ours[0]["paused_s"] if ours else None,
+            "replayed_instances": sum(d["replayed_instances"] for d in drains) if drains else None,
+            "false_moves": len(drains) - len(ours)}
 
 
 def limit_of(rec: dict[str, Any], kind: str, node_slice: dict[str, str], instance_s: dict[str, float],
@@ -196,7 +199,8 @@ def main() -> int:
       f"{g['mttr_median_s']} s); every run passed its invariants (bitwise): {out['bitwise_equal']}\n")
     st = out["straggler"]
     w(f"straggler (stopped 0.1 s of every 0.2 s): decided after {st['decided_s']} s, on the spare after "
-      f"{st['migrated_s']} s, paused {st['paused_s']} s, {st['replayed_instances']} instances re-run\n")
+      f"{st['migrated_s']} s, paused {st['paused_s']} s, {st['replayed_instances']} instances re-run, "
+      f"{st['false_moves']} healthy workers moved as well (median)\n")
     w("targets: " + ", ".join(f"{k} {v}" for k, v in out["targets"].items()) + "\n")
     print(json.dumps(out))
     return 1 if args.strict and not (all(out["targets"].values()) and out["bitwise_equal"]) else 0
