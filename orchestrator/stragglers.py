@@ -7,8 +7,14 @@ it measures, per slice and step, the slice's **own time**: the union of its
 instances' ``[ready, done]`` intervals, where an instance is ready once its step was
 granted and the executor heard every instance it reads (the same microbatch of a
 per-microbatch producer, a per-step producer, every microbatch of a gathered one, the
-producer of a state it reads at the step before), less the ``compute_s`` its
-instances report: what is left is time the slice had work it could do and did not
+producer of a state it reads at the step before) and, from a checkpoint step on, once
+the executor heard every instance of the slice at the steps before it (a slice saves its
+states before it runs any instance of that step or later: a source with no inputs,
+granted early, waits there for the slice's own last step, which waits for every stage
+after it) and saved it (the ``saving_s`` its worker reports: a save is work, and the
+slice that saves last holds up every other), less the ``compute_s`` and ``busy_s`` (the
+loop's bookkeeping around the call: finding the instance, taking its inputs, routing its
+outputs) its instances report: what is left is time the slice had work it could do and did not
 (stopped, starved of CPU, blocked), while a slice busy computing (the pipeline's
 bottleneck, whose work queues behind its own) has little. An instance with an input
 not heard yet counts nothing (its producer, not it, is late). A stage stopped half the
@@ -19,8 +25,14 @@ compiling the job's programs, no pause of the whole job: no instance heard for
 ``PAUSE_S``, as when etcd is away and the executor and workers wait; and not in the
 ``window`` steps after one: a freshly loaded runtime compiles on its first calls, a
 rewired one sends its logged outputs again, and an instance ready since its grant
-would be charged the whole pause). Each slice's **baseline** is the median of its first
-``window`` samples after the first ``WARMUP_STEPS`` steps (compiles); from then on
+would be charged the whole pause). Each slice's **baseline** is the mean of its first
+``window`` samples after the first ``WARMUP_STEPS`` steps (compiles), then of its samples
+before the window judged, up to ``HISTORY_WINDOWS`` windows of them: a load that drifts
+over minutes (other jobs, other processes on the host) moves the baseline with it, while
+a slice that turned slow is judged against the steps before it did. A mean, as the window
+is judged by its mean: a slice whose own time comes in bursts (the stage with the most
+instances, on a busy host) has them in both, where a median left them out of the
+baseline only. From then on
 every completed step asks :func:`rallypoint.recovery.stragglers.judge`. A
 :class:`~rallypoint.recovery.stragglers.Migrate` starts a drain of the slice's worker
 (reason ``straggler``) when a spare has room, after cordoning the worker, as an
@@ -53,6 +65,7 @@ WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a bas
 KEPT_DECISIONS = 20  # the decisions job.finished reports (the newest)
 CORDON_BY = "straggler"  # the cordon's "by": what the chaos harness (an operator) may take back
 KEEP_SPARES = 1  # spares with room a straggler move leaves for recoveries: a loss needs a spare more than a slow slice
+HISTORY_WINDOWS = 5  # a slice's baseline: the mean of its samples before the window judged, this many windows
 PAUSE_S = 0.5  # no instance of the job heard for this long: the job stood still, the steps around it are not judged
 
 
@@ -81,10 +94,14 @@ class StragglerWatch:
                     out.append((producer[b.state], "prev"))
             self.deps[n.name] = out
         self.every, self.per_mb = every, per_mb
+        self.stateful = {s.slice for s in spec.states}  # slices that save checkpoints (and wait for them)
+        self.heard_in: dict[tuple[int, str], int] = {}  # (step, slice) -> its instances heard
+        self.slice_done: dict[tuple[int, str], float] = {}  # (step, slice) -> when its last instance was heard
+        self.save_s: dict[tuple[int, str], float] = {}  # (checkpoint step, slice) -> its blocking save (saving_s)
         self.heard: dict[int, dict[tuple[str, int], float]] = {}  # step -> (node, microbatch) -> when heard
         self.spans: dict[int, dict[str, list[tuple[float, float]]]] = {}  # step -> slice -> [ready, done] intervals
         self.granted_at: dict[int, float] = {}
-        self.computed: dict[int, dict[str, float]] = {}  # step -> slice -> compute_s its instances reported
+        self.work: dict[str, list[tuple[float, float]]] = {}  # slice -> when its loop worked, newest last
         self.finished_at: dict[int, float] = {}
         self._granted = 0
         self._judged = 0  # steps below this are measured (or skipped)
@@ -118,12 +135,20 @@ class StragglerWatch:
         self._last_instance = now
         node, step = item.node, int(item.step)
         mb = int(item.microbatch) if self.per_mb[node] else -1
-        self.heard.setdefault(step, {})[(node, mb)] = now
+        slice_name = self.slice_of[node]
+        barrier = self._barrier(slice_name, step)
+        if item.saving_s > 0 and barrier is not None:  # the slice's loop saved the checkpoint before this instance
+            self.save_s[(barrier, slice_name)] = self.save_s.get((barrier, slice_name), 0.0) + float(item.saving_s)
+        if (node, mb) not in self.heard.setdefault(step, {}):
+            n = self.heard_in[(step, slice_name)] = self.heard_in.get((step, slice_name), 0) + 1
+            if n == self._instances(slice_name, step):
+                self.slice_done[(step, slice_name)] = now
+        self.heard[step][(node, mb)] = now
         ready = self._ready(node, step, mb)
         if ready is not None and now > ready:
             self.spans.setdefault(step, {}).setdefault(self.slice_of[node], []).append((ready, now))
-        busy = self.computed.setdefault(step, {})
-        busy[self.slice_of[node]] = busy.get(self.slice_of[node], 0.0) + float(item.compute_s)
+        # The loop ran this instance just before it was heard (the worker's loop runs one instance at a time).
+        self.work.setdefault(slice_name, []).append((now - float(item.compute_s) - float(item.busy_s), now))
 
     def _ready(self, node: str, step: int, mb: int) -> float | None:
         """When the instance could start, as the executor heard it; None when an input is not heard yet."""
@@ -131,6 +156,13 @@ class StragglerWatch:
         if ready is None:
             return None
         start = self.ex.start
+        barrier = self._barrier(self.slice_of[node], step)
+        if barrier is not None:
+            saved = self.slice_done.get((barrier - 1, self.slice_of[node]))
+            if saved is None and barrier - 1 >= self._judged:
+                return None  # the slice's own earlier steps are not all heard: it waits to save, not by its fault
+            if saved is not None:
+                ready = max(ready, saved + self.save_s.get((barrier, self.slice_of[node]), 0.0))
         for p, how in self.deps[node]:
             at = step - 1 if how == "prev" else step
             if how == "prev" and at >= 0:
@@ -144,6 +176,24 @@ class StragglerWatch:
                     return None
                 ready = max(ready, t)
         return ready
+
+    def _instances(self, slice_name: str, step: int) -> int:
+        """How many instances the slice runs at ``step``."""
+        m = self.ex.spec.microbatches
+        return sum((m if self.per_mb[n] else 1) for n, s in self.slice_of.items()
+                   if s == slice_name and step % self.every[n] == 0)
+
+    def _checkpoint_every(self) -> int:
+        s = self.ex.settings
+        return s.checkpoint_every if s is not None and self.ex.run_dir is not None else 0
+
+    def _barrier(self, slice_name: str, step: int) -> int | None:
+        """The checkpoint step a slice's instance at ``step`` waited behind (None: none since the run started)."""
+        every = self._checkpoint_every()
+        if every <= 0 or slice_name not in self.stateful:
+            return None
+        at = step - step % every
+        return at if at > self.ex.start else None
 
     def _busy(self) -> str:
         ex = self.ex
@@ -182,8 +232,14 @@ class StragglerWatch:
             self._judged += 1
             self.finished_at[s] = now
             self._measure(s)
+        for by_step, keep_from in ((self.slice_done, self._judged - 2), (self.heard_in, self._judged - 2),
+                                   (self.save_s, self._judged - 2 - self._checkpoint_every())):
+            for old in [k for k in by_step if k[0] < keep_from]:
+                del by_step[old]
+        oldest = min((a for by_slice in self.spans.values() for xs in by_slice.values() for a, _ in xs), default=now)
+        for s, xs in self.work.items():  # work that ended before every span still measured overlaps none
+            self.work[s] = [x for x in xs if x[1] > oldest]
         for marks, keep_from in ((self.heard, self._judged - 2), (self.spans, self._judged - 2),
-                                 (self.computed, self._judged - 2),
                                  (self.granted_at, self._judged - 2),
                                  (self.finished_at, self._judged - 2 * self.settings.window - 2)):
             for old in [s for s in marks if s < keep_from]:
@@ -198,15 +254,11 @@ class StragglerWatch:
         self._recent_steps.clear()
 
     def _own(self, step: int, slice_name: str) -> float:
-        """The slice's ready-but-not-done time in the step, less what its instances spent computing: a slice busy
-        with its own work (the pipeline's bottleneck) has little left; one stopped or starved has all of it."""
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(self.spans.get(step, {}).get(slice_name, [])):
-            if b <= end:
-                continue
-            total += b - max(a, end)
-            end = b
-        return max(0.0, total - self.computed.get(step, {}).get(slice_name, 0.0))
+        """The slice's ready-but-not-done time in the step, less the time its loop was working (on an instance of
+        any step: a source granted ahead waits while the loop works on the step before): a slice busy with its own
+        work (the pipeline's bottleneck) has little left; one stopped or starved has all of it."""
+        ready = _merged(self.spans.get(step, {}).get(slice_name, []))
+        return max(0.0, sum(b - a for a, b in ready) - _overlap(ready, _merged(self.work.get(slice_name, []))))
 
     def _measure(self, step: int) -> None:
         if step < max(self._quiet_from, self.ex.start + WARMUP_STEPS):
@@ -217,13 +269,17 @@ class StragglerWatch:
             for s, x in own.items():
                 self._warm[s].append(x)
             if len(self._warm[self.slices[0]]) >= w:
-                self.baseline = {s: statistics.median(xs) for s, xs in self._warm.items()}
+                self.baseline = {s: statistics.fmean(xs) for s, xs in self._warm.items()}
                 self.recent = {s: deque(maxlen=w) for s in self.slices}
                 self.ex.log.info("straggler.baseline", step=step, window=w,
                                  baseline_s={s: round(v, 6) for s, v in self.baseline.items()})
             return
         for s, x in own.items():
-            self.recent[s].append(x)
+            q = self.recent[s]
+            if len(q) == q.maxlen:  # the oldest sample leaves the window judged: it joins the slice's history
+                self._warm[s] = (self._warm[s] + [q[0]])[-HISTORY_WINDOWS * w:]
+                self.baseline[s] = statistics.fmean(self._warm[s])
+            q.append(x)
         self._recent_steps.append(step)
         while len(self._recent_steps) > w:
             self._recent_steps.popleft()
@@ -338,3 +394,26 @@ class StragglerWatch:
         level(f"straggler.{decision}", **{k: v for k, v in detail.items() if k != "at"})
         ex.event("job.straggler", step=ex.completed, **detail)
         self.decisions = (self.decisions + [{k: v for k, v in detail.items() if k != "evidence"}])[-KEPT_DECISIONS:]
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, as disjoint intervals in order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """How long two lists of disjoint, ordered intervals overlap."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        total += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

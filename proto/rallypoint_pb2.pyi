@@ -358,7 +358,7 @@ class JobEventsRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class InstanceDone(_message.Message):
-    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s")
+    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s", "busy_s", "saving_s")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,8 @@ class InstanceDone(_message.Message):
     LOG_SPILLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_SOURCE_FIELD_NUMBER: _ClassVar[int]
     COMPILE_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    SAVING_S_FIELD_NUMBER: _ClassVar[int]
     node: str
     step: int
     microbatch: int
@@ -390,7 +392,9 @@ class InstanceDone(_message.Message):
     log_spilled_bytes: int
     program_source: str
     compile_s: float
-    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ...) -> None: ...
+    busy_s: float
+    saving_s: float
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., saving_s: _Optional[float] = ...) -> None: ...
 
 class RewireRequest(_message.Message):
     __slots__ = ("to", "job", "routes", "resend_to", "from_step", "until_step", "replica_targets")

@@ -2,8 +2,9 @@
 
 The executor measures, for every slice and every completed step, the slice's **own
 time** in that step: the wall time during which the slice had an instance whose
-inputs had all arrived (and whose step was granted) that it had not finished yet —
-the union of its instances' ``[ready, done]`` intervals. Waiting for a peer is not
+inputs had all arrived (and whose step was granted, and whose slice had saved the
+checkpoint it waits behind) that it had not finished yet — the union of its instances'
+``[ready, done]`` intervals. Waiting for a peer is not
 own time, so a pipeline that runs at the pace of its slowest stage charges the wait
 to that stage alone (a wall time per step, or the time between a slice's completions,
 grows on every slice of a coupled pipeline alike).
@@ -11,8 +12,8 @@ grows on every slice of a coupled pipeline alike).
 :func:`judge` decides from the last ``window`` samples of each slice, taken together
 (one stop of a slice stopped half the time falls into some steps and not others, so
 single steps are bimodal; their mean is not). A slice's **slowdown** is its mean own
-time over its **baseline** (the median of its first steps, so a stage that does more
-work is not slower for it). A slice **straggles** when
+time over its **baseline** (the mean of its own earlier steps, so a stage that does
+more work is not slower for it). A slice **straggles** when
 
 1. its slowdown is at least ``factor``;
 2. it is at least ``factor`` times the median slowdown of its peers (the other slices
@@ -39,8 +40,8 @@ from typing import Any
 
 MODES = ("migrate", "report", "off")
 DEFAULT_FACTOR = 2.0
-DEFAULT_WINDOW = 8
-DEFAULT_PERSIST = 4
+DEFAULT_WINDOW = 16
+DEFAULT_PERSIST = 8
 DEFAULT_MIN_EXCESS_S = 0.03
 BASELINE_FLOOR_S = 0.001  # a baseline under a millisecond counts as one (slowdowns of a near-idle slice stay finite)
 

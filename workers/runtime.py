@@ -116,6 +116,7 @@ class JobRuntime:
         self._inbox = Inbox()
         self._events = EventFeed()
         self.completed = 0
+        self._saving_s: dict[str, float] = {}  # slice -> its loop's blocking save time not yet reported (busy_s)
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
         self.outlog.low = self.start_step  # a runtime started at a checkpoint made nothing before it
         self._pushes = PushPools(self.job, push_threads)
@@ -338,6 +339,7 @@ class JobRuntime:
             cut: dict[str, Leaves | None] | None = None
             with self._cv:
                 while True:
+                    picked = time.perf_counter()  # the loop's work on an instance starts with finding it
                     if self.stopped or self.error:
                         return
                     due = self.checkpoints.due(slice_name, min((n.progress.low for n in nodes), default=self.steps))
@@ -362,7 +364,9 @@ class JobRuntime:
                         return
             if cut is not None:
                 assert due is not None
+                t0 = time.perf_counter()
                 self._checkpoint(slice_name, due, cut)
+                self._saving_s[slice_name] = self._saving_s.get(slice_name, 0.0) + time.perf_counter() - t0
                 continue
             t0 = time.perf_counter()
             try:
@@ -380,7 +384,7 @@ class JobRuntime:
                 if self.stopped:
                     return
                 try:
-                    self._complete(node, step, mb, leaves, compute_s)
+                    self._complete(node, step, mb, leaves, compute_s, picked)
                 except Exception as exc:  # a routing bug: fail the job loudly, not hang
                     self._fail(node, step, mb, compute_s, f"delivering outputs: {type(exc).__name__}: {exc}")
                     return
@@ -473,10 +477,11 @@ class JobRuntime:
 
     # -- results -------------------------------------------------------------------------
 
-    def _complete(self, n: _Node, step: int, mb: int, leaves: Leaves, compute_s: float) -> None:
+    def _complete(self, n: _Node, step: int, mb: int, leaves: Leaves, compute_s: float, picked: float) -> None:
         self.completed += 1
         self.records.ran(n.prog.name, step, mb, compute_s)
-        done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s)
+        done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s,
+                               saving_s=self._saving_s.pop(n.prog.slice, 0.0))
         if (first := n.call.first_report()) is not None:  # where the executable came from, and its compile time
             done.program_source, done.compile_s = first
         i = 0
@@ -494,6 +499,7 @@ class JobRuntime:
                 new_state = True
         if new_state:
             self._pump_state_pushes()
+        done.busy_s = max(0.0, time.perf_counter() - picked - compute_s)
         self._publish(done)
 
     def _pump_state_pushes(self) -> None:

@@ -29,7 +29,7 @@ def test_settings_fill_defaults_and_name_the_bad_field() -> None:
 
 def test_straggler_settings_fill_defaults_and_name_the_bad_field() -> None:
     s = RecoverySettings.from_spec(pb.JobSpec(job="j")).stragglers
-    assert (s.mode, s.factor, s.window, s.persist) == ("migrate", 2.0, 8, 4)
+    assert (s.mode, s.factor, s.window, s.persist) == ("migrate", 2.0, 16, 8)
     s = RecoverySettings.from_spec(pb.JobSpec(job="j", stragglers="report", straggler_factor=3.0, straggler_window=3))
     assert (s.stragglers.mode, s.stragglers.factor, s.stragglers.window, s.stragglers.persist) == ("report", 3.0, 3, 3)
     with pytest.raises(ValueError, match=r"stragglers 'always' is not one of \['migrate', 'report', 'off'\]"):

@@ -19,6 +19,7 @@ import pytest
 
 from rallypoint.orchestrator import stragglers
 from rallypoint.orchestrator.job_state import JobState
+from rallypoint.proto import rallypoint_pb2 as pb
 from tests.orchestrator.test_executor import Harness, pipeline_spec
 
 FAST_S, SLOW_S = 0.002, 0.08
@@ -153,3 +154,29 @@ def test_the_whole_job_standing_still_is_nobodys_own_time(tmp_path: Path, monkey
     said = straggler_events(h)
     assert ([d["decision"] for d in said][:1] == ["migrate"]) is moved, said
     assert (len(h.x.drain_records) == 1) is moved
+
+
+def test_a_source_waiting_at_its_slices_checkpoint_is_charged_only_from_the_saves_end(tmp_path: Path) -> None:
+    # A source (no inputs) is granted ahead, but the worker runs it at a checkpoint step only once its slice saved,
+    # after the slice's last instance of the step before, which in a pipeline waits for every later stage. That
+    # wait is not the source slice's own time, nor is the save (work, which its worker reports as saving_s).
+    spec = pipeline_spec(steps=20, checkpoint_every=5, stall_timeout_s=600)
+    spec.nodes.append(pb.NodeProgram(name="src", slice="s0", every=1))
+    h = Harness(tmp_path, spec=spec)
+    h.x.begin()
+    w, t0 = h.x.stragglers, h.clock.monotonic()
+    w.granted_at.update({4: t0, 5: t0, 6: t0})
+
+    def heard(node: str, step: int, after_s: float, saving_s: float = 0.0) -> None:
+        h.clock.advance(after_s)
+        w.instance(pb.InstanceDone(node=node, step=step, compute_s=0.0, saving_s=saving_s))
+
+    heard("src", 4, 0.001)
+    heard("fwd0", 4, 0.3)  # the slice's step 4 is all heard: it saves step 5 (15 ms), then runs step 5
+    heard("src", 5, 0.02, saving_s=0.015)
+    assert w._own(5, "s0") == pytest.approx(0.005)  # not the 0.32 s since its grant, nor the save
+    heard("src", 6, 0.01)
+    assert w._own(6, "s0") == pytest.approx(0.015)  # granted with step 5, it waited behind the same save
+    w.granted_at[7] = h.clock.monotonic()
+    heard("src", 7, 0.04)
+    assert w._own(7, "s0") == pytest.approx(0.04)  # past the save, a source waits for nothing: all of it is its own
