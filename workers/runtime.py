@@ -116,7 +116,7 @@ class JobRuntime:
         self._inbox = Inbox()
         self._events = EventFeed()
         self.completed = 0
-        self._saving_s: dict[str, float] = {}  # slice -> its loop's blocking save time not yet reported (busy_s)
+        self._saving_s: dict[str, float] = {}  # slice -> its loop's blocking save time not yet reported (saving_s)
         self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
         self.outlog.low = self.start_step  # a runtime started at a checkpoint made nothing before it
         self._pushes = PushPools(self.job, push_threads)

@@ -180,3 +180,19 @@ def test_a_source_waiting_at_its_slices_checkpoint_is_charged_only_from_the_save
     w.granted_at[7] = h.clock.monotonic()
     heard("src", 7, 0.04)
     assert w._own(7, "s0") == pytest.approx(0.04)  # past the save, a source waits for nothing: all of it is its own
+
+
+def test_the_loops_work_on_the_step_before_is_not_a_waiting_sources_own_time(tmp_path: Path) -> None:
+    # The source of step 2, granted with step 1, waits while the slice's loop runs fwd0 of step 1 (40 ms of compute,
+    # 5 ms of bookkeeping): that is work, though of another step; what is left of the wait is the source's own.
+    spec = pipeline_spec(steps=20, checkpoint_every=10, stall_timeout_s=600)
+    spec.nodes.append(pb.NodeProgram(name="src", slice="s0", every=1))
+    h = Harness(tmp_path, spec=spec)
+    h.x.begin()
+    w, t0 = h.x.stragglers, h.clock.monotonic()
+    w.granted_at.update({1: t0, 2: t0})
+    h.clock.advance(0.05)
+    w.instance(pb.InstanceDone(node="fwd0", step=1, compute_s=0.04, busy_s=0.005))
+    h.clock.advance(0.01)
+    w.instance(pb.InstanceDone(node="src", step=2, compute_s=0.004, busy_s=0.001))
+    assert w._own(2, "s0") == pytest.approx(0.06 - 0.045 - 0.005)
