@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +24,7 @@ import pytest
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import ReferenceExecutor, RunResult, state_digest
+from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.errors import Fenced
 from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
 from rallypoint.proto import codec
@@ -81,14 +84,15 @@ def make_admit(worker_id: str, incarnation: int, fence: threading.Event) -> Call
     return admit
 
 
-@pytest.fixture
-def workers() -> Iterator[dict[str, Worker]]:
+@contextmanager
+def started_workers(commit_factory: Callable[[], Callable[[CheckpointCommit], None]] | None = None
+                    ) -> Iterator[dict[str, Worker]]:
     started: list[Worker] = []
     devs = jax.devices()
     for i, wid in enumerate(("wA", "wB")):
         incarnation, fence = 100 + i, threading.Event()
         service = WorkerRuntimeService(wid, admit=make_admit(wid, incarnation, fence), devices=devs[4 * i : 4 * i + 4],
-                                       incarnation=lambda inc=incarnation: inc)
+                                       incarnation=lambda inc=incarnation: inc, commit_factory=commit_factory)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
         pb_grpc.add_WorkerRuntimeServicer_to_server(service, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -103,6 +107,12 @@ def workers() -> Iterator[dict[str, Worker]]:
             w.channel.close()
             w.service.close()
             w.server.stop(grace=None)
+
+
+@pytest.fixture
+def workers() -> Iterator[dict[str, Worker]]:
+    with started_workers() as ws:
+        yield ws
 
 
 @dataclass
@@ -165,13 +175,16 @@ class Job:
             w.stub.UnloadJob(pb.UnloadJobRequest(to=w.to(), job=self.spec.job), timeout=10)
 
 
-def load(name: str, workers: dict[str, Worker]) -> Job:
+def load(name: str, workers: dict[str, Worker], **request: Any) -> Job:
+    """Load an example on the workers; ``request`` sets fields of every LoadJobRequest (checkpoints, say)."""
     compiled, _ = compiled_and_reference(name)
     spec = job_spec(compiled)
     placement = {s: SlicePlace(wid, workers[wid].address, workers[wid].incarnation, devs)
                  for s, (wid, devs) in PLACEMENTS[name].items()}
     requests = load_requests(spec, placement, cluster="test", term=1)
     for wid, req in requests.items():
+        for field_name, value in request.items():
+            setattr(req, field_name, value)
         resp = workers[wid].stub.LoadJob(req, timeout=120)
         assert resp.load_s > 0
     events = {wid: Events(workers[wid].stub.JobEvents(pb.JobEventsRequest(to=workers[wid].to(), job=spec.job)))
@@ -206,6 +219,24 @@ def test_examples_end_in_bitwise_the_reference_state_with_its_metrics(name: str,
     # The loop's bookkeeping around each call, for the straggler watch; no checkpoints here, so no save time.
     assert all(0 < ev.busy_s < 5 and ev.saving_s == 0 for ev in job.done())
     job.unload()
+
+
+def test_the_first_instance_after_a_checkpoint_save_reports_the_saves_blocking_time(tmp_path: Path) -> None:
+    # The straggler watch counts a slice's save as its work: each slice saves step 2 (every 2 of 4 steps) before it
+    # runs any instance of step 2, and the first instance it runs then carries the save's blocking time.
+    commits: list[CheckpointCommit] = []
+    with started_workers(commit_factory=lambda: commits.append) as ws:
+        job = load("pipeline_mlp", ws, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+        job.grant(job.spec.steps)
+        want = sum(instances_per_step(job.spec, s) for s in range(job.spec.steps))
+        wait_until(lambda: len([ev for ev in job.done() if ev.node]) >= want and len(commits) == 4, 60,
+                   "every instance and four commits")
+        slice_of = {n.name: n.slice for n in job.spec.nodes}
+        saved = sorted((slice_of[ev.node], ev.step) for ev in job.done() if ev.saving_s > 0)
+        assert saved == [(s, 2) for s in sorted(PLACEMENTS["pipeline_mlp"])], saved
+        assert sorted((c.slice_name, c.step) for c in commits) == saved
+        assert all(ev.saving_s < 30 for ev in job.done())
+        job.unload()
 
 
 def _zeros_like_output(compiled: CompiledProgram, node: str, output: str) -> list[np.ndarray]:
