@@ -95,6 +95,9 @@ class StragglerWatch:
             self.deps[n.name] = out
         self.every, self.per_mb = every, per_mb
         self.stateful = {s.slice for s in spec.states}  # slices that save checkpoints (and wait for them)
+        self.runs: dict[str, list[tuple[int, int]]] = {s: [] for s in self.slices}  # (every, instances) per node
+        for n in spec.nodes:
+            self.runs.setdefault(n.slice, []).append((every[n.name], spec.microbatches if n.per_microbatch else 1))
         self.heard_in: dict[tuple[int, str], int] = {}  # (step, slice) -> its instances heard
         self.slice_done: dict[tuple[int, str], float] = {}  # (step, slice) -> when its last instance was heard
         self.save_s: dict[tuple[int, str], float] = {}  # (checkpoint step, slice) -> its blocking save (saving_s)
@@ -179,9 +182,7 @@ class StragglerWatch:
 
     def _instances(self, slice_name: str, step: int) -> int:
         """How many instances the slice runs at ``step``."""
-        m = self.ex.spec.microbatches
-        return sum((m if self.per_mb[n] else 1) for n, s in self.slice_of.items()
-                   if s == slice_name and step % self.every[n] == 0)
+        return sum(k for every, k in self.runs[slice_name] if step % every == 0)
 
     def _checkpoint_every(self) -> int:
         s = self.ex.settings

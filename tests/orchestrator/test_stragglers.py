@@ -156,15 +156,20 @@ def test_the_whole_job_standing_still_is_nobodys_own_time(tmp_path: Path, monkey
     assert (len(h.x.drain_records) == 1) is moved
 
 
+def with_a_source(tmp_path: Path, checkpoint_every: int) -> tuple[Harness, stragglers.StragglerWatch, float]:
+    """The two-stage pipeline with a source ``src`` (no inputs) on s0, begun: its harness, watch and clock now."""
+    spec = pipeline_spec(steps=20, checkpoint_every=checkpoint_every, stall_timeout_s=600)
+    spec.nodes.append(pb.NodeProgram(name="src", slice="s0", every=1))
+    h = Harness(tmp_path, spec=spec)
+    h.x.begin()
+    return h, h.x.stragglers, h.clock.monotonic()
+
+
 def test_a_source_waiting_at_its_slices_checkpoint_is_charged_only_from_the_saves_end(tmp_path: Path) -> None:
     # A source (no inputs) is granted ahead, but the worker runs it at a checkpoint step only once its slice saved,
     # after the slice's last instance of the step before, which in a pipeline waits for every later stage. That
     # wait is not the source slice's own time, nor is the save (work, which its worker reports as saving_s).
-    spec = pipeline_spec(steps=20, checkpoint_every=5, stall_timeout_s=600)
-    spec.nodes.append(pb.NodeProgram(name="src", slice="s0", every=1))
-    h = Harness(tmp_path, spec=spec)
-    h.x.begin()
-    w, t0 = h.x.stragglers, h.clock.monotonic()
+    h, w, t0 = with_a_source(tmp_path, checkpoint_every=5)
     w.granted_at.update({4: t0, 5: t0, 6: t0})
 
     def heard(node: str, step: int, after_s: float, saving_s: float = 0.0) -> None:
@@ -185,11 +190,7 @@ def test_a_source_waiting_at_its_slices_checkpoint_is_charged_only_from_the_save
 def test_the_loops_work_on_the_step_before_is_not_a_waiting_sources_own_time(tmp_path: Path) -> None:
     # The source of step 2, granted with step 1, waits while the slice's loop runs fwd0 of step 1 (40 ms of compute,
     # 5 ms of bookkeeping): that is work, though of another step; what is left of the wait is the source's own.
-    spec = pipeline_spec(steps=20, checkpoint_every=10, stall_timeout_s=600)
-    spec.nodes.append(pb.NodeProgram(name="src", slice="s0", every=1))
-    h = Harness(tmp_path, spec=spec)
-    h.x.begin()
-    w, t0 = h.x.stragglers, h.clock.monotonic()
+    h, w, t0 = with_a_source(tmp_path, checkpoint_every=10)
     w.granted_at.update({1: t0, 2: t0})
     h.clock.advance(0.05)
     w.instance(pb.InstanceDone(node="fwd0", step=1, compute_s=0.04, busy_s=0.005))
