@@ -44,7 +44,7 @@ from rallypoint.client.compile import CompiledProgram, compile_program  # noqa: 
 from rallypoint.client.reference import ReferenceExecutor  # noqa: E402
 from rallypoint.client.submit import submit  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
-from rallypoint.etcd.logs import configure  # noqa: E402
+from rallypoint.basics.logs import configure  # noqa: E402
 
 
 def pipeline_args(ap: Any, *, steps: int = 60, every: int = 10) -> None:

@@ -38,7 +38,7 @@ from rallypoint.client.compile import compile_program  # noqa: E402
 from rallypoint.client.faults import Fault, FaultInjector  # noqa: E402
 from rallypoint.client.submit import submit  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
-from rallypoint.etcd.logs import configure  # noqa: E402
+from rallypoint.basics.logs import configure  # noqa: E402
 
 
 def one_run(compiled: Any, faults: list[Fault], every: int) -> dict[str, Any]:

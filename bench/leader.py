@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from rallypoint.chaos.runner import run_scenario  # noqa: E402
 from rallypoint.chaos.scenario import load_scenario  # noqa: E402
-from rallypoint.etcd.logs import configure  # noqa: E402
+from rallypoint.basics.logs import configure  # noqa: E402
 
 SCENARIOS = ("leader-kill", "leader-hang")
 TARGET = 0.85

@@ -56,7 +56,7 @@ TARGET_SLACK_S = 0.5
 
 
 def child_main(args: argparse.Namespace) -> int:
-    from rallypoint.etcd import logs
+    from rallypoint.basics import logs
     from rallypoint.etcd.keys import Keys
     from rallypoint.etcd.lease import LeaseKeeper
     from rallypoint.etcd.store import EtcdStore
@@ -282,7 +282,7 @@ def wait_lost(rec: Recorder, workers: list[str], deadline: float) -> dict[str, f
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from rallypoint.etcd import logs
+    from rallypoint.basics import logs
     from rallypoint.etcd.server import EtcdCluster
     from rallypoint.etcd.keys import Keys
     from rallypoint.orchestrator.membership import MembershipMonitor

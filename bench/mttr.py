@@ -50,7 +50,7 @@ from rallypoint.chaos.runner import run_scenario  # noqa: E402
 from rallypoint.chaos.scenario import FaultSpec, RandomFaults, Scenario, load_scenario  # noqa: E402
 from rallypoint.client.compile import compile_program, ensure_host_devices  # noqa: E402
 from rallypoint.client.jobfile import load_program  # noqa: E402
-from rallypoint.etcd.logs import configure  # noqa: E402
+from rallypoint.basics.logs import configure  # noqa: E402
 
 JOB = ROOT / "examples" / "pipeline_mlp.py"
 TTL_S = 2

@@ -44,7 +44,7 @@ from rallypoint.client.faults import Fault, FaultInjector  # noqa: E402
 from rallypoint.client.submit import submit  # noqa: E402
 from rallypoint.orchestrator.job_recovery import PHASES  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
-from rallypoint.etcd.logs import configure  # noqa: E402
+from rallypoint.basics.logs import configure  # noqa: E402
 
 SLICES = ("stage0", "stage1", "stage2", "stage3")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint.chaos.scenario import Scenario
-from rallypoint.etcd.errors import ConfigError, RallypointError
+from rallypoint.basics.errors import ConfigError, RallypointError
 
 CAMPAIGN_FILE = "campaign.json"
 

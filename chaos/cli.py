@@ -26,7 +26,7 @@ def run(scenario_file: Path, seed: int | None, out_dir: Path | None, as_json: bo
     from rallypoint.chaos.report import format_table
     from rallypoint.chaos.runner import run_scenario
     from rallypoint.chaos.scenario import load_scenario
-    from rallypoint.etcd.logs import configure
+    from rallypoint.basics.logs import configure
 
     configure(level="warning")
     scenario = load_scenario(scenario_file)
@@ -70,8 +70,8 @@ def campaign(scenario_file: Path, n_seeds: int, first_seed: int | None, out_dir:
     from rallypoint.chaos.campaign import (CAMPAIGN_FILE, check_campaign, default_out_dir, format_campaign,
                                            run_campaign, seed_list)
     from rallypoint.chaos.scenario import load_scenario
-    from rallypoint.etcd.errors import ConfigError
-    from rallypoint.etcd.logs import configure
+    from rallypoint.basics.errors import ConfigError
+    from rallypoint.basics.logs import configure
 
     configure(level="warning")
     if not scenario_file.is_file():

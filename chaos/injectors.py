@@ -51,7 +51,7 @@ from typing import Any
 
 from rallypoint.chaos.scenario import FaultSpec
 from rallypoint.etcd.commits import read_commits
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.cluster.local import LocalCluster
 
 Heal = Callable[[], dict[str, Any]]

@@ -41,10 +41,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rallypoint.etcd.errors import ConfigError, RallypointError
+from rallypoint.basics.errors import ConfigError, RallypointError
 from rallypoint.etcd.server import free_port
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, WorkerNetwork
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 
 log = get_logger("rallypoint.chaos.network")
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.orchestrator.job_recovery import PHASES
 from rallypoint.orchestrator.timeline_svg import timeline_svg as _svg
 

@@ -33,7 +33,7 @@ from rallypoint.chaos.report import write_report
 from rallypoint.chaos.scenario import FaultSpec, Scenario
 from rallypoint.chaos.storage import Storage
 from rallypoint.etcd.commits import read_commits
-from rallypoint.etcd.errors import RallypointError, StoreError, WatchCompacted
+from rallypoint.basics.errors import RallypointError, StoreError, WatchCompacted
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.etcd.store import EtcdStore, WatchEvent

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 
 TMPFS_SIZE = "64m"

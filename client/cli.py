@@ -19,10 +19,10 @@ import click
 from rallypoint.client import jobs_cli
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, insecure, resolve_cluster, store_and_keys
 from rallypoint.client.clusters import tls_options
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.cluster.group import RallypointGroup
-from rallypoint.etcd.logs import configure as configure_logs
+from rallypoint.basics.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -176,7 +176,7 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def metrics(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     """List the Prometheus endpoints of the live coordinators and workers (docs/metrics.md)."""
-    from rallypoint.etcd.metrics_server import read_metrics_targets
+    from rallypoint.etcd.metrics_targets import read_metrics_targets
 
     store, keys = store_and_keys(state_dir, cluster)
     try:

@@ -3,7 +3,7 @@
 And the identity to reach it with: a cluster of ``--state-dir`` brings its own (its
 ``tls/client.crt``); with ``--cluster``, ``--tls-dir DIR`` (``DIR/ca.crt``,
 ``DIR/client.crt``, ``DIR/client.key``) or an explicit ``--insecure``. The identity is
-recorded for the cluster's etcd endpoints (:func:`rallypoint.etcd.tls.remember`), so every
+recorded for the cluster's etcd endpoints (:func:`rallypoint.basics.tls.remember`), so every
 connection of this process to that cluster (etcd, the coordinators) uses it.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import click
 
-from rallypoint.etcd import tls as tls_registry
-from rallypoint.etcd.errors import ClusterNotFound, ConfigError, StoreError
+from rallypoint.basics import tls as tls_registry
+from rallypoint.basics.errors import ClusterNotFound, ConfigError, StoreError
 from rallypoint.etcd.keys import Keys, all_clusters_prefix, cluster_of, parse_cluster
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -17,7 +17,7 @@ from typing import Any
 
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_results, request_drain
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.store import Store
 from rallypoint.orchestrator.devices import DeviceLeases

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.client.drains import DrainRefused, begin_drain
-from rallypoint.etcd.clock import SYSTEM_CLOCK
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.clock import SYSTEM_CLOCK
+from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.proto import rallypoint_pb2 as pb
 

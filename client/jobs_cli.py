@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from rallypoint.client.clusters import cluster_options, resolve_cluster, store_and_keys
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import check_name
 
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from jax.sharding import PartitionSpec
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import check_name
 
 Per = Literal["step", "microbatch"]

@@ -18,13 +18,13 @@ import grpc
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import RunResult, state_digest
-from rallypoint.etcd.clock import SYSTEM_CLOCK
-from rallypoint.etcd.errors import RallypointError, StoreError
+from rallypoint.basics.clock import SYSTEM_CLOCK
+from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import EtcdStore
-from rallypoint.etcd.tls import channel as tls_channel
-from rallypoint.etcd.tls import tls_of
+from rallypoint.basics.tls import channel as tls_channel
+from rallypoint.basics.tls import tls_of
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

@@ -4,7 +4,7 @@ EC P-256 keys (a certificate takes a few milliseconds), SHA-256 signatures. Each
 certificate is good for both ends of a connection (server and client auth), names the
 process and the addresses it is reached at as subject-alternative names (so clients check
 the name they dialled), and carries the etcd user as its common name (see
-:mod:`rallypoint.etcd.tls`). Keys are written mode 0600. An existing CA in the directory is
+:mod:`rallypoint.basics.tls`). Keys are written mode 0600. An existing CA in the directory is
 kept and signs the new certificates; an existing certificate is replaced.
 """
 
@@ -21,9 +21,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
-from rallypoint.etcd.tls import CA_FILE, CA_KEY_FILE, ETCD_USER, TlsConfig
+from rallypoint.basics.tls import CA_FILE, CA_KEY_FILE, ETCD_USER, TlsConfig
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 CA_DAYS = 3650

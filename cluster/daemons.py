@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import click
 
 from rallypoint.cluster.group import RallypointGroup
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import parse_cluster
-from rallypoint.etcd.tls import TlsConfig
-from rallypoint.etcd.logs import configure as configure_logs
+from rallypoint.basics.tls import TlsConfig
+from rallypoint.basics.logs import configure as configure_logs
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
 from rallypoint.orchestrator.dashboard import start_dashboard
 from rallypoint.orchestrator.hooks import ExecutorHooks

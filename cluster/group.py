@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 
 
 class RallypointGroup(click.Group):

@@ -37,16 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
-from rallypoint.etcd import tls as tls_registry
+from rallypoint.basics import tls as tls_registry
 from rallypoint.etcd.auth import enable_auth
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
-from rallypoint.etcd.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
+from rallypoint.basics.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.keys import Keys, check_name
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.metrics_server import read_metrics_targets
+from rallypoint.basics.logs import get_logger
+from rallypoint.etcd.metrics_targets import read_metrics_targets
 from rallypoint.etcd.store import EtcdStore
-from rallypoint.etcd.tls import TlsConfig
+from rallypoint.basics.tls import TlsConfig
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 

@@ -1,6 +1,4 @@
-"""The etcd layer, the bottom of Rallypoint: every other layer stands on it.
-
-The store and its key schema, etcd leases and the fences built on them, the clock,
-the error hierarchy, structured logs, checkpoint commits and the etcd server that
-tests and the embedded cluster run. It imports nothing of Rallypoint above it.
+"""The etcd layer: the store and its key schema, etcd leases and the fences built on them,
+checkpoint commits, drain requests, where daemons record their endpoints, and the etcd
+server that tests and the embedded cluster run. Below it only :mod:`rallypoint.basics`.
 """

@@ -11,7 +11,7 @@
 (PREFIX: the cluster's :attr:`~rallypoint.etcd.keys.Keys.prefix`.)
 
 Rallypoint's processes never send a password: etcd takes the user from the common name
-of their client certificate (``rallypoint``, :data:`~rallypoint.etcd.tls.ETCD_USER`), so
+of their client certificate (``rallypoint``, :data:`~rallypoint.basics.tls.ETCD_USER`), so
 there is no auth token to expire and renew. The root password is written (mode 0600) for
 an operator's ``etcdctl --user root``; nothing in Rallypoint reads it.
 """
@@ -27,10 +27,10 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from rallypoint.etcd.errors import StoreError
+from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.store import prefix_end
-from rallypoint.etcd.tls import ETCD_USER, TlsConfig
-from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.basics.tls import ETCD_USER, TlsConfig
+from rallypoint.basics.tls import channel as tls_channel
 
 ROOT_PASSWORD_FILE = "root.password"
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 
 ROOT = "/rallypoint"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")

@@ -21,9 +21,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.errors import ConfigError, Fenced, StoreError
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.errors import ConfigError, Fenced, StoreError
+from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.store import LeaseGrant, Store
 
 
@@ -36,7 +36,7 @@ class LocalFence:
     """A local monotonic deadline past which the holder must not act.
 
     Args:
-        who: name used in :class:`~rallypoint.etcd.errors.Fenced` messages.
+        who: name used in :class:`~rallypoint.basics.errors.Fenced` messages.
         clock: monotonic clock (inject a fake one in tests).
         margin_s: how long before the lease's earliest possible expiry to stop.
     """

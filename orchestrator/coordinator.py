@@ -32,21 +32,21 @@ from typing import Any
 import grpc
 from tenacity import RetryCallState
 
-from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.devices import fence_worker
 from rallypoint.orchestrator.election import LeaderElection
-from rallypoint.etcd.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
+from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.failures import Verdict, classify_rpc_error
 from rallypoint.etcd.keys import Keys, check_name
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.retry import retrying
 from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor
 from rallypoint.orchestrator.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import EtcdStore, Put, Store
-from rallypoint.etcd.tls import TlsConfig, add_port
-from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.basics.tls import TlsConfig, add_port
+from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_cluster
-from rallypoint.etcd.errors import ConfigError, StoreError
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.errors import ConfigError, StoreError
+from rallypoint.basics.logs import get_logger
 from rallypoint.orchestrator.dashboard_page import PAGE
 from rallypoint.orchestrator.timeline_svg import timeline_svg
 

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rallypoint.etcd.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
+from rallypoint.basics.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, read_cluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.store import Compare, Delete, Get, Op, Put, Store, TxnResult, created_at, key_missing, unchanged_since

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint.etcd.clock import Clock
+from rallypoint.basics.clock import Clock
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.orchestrator.placement import SlicePlace
 

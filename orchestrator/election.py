@@ -18,11 +18,11 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.errors import Fenced, NotLeader, StoreError
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.errors import Fenced, NotLeader, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.lease import LeaseKeeper
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.store import Compare, Get, Op, Put, Store, TxnResult, created_at, key_missing
 
 

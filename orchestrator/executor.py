@@ -39,12 +39,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.errors import AllocationError, NotLeader, RallypointError, StoreError
+from rallypoint.basics.errors import AllocationError, NotLeader, RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import Delete, Store
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed

@@ -20,15 +20,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rallypoint.etcd.clock import Clock
+from rallypoint.basics.clock import Clock
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path, consistent_cut, read_commit_records, \
     read_commits
-from rallypoint.etcd.errors import StoreError
+from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import Delete, Put, Store
-from rallypoint.etcd.tls import tls_of
+from rallypoint.basics.tls import tls_of
 from rallypoint.orchestrator.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.election import LeaderElection, TermWriter
 from rallypoint.orchestrator.failures import WorkerCallFailed

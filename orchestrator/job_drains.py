@@ -16,7 +16,7 @@ from typing import Any
 
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_requests
-from rallypoint.etcd.errors import NotLeader, StoreError
+from rallypoint.basics.errors import NotLeader, StoreError
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.drain import Drain, DrainPhase, DrainPort, DrainRecord
 from rallypoint.orchestrator.failures import WorkerCallFailed

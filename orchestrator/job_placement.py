@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from rallypoint.etcd.cluster_view import job_records, read_cluster
-from rallypoint.etcd.errors import NoSpareDevices, NotLeader, StoreError
+from rallypoint.basics.errors import NoSpareDevices, NotLeader, StoreError
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.devices import Placement
 from rallypoint.orchestrator.job_drains import JobDrains

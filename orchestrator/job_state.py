@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 
 
 class JobState(enum.Enum):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 
 MAX_POINTS = 600  # progress points kept per job (all nodes together)

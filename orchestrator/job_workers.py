@@ -20,9 +20,9 @@ from typing import Any
 
 import grpc
 
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.tls import TlsConfig
-from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.tls import TlsConfig
+from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
-from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.errors import StoreUnavailable, WatchCompacted
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.errors import StoreUnavailable, WatchCompacted
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import KeyValue, Store, WatchBatch
 

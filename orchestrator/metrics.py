@@ -1,7 +1,7 @@
 """The coordinator's Prometheus metrics (``docs/metrics.md`` lists each one).
 
 A :class:`CoordinatorMetrics` owns a private :class:`~prometheus_client.CollectorRegistry`
-and serves it (:class:`rallypoint.etcd.metrics_server.MetricsServer`). Nothing is counted
+and serves it (:class:`rallypoint.basics.metrics_server.MetricsServer`). Nothing is counted
 twice: one collector reads, at each scrape,
 
 * the cluster from etcd at one revision (leader only, so that summing over coordinators
@@ -29,8 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.errors import StoreError
-from rallypoint.etcd.metrics_server import MetricsServer
+from rallypoint.basics.errors import StoreError
+from rallypoint.basics.metrics_server import MetricsServer
 from rallypoint.orchestrator.goodput import (COORDINATOR_BUCKETS, Histogram, goodput_buckets, goodput_ratio,
                                              histogram_of, phase_seconds, steps_per_s)
 from rallypoint.orchestrator.job_recovery import PHASES

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from rallypoint.etcd.clock import Clock
+from rallypoint.basics.clock import Clock
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.hooks import ExecutorHooks

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rallypoint.etcd.cluster_view import parse_job_records
-from rallypoint.etcd.errors import RallypointError, StoreError
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.errors import RallypointError, StoreError
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.retry import retrying
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job_timeline import TimelineRecorder

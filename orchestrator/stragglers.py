@@ -54,7 +54,7 @@ from typing import Any
 
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest
-from rallypoint.etcd.errors import NotLeader, StoreError
+from rallypoint.basics.errors import NotLeader, StoreError
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.job_state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb

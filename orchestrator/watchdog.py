@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from rallypoint.etcd.clock import Clock
+from rallypoint.basics.clock import Clock
 
 
 class ProgressWatchdog:

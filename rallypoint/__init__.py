@@ -2,7 +2,7 @@
 
 The layers, each a subpackage (top to bottom; imports point down):
 ``cli``, ``chaos``, ``client``, ``cluster``, ``orchestrator`` | ``workers``,
-``recovery``, ``proto`` | ``etcd``. The contracts in ``.importlinter`` enforce it.
+``recovery``, ``proto`` | ``etcd``, ``basics``. The contracts in ``.importlinter`` enforce it.
 Users import :mod:`rallypoint.client` (``from rallypoint.client import Program``).
 """
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import grpc
 
-from rallypoint.etcd.clock import Clock
+from rallypoint.basics.clock import Clock
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.etcd.errors import LeaseNotFound, NotLeader
+from rallypoint.basics.errors import LeaseNotFound, NotLeader
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Compare, Delete, Get, KeyValue, LeaseGrant, Op, Put, Store, TxnResult, Watch
 from rallypoint.orchestrator.election import LeaderElection

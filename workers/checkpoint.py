@@ -34,9 +34,9 @@ import orbax.checkpoint as ocp
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
-from rallypoint.etcd.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
+from rallypoint.basics.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
 from rallypoint.etcd.keys import Keys, check_name
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.store import Compare, Delete, Put, Store
 from rallypoint.workers import meter
 

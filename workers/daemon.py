@@ -36,14 +36,14 @@ from typing import Any
 
 import grpc
 
-from rallypoint.etcd.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.errors import ConfigError, Fenced, RallypointError, StoreError
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.errors import ConfigError, Fenced, RallypointError, StoreError
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.lease import LeaseKeeper
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import EtcdStore, Store, created_at
-from rallypoint.etcd.tls import TlsConfig, add_port
+from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.checkpoint import etcd_commit

@@ -17,7 +17,7 @@ and the receiver answers one status byte (``DELIVERED``, ``DUPLICATE``, ``REFUSE
 The header carries the same identities as a gRPC ``Push`` (the receiving worker's
 incarnation), and the receiver admits it through the same gate.
 
-With a :class:`~rallypoint.etcd.tls.TlsConfig` every connection is mutual TLS (the server
+With a :class:`~rallypoint.basics.tls.TlsConfig` every connection is mutual TLS (the server
 requires a client certificate of the cluster CA, the client checks the server's name and
 certificate); the handshake runs on the connection's own thread, bounded by
 ``HANDSHAKE_TIMEOUT_S``. A malformed frame (bad magic, header, dtype or shape; a value
@@ -40,8 +40,8 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.tls import HANDSHAKE_TIMEOUT_S, TlsConfig
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.tls import HANDSHAKE_TIMEOUT_S, TlsConfig
 from rallypoint.proto import rallypoint_pb2 as pb
 
 MAGIC = b"RPV1"

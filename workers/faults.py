@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)

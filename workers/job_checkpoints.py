@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.workers import meter

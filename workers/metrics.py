@@ -1,7 +1,7 @@
 """The worker's Prometheus metrics (``docs/metrics.md`` lists each one).
 
 :class:`WorkerMetrics` owns a private :class:`~prometheus_client.CollectorRegistry`, serves
-it (:class:`rallypoint.etcd.metrics_server.MetricsServer`) and installs this process's
+it (:class:`rallypoint.basics.metrics_server.MetricsServer`) and installs this process's
 :class:`~rallypoint.workers.meter.WorkerMeter` (what the runtime counts as it works:
 instances, checkpoint times, transferred bytes). At each scrape a collector adds what the
 daemon holds now: its state and incarnation, the jobs loaded, each job's output log
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rallypoint.etcd.metrics_server import MetricsServer
+from rallypoint.basics.metrics_server import MetricsServer
 from rallypoint.workers import meter
 from rallypoint.workers.meter import JOB_LABEL, WorkerMeter
 

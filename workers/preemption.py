@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any
 
-from rallypoint.etcd.clock import Clock
+from rallypoint.basics.clock import Clock
 from rallypoint.etcd.drains import request_drain
-from rallypoint.etcd.errors import StoreError
+from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Put, Store, key_missing
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rallypoint.etcd.errors import WriteIndeterminate
+from rallypoint.basics.errors import WriteIndeterminate
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import KeyValue, Put, Store, key_missing
 

@@ -33,7 +33,7 @@ import numpy as np
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoint import States, state_checksum

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from rallypoint.etcd.errors import RallypointError
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.errors import RallypointError
+from rallypoint.basics.logs import get_logger
 from rallypoint.proto import codec, rallypoint_pb2 as pb
 from rallypoint.workers.job_checkpoints import NO_FAULTS, CommitFn, JobCheckpoints, WorkerFaults, restore_for_load
 from rallypoint.workers.replicas import ReplicaTier

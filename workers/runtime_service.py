@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 import grpc
 
-from rallypoint.etcd.errors import RallypointError
-from rallypoint.etcd.logs import get_logger
-from rallypoint.etcd.tls import TlsConfig
+from rallypoint.basics.errors import RallypointError
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.tls import TlsConfig
 from rallypoint.proto import codec
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.proto import rallypoint_pb2 as pb

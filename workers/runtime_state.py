@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 
 
 class LoadError(RallypointError):

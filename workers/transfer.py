@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
-from rallypoint.etcd.tls import TlsConfig
-from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.basics.tls import TlsConfig
+from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

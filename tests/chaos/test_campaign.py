@@ -17,7 +17,7 @@ import pytest
 from rallypoint.chaos.campaign import (CAMPAIGN_FILE, campaign_data, check_campaign, default_out_dir,
                                        format_campaign, percentile, run_campaign, seed_list, seed_row, totals)
 from rallypoint.chaos.scenario import KINDS, Scenario, load_scenario
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SLICES = ["stage0", "stage1", "stage2", "stage3"]

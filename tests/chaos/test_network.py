@@ -15,7 +15,7 @@ import pytest
 
 from rallypoint.chaos.network import NetnsNetwork, PartitionControl, TcpProxy, start_partitionable_cluster
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from tests.conftest import read_events, wait_until
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rallypoint.chaos.report import ReportError, format_table, load_report, write_report
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 
 T0 = 1796220000.0
 

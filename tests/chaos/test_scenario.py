@@ -8,7 +8,7 @@ import pytest
 
 from rallypoint.chaos.invariants import NodeInfo, check_applied_once, check_outcome
 from rallypoint.chaos.scenario import KINDS, load_scenario
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))

@@ -12,8 +12,8 @@ from cryptography.x509.oid import NameOID
 from rallypoint.cli import main as cli
 from rallypoint.cluster import daemons
 from rallypoint.cluster.certs import make_certs
-from rallypoint.etcd.errors import ConfigError
-from rallypoint.etcd.tls import TlsConfig
+from rallypoint.basics.errors import ConfigError
+from rallypoint.basics.tls import TlsConfig
 
 
 def test_certs_command_makes_a_ca_and_per_process_certificates(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import ROOT, Keys, check_name
 
 REPO = Path(__file__).resolve().parents[2]

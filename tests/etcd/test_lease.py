@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
-from rallypoint.etcd.errors import ConfigError, Fenced, StoreUnavailable
+from rallypoint.basics.clock import FakeClock
+from rallypoint.basics.errors import ConfigError, Fenced, StoreUnavailable
 from rallypoint.etcd.lease import LeaseKeeper, LocalFence, default_margin_s
 from rallypoint.etcd.store import LeaseGrant
 

@@ -14,7 +14,7 @@ import etcd3.exceptions
 import pytest
 
 from rallypoint.etcd import server as etcd_server
-from rallypoint.etcd.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
+from rallypoint.basics.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
 from rallypoint.etcd.server import EtcdCluster, find_etcd_binary, free_port, min_lease_ttl_s
 
 pytestmark = pytest.mark.timeout(90)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rallypoint.etcd.errors import (
+from rallypoint.basics.errors import (
     LeaseNotFound,
     StoreError,
     StoreUnavailable,

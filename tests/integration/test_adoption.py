@@ -28,10 +28,10 @@ from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submit import submit
 from rallypoint.cluster.local import LocalCluster
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator import service as service_mod
 from rallypoint.orchestrator.executor import JOBSPEC_FILE
 from rallypoint.orchestrator.hooks import ExecutorHooks

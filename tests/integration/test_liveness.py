@@ -13,8 +13,8 @@ import grpc
 from rallypoint.orchestrator.devices import DeviceLeases
 
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.errors import StoreError
-from rallypoint.etcd.tls import channel as tls_channel
+from rallypoint.basics.errors import StoreError
+from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

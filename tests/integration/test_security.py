@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from rallypoint.cluster.certs import make_certs
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
-from rallypoint.etcd.errors import StoreError
+from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore
-from rallypoint.etcd.tls import TlsConfig, channel
+from rallypoint.basics.tls import TlsConfig, channel
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.dataplane import MAGIC, DataPlaneClient, DataPlaneError, Status

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rallypoint.etcd.cluster_records import ClusterSnapshot, Holder, WorkerInfo, WorkerSnapshot
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.orchestrator.dashboard import DashboardServer, cluster_json, jobs_json, json_response, workers_json
 from rallypoint.orchestrator.dashboard_page import PAGE
 from rallypoint.orchestrator.job_timeline import TimelineRecorder

@@ -11,7 +11,7 @@ import pytest
 from rallypoint.chaos.invariants import check_exclusive_device_leases
 from rallypoint.orchestrator.devices import DeviceLeases, Placement
 from rallypoint.etcd.cluster_view import Holder, read_cluster
-from rallypoint.etcd.errors import AllocationError, NoSpareDevices, UnknownWorker
+from rallypoint.basics.errors import AllocationError, NoSpareDevices, UnknownWorker
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore, KeyValue, WatchEvent
 from rallypoint.workers.registration import try_register

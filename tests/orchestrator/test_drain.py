@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.orchestrator.drain import TRANSITIONS, Drain, DrainPhase, DrainPort
 from rallypoint.orchestrator.failures import WorkerCallFailed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rallypoint.orchestrator.election import LeaderElection
-from rallypoint.etcd.errors import NotLeader
+from rallypoint.basics.errors import NotLeader
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore, Put
 

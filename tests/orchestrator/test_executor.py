@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, run_dir

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rallypoint.client.faults import Fault, parse_faults
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
 from rallypoint.proto import rallypoint_pb2 as pb
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut
 from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.orchestrator.hooks import ExecutorHooks

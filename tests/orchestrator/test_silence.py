@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import WorkerInfo
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig, WorkerLink
 from tests.fakes import MemoryStore
 

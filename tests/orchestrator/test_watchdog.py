@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 
 

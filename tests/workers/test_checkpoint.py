@@ -22,7 +22,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.logs import configure
+from rallypoint.basics.logs import configure
 from rallypoint.etcd.store import EtcdStore, Put, created_at, key_missing
 from tests.conftest import wait_until
 from rallypoint.workers.checkpoint import (

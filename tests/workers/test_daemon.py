@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from rallypoint.etcd.errors import RallypointError
+from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import Keys
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.daemon import StaleIncarnation, StaleTerm, WorkerConfig, WorkerDaemon, WorkerState

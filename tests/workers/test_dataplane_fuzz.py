@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rallypoint.cluster.certs import make_certs
-from rallypoint.etcd.tls import TlsConfig
+from rallypoint.basics.tls import TlsConfig
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.dataplane import MAGIC, DataPlaneClient, DataPlaneError, DataPlaneServer, Status
 

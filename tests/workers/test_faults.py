@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from rallypoint.cluster import daemons
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import JobCheckpoints

@@ -1,4 +1,4 @@
-"""The worker's meter hooks (workers/meter.py) and the metrics HTTP server (etcd/metrics_server.py)."""
+"""The worker's meter hooks (workers/meter.py) and the metrics HTTP server (basics/metrics_server.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from rallypoint.etcd.metrics_server import MetricsServer
+from rallypoint.basics.metrics_server import MetricsServer
 from rallypoint.workers import meter
 from rallypoint.workers.meter import WorkerMeter
 

@@ -6,7 +6,7 @@ import json
 import threading
 from typing import Any
 
-from rallypoint.etcd.clock import FakeClock
+from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.drains import read_drain_requests
 from rallypoint.etcd.keys import Keys
 from rallypoint.workers.preemption import handle_preemption

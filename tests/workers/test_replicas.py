@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.etcd.logs import get_logger
+from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.checkpoint import CheckpointCorrupt, state_checksum

@@ -25,7 +25,7 @@ from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import ReferenceExecutor, RunResult, state_digest
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.etcd.errors import Fenced
+from rallypoint.basics.errors import Fenced
 from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb

@@ -1,7 +1,7 @@
 """Retries, in one shape: tenacity with bounded jittered backoff, driven by an injected clock.
 
 Every retry in Rallypoint is one of these, so each one waits on the clock it was given
-(a :class:`~rallypoint.etcd.clock.FakeClock` in tests: no real waiting), backs off with
+(a :class:`~rallypoint.basics.clock.FakeClock` in tests: no real waiting), backs off with
 jitter up to a bound, stops on a deadline of that clock or on a condition, and logs
 each retry with its count. The last error is re-raised unchanged when it stops.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import tenacity
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential, wait_random
 
-from rallypoint.etcd.clock import Clock
-from rallypoint.etcd.errors import StoreUnavailable
+from rallypoint.basics.clock import Clock
+from rallypoint.basics.errors import StoreUnavailable
 
 
 class _Stop:

@@ -1,12 +1,12 @@
-"""etcd/retry.py: tenacity on an injected clock: backoff, deadline, stop condition, what is retried."""
+"""basics/retry.py: tenacity on an injected clock: backoff, deadline, stop condition, what is retried."""
 
 from __future__ import annotations
 
 import pytest
 
-from rallypoint.etcd.clock import FakeClock
-from rallypoint.etcd.errors import ConfigError, StoreUnavailable
-from rallypoint.etcd.retry import retrying
+from rallypoint.basics.clock import FakeClock
+from rallypoint.basics.errors import ConfigError, StoreUnavailable
+from rallypoint.basics.retry import retrying
 
 
 class Flaky:

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from rallypoint.etcd.errors import ConfigError
+from rallypoint.basics.errors import ConfigError
 
 CA_FILE = "ca.crt"
 CA_KEY_FILE = "ca.key"
