@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("rallypoint", "chaos", "client", "cluster", "orchestrator", "workers", "recovery", "etcd")
+LAYERS = ("rallypoint", "chaos", "client", "cluster", "orchestrator", "workers", "recovery", "etcd", "basics")
 
 
 def test_modules_stay_small() -> None:
