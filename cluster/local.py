@@ -6,6 +6,20 @@ started (pid and kernel start time) in ``<state-dir>/cluster.json``;
 by an unrelated process has another start time and is left alone). Tests use
 the same class in-process.
 
+:class:`LocalCluster` is the launcher: it decides what runs (each daemon's command
+line, its certificate, its place on the network) and in what order, and composes
+the pieces that do the work, each in its own module:
+
+* :mod:`rallypoint.cluster.local_config`: the cluster's shape (:class:`LocalClusterConfig`)
+  and a worker's place on the network (:class:`WorkerNetwork`);
+* :mod:`rallypoint.cluster.processes`: process supervision (start, find, signal, stop
+  processes by pid and start time);
+* :mod:`rallypoint.cluster.local_security`: certificates and etcd's users;
+* :mod:`rallypoint.cluster.local_state`: the state file.
+
+The names other code imports from here (the config, :func:`is_running`, ``STATE_FILE``
+...) stay importable from here.
+
 Networks (``LocalClusterConfig.network``): ``loopback`` (every process on
 127.0.0.1); ``netns`` and ``proxy`` put each worker where the chaos harness can
 cut it off (``chaos/network.py``). This module knows nothing of namespaces or
@@ -23,228 +37,31 @@ use the ``client`` certificate.
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
-from rallypoint.basics import tls as tls_registry
-from rallypoint.etcd.auth import enable_auth
-from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
-from rallypoint.basics.errors import ClusterNotFound, ConfigError, RallypointError, StoreError
-from rallypoint.etcd.server import EtcdCluster
-from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
-from rallypoint.etcd.metrics_targets import read_metrics_targets
-from rallypoint.etcd.store import EtcdStore
 from rallypoint.basics.tls import TlsConfig
-from rallypoint.orchestrator.hooks import ExecutorHooks
-from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
+from rallypoint.cluster import local_security as security
+from rallypoint.cluster.local_config import (DEFAULT_HOST, NETWORKS, LocalClusterConfig, WorkerNetwork,
+                                            WorkerNetworkHook)
+from rallypoint.cluster.local_state import STATE_FILE, read_state, state_file, write_state
+from rallypoint.cluster.processes import (ProcessRecord, Supervisor, is_running, log_tail, process_start_time,
+                                          stop_process)
+from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.metrics_targets import read_metrics_targets
+from rallypoint.etcd.server import EtcdCluster
+from rallypoint.etcd.store import EtcdStore
 
-STATE_FILE = "cluster.json"
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-NETWORKS = ("loopback", "netns", "proxy")
-DEFAULT_HOST = "127.0.0.1"
-TLS_DIR = "tls"
-CLIENT_CERT = "client"  # the identity the CLI and in-process clients use
-ETCD_CERT = "etcd"
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocalClusterConfig:
-    """Shape of a local cluster.
-
-    Attributes:
-        state_dir: where etcd data, logs and ``cluster.json`` live.
-        workers: workers meant to hold job slices.
-        spares: extra workers kept free for recovery.
-        devices_per_worker: K, the JAX CPU devices of each worker.
-        coordinators: coordinator processes (one leads, the others stand by).
-        etcd_members: 1 or 3.
-        lease_ttl_s: worker and leader lease TTL. The embedded etcd runs with a
-            50 ms heartbeat and 500 ms election timeout, so 1 s is allowed.
-        cluster: cluster name.
-        network: ``loopback`` (default), ``netns`` (each worker in its own network
-            namespace) or ``proxy`` (each worker behind TCP proxies); the last two need
-            a ``worker_network`` hook, see ``chaos.network.start_partitionable_cluster``.
-        host: the IPv4 address etcd and the coordinators bind and advertise; with
-            ``netns`` an address of the root namespace the workers can reach.
-        compile_cache_dir: JAX's persistent compilation cache, shared by every worker
-            (``--compile-cache-dir``): None puts it at ``<state_dir>/compile-cache`` (kept
-            across ``down`` and ``up``), "" turns it off.
-        preempt_deadline_s: how long a worker's preemption notice (SIGTERM) gives the
-            leader to drain it before it leaves anyway (``--preempt-deadline-s``).
-        suspect_after_s: the leader fences a worker whose heartbeats stopped this long
-            (``--suspect-after-s``; 0: hangs are found by the lease TTL only).
-        worker_faults: test fault hooks every worker starts with (hidden ``--fault-*``
-            options, :mod:`rallypoint.workers.faults`); none by default.
-        coordinator_hooks: test fault hooks every coordinator starts with (hidden
-            ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
-        tls: mutual TLS everywhere and etcd auth (the default); False runs every process
-            ``--insecure`` (plain TCP, etcd without auth): ``rallypoint up --insecure``.
-        metrics: every coordinator and worker serves Prometheus metrics on a free port
-            (``--metrics-port 0``); each publishes the address in its etcd record, where
-            :meth:`LocalCluster.metrics_targets` and ``rallypoint metrics`` find it (docs/metrics.md).
-    """
-
-    state_dir: Path
-    workers: int = 2
-    spares: int = 1
-    devices_per_worker: int = 2
-    coordinators: int = 2
-    etcd_members: int = 1
-    lease_ttl_s: int = 2
-    cluster: str = "local"
-    network: str = "loopback"
-    host: str = DEFAULT_HOST
-    compile_cache_dir: str | Path | None = None
-    preempt_deadline_s: float = 30.0
-    suspect_after_s: float = 1.0
-    worker_faults: WorkerFaults = NO_FAULTS
-    coordinator_hooks: ExecutorHooks = ExecutorHooks()
-    tls: bool = True
-    metrics: bool = True
-
-    def __post_init__(self) -> None:
-        check_name("cluster", self.cluster)
-        if self.network not in NETWORKS:
-            raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
-        try:
-            addr = ipaddress.IPv4Address(self.host)
-        except ValueError:
-            raise ConfigError(f"host must be an IPv4 address (etcd and coordinators bind it), "
-                              f"got {self.host!r}") from None
-        if self.network == "netns" and addr.is_loopback:
-            raise ConfigError(f"network='netns' needs a host address the namespaces can reach, not {self.host}: "
-                              "use chaos.network.start_partitionable_cluster, which sets it")
-        for name in ("workers", "devices_per_worker", "coordinators"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.spares < 0:
-            raise ConfigError(f"--spares must be 0 or more, got {self.spares}")
-        if self.etcd_members not in (1, 3):
-            raise ConfigError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
-        if self.lease_ttl_s < 1:
-            raise ConfigError(f"--lease-ttl-s must be at least 1, got {self.lease_ttl_s}")
-        if self.preempt_deadline_s < 0:
-            raise ConfigError(f"--preempt-deadline-s must be 0 or more, got {self.preempt_deadline_s:g}")
-        if self.suspect_after_s < 0:
-            raise ConfigError(f"--suspect-after-s must be 0 (off) or more, got {self.suspect_after_s:g}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerNetwork:
-    """Where one worker process lives on the network (what a ``worker_network`` hook returns).
-
-    Attributes:
-        prefix: argv the worker command runs under, e.g. ``("ip", "netns", "exec", NS)``.
-            It must exec the command in place (same pid, as ``ip netns exec`` does):
-            the cluster records and stops that pid.
-        host: address the worker's gRPC server and data plane bind.
-        endpoints: etcd endpoints as this worker reaches them (empty: the cluster's).
-        port, data_port: ports to bind (0: free ones).
-        advertise_address, advertise_data_address: ``host:port`` others reach the worker
-            at, when not where it binds ("" advertises the bound address).
-    """
-
-    prefix: tuple[str, ...] = ()
-    host: str = DEFAULT_HOST
-    endpoints: tuple[str, ...] = ()
-    port: int = 0
-    data_port: int = 0
-    advertise_address: str = ""
-    advertise_data_address: str = ""
-
-    def args(self) -> list[str]:
-        """The ``rallypoint worker`` options this placement adds (none for the defaults)."""
-        out: list[str] = []
-        for opt, value, default in (("--host", self.host, DEFAULT_HOST), ("--port", self.port, 0),
-                                    ("--data-port", self.data_port, 0),
-                                    ("--advertise-address", self.advertise_address, ""),
-                                    ("--advertise-data-address", self.advertise_data_address, "")):
-            if value != default:
-                out += [opt, str(value)]
-        return out
-
-
-WorkerNetworkHook = Callable[[str, Sequence[str]], WorkerNetwork]
-"""``(worker name, the cluster's etcd endpoints) -> WorkerNetwork``; called before every
-start of that worker (also a restart), so it must give the same worker the same place."""
-
-
-@dataclass
-class ProcessRecord:
-    """A process the cluster started: enough to find and stop exactly it."""
-
-    role: str
-    name: str
-    pid: int
-    start_time: int
-    log: str
-    argv: list[str] = field(default_factory=list)
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel start time of ``pid`` (clock ticks since boot), None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] == "Z":
-        return None
-    return int(fields[19])
-
-
-def is_running(rec: ProcessRecord) -> bool:
-    """Whether the recorded process (same pid *and* start time) still runs."""
-    return process_start_time(rec.pid) == rec.start_time
-
-
-def stop_process(rec: ProcessRecord, *, grace_s: float = 5.0, sig: int = signal.SIGINT) -> None:
-    """Stop one recorded process: ``sig``, then SIGKILL after ``grace_s``. Reaps it if it is our child.
-
-    SIGINT, not SIGTERM: a worker takes SIGTERM as a preemption notice and first waits to be drained.
-    """
-    if not is_running(rec):
-        _reap(rec.pid)
-        return
-    try:
-        os.kill(rec.pid, sig)
-        os.kill(rec.pid, signal.SIGCONT)  # a stopped process must run to handle the signal
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        _reap(rec.pid)
-        if not is_running(rec):
-            return
-        time.sleep(0.05)
-    try:
-        os.kill(rec.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    for _ in range(100):
-        _reap(rec.pid)
-        if not is_running(rec):
-            return
-        time.sleep(0.02)
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
+__all__ = [  # the launcher, and what its users import from here
+    "DEFAULT_HOST", "NETWORKS", "STATE_FILE", "LocalCluster", "LocalClusterConfig", "ProcessRecord", "WorkerNetwork",
+    "WorkerNetworkHook", "is_running", "process_start_time", "stop_process",
+]
 
 
 class LocalCluster:
@@ -255,17 +72,19 @@ class LocalCluster:
                  worker_networks: dict[str, WorkerNetwork] | None = None) -> None:
         self.config = config
         self.endpoints = endpoints
-        self.processes = processes
+        self.supervisor = Supervisor(processes)
         self.worker_network = worker_network
         self.worker_networks: dict[str, WorkerNetwork] = dict(worker_networks or {})
         self.keys = Keys(config.cluster)
         self.etcd: EtcdCluster | None = None
-        self._popen: dict[str, subprocess.Popen[bytes]] = {}
         self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
         if config.tls:  # in-process clients (EtcdStore(endpoints), submit) find the identity by the endpoints
-            d = self.tls_dir
-            tls_registry.remember(endpoints,
-                                  TlsConfig(d / "ca.crt", d / f"{CLIENT_CERT}.crt", d / f"{CLIENT_CERT}.key"))
+            security.remember_client(endpoints, self.tls_dir)
+
+    @property
+    def processes(self) -> list[ProcessRecord]:
+        """Every process recorded (etcd members, coordinators, workers)."""
+        return self.supervisor.records
 
     # -- starting ---------------------------------------------------------------------
 
@@ -286,7 +105,7 @@ class LocalCluster:
             raise ConfigError(f"network={config.network!r} needs a worker_network hook: start the cluster with "
                               "chaos.network.start_partitionable_cluster")
         state = config.state_dir
-        existing = state / STATE_FILE
+        existing = state_file(state)
         if existing.exists():
             old = cls.load(state)
             if any(is_running(p) for p in old.processes):
@@ -299,18 +118,12 @@ class LocalCluster:
         for sub in ("etcd", "logs"):
             shutil.rmtree(state / sub, ignore_errors=True)
         (state / "logs").mkdir()
-        tls_dir = state / TLS_DIR
-        hosts = list(dict.fromkeys([config.host, *DEFAULT_HOSTS]))
-        etcd_tls = issue(tls_dir, ETCD_CERT, hosts=hosts, cluster=config.cluster) if config.tls else None
-        client_tls = issue(tls_dir, CLIENT_CERT, hosts=hosts, cluster=config.cluster) if config.tls else None
+        etcd_tls, client_tls = (security.issue_etcd_and_client(state, host=config.host, cluster=config.cluster)
+                                if config.tls else (None, None))
         etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host, tls=etcd_tls)
         etcd.detach()
         if client_tls is not None:
-            try:
-                enable_auth(etcd.endpoints, client_tls, Keys(config.cluster).prefix, secrets_dir=state / "etcd")
-            except BaseException:
-                etcd.stop()
-                raise
+            security.enable_etcd_auth(etcd, client_tls, cluster=config.cluster, secrets_dir=state / "etcd")
         processes = [
             ProcessRecord("etcd", m.name, m.pid or 0, process_start_time(m.pid or 0) or 0, str(m.log_path))
             for m in etcd.members
@@ -366,22 +179,14 @@ class LocalCluster:
     @property
     def tls_dir(self) -> Path:
         """The cluster's CA and per-process certificates."""
-        return (self.config.state_dir / TLS_DIR).absolute()
+        return security.cluster_tls_dir(self.config.state_dir)
 
     @property
     def client_tls(self) -> TlsConfig | None:
         """The identity clients of this cluster use (None: an ``--insecure`` cluster)."""
         if not self.config.tls:
             return None
-        return TlsConfig.from_dir(self.tls_dir, CLIENT_CERT)
-
-    def _issue(self, name: str, net: WorkerNetwork | None) -> None:
-        """A fresh certificate for process ``name``, naming every address it binds or is reached at."""
-        hosts = [self.config.host, *DEFAULT_HOSTS]
-        if net is not None:
-            advertised = (net.advertise_address, net.advertise_data_address)
-            hosts += [net.host] + [a.rpartition(":")[0] for a in advertised if a]
-        issue(self.tls_dir, name, hosts=list(dict.fromkeys(hosts)), cluster=self.config.cluster)
+        return security.client_tls(self.tls_dir)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -401,20 +206,10 @@ class LocalCluster:
         log_path = self.config.state_dir / "logs" / f"{name}.log"
         net = self._place(name) if role == "worker" else None
         if self.config.tls:
-            self._issue(name, net)
-        argv = self.argv(role, name, net)
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=env, cwd=str(PROJECT_ROOT),
-            )
-        rec = ProcessRecord(role, name, proc.pid, process_start_time(proc.pid) or 0, str(log_path), argv)
-        self._popen[name] = proc
-        self.processes = [p for p in self.processes if p.name != name] + [rec]
+            security.issue_process(self.tls_dir, name, host=self.config.host, cluster=self.config.cluster, net=net)
+        rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
         self.save()
-        self.log.info("process.started", role=role, name=name, pid=proc.pid)
+        self.log.info("process.started", role=role, name=name, pid=rec.pid)
         return rec
 
     def wait_for_workers(self, count: int, *, timeout_s: float = 60.0) -> ClusterSnapshot:
@@ -429,9 +224,9 @@ class LocalCluster:
                         return snap
                 except StoreError:
                     pass
-                dead = [p for p in self.processes if p.role != "etcd" and not is_running(p)]
+                dead = self.supervisor.exited()
                 if dead or time.monotonic() > deadline:
-                    tails = "\n".join(f"--- {p.name} ({p.log})\n{_tail(p.log)}" for p in (dead or self.processes))
+                    tails = "\n".join(f"--- {p.name} ({p.log})\n{log_tail(p.log)}" for p in (dead or self.processes))
                     why = f"{', '.join(p.name for p in dead)} exited" if dead else f"timed out after {timeout_s}s"
                     raise RallypointError(f"local cluster did not come up: {why}\n{tails}")
                 time.sleep(0.2)
@@ -460,38 +255,14 @@ class LocalCluster:
     # -- persistence --------------------------------------------------------------------
 
     def save(self) -> None:
-        data = {
-            "cluster": self.config.cluster,
-            "endpoints": self.endpoints,
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()},
-            "processes": [asdict(p) for p in self.processes],
-        }
-        if self.worker_networks:
-            data["worker_networks"] = {w: asdict(n) for w, n in self.worker_networks.items()}
-        path = self.config.state_dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
+        """Record the cluster in its state dir (``cluster.json``)."""
+        write_state(self.config, self.endpoints, self.processes, self.worker_networks)
 
     @classmethod
     def load(cls, state_dir: Path) -> LocalCluster:
         """The cluster recorded in ``state_dir``; ClusterNotFound if none is."""
-        path = state_dir / STATE_FILE
-        if not path.exists():
-            raise ClusterNotFound(
-                f"no cluster recorded in {state_dir}: start one with `rallypoint up --state-dir {state_dir}`, "
-                "or pass --cluster NAME@HOST:PORT"
-            )
-        data = json.loads(path.read_text())
-        cfg: dict[str, Any] = data["config"] | {"state_dir": Path(data["config"]["state_dir"])}
-        if "worker_faults" in cfg:
-            cfg["worker_faults"] = WorkerFaults(**cfg["worker_faults"])
-        if "coordinator_hooks" in cfg:
-            cfg["coordinator_hooks"] = ExecutorHooks(**cfg["coordinator_hooks"])
-        nets = {w: WorkerNetwork(**(n | {"prefix": tuple(n["prefix"]), "endpoints": tuple(n["endpoints"])}))
-                for w, n in data.get("worker_networks", {}).items()}
-        return cls(LocalClusterConfig(**cfg), data["endpoints"], [ProcessRecord(**p) for p in data["processes"]],
-                   worker_networks=nets)
+        config, endpoints, processes, nets = read_state(state_dir)
+        return cls(config, endpoints, processes, worker_networks=nets)
 
     # -- using and stopping -------------------------------------------------------------------
 
@@ -507,47 +278,23 @@ class LocalCluster:
             store.close()
 
     def process(self, name: str) -> ProcessRecord:
-        for p in self.processes:
-            if p.name == name:
-                return p
-        raise RallypointError(f"no process named {name!r} in this cluster")
+        return self.supervisor.find(name)
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to the recorded process ``name`` (only if it is still that process)."""
-        rec = self.process(name)
-        if not is_running(rec):
-            raise RallypointError(f"process {name!r} (pid {rec.pid}) is not running")
-        os.kill(rec.pid, sig)
-        if sig == signal.SIGKILL:
-            self.reap(name)
+        self.supervisor.signal(name, sig)
 
     def reap(self, name: str, timeout_s: float = 5.0) -> None:
-        proc = self._popen.get(name)
-        if proc is not None:
-            proc.wait(timeout=timeout_s)
+        self.supervisor.reap(name, timeout_s)
 
     def stop(self) -> None:
         """Stop every recorded process: workers, then coordinators, then etcd. Idempotent."""
-        order = {"worker": 0, "coordinator": 1, "etcd": 2}
-        for rec in sorted(self.processes, key=lambda p: order.get(p.role, 3)):
-            stop_process(rec)
-            proc = self._popen.get(rec.name)
-            if proc is not None:
-                try:
-                    proc.wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    pass
+        self.supervisor.stop_all()
         if self.etcd is not None:
             self.etcd.stop()
-        tls_registry.remember(self.endpoints, None)
-        path = self.config.state_dir / STATE_FILE
+        security.forget_client(self.endpoints)
+        path = state_file(self.config.state_dir)
         if path.exists():
             path.unlink()
         self.log.info("cluster.stopped", processes=len(self.processes))
 
-
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

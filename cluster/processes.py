@@ -1,0 +1,160 @@
+"""Process supervision: the daemon processes a launcher started, found and stopped by their own ids.
+
+A process is recorded as a :class:`ProcessRecord`: its pid *and* its kernel start time,
+so a pid the kernel later reuses for an unrelated process (another start time) is never
+taken for it: :func:`is_running` says no and :func:`stop_process` leaves it alone. A
+:class:`Supervisor` holds the records of one local cluster (:mod:`rallypoint.cluster.local`):
+it starts a process into its log file, finds one by name, signals it, reaps it, and
+stops them all in order. It knows nothing of certificates, etcd or the state file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rallypoint.basics.errors import RallypointError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STOP_ORDER = {"worker": 0, "coordinator": 1, "etcd": 2}  # others after these
+
+
+@dataclass
+class ProcessRecord:
+    """A process the cluster started: enough to find and stop exactly it."""
+
+    role: str
+    name: str
+    pid: int
+    start_time: int
+    log: str
+    argv: list[str] = field(default_factory=list)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel start time of ``pid`` (clock ticks since boot), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def is_running(rec: ProcessRecord) -> bool:
+    """Whether the recorded process (same pid *and* start time) still runs."""
+    return process_start_time(rec.pid) == rec.start_time
+
+
+def stop_process(rec: ProcessRecord, *, grace_s: float = 5.0, sig: int = signal.SIGINT) -> None:
+    """Stop one recorded process: ``sig``, then SIGKILL after ``grace_s``. Reaps it if it is our child.
+
+    SIGINT, not SIGTERM: a worker takes SIGTERM as a preemption notice and first waits to be drained.
+    """
+    if not is_running(rec):
+        _reap(rec.pid)
+        return
+    try:
+        os.kill(rec.pid, sig)
+        os.kill(rec.pid, signal.SIGCONT)  # a stopped process must run to handle the signal
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        _reap(rec.pid)
+        if not is_running(rec):
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(rec.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    for _ in range(100):
+        _reap(rec.pid)
+        if not is_running(rec):
+            return
+        time.sleep(0.02)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def log_tail(path: str, lines: int = 15) -> str:
+    """The last ``lines`` lines of a process's log ("(no log)" when it cannot be read)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Supervisor:
+    """The recorded processes of one cluster: starts, finds, signals and stops them.
+
+    ``records`` are every process recorded (also those started by another process and
+    loaded from the state file); only those started here are its children, which it
+    reaps through their ``Popen`` handles.
+    """
+
+    def __init__(self, records: list[ProcessRecord]) -> None:
+        self.records = records
+        self._popen: dict[str, subprocess.Popen[bytes]] = {}
+
+    def launch(self, role: str, name: str, argv: list[str], log_path: Path, *,
+               extra_env: dict[str, str] | None = None) -> ProcessRecord:
+        """Start ``argv`` in its own session, output appended to ``log_path``; record it (replacing ``name``'s)."""
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=env, cwd=str(PROJECT_ROOT),
+            )
+        rec = ProcessRecord(role, name, proc.pid, process_start_time(proc.pid) or 0, str(log_path), argv)
+        self._popen[name] = proc
+        self.records = [p for p in self.records if p.name != name] + [rec]
+        return rec
+
+    def find(self, name: str) -> ProcessRecord:
+        for p in self.records:
+            if p.name == name:
+                return p
+        raise RallypointError(f"no process named {name!r} in this cluster")
+
+    def exited(self) -> list[ProcessRecord]:
+        """The recorded coordinators and workers that no longer run."""
+        return [p for p in self.records if p.role != "etcd" and not is_running(p)]
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to the recorded process ``name`` (only if it is still that process)."""
+        rec = self.find(name)
+        if not is_running(rec):
+            raise RallypointError(f"process {name!r} (pid {rec.pid}) is not running")
+        os.kill(rec.pid, sig)
+        if sig == signal.SIGKILL:
+            self.reap(name)
+
+    def reap(self, name: str, timeout_s: float = 5.0) -> None:
+        proc = self._popen.get(name)
+        if proc is not None:
+            proc.wait(timeout=timeout_s)
+
+    def stop_all(self) -> None:
+        """Stop every recorded process: workers, then coordinators, then etcd."""
+        for rec in sorted(self.records, key=lambda p: STOP_ORDER.get(p.role, 3)):
+            stop_process(rec)
+            proc = self._popen.get(rec.name)
+            if proc is not None:
+                try:
+                    proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    pass
