@@ -79,7 +79,7 @@ TRANSITIONS: dict[DrainPhase, frozenset[DrainPhase]] = {
 class DrainPort(abc.ABC):
     """What a drain needs of its job; the executor implements it, tests fake it."""
 
-    placement: dict[str, SlicePlace]
+    placement: Mapping[str, SlicePlace]  # read-only: the placement's owner applies a move
 
     @abc.abstractmethod
     def drain_step(self) -> int:

@@ -1,5 +1,13 @@
 """The graph executor: runs one job on the cluster, from the leader, through host losses.
 
+The executor owns its collaborators and is the only place that wires them; each piece
+of the job's state has one owner that writes it and the others read it through that
+owner: the progress and the cut (:mod:`~rallypoint.orchestrator.job_progress`), the
+placement and its device leases (:mod:`~rallypoint.orchestrator.job_placement`), loads
+(:mod:`~rallypoint.orchestrator.job_loads`), the etcd writes of the term
+(:mod:`~rallypoint.orchestrator.job_term`), drains, recoveries, stragglers, warm spares.
+``docs/runtime.md`` ("The executor: one owner per fact") has the table of who writes what.
+
 It places every virtual slice on a worker's devices (device leases, fenced on the
 term that started the job), records the placement in etcd, loads each worker with the
 exported programs of its slices and its routes, and then only **grants steps**:
@@ -24,69 +32,60 @@ ends with ``job.handed_off``: the job is not failed, the next leader adopts it
 and loaded runtimes are released in ``finally``, whatever ended the run.
 """
 
+
 from __future__ import annotations
 
 import json
 import queue
-import threading
 import time
-import uuid
-from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
-from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.basics.errors import AllocationError, NotLeader, RallypointError, StoreError
-from rallypoint.etcd.keys import Keys
+from rallypoint.basics.errors import NotLeader, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
-from rallypoint.basics.retry import retrying
-from rallypoint.etcd.store import Delete, Store
+from rallypoint.basics.tls import tls_of
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.orchestrator.drain import DrainRecord
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.goodput import StepTimes
 from rallypoint.orchestrator.hooks import ExecutorHooks
-from rallypoint.orchestrator.job_cluster import ETCD_OUTAGE_S
+from rallypoint.orchestrator.job_drains import JobDrains
+from rallypoint.orchestrator.job_loads import JobLoads
 from rallypoint.orchestrator.job_placement import JobPlacement
+from rallypoint.orchestrator.job_progress import JobProgress
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job_recoveries import JobRecoveries
+from rallypoint.orchestrator.job_ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
+from rallypoint.orchestrator.job_term import JobTerm
 from rallypoint.orchestrator.job_warm import SpareWarmer
-from rallypoint.orchestrator.placement import instances_per_step
-from rallypoint.orchestrator.recovery_machine import Recovery, classify_setback
+from rallypoint.orchestrator.job_workers import JobWorkers
+from rallypoint.orchestrator.placement import SlicePlace
+from rallypoint.orchestrator.recovery_machine import Recovery
+from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir
 from rallypoint.orchestrator.stragglers import StragglerWatch
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.proto.digest import RESHARD_TOLERANCE, flat_state_digest
-from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Setback, Source, decide
+from rallypoint.proto.digest import flat_state_digest
+from rallypoint.recovery.decide import Budget, Fail, Refence
+from rallypoint.recovery.replay import Graph
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 
 LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
 DRAIN_POLL_S = 0.1  # how often drain and yield requests are read: a drain lands a step or two after it is asked
-JOBSPEC_FILE = "jobspec.pb"
-LATEST_FILE = "LATEST"
+RECORD_EVERY = 10  # steps between job records while the job runs
 
 
-def run_dir(root: Path, job: str, *, create: bool) -> Path:
-    """The checkpoint directory of the job's newest run under ``root`` (a new one when ``create``)."""
-    base = root / job
-    if create:
-        name = time.strftime("run-%Y%m%dT%H%M%S-") + uuid.uuid4().hex[:6]
-        (base / name).mkdir(parents=True)
-        (base / LATEST_FILE).write_text(name + "\n")
-        return base / name
-    latest = base / LATEST_FILE
-    if not latest.exists():
-        raise JobFailed(f"no run of job {job!r} under {root}: nothing to resume (is --checkpoint-dir right?)")
-    return base / latest.read_text().strip()
-
-
-class JobExecutor(JobPlacement):
+class JobExecutor:
     """Runs one submitted, resumed or adopted job to its end; reports through ``emit``.
 
     Args:
@@ -101,38 +100,78 @@ class JobExecutor(JobPlacement):
         hooks: fault hooks for tests.
         budget: setbacks each recovery absorbs, by source.
         loss_grace_s: after one loss, how long to gather others that happened with it.
+        workers: the RPCs to the job's workers (default: gRPC with the store's TLS identity).
     """
 
     def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
                  emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
                  resume: bool = False, adopted: bool = False, hooks: ExecutorHooks = ExecutorHooks(),
-                 budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S) -> None:
-        log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
-        super().__init__(spec, store=store, keys=keys, election=election, clock=clock, emit=emit, log=log)
+                 budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S,
+                 workers: JobWorkers | None = None) -> None:
+        self.spec, self.store, self.keys, self.clock, self.emit = spec, store, keys, clock, emit
+        self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
         self.resume, self.adopted = resume or adopted, adopted
         self.hooks, self.budget, self.loss_grace_s = hooks, budget, loss_grace_s
         root = spec.checkpoint_dir or checkpoint_root
         self.checkpoint_root = Path(root).absolute() if root else None
-        self.start = 0  # the step the current runtimes started from (resume)
+        self.run_dir: Path | None = None
+        self.graph = Graph.from_spec(spec)
+        self.state = JobState.PLACING
+        self.settings: RecoverySettings | None = None
+        # The collaborators, each the one owner of its part of the job (the module doc's table).
+        self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
+                            on_unpaused=self._unpaused)
+        self.term.resume = self.resume
+        self.progress = JobProgress(spec, self.graph)
+        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
+        self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store))
+        self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
+        self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
+                                progress=self.progress, clock=clock, log=self.log, event=self.event,
+                                grant=self._grant, running=lambda: self.state is JobState.RUNNING,
+                                record=lambda: self._record_quietly())
+        self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
+                                    progress=self.progress, on_restored=self._restored)
+        self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
+                                      microbatches=spec.microbatches, hooks=hooks)
+        self.stragglers = StragglerWatch(spec, JobStragglerPort(  # docs/elastic.md
+            spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
+            drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
+        self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
         self.watchdog: ProgressWatchdog | None = None
-        self.machines: list[Recovery] = []
-        self.redone_s = 0.0
-        self.compute_s: Counter[str] = Counter()  # per node, device-seconds of first runs
+        self.warmer: SpareWarmer | None = None
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
-        self._commits: dict[str, int] = {}
-        self._step_count: Counter[int] = Counter()
-        self._metrics: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
         self._ungranted: set[str] = set()
         self._checked = self._drains_polled = float("-inf")
-        self._t0 = clock.monotonic()
-        self._stop_reason: str | None = None
-        self._stop_lock = threading.Lock()
-        self.warmer: SpareWarmer | None = None
-        self.stragglers = StragglerWatch(self)  # docs/elastic.md: a straggling slice moves to a spare
-        self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
+        self.started_mono = clock.monotonic()
         self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
 
-    # -- state ----------------------------------------------------------------------
+    # -- read-only views of what the collaborators own ------------------------------------------
+
+    @property
+    def completed(self) -> int:
+        return self.progress.completed
+
+    @property
+    def placement(self) -> Mapping[str, SlicePlace]:
+        return self.places.slices
+
+    @property
+    def recoveries(self) -> list[RecoveryRecord]:
+        return self.recovery.records
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        return self.port.failures
+
+    @property
+    def drain_records(self) -> list[DrainRecord]:
+        return self.drains.drain_records
+
+    def done_through(self, node: str) -> int:
+        return self.progress.done_through(node)
+
+    # -- state and record --------------------------------------------------------------------------
 
     def _set_state(self, new: JobState, **fields: Any) -> None:
         """The one way the job's state moves; records it in etcd (a handed-off job writes nothing)."""
@@ -148,6 +187,20 @@ class JobExecutor(JobPlacement):
         else:
             self._record_quietly(**fields)
 
+    def record(self, **fields: Any) -> None:
+        """The job record in etcd (what a new leader adopts from), assembled from each owner and written once."""
+        p = self.progress
+        record = {
+            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": p.completed,
+            "term": self.term.term, "run_dir": str(self.run_dir or ""), "cut": p.cut,
+            "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
+            "placement": {s: {"worker": q.worker, "devices": list(q.devices)} for s, q in self.placement.items()},
+            "failures": self.failures, "recoveries": self.recovery.to_json(),
+            "replayed_instances": dict(p.replayed), "resharded": self.places.resharded, "drains": self.drains.to_json(),
+            "at": time.time(), **fields,
+        }
+        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record))])
+
     def _record_quietly(self, **fields: Any) -> None:
         """Record progress, unless etcd is away (the next record catches up)."""
         try:
@@ -155,43 +208,15 @@ class JobExecutor(JobPlacement):
         except (StoreError, NotLeader) as exc:
             self.log.warning("job.record_failed", error=str(exc))
 
+    def event(self, event: str, step: int = 0, **detail: Any) -> None:
+        self.emit(pb.JobEvent(job=self.spec.job, event=event, step=step, detail=json.dumps(detail)))
+
     def stop(self, reason: str) -> None:
         """This coordinator's term ended: end the run soon with ``job.handed_off`` (thread-safe)."""
-        with self._stop_lock:
-            if self._stop_reason is None:
-                self._stop_reason = reason
+        self.term.stop(reason)
         self.log.info("job.stop_requested", reason=reason)
 
-    # -- the term ---------------------------------------------------------------------
-
-    def hold_term(self) -> None:
-        """Return while this executor's term holds; wait out an etcd outage; hand off when the term is over.
-
-        A leader whose lease deadline passed (etcd unreachable, or its quorum lost) is
-        not deposed yet: if etcd answers before the lease expires, the coordinator takes
-        the same term again and the job goes on where it was.
-        """
-        def check() -> None:
-            if self._stop_reason is not None:
-                raise HandedOff(f"the coordinator stepped down: {self._stop_reason}")
-            if self.writer.over:
-                raise HandedOff(f"term {self.term} is over")
-            if not self.writer.holds:
-                raise NotLeader(f"job {self.spec.job}", f"term {self.term} is not held right now")
-            self.election.check()
-
-        try:
-            check()
-            return
-        except NotLeader as exc:
-            self.log.warning("job.paused", reason=exc.reason)
-        try:
-            retrying(clock=self.clock, what="holding the term", log=self.log, retry_on=NotLeader,
-                     stop_after_s=ETCD_OUTAGE_S, initial_s=0.25, max_s=0.25, jitter_s=0.0)(check)
-        except NotLeader as exc:
-            raise JobFailed(f"etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({exc.reason}); the next leader "
-                            f"adopts the job, or resume it with `rallypoint resume {self.spec.job}`") from None
-        self.log.info("job.unpaused")
+    def _unpaused(self) -> None:
         if self.watchdog is not None:
             self.watchdog.progressed()  # a pause is not a stall: the quiet period starts again
         self._grant()
@@ -202,7 +227,7 @@ class JobExecutor(JobPlacement):
         try:
             self.settings = RecoverySettings.from_spec(self.spec)
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s)
-            self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term,
+            self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term.term,
                                       max_spares=self.settings.warm_spares, log=self.log)
         except ValueError as exc:
             raise JobFailed(str(exc)) from None
@@ -210,55 +235,28 @@ class JobExecutor(JobPlacement):
             if self.checkpoint_root is None:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
-            self._take_over()
-            return
-        # A new run: commits of an earlier run of this job name no longer count.
-        self.writer.txn([], [Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
-        if self.checkpoint_root is not None:
-            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True)
-            (self.run_dir / JOBSPEC_FILE).write_bytes(self.spec.SerializeToString())
-
-    def _take_over(self) -> None:
-        """Resume or adopt: what an earlier executor left (device leases, loaded runtimes) goes first."""
-        self.leases().release(self.spec.job)
-        snap = read_cluster(self.store, self.keys)
-        for w, ws in snap.workers.items():
-            self.workers.unload_stale(w, ws.info.address, pb.Identity(cluster=self.keys.cluster, worker_id=w,
-                                                                      incarnation=ws.info.incarnation, term=self.term))
+        else:
+            # A new run: commits of an earlier run of this job name no longer count.
+            self.term.txn([Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
+            if self.checkpoint_root is not None:
+                self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True)
+                (self.run_dir / JOBSPEC_FILE).write_bytes(self.spec.SerializeToString())
+        self.term.run_dir = self.loads.run_dir = self.run_dir
+        for c in (self.places, self.loads, self.drains):
+            c.settings = self.settings
+        keeps = self.run_dir is not None and self.settings.checkpoint_every > 0
+        self.drains.checkpoints = keeps
+        self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
+        if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
+            self.term.leases().release(self.spec.job)
+            self.loads.unload_everywhere(read_cluster(self.store, self.keys))
 
     def _load_all_from_cut(self) -> dict[str, str]:
         """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
-        commits, before, corrupt_count = self.commits(), None, 0
-        while True:
-            c = self.cut_step(commits, before)
-            failed = self.load(None, c, commits)
-            if not any(f.verdict is Verdict.CORRUPT for f in failed.values()):
-                break
-            self.reset_all()
-            setback = classify_setback(failed, c, {})
-            corrupt_count += 1
-            decision = decide(setback, corrupt_count, self.budget)
-            if not isinstance(decision, FallBack):
-                raise JobFailed("; ".join(str(f) for f in failed.values()))
-            self.log.warning("resume.corrupt_checkpoint", step=c, error=setback.detail)
-            if decision.drop is not None:
-                self.drop_commit(*decision.drop, setback.detail)
-            commits, before = self.commits(), c
-        self.start = self.completed = self.cut = c
+        c, commits, failed = self.port.load_newest_cut(self.budget)
+        self.progress.begin(c, commits)
         self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c)
-        return self._lost_at_load(failed, c)
-
-    def _lost_at_load(self, failed: dict[str, WorkerCallFailed], cut: int) -> dict[str, str]:
-        """The workers lost while the job was loading (a recovery moves them); any other failure fails the job."""
-        if not failed:
-            return {}
-        setback = classify_setback(failed, cut, {w: self.registered(w) for w in failed})
-        decision = decide(setback, 1, self.budget)
-        if isinstance(decision, Refence):
-            self.log.warning("job.lost_while_loading", workers=sorted(decision.lost), reason=decision.reason)
-            return dict(decision.lost)
-        w, f = next(iter(failed.items()))
-        raise JobFailed(f"worker {w} could not load the job: {f}")
+        return self.port.lost_at_load(self.budget, failed, c)
 
     # -- running ------------------------------------------------------------------------
 
@@ -268,7 +266,7 @@ class JobExecutor(JobPlacement):
         Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
         Workers held for a drain get no step at or past their drain step.
         """
-        self.grant(workers)
+        self.workers.grant(self.progress.granted, self.progress.cut, workers, holds=self.drains.holds)
 
     def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
         """A worker whose process is gone is lost; any other refusal is granted again later
@@ -282,10 +280,10 @@ class JobExecutor(JobPlacement):
 
     def step(self, timeout_s: float = 0.25) -> None:
         """One iteration of the running loop: hold the term, the periodic checks, one event."""
-        self.hold_term()
+        self.term.hold()
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
-            lost = self.lost_in_etcd()
+            lost = self.term.gone({w: self.workers.identity[w].incarnation for w in self.workers.workers})
             if lost:
                 self._recover(lost)
                 return
@@ -300,9 +298,14 @@ class JobExecutor(JobPlacement):
                 return
         if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S:
             self._drains_polled = self.clock.monotonic()
-            self.poll_drains()
-        if self.drains:
-            self.step_drains()
+            self.drains.poll()
+        if self.drains.drains:
+            if self.drains.parked_waiting and self.watchdog is not None:
+                self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
+            lost = self.drains.step()
+            if lost:
+                self._recover(lost)
+                return
         try:
             kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, DRAIN_POLL_S))
         except queue.Empty:
@@ -318,7 +321,7 @@ class JobExecutor(JobPlacement):
     def _handle(self, kind: str, worker: str, gen: int, item: Any) -> None:
         if kind == "warmed":  # a round of WarmJob requests answered (job_warm.py)
             self.log.info("job.warmed", **item)
-            self.event("job.warmed", step=self.completed, **item)
+            self.event("job.warmed", step=self.progress.completed, **item)
             return
         if not self.workers.current(worker, gen):
             return  # a runtime given up on
@@ -328,14 +331,16 @@ class JobExecutor(JobPlacement):
         if kind == "fenced":
             self._recover({worker: f"fenced by the leader ({item})"})
             return
-        self._last_heard[worker] = self.clock.monotonic()
+        self.loads.heard(worker)
         if kind == "ended":
             self._recover({worker: f"event stream ended: {item}"})
             return
         assert self.watchdog is not None
         self.watchdog.progressed()
         if item.checkpoint_slice:
-            self._on_commit(item.checkpoint_slice, int(item.checkpoint_step))
+            if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
+                self.log.info("job.cut", step=self.progress.cut)
+                self._grant()
             return
         if item.error:
             where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"
@@ -347,165 +352,117 @@ class JobExecutor(JobPlacement):
 
     def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
         step, node = int(item.step), item.node
-        for m in self.machines:
-            m.observe(worker, gen, node, step)
-        self.on_instance(worker, node, step)
+        self.recovery.observe(worker, gen, node, step)
+        self.drains.observe(worker, node, step)
         if item.program_source:  # a node's first call on this runtime: where its executable came from
-            for m in self.machines:
-                m.record.first_call(worker, gen, self.graph.node(node).slice, item.program_source, item.compile_s)
-        if step < self.completed or item.microbatch in self._done[(node, step)]:
-            self.replayed[node] += 1
-            self.redone_s += item.compute_s
-            return
-        self._done[(node, step)].add(item.microbatch)
-        self.stragglers.instance(item)
-        self._step_count[step] += 1
-        self.compute_s[node] += item.compute_s
-        self.step_times.instance(node, step, item.compute_s)
-        self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
+            self.recovery.first_call(worker, gen, self.graph.node(node).slice, item.program_source, item.compile_s)
+        if self.progress.instance(item):
+            self.stragglers.instance(item)
+            self.step_times.instance(node, step, item.compute_s)
 
     def _advance(self) -> None:
-        steps, window = self.spec.steps, max(1, self.spec.window)
-        while self.completed < steps and self._step_count[self.completed] == instances_per_step(self.spec, self.completed):
-            s = self.completed
-            by_name: dict[str, list[tuple[int, float]]] = defaultdict(list)
-            for name, mb, v in self._metrics.pop(s, []):
-                by_name[name].append((mb, v))
-            metrics = {name: float(np.mean([v for _, v in sorted(vals)])) for name, vals in by_name.items()}
-            self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=s, metrics=metrics))
-            self.step_times.step_done(s)
-            for n in self.spec.nodes:
-                self._done.pop((n.name, s), None)
-            del self._step_count[s]
-            self.completed += 1
-            if self.completed % 10 == 0:
+        for done in self.progress.complete():
+            self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=done.step, metrics=done.metrics))
+            self.step_times.step_done(done.step)
+            if self.progress.completed % RECORD_EVERY == 0:
                 self._record_quietly()
-        for m in self.machines:
-            m.progressed()
-        if self.completed + window > self.granted and self.granted < steps:
-            self.granted = min(self.completed + window, steps)
+        self.recovery.progressed()
+        if self.progress.widen(self.spec.window):
             self._grant()
         self.stragglers.advanced()
-
-    def _on_commit(self, slice_name: str, step: int) -> None:
-        self.on_saved(slice_name, step)
-        self._commits[slice_name] = max(step, self._commits.get(slice_name, 0))
-        cut = min((self._commits.get(s, 0) for s in self._ckpt_slices), default=0)
-        if cut > self.cut:
-            self.cut = cut
-            self.log_floor = {n: f for n, f in self.log_floor.items() if f > cut}
-            self.log.info("job.cut", step=cut)
-            self._grant()
 
     # -- losses and stalls ----------------------------------------------------------------------
 
     def _stalled(self, quiet: float) -> None:
         """No progress for the stall timeout: report it, and recover the workers the job waits on."""
         assert self.watchdog is not None
-        worker_of = {s: p.worker for s, p in self.placement.items()}
-        blamed = laggards([(n.name, n.slice) for n in self.graph.nodes], self.done_through, worker_of, self.spec.steps)
-        reason = (f"no progress for {quiet:.1f}s (stall timeout {self.watchdog.timeout_s:g}s) at step {self.completed}: "
-                  + ("; ".join(f"{w}: {why}" for w, why in sorted(blamed.items())) or "no node is behind"))
-        decision = decide(Setback(Source.STALL, workers=blamed, detail=reason), self.watchdog.stalls, self.budget)
-        self.log.warning("job.stalled", reason=reason, stalls=self.watchdog.stalls, limit=self.budget.stall,
-                         decision=type(decision).__name__)
-        self.event("job.stalled", step=self.completed, reason=reason, workers=sorted(blamed),
+        blamed = laggards([(n.name, n.slice) for n in self.graph.nodes], self.progress.done_through,
+                          {s: p.worker for s, p in self.placement.items()}, self.spec.steps)
+        reason, decision = self.recovery.stalled(quiet, self.watchdog, blamed, self.progress.completed)
+        self.event("job.stalled", step=self.progress.completed, reason=reason, workers=sorted(blamed),
                    stalls=self.watchdog.stalls, limit=self.budget.stall)
         if isinstance(decision, Refence):
             self._recover({w: f"stalled: {why}" for w, why in decision.lost.items()})
         elif isinstance(decision, Fail):
             raise JobFailed(decision.reason)
 
-    def _gather(self, lost: dict[str, str]) -> None:
-        """Other workers lost at the same moment: their streams break within the grace period."""
-        deadline = time.monotonic() + self.loss_grace_s
-        kept = []
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                kind, (worker, gen, item) = self.workers.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if kind == "ended" and self.workers.current(worker, gen):
-                lost.setdefault(worker, f"event stream ended: {item}")
-            else:
-                kept.append((kind, (worker, gen, item)))
-        for ev in kept:  # back in order, ahead of anything newer
-            self.workers.events.put(ev)
-
     def _recover(self, lost: dict[str, str]) -> None:
         """Start a recovery of ``lost`` and run it until the lost slices run again."""
         assert self.settings is not None
         now = self.clock.monotonic()
-        self._gather(lost)
-        rec = RecoveryRecord(number=len(self.recoveries) + 1, lost={}, reasons=dict(lost), detected_at=time.time(),
-                             detected_mono=now,
-                             detection_s=max(now - self._last_heard.get(w, now) for w in lost))
-        for m in self.machines:
-            m.supersede(f"recovery {rec.number} started")
-        parked = self.abort_drains(f"recovery {rec.number} started")
-        self.recoveries.append(rec)
-        frontier = {n.name: self.done_through(n.name) for n in self.graph.nodes}
+        self.workers.gather_ended(lost, self.loss_grace_s)
+        heard = self.loads.last_heard
+        rec = self.recovery.open(lost, detection_s=max(now - heard.get(w, now) for w in lost))
+        parked = self.drains.abort(f"recovery {rec.number} started")
+        frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
-        self.event("job.recovering", step=self.completed, recovery=rec.number, lost=lost)
-        machine = Recovery(self, rec, lost, policy=self.settings.policy, budget=self.budget, clock=self.clock,
-                           log=self.log, frontier=frontier, microbatches=self.spec.microbatches, hooks=self.hooks,
-                           parked=parked)
-        self.machines.append(machine)
-        machine.run_to_replay()
+        self.event("job.recovering", step=self.progress.completed, recovery=rec.number, lost=lost)
+        self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked)
 
-    def restored(self, recovery: Recovery) -> None:
+    def _restored(self, recovery: Recovery) -> None:
+        """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""
         rec = recovery.record
         rec.generations = dict(self.workers.generation)
         self._set_state(JobState.RUNNING, recovery=rec.number)
         assert self.watchdog is not None
         self.watchdog.progressed()
-        self.event("job.recovered", step=self.completed, **rec.to_json(),
-                   placement={s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
-                              for s, p in self.placement.items()})
+        self.event("job.recovered", step=self.progress.completed, **rec.to_json(), placement=self.places.to_json())
         self.log.info("recovery.restored", **rec.to_json())
         self._warm_soon(f"recovery {rec.number}")
         self._grant()
 
-    # -- warm spares ----------------------------------------------------------------------
+    # -- what slows the job, and the warm spares ------------------------------------------------------
+
+    def busy(self) -> str:
+        """Why the job is not running undisturbed now ("" when it is): no straggler is judged meanwhile."""
+        if self.state is not JobState.RUNNING:
+            return f"the job is {self.state.value}"
+        drain = self.drains.busy()
+        if drain:
+            return drain
+        active = self.recovery.active
+        if active is not None:
+            return f"recovery {active.record.number} runs"
+        if self.warmer is not None and self.warmer.warming:
+            # Compiling takes CPU and memory bandwidth; where spares share hosts with the job's workers (the local
+            # cluster) the job's slices slow unevenly while it lasts: no slice is judged on those steps.
+            return "spares are compiling the job's programs"
+        if self.progress.all_granted:
+            return "every step is granted: the job ends soon"
+        return ""
 
     def _warm_soon(self, reason: str) -> None:
         if self.warmer is not None:
-            self.warmer.soon(reason, self.completed)
+            self.warmer.soon(reason, self.progress.completed)
 
     def _warm_check(self) -> None:
-        """Plan the warm spares again when :meth:`SpareWarmer.due` says so."""
-        recovering = any(not m.phase.is_terminal for m in self.machines)
-        reason = self.warmer.due(self.clock.monotonic(), self.completed, recovering) if self.warmer else None
-        if reason is None:
-            return
-        try:
-            snap = read_cluster(self.store, self.keys)
-        except StoreError as exc:
-            self.log.warning("job.warm_unplanned", error=str(exc))
-            return
-        assert self.warmer is not None
-        self.warmer.refresh(snap, reason, exclude=frozenset(self.workers.workers))
+        if self.warmer is not None:
+            self.warmer.check(self.clock.monotonic(), self.progress.completed, self.recovery.active is not None,
+                              lambda: read_cluster(self.store, self.keys), exclude=frozenset(self.workers.workers))
 
     # -- the whole run ----------------------------------------------------------------------
 
     def begin(self) -> None:
         """PLACING -> LOADING -> RUNNING: place, load (from the newest cut when resuming or adopting), grant."""
-        self._t0 = self.clock.monotonic()
+        self.started_mono = self.clock.monotonic()
         self._prepare()
         self._set_state(JobState.PLACING, adopted=self.adopted, resumed=self.resume)
         try:
             self._place()
         finally:
-            self._withdraw_yields()
+            self.places.withdraw_yields()
         self._set_state(JobState.LOADING)
-        lost = self._load_all_from_cut() if self.resume else self._lost_at_load(self.load(None, 0, {}), 0)
+        lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
         self._set_state(JobState.RUNNING)
         self._warm_soon("placed")
-        self.granted = min(self.completed + max(1, self.spec.window), self.spec.steps)
+        self.progress.widen(self.spec.window)
         if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
             self._recover(lost)
         else:
             self._grant()
+
+    def _place(self) -> None:
+        self.places.place(lambda: read_cluster(self.store, self.keys))
 
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
@@ -514,12 +471,12 @@ class JobExecutor(JobPlacement):
             states = self.workers.fetch()
         except WorkerCallFailed as exc:
             raise JobFailed(f"could not fetch the final state: {exc}") from None
-        for m in self.machines:
-            m.supersede("the job ended")
-        self.abort_drains("the job ended")
+        self.recovery.supersede("the job ended")
+        self.drains.abort("the job ended")
         trees = {s.name: s.treedef for s in self.spec.states}
-        detail = {"wall_s": round(self.clock.monotonic() - self._t0, 3), "state_digest": flat_state_digest(states, trees),
-                  "start_step": self.start, "adopted": self.adopted, **self.summary()}
+        detail = {"wall_s": round(self.clock.monotonic() - self.started_mono, 3),
+                  "state_digest": flat_state_digest(states, trees), "start_step": self.progress.start,
+                  "adopted": self.adopted, **self.summary()}
         return pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
                            detail=json.dumps(detail))
 
@@ -535,14 +492,14 @@ class JobExecutor(JobPlacement):
         final, reason = JobState.FAILED, ""
         try:
             self.begin()
-            while self.completed < self.spec.steps:
+            while self.progress.completed < self.spec.steps:
                 self.step()
             terminal = self.finish()
             final = JobState.SUCCEEDED
         except (HandedOff, NotLeader) as exc:
             reason = f"{exc}; the next leader adopts the job"
-            self.log.warning("job.handed_off", reason=reason, step=self.completed)
-            terminal = pb.JobEvent(job=self.spec.job, event="job.handed_off", step=self.completed,
+            self.log.warning("job.handed_off", reason=reason, step=self.progress.completed)
+            terminal = pb.JobEvent(job=self.spec.job, event="job.handed_off", step=self.progress.completed,
                                    detail=json.dumps({"reason": reason}))
             final = JobState.HANDED_OFF
         except (RallypointError, grpc.RpcError) as exc:
@@ -562,12 +519,9 @@ class JobExecutor(JobPlacement):
 
     def summary(self) -> dict[str, Any]:
         """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
-        return {"failures": self.failures, "recoveries": [r.to_json() for r in self.recoveries],
-                "replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
-                "compute_s": {n: round(v, 4) for n, v in sorted(self.compute_s.items())},
-                "corrupt_checkpoints": self.corrupt, "drains": [d.to_json() for d in self.drain_records],
-                "resharded": self.resharded, "exact": not self.resharded,
-                **({"tolerance": RESHARD_TOLERANCE} if self.resharded else {}), "stalls": self.watchdog.stalls if self.watchdog else 0,
+        return {"failures": self.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
+                "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
+                "stalls": self.watchdog.stalls if self.watchdog else 0,
                 "output_log_peak": self.log_peak, "stragglers": self.stragglers.decisions}
 
     def _cleanup(self) -> None:
@@ -576,11 +530,9 @@ class JobExecutor(JobPlacement):
             self.workers.close()
         except Exception as exc:  # closing must not hide why the run ended
             self.log.warning("job.close_failed", error=repr(exc))
-        if self.writer.over:
+        if self.term.over:
             return  # the next leader releases what this term held (and plans the warm spares again)
         if self.warmer is not None:
             self.warmer.release()  # best effort, bounded: the spares drop what they hold for the job
-        try:
-            self.leases().release(self.spec.job)
-        except (StoreError, AllocationError, NotLeader) as exc:
-            self.log.warning("job.release_failed", error=str(exc))
+        self.places.release_all()
+

@@ -1,10 +1,20 @@
-"""Placing a job: device leases for every virtual slice, and room taken from lower-priority jobs.
+"""A job's placement: which worker's devices each virtual slice runs on, and the device leases behind it.
 
-:class:`JobPlacement` places each slice (the largest first) with a device lease; a slice
-that finds no free room asks lower-priority jobs to yield slices (the pure policy
-:func:`rallypoint.recovery.fairness.plan_preemption`), waits for them to be freed (up to
-the job's ``wait_timeout_s``) and leases them. The yield requests are withdrawn once the
-job is placed (or ended): the jobs that yielded may then take devices back.
+:class:`JobPlacement` is the one writer of the job's placement (slice ->
+:class:`~rallypoint.orchestrator.placement.SlicePlace`) and of its record of device-count
+changes (``resharded``); everyone else reads :attr:`JobPlacement.slices`, a read-only view.
+It takes every device lease the job holds, in fenced etcd transactions of the job's term:
+
+* :meth:`place`: every slice (the largest first) at the start; a slice that finds no free
+  room asks lower-priority jobs to yield slices (the pure policy
+  :func:`rallypoint.recovery.fairness.plan_preemption`), waits for them to be freed (up
+  to the job's ``wait_timeout_s``) and leases them. The yield requests are withdrawn
+  once the job is placed (:meth:`withdraw_yields`): the jobs that yielded may take
+  devices back.
+* :meth:`remap`: spare devices for a recovery's lost slices, per the job's
+  ``on_no_spare`` (waits, shrinks or fails: :func:`rallypoint.recovery.remap.plan_remap`).
+* :meth:`lease_spares`: spare devices for a drain, now or not at all.
+* :meth:`apply`: the places a recovery or drain chose become the job's.
 """
 
 from __future__ import annotations
@@ -12,42 +22,96 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
-from rallypoint.etcd.cluster_view import job_records, read_cluster
-from rallypoint.basics.errors import NoSpareDevices, NotLeader, StoreError
+import numpy as np
+
+from rallypoint.basics.clock import Clock
+from rallypoint.basics.errors import AllocationError, NoSpareDevices, NotLeader, StoreError
+from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_cluster
 from rallypoint.etcd.store import Delete, Put
-from rallypoint.orchestrator.devices import Placement
-from rallypoint.orchestrator.job_drains import JobDrains
+from rallypoint.orchestrator.devices import DeviceLeases, Placement
+from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES, JobFailed
-from rallypoint.orchestrator.placement import SlicePlace
+from rallypoint.orchestrator.job_term import JobTerm
+from rallypoint.orchestrator.placement import SlicePlace, device_counts
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto.digest import RESHARD_TOLERANCE
 from rallypoint.recovery.fairness import Holding, NoVictims, plan_preemption
-from rallypoint.recovery.remap import eligible
+from rallypoint.recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
+
+REMAP_POLL_S = 0.25
+LEASE_ATTEMPTS = 4  # fresh plans after losing a race for spare devices
+PLACE_POLL_S = 0.1
 
 
-class JobPlacement(JobDrains):
-    """A job's placement (see the module doc); the executor adds the rest of the lifecycle."""
+class JobPlacement:
+    """The placement of one job (see the module doc).
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Args:
+        spec: the job.
+        term: the job's etcd under its term.
+        clock, log: the injected clock and the executor's logger.
+        event: sends a job event (``event(name, step=..., **detail)``).
+    """
+
+    def __init__(self, spec: pb.JobSpec, term: JobTerm, *, clock: Clock, log: Any,
+                 event: Callable[..., None]) -> None:
+        self.spec, self.term, self.clock, self.log, self.event = spec, term, clock, log, event
+        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self._places: dict[str, SlicePlace] = {}
+        self.resharded: list[dict[str, Any]] = []  # each change of a slice's device count (shrink, grow)
+        self.device_counts = device_counts(spec)  # slice -> the device counts its programs were exported for
+        self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
         self._asked: list[str] = []  # yield requests this job put (while it places itself)
 
-    def _place(self) -> None:
-        leases = self.leases()
+    # -- the read-only view --------------------------------------------------------------------
+
+    @property
+    def slices(self) -> Mapping[str, SlicePlace]:
+        """Slice -> where it runs now."""
+        return MappingProxyType(self._places)
+
+    def devices_of(self, slice_name: str) -> int:
+        """How many devices the slice declares."""
+        return self._need[slice_name]
+
+    def on(self, worker: str) -> list[str]:
+        """The slices placed on ``worker``."""
+        return sorted(s for s, p in self._places.items() if p.worker == worker)
+
+    def incarnations(self, worker: str) -> set[int]:
+        return {p.incarnation for p in self._places.values() if p.worker == worker}
+
+    def summary(self) -> dict[str, Any]:
+        """The device-count changes, as ``job.finished`` reports them: a run with any is exact no more."""
+        return {"resharded": self.resharded, "exact": not self.resharded,
+                **({"tolerance": RESHARD_TOLERANCE} if self.resharded else {})}
+
+    def to_json(self) -> dict[str, Any]:
+        return {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
+                for s, p in self._places.items()}
+
+    # -- placing the job ---------------------------------------------------------------------------
+
+    def place(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+        """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be."""
+        leases = self.term.leases()
         for s in sorted(self.spec.slices, key=lambda s: -self.devices_of(s.slice)):
             try:
                 p = leases.allocate(self.spec.job, s.slice, self.devices_of(s.slice))
             except NoSpareDevices:
                 p = self._take_from_lower_priority(s.slice)
-            self.placement[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
-        snap = read_cluster(self.store, self.keys)
-        for name, p in self.placement.items():
+            self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
+        snap = snapshot()
+        for name, p in self._places.items():
             w = snap.workers.get(p.worker)
             if w is None or w.info.incarnation != p.incarnation:
                 raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
-            self.placement[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
-        self.event("job.placed", **{s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
-                                    for s, p in self.placement.items()})
+            self._places[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
+        self.event("job.placed", **self.to_json())
 
     def _take_from_lower_priority(self, slice_name: str) -> Placement:
         """No free room for the slice: ask lower-priority jobs to yield slices (``recovery.fairness``), then lease.
@@ -55,9 +119,9 @@ class JobPlacement(JobDrains):
         Raises the original :class:`NoSpareDevices` when no lower-priority slice makes room.
         """
         assert self.settings is not None
-        need = self.devices_of(slice_name)
-        snap = read_cluster(self.store, self.keys)
-        priorities = {j: int(r.get("priority", 0)) for j, r in job_records(self.store, self.keys).items()
+        need, store, keys = self.devices_of(slice_name), self.term.store, self.term.keys
+        snap = read_cluster(store, keys)
+        priorities = {j: int(r.get("priority", 0)) for j, r in job_records(store, keys).items()
                       if r.get("state") not in FINAL_RECORD_STATES}
         holdings = [Holding(job, sl, w, n, priorities[job])
                     for w, ws in snap.workers.items()
@@ -66,20 +130,19 @@ class JobPlacement(JobDrains):
         free = {w: len(ws.free) for w, ws in snap.workers.items() if eligible(w, ws, snap)}
         plan = plan_preemption({slice_name: need}, priority=self.spec.priority, free=free, holdings=holdings)
         if isinstance(plan, NoVictims):
-            largest = max(free.values(), default=0)
-            raise NoSpareDevices(self.spec.job, slice_name, need, largest)
-        asked = [self.keys.yield_slice(v.job, v.slice) for v in plan.victims]
+            raise NoSpareDevices(self.spec.job, slice_name, need, max(free.values(), default=0))
+        asked = [keys.yield_slice(v.job, v.slice) for v in plan.victims]
         why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name, "at": time.time()})
-        self.writer.txn([], [Put(k, why) for k in asked])
+        self.term.txn([Put(k, why) for k in asked])
         victims = [f"{v.job}/{v.slice} (priority {v.priority}, on {v.worker})" for v in plan.victims]
         self.log.warning("job.preempting", slice=slice_name, victims=victims)
         self.event("job.waiting", reason=f"no free room for slice {slice_name!r} ({need} devices): taking "
                    f"{', '.join(victims)} from lower-priority jobs", missing={slice_name: need}, victims=victims)
         self._asked += asked
-        leases = self.leases()
+        leases = self.term.leases()
         t0 = self.clock.monotonic()
         while True:
-            self.hold_term()
+            self.term.hold()
             try:
                 return leases.allocate(self.spec.job, slice_name, need)
             except NoSpareDevices:
@@ -87,13 +150,125 @@ class JobPlacement(JobDrains):
                     raise JobFailed(f"slice {slice_name!r}: the lower-priority slices asked to yield ({', '.join(victims)})"
                                     f" did not free {need} devices within wait_timeout_s="
                                     f"{self.settings.wait_timeout_s:g}") from None
-                self.clock.sleep(0.1)
+                self.clock.sleep(PLACE_POLL_S)
 
-    def _withdraw_yields(self) -> None:
+    def withdraw_yields(self) -> None:
         """Placed (or ended): the lower-priority jobs may take devices back."""
-        if self._asked:
-            try:
-                self.writer.txn([], [Delete(k) for k in self._asked])
-                self._asked = []
-            except (StoreError, NotLeader) as exc:
-                self.log.warning("job.withdraw_failed", error=str(exc))
+        if self._asked and self.term.write_quietly("job.withdraw_failed", [Delete(k) for k in self._asked]):
+            self._asked = []
+
+    # -- moving slices ------------------------------------------------------------------------------
+
+    def apply(self, places: Mapping[str, SlicePlace], *, drained_at: int | None = None) -> None:
+        """The slices of ``places`` run there from now on (a recovery's remap, a drain's move).
+
+        ``drained_at``: a drain moved them at that step; a slice whose device count changes
+        on the way (grown back, or drained onto fewer devices) is recorded in ``resharded``.
+        """
+        for s, p in places.items():
+            had = self._places.get(s)
+            if drained_at is not None and had is not None and len(p.devices) != len(had.devices):
+                grew = len(p.devices) > len(had.devices)
+                self.resharded.append({"slice": s, "from": len(had.devices), "to": len(p.devices), "step": drained_at,
+                                       "at": time.time(), "why": "grew back (a worker with room joined)" if grew
+                                       else "drained onto fewer devices"})
+        self._places.update(places)
+
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
+        """Lease spare devices for each lost slice per the job's policy (waits, or fails the job).
+
+        Returns the places leased; :meth:`apply` makes them the job's.
+        """
+        assert self.settings is not None
+        policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
+        leases = self.term.leases()
+        placed: dict[str, SlicePlace] = {}
+        t0, told, waited_from = self.clock.monotonic(), False, 0.0
+        store, keys = self.term.store, self.term.keys
+        while True:
+            self.term.hold()
+            todo = {s: n for s, n in need.items() if s not in placed}
+            if not todo:
+                if told:  # the seconds this remap waited for a spare (the goodput bucket waiting_for_spares)
+                    record.spare_wait_s += self.clock.monotonic() - waited_from
+                return placed
+            snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
+            decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
+                                  allowed=self.device_counts)
+            if isinstance(decision, Remap | Shrink):
+                for a in decision.assignments:
+                    if self._lease(snap, a, leases, placed) and a.shrunk:
+                        self.resharded.append({"slice": a.slice, "from": a.needed, "to": len(a.devices),
+                                               "why": f"recovery {record.number}: no spare with {a.needed} "
+                                                      "devices (on_no_spare='shrink')", "at": time.time()})
+                        self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
+                continue
+            if isinstance(decision, Wait):
+                if not told:
+                    told, waited_from = True, self.clock.monotonic()
+                    self.log.warning("recovery.waiting", missing=dict(decision.missing), timeout_s=decision.timeout_s)
+                    self.event("job.waiting", recovery=record.number, missing=dict(decision.missing),
+                               timeout_s=decision.timeout_s,
+                               reason=f"no spare for {sorted(decision.missing)}: waiting up to {decision.timeout_s:g}s "
+                                      "for a worker with room to join")
+                self.clock.sleep(REMAP_POLL_S)
+                continue
+            if isinstance(decision, Fail):
+                raise JobFailed(decision.reason)
+            raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")
+
+    def lease_spares(self, need: Mapping[str, int], exclude: frozenset[str], *,
+                     shrink: bool = False) -> dict[str, SlicePlace] | str:
+        """Lease devices for each slice of ``need`` now (no waiting), or say why there are none.
+
+        ``shrink``: fewer devices will do when the job allows it (on_no_spare='shrink').
+        """
+        leases = self.term.leases()
+        placed: dict[str, SlicePlace] = {}
+        allow_shrink = shrink and self.settings is not None and self.settings.on_no_spare == "shrink"
+        store, keys = self.term.store, self.term.keys
+        for _ in range(LEASE_ATTEMPTS):
+            todo = {s: n for s, n in need.items() if s not in placed}
+            if not todo:
+                return placed
+            snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
+            decision = plan_remap(snap, todo, RemapPolicy(on_no_spare="shrink" if allow_shrink else "fail"),
+                                  exclude=exclude | {p.worker for p in placed.values()}, allowed=self.device_counts)
+            if not isinstance(decision, Remap | Shrink):
+                self.release_spares(placed)
+                return getattr(decision, "reason", f"no spare devices ({type(decision).__name__})").replace(
+                    "lost slice", "slice")
+            for a in decision.assignments:
+                self._lease(snap, a, leases, placed)
+        self.release_spares(placed)
+        return "other jobs kept taking the free devices first; ask again"
+
+    def _lease(self, snap: ClusterSnapshot, a: Assignment, leases: DeviceLeases, placed: dict[str, SlicePlace]) -> bool:
+        """Lease the devices the remap policy chose for one slice into ``placed``; False: another holder won them."""
+        p = self.term.until_etcd("leasing spare devices",
+                                 lambda: leases.lease(self.spec.job, a.slice, a.worker, a.devices))
+        if p is None:
+            return False
+        info = snap.workers[a.worker].info
+        placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+        return True
+
+    # -- releasing -------------------------------------------------------------------------------------
+
+    def release_on(self, worker: str, slices: Iterable[str], what: str) -> None:
+        """Release the devices the job's ``slices`` hold on ``worker`` (etcd outages ridden out)."""
+        leases = self.term.leases()
+        for s in slices:
+            self.term.until_etcd(what, lambda s=s: leases.release(self.spec.job, s, worker=worker))
+
+    def release_spares(self, places: Mapping[str, SlicePlace]) -> None:
+        """Give back spare devices leased and not used."""
+        for s, p in places.items():
+            self.release_on(p.worker, [s], "releasing spare devices")
+
+    def release_all(self) -> None:
+        """Every device lease of the job goes (its end, or a resume taking over); best effort."""
+        try:
+            self.term.leases().release(self.spec.job)
+        except (StoreError, AllocationError, NotLeader) as exc:
+            self.log.warning("job.release_failed", error=str(exc))

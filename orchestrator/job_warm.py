@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_records import ClusterSnapshot
 from rallypoint.orchestrator.job_workers import RPC_TIMEOUT_S, JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -97,6 +98,19 @@ class SpareWarmer:
             reason = "the spares changed"
         self._checked = now
         return reason
+
+    def check(self, now: float, completed: int, recovering: bool, snapshot: Callable[[], ClusterSnapshot], *,
+              exclude: frozenset[str] = frozenset()) -> None:
+        """Plan again from ``snapshot()`` when :meth:`due` says so (etcd away: not now, said in the log)."""
+        reason = self.due(now, completed, recovering)
+        if reason is None:
+            return
+        try:
+            snap = snapshot()
+        except StoreError as exc:
+            self.log.warning("job.warm_unplanned", error=str(exc))
+            return
+        self.refresh(snap, reason, exclude=exclude)
 
     @property
     def warming(self) -> bool:

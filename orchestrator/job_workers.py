@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -107,6 +108,23 @@ class JobWorkers:
             self.events.put(("ended", (worker, gen, "stream ended")))
         except grpc.RpcError as exc:
             self.events.put(("ended", (worker, gen, f"{exc.code().name} {exc.details()}")))
+
+    def gather_ended(self, lost: dict[str, str], grace_s: float) -> None:
+        """Other workers lost with those in ``lost``: their streams break within ``grace_s``; they join ``lost``.
+        Every other event read meanwhile goes back on the queue, in order, ahead of anything newer."""
+        deadline = time.monotonic() + grace_s
+        kept = []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                kind, (worker, gen, item) = self.events.get(timeout=left)
+            except queue.Empty:
+                break
+            if kind == "ended" and self.current(worker, gen):
+                lost.setdefault(worker, f"event stream ended: {item}")
+            else:
+                kept.append((kind, (worker, gen, item)))
+        for ev in kept:
+            self.events.put(ev)
 
     def drop(self, worker: str) -> None:
         """Forget a worker (lost, or about to be reloaded): its events are ignored from now on."""

@@ -187,14 +187,14 @@ class _CoordinatorCollector(Collector):
 def _job_values(ex: Any) -> dict[str, Any]:
     """One executor's numbers, read from the scrape thread (copies first: the executor's thread goes on)."""
     recoveries = list(ex.recoveries)
-    compute = dict.copy(ex.compute_s)
+    compute = dict.copy(ex.progress.compute_s)
     end = ex.ended_mono if ex.ended_mono is not None else ex.clock.monotonic()
-    steps_done = max(int(ex.completed) - int(ex.start), 0)
+    steps_done = max(int(ex.completed) - int(ex.progress.start), 0)
     return {
         "job": ex.spec.job, "state": ex.state.value, "completed": int(ex.completed), "steps_done": steps_done,
-        "steps_per_s": steps_per_s(steps_done, end - ex._t0),
+        "steps_per_s": steps_per_s(steps_done, end - ex.started_mono),
         "step_times": dict.copy(ex.step_times.by_slice),
         "recoveries": len(recoveries), "phases": phase_seconds(recoveries),
-        "replayed": sum(dict.copy(ex.replayed).values()), "drains": len(ex.drain_records),
-        "buckets": goodput_buckets(compute, float(ex.redone_s), recoveries),
+        "replayed": sum(dict.copy(ex.progress.replayed).values()), "drains": len(ex.drain_records),
+        "buckets": goodput_buckets(compute, float(ex.progress.redone_s), recoveries),
     }

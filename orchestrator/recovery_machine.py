@@ -24,8 +24,9 @@ to fence, :class:`Restoring` the cut, commits, plan and the workers to load, ...
 * **REPLAYING** / **CATCHING_UP**: the executor runs again; it reports instances
   (:meth:`Recovery.observe`) and progress (:meth:`Recovery.progressed`).
 
-What the machine needs of the job is :class:`RecoveryPort`, which the executor
-implements and tests fake (``tests/orchestrator/test_recovery_machine.py``).
+What the machine needs of the job is :class:`RecoveryPort`, which
+:class:`~rallypoint.orchestrator.job_ports.JobRecoveryPort` implements and tests
+fake (``tests/orchestrator/test_recovery_machine.py``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class RecoveryPort(abc.ABC):
     """
 
     graph: Graph
-    placement: dict[str, SlicePlace]
+    placement: Mapping[str, SlicePlace]  # read-only: the placement's owner applies what :meth:`place` is given
     cut: int  # the newest cut the workers were told of (their output logs reach back to it)
     log_floor: Mapping[str, int] = MappingProxyType({})  # node -> its log's first step, where past the cut (a drain)
     restore_tiers: Mapping[str, str] = MappingProxyType({})  # slice -> "memory" | "disk": what the last load read
@@ -190,6 +191,10 @@ class RecoveryPort(abc.ABC):
         """Lease spare devices for each slice of ``need`` (waits per policy; raises :class:`JobFailed`)."""
 
     @abc.abstractmethod
+    def place(self, places: Mapping[str, SlicePlace]) -> None:
+        """The slices of ``places`` run there from now on (what :meth:`remap` leased)."""
+
+    @abc.abstractmethod
     def load(self, workers: set[str] | None, start: int, commits: Commits, *,
              start_override: int | None = None) -> dict[str, WorkerCallFailed]:
         """Load ``workers`` (None: every worker of the placement) from the cut at ``start``; the failures."""
@@ -212,7 +217,9 @@ class RecoveryPort(abc.ABC):
 
     @abc.abstractmethod
     def restored(self, recovery: Recovery) -> None:
-        """The lost slices run again: the job goes back to RUNNING (record, event, grant)."""
+        """The lost slices run again from ``recovery.record.checkpoint_step``, which becomes the job's cut (lower
+        than before when the recovery fell back past a commit that did not restore): the job goes back to
+        RUNNING (record, event, grant)."""
 
 
 @dataclass
@@ -326,7 +333,7 @@ class Recovery:
         need = {sl: port.devices_of(sl) for sl in sorted(d.unplaced)}
         exclude = frozenset(set(port.loaded_workers()) | set(d.lost_workers))
         placed = port.remap(need, exclude, self.record) if need else {}
-        port.placement.update(placed)
+        port.place(placed)
         d.unplaced -= set(placed)
         self.record.moved.update({sl: p.worker for sl, p in placed.items()})
         new_workers = frozenset({port.placement[sl].worker for sl in d.lost_slices} - set(port.loaded_workers()))

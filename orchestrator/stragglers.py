@@ -46,17 +46,16 @@ cordoned (``done``), or its cordon is taken back (cancelled, aborted).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.drains import DrainRequest
-from rallypoint.basics.errors import NotLeader, StoreError
-from rallypoint.etcd.store import Delete, Put
-from rallypoint.orchestrator.job_state import JobState
+from rallypoint.basics.clock import Clock
+from rallypoint.etcd.cluster_view import ClusterSnapshot
+from rallypoint.orchestrator.drain import DrainRecord
+from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
 from rallypoint.recovery.stragglers import Keep, Migrate, StragglerSettings, judge
@@ -69,12 +68,60 @@ HISTORY_WINDOWS = 5  # a slice's baseline: the mean of its samples before the wi
 PAUSE_S = 0.5  # no instance of the job heard for this long: the job stood still, the steps around it are not judged
 
 
-class StragglerWatch:
-    """The straggler watch of one job's executor (see the module doc)."""
+class Progress(Protocol):
+    """The job's progress, read-only (:class:`~rallypoint.orchestrator.job_progress.JobProgress`)."""
 
-    def __init__(self, ex: Any) -> None:
-        self.ex = ex
-        spec: pb.JobSpec = ex.spec
+    @property
+    def completed(self) -> int: ...
+    @property
+    def granted(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+
+
+class StragglerPort(Protocol):
+    """What the watch needs of its job; the executor implements it, tests fake it."""
+
+    progress: Progress
+
+    def busy(self) -> str:
+        """Why no slice is judged now ("" when the job runs undisturbed; "every step is granted..." at its end)."""
+
+    def placement(self) -> Mapping[str, SlicePlace]:
+        """Slice -> where it runs now."""
+
+    def loaded_workers(self) -> list[str]:
+        """The workers whose runtimes the job uses now."""
+
+    def cluster(self) -> ClusterSnapshot | None:
+        """The cluster as etcd has it (None: etcd is away)."""
+
+    def cordon(self, worker: str, slice_name: str) -> str:
+        """Cordon ``worker`` as this watch's (``by``: ``CORDON_BY``); "" when done, else why not."""
+
+    def uncordon(self, worker: str) -> None:
+        """Take back the cordon this watch put (best effort)."""
+
+    def drain(self, worker: str) -> DrainRecord:
+        """Start a drain of ``worker`` (reason ``straggler``); its record follows it."""
+
+    def event(self, event: str, step: int = 0, **detail: Any) -> None:
+        """Send a job event."""
+
+
+class StragglerWatch:
+    """The straggler watch of one job (see the module doc).
+
+    Args:
+        spec: the job.
+        port: what the watch reads of the job and asks of it.
+        clock, log: the injected clock and the executor's logger.
+    """
+
+    def __init__(self, spec: pb.JobSpec, port: StragglerPort, *, clock: Clock, log: Any) -> None:
+        self.spec, self.port, self.clock, self.log = spec, port, clock, log
+        self._settings = StragglerSettings(mode="off")
+        self._every_k = 0  # the job's checkpoint interval (0: no checkpoints)
         self.slice_of = {n.name: n.slice for n in spec.nodes}
         self.slices = sorted({s.slice for s in spec.slices})
         per_mb = {n.name: n.per_microbatch for n in spec.nodes}
@@ -121,10 +168,13 @@ class StragglerWatch:
         self.decisions: list[dict[str, Any]] = []
         self._last_instance = float("inf")
 
+    def configure(self, settings: StragglerSettings, checkpoint_every: int) -> None:
+        """The job's settings, once checked; ``checkpoint_every`` 0 when the job keeps no checkpoints."""
+        self._settings, self._every_k = settings, checkpoint_every
+
     @property
     def settings(self) -> StragglerSettings:
-        s = self.ex.settings
-        return s.stragglers if s is not None else StragglerSettings(mode="off")
+        return self._settings
 
     # -- measuring ------------------------------------------------------------------------
 
@@ -132,7 +182,7 @@ class StragglerWatch:
         """A first run of an instance was heard now."""
         if self.settings.mode == "off":
             return
-        now = self.ex.clock.monotonic()
+        now = self.clock.monotonic()
         if now - self._last_instance > PAUSE_S:
             self._disturbed()  # the job as a whole stood still (etcd away, the executor paused): nobody's own time
         self._last_instance = now
@@ -158,7 +208,7 @@ class StragglerWatch:
         ready = self.granted_at.get(step)
         if ready is None:
             return None
-        start = self.ex.start
+        start = self.port.progress.start
         barrier = self._barrier(self.slice_of[node], step)
         if barrier is not None:
             saved = self.slice_done.get((barrier - 1, self.slice_of[node]))
@@ -172,7 +222,7 @@ class StragglerWatch:
                 at -= at % self.every[p]  # the producer's newest run before this step
             if at < start or at % self.every[p]:
                 continue  # before this run started, or the producer does not run at that step
-            mbs = [mb] if how == "mb" else range(self.ex.spec.microbatches) if self.per_mb[p] else [-1]
+            mbs = [mb] if how == "mb" else range(self.spec.microbatches) if self.per_mb[p] else [-1]
             for m in mbs:
                 t = self.heard.get(at, {}).get((p, m))
                 if t is None:
@@ -185,8 +235,7 @@ class StragglerWatch:
         return sum(k for every, k in self.runs[slice_name] if step % every == 0)
 
     def _checkpoint_every(self) -> int:
-        s = self.ex.settings
-        return s.checkpoint_every if s is not None and self.ex.run_dir is not None else 0
+        return self._every_k
 
     def _barrier(self, slice_name: str, step: int) -> int | None:
         """The checkpoint step a slice's instance at ``step`` waited behind (None: none since the run started)."""
@@ -194,41 +243,22 @@ class StragglerWatch:
         if every <= 0 or slice_name not in self.stateful:
             return None
         at = step - step % every
-        return at if at > self.ex.start else None
-
-    def _busy(self) -> str:
-        ex = self.ex
-        if ex.state is not JobState.RUNNING:
-            return f"the job is {ex.state.value}"
-        if ex.drains:
-            d = next(iter(ex.drains.values()))
-            return f"drain {d.record.number} of worker {d.worker} ({d.record.reason}) runs"
-        active = [m for m in ex.machines if not m.phase.is_terminal]
-        if active:
-            return f"recovery {active[0].record.number} runs"
-        warmer = getattr(ex, "warmer", None)
-        if warmer is not None and warmer.warming:
-            # Compiling takes CPU and memory bandwidth; where spares share hosts with the job's workers (the local
-            # cluster) the job's slices slow unevenly while it lasts: no slice is judged on those steps.
-            return "spares are compiling the job's programs"
-        if ex.granted >= ex.spec.steps:
-            return "every step is granted: the job ends soon"
-        return ""
+        return at if at > self.port.progress.start else None
 
     def advanced(self) -> None:
         """After the executor's progress: note grants, measure completed steps, judge, follow a drain."""
         if self.settings.mode == "off":
             return
-        ex, now = self.ex, self.ex.clock.monotonic()
-        for s in range(max(self._granted, ex.completed), ex.granted):
+        progress, now = self.port.progress, self.clock.monotonic()
+        for s in range(max(self._granted, progress.completed), progress.granted):
             self.granted_at.setdefault(s, now)
-        self._granted = max(self._granted, ex.granted)
+        self._granted = max(self._granted, progress.granted)
         if self.pending is not None:
             self._follow()
-        busy = self._busy()
+        busy = self.port.busy()
         if busy and not busy.startswith("every step"):
             self._disturbed()
-        while self._judged < ex.completed:
+        while self._judged < progress.completed:
             s = self._judged
             self._judged += 1
             self.finished_at[s] = now
@@ -249,7 +279,7 @@ class StragglerWatch:
     def _disturbed(self) -> None:
         # A runtime loaded (or rewired, resending its log) by a drain or recovery is slower for some steps
         # (first calls compile, logged outputs go out again): a window of steps passes before samples count.
-        self._quiet_from = max(self._quiet_from, self.ex.completed + self.settings.window)
+        self._quiet_from = max(self._quiet_from, self.port.progress.completed + self.settings.window)
         for q in self.recent.values():
             q.clear()
         self._recent_steps.clear()
@@ -262,7 +292,7 @@ class StragglerWatch:
         return max(0.0, sum(b - a for a, b in ready) - _overlap(ready, _merged(self.work.get(slice_name, []))))
 
     def _measure(self, step: int) -> None:
-        if step < max(self._quiet_from, self.ex.start + WARMUP_STEPS):
+        if step < max(self._quiet_from, self.port.progress.start + WARMUP_STEPS):
             return
         own = {s: self._own(step, s) for s in self.slices}
         w = self.settings.window
@@ -272,7 +302,7 @@ class StragglerWatch:
             if len(self._warm[self.slices[0]]) >= w:
                 self.baseline = {s: statistics.fmean(xs) for s, xs in self._warm.items()}
                 self.recent = {s: deque(maxlen=w) for s in self.slices}
-                self.ex.log.info("straggler.baseline", step=step, window=w,
+                self.log.info("straggler.baseline", step=step, window=w,
                                  baseline_s={s: round(v, 6) for s, v in self.baseline.items()})
             return
         for s, x in own.items():
@@ -290,9 +320,9 @@ class StragglerWatch:
     # -- deciding ---------------------------------------------------------------------------
 
     def _judge(self, step: int) -> None:
-        ex = self.ex
-        workers = {s: p.worker for s, p in ex.placement.items()}
-        busy = self._busy()
+        placement = self.port.placement()
+        workers = {s: p.worker for s, p in placement.items()}
+        busy = self.port.busy()
         if not busy and step < self._next_try:
             return  # no spare was found a moment ago (said then): asked again a window later
         got = judge({s: list(q) for s, q in self.recent.items()}, self.baseline, workers, settings=self.settings,
@@ -301,10 +331,10 @@ class StragglerWatch:
             if got.straggling:
                 self._say("keep", got.straggling[0], workers.get(got.straggling[0], ""), got.reason, got.evidence)
             return
-        on_worker = sorted(s for s, p in ex.placement.items() if p.worker == got.worker)
+        on_worker = sorted(s for s, p in placement.items() if p.worker == got.worker)
         why, cordoned = self._no_room(got.worker, on_worker)
         if why is None:  # etcd is away: workers waiting on it are slow for that, not for their hosts
-            ex.log.info("straggler.etcd_away", slice=got.slice, worker=got.worker, step=step)
+            self.log.info("straggler.etcd_away", slice=got.slice, worker=got.worker, step=step)
             self._disturbed()
             return
         if why:
@@ -316,13 +346,12 @@ class StragglerWatch:
     def _no_room(self, worker: str, slices: list[str]) -> tuple[str | None, bool]:
         """Why no spare has room for ``slices`` ("" when one has; None: etcd is away), and whether ``worker`` is
         cordoned already."""
-        ex = self.ex
-        try:
-            snap = read_cluster(ex.store, ex.keys)
-        except StoreError:
+        snap = self.port.cluster()
+        if snap is None:
             return None, False
-        need = {s: len(ex.placement[s].devices) for s in slices}
-        exclude = frozenset(ex.loaded_workers()) | {worker}
+        placement = self.port.placement()
+        need = {s: len(placement[s].devices) for s in slices}
+        exclude = frozenset(self.port.loaded_workers()) | {worker}
         plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"), exclude=exclude)
         if isinstance(plan, Remap):
             largest = max(need.values())
@@ -336,36 +365,33 @@ class StragglerWatch:
         return getattr(plan, "reason", f"no spare ({type(plan).__name__})").replace("lost slice", "slice"), False
 
     def _migrate(self, got: Migrate, slices: list[str], step: int, cordoned: bool) -> None:
-        ex = self.ex
         cordoned_now = False
         if not cordoned:
-            try:
-                ex.writer.txn([], [Put(ex.keys.cordon(got.worker), json.dumps(
-                    {"by": CORDON_BY, "job": ex.spec.job, "slice": got.slice, "at": time.time()}))])
-                cordoned_now = True
-            except (StoreError, NotLeader) as exc:
-                self._say("keep", got.slice, got.worker, f"could not cordon worker {got.worker}: {exc}", got.evidence)
+            error = self.port.cordon(got.worker, got.slice)
+            if error:
+                self._say("keep", got.slice, got.worker, f"could not cordon worker {got.worker}: {error}", got.evidence)
                 return
+            cordoned_now = True
         since = got.evidence.get("slow_since_index", 0)
         first_slow = self._recent_steps[since] if since < len(self._recent_steps) else step
-        onset = self.finished_at.get(first_slow - 1, self.finished_at.get(first_slow, ex.clock.monotonic()))
-        detection_s = round(ex.clock.monotonic() - onset, 4)
-        d = ex.start_drain(DrainRequest(got.worker, "straggler", "executor", time.time(), 0.0))
-        self.pending = {"drain": d, "slices": slices, "slice": got.slice, "worker": got.worker,
-                        "cordoned": cordoned_now, "decided": ex.clock.monotonic(), "onset": onset, "step": step}
+        onset = self.finished_at.get(first_slow - 1, self.finished_at.get(first_slow, self.clock.monotonic()))
+        detection_s = round(self.clock.monotonic() - onset, 4)
+        rec = self.port.drain(got.worker)
+        self.pending = {"drain": rec, "slices": slices, "slice": got.slice, "worker": got.worker,
+                        "cordoned": cordoned_now, "decided": self.clock.monotonic(), "onset": onset, "step": step}
         self._say("migrate", got.slice, got.worker, f"moving slices {slices} off worker {got.worker} by drain "
-                  f"{d.record.number}", got.evidence, detection_s=detection_s, slices=slices, drain=d.record.number,
+                  f"{rec.number}", got.evidence, detection_s=detection_s, slices=slices, drain=rec.number,
                   first_slow_step=first_slow)
 
     def _follow(self) -> None:
         """The straggler drain in flight: when it ends, note the move (cooldown) or take the cordon back."""
         p = self.pending
         assert p is not None
-        rec = p["drain"].record
+        rec = p["drain"]
         if rec.state not in ("done", "cancelled", "aborted"):
             return
         self.pending = None
-        ex, now = self.ex, self.ex.clock.monotonic()
+        now = self.clock.monotonic()
         if rec.state == "done":
             for s in rec.moved:
                 self.moved_at[s] = rec.step
@@ -375,25 +401,21 @@ class StragglerWatch:
                       since_onset_s=round(now - p["onset"], 4), drain=rec.number)
             return
         if p["cordoned"]:
-            try:
-                ex.writer.txn([], [Delete(ex.keys.cordon(p["worker"]))])
-            except (StoreError, NotLeader) as exc:
-                ex.log.warning("straggler.uncordon_failed", worker=p["worker"], error=str(exc))
+            self.port.uncordon(p["worker"])
         self._say("not_moved", p["slice"], p["worker"], f"drain {rec.number} {rec.state}: {rec.detail}; the cordon "
                   "this watch put is taken back", {"drain": rec.to_json()}, drain=rec.number)
 
     def _say(self, decision: str, slice_name: str, worker: str, reason: str, evidence: Any, **extra: Any) -> None:
         """Log and report a decision (a repeated ``keep`` only once per window of steps)."""
-        ex = self.ex
         key = (decision, slice_name, reason.split(";")[0])
         if decision == "keep" and key == self._last_said and self._judged - self._said_at < self.settings.window:
             return
         self._last_said, self._said_at = key, self._judged
         detail = {"decision": decision, "slice": slice_name, "worker": worker, "reason": reason,
                   "at": time.time(), **extra, "evidence": evidence}
-        level = ex.log.warning if decision in ("migrate", "no_spare", "not_moved") else ex.log.info
+        level = self.log.warning if decision in ("migrate", "no_spare", "not_moved") else self.log.info
         level(f"straggler.{decision}", **{k: v for k, v in detail.items() if k != "at"})
-        ex.event("job.straggler", step=ex.completed, **detail)
+        self.port.event("job.straggler", step=self.port.progress.completed, **detail)
         self.decisions = (self.decisions + [{k: v for k, v in detail.items() if k != "evidence"}])[-KEPT_DECISIONS:]
 
 

@@ -206,6 +206,7 @@ class FakeWorkers(JobWorkers):
         self.loads: list[tuple[str, int]] = []  # (worker, start step)
         self.rewires: list[tuple[str, int]] = []
         self.unloaded: list[str] = []
+        self.cuts: list[tuple[str, int, int]] = []  # (worker, generation, the cut its grant told it), in order
         self.warms: list[tuple[str, list[str]]] = []  # (spare, the slices it was asked to warm)
         self._slices: dict[str, list[str]] = {}
         self._ran: dict[str, int] = {}  # worker -> next step it runs
@@ -240,6 +241,7 @@ class FakeWorkers(JobWorkers):
         for w in list(workers if workers is not None else self.workers):
             if w in self.silent or w not in self.generation:
                 continue
+            self.cuts.append((w, self.generation[w], cut))
             gen = self.generation[w]
             cap = min(until, (holds or {}).get(w, until))
             while self._ran[w] < cap:

@@ -52,11 +52,10 @@ class Harness:
         self.election = FakeElection(self.store, self.keys, self.clock)
         self.events: list[pb.JobEvent] = []
         self.spec = spec or pipeline_spec()
+        self.workers = FakeWorkers(self.spec.job, self.spec, self.store, self.keys)
         self.x = JobExecutor(self.spec, store=self.store, keys=self.keys, election=self.election,
                              emit=self.events.append, clock=self.clock, checkpoint_root=str(tmp_path),
-                             adopted=adopted, loss_grace_s=0.0)
-        self.workers = FakeWorkers(self.spec.job, self.spec, self.store, self.keys)
-        self.x.workers = self.workers
+                             adopted=adopted, loss_grace_s=0.0, workers=self.workers)
 
     def names(self) -> list[str]:
         return [e.event for e in self.events if e.event != "step.done"]
@@ -89,7 +88,7 @@ def test_begin_places_loads_and_grants_then_steps_complete_the_job(tmp_path: Pat
     h.x.step(timeout_s=0.0)
     assert h.x.completed == 0  # one event a step: fwd0 of step 0
     h.steps_until(1)
-    assert h.x.granted == 3  # step 0 is done: the window of two steps moves on
+    assert h.x.progress.granted == 3  # step 0 is done: the window of two steps moves on
     h.steps_until(20)
     end = h.x.finish()
     assert end.event == "job.finished" and json.loads(end.detail)["recoveries"] == []
@@ -121,7 +120,7 @@ def test_a_lost_worker_moves_its_slice_to_the_spare_and_replays_only_it(tmp_path
     spare = h.worker_of("s1")
     assert spare not in (victim, survivor) and (spare, 10) in h.workers.loads
     assert h.workers.rewires == [(survivor, 10)]
-    assert h.x.machines[0].phase.value in ("replaying", "catching_up", "done")
+    assert h.x.recovery.machines[0].phase.value in ("replaying", "catching_up", "done")
     assert "job.recovering" in h.names() and "job.recovered" in h.names()
     assert h.x.failures[0]["worker"] == victim
 
@@ -228,7 +227,7 @@ def test_an_adopted_job_restarts_from_the_newest_cut_that_restores(tmp_path: Pat
     assert h.x.run() is JobState.SUCCEEDED
     adopted = [e for e in h.events if e.event == "job.adopted"]
     assert len(adopted) == 1 and adopted[0].step == 5  # the cut at 10 did not restore: its commit is dropped
-    assert [(c["slice"], c["step"]) for c in h.x.corrupt] == [("s1", 10)]
+    assert [(c["slice"], c["step"]) for c in h.x.port.corrupt] == [("s1", 10)]
     assert {s for _w, s in h.workers.loads} == {5}
     assert [e.step for e in h.events if e.event == "step.done"] == list(range(5, 20))
     assert h.record()["state"] == "succeeded" and h.record()["term"] == h.election.term
@@ -277,3 +276,57 @@ def test_a_pause_of_the_term_is_not_counted_as_a_stall(tmp_path: Path) -> None:
     assert paused["n"] > 0 and h.election.term == term
     h.steps_until(20)
     assert [e for e in h.events if e.event == "job.stalled"] == []
+
+
+def lose_with_a_corrupt_cut(h: Harness) -> None:
+    """s1's worker dies at step 12; every spare finds s1's checkpoint at step 10 corrupt when it restores it."""
+    h.x.begin()
+    h.steps_until(12)
+    assert h.x.progress.cut == 10
+    victim, survivor = h.worker_of("s1"), h.worker_of("s0")
+    spares = [w for w in ("w0", "w1", "w2", "w3") if w not in (victim, survivor)]
+    h.workers.load_failures = [{w: call_failed(w, grpc.StatusCode.DATA_LOSS, "corrupt",
+                                               corrupt_checkpoint_metadata("s1", 10)) for w in spares}]
+    h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)
+    h.workers.end(victim)
+
+
+def recovered(h: Harness, count: int) -> None:
+    for _ in range(100):
+        if len(h.x.recoveries) >= count and h.x.state is JobState.RUNNING:
+            return
+        h.x.step(timeout_s=0.0)
+    raise AssertionError(f"no recovery {count}")
+
+
+def test_a_fall_back_past_a_corrupt_commit_lowers_the_cut_the_workers_are_told(tmp_path: Path) -> None:
+    """The cut goes down with the restore: after falling back from a corrupt commit at step 10 to the cut at 5, no
+    grant tells the workers 10 (they would protect the bad step and release the good one) until 10 is saved anew."""
+    h = Harness(tmp_path, workers=4)
+    lose_with_a_corrupt_cut(h)
+    recovered(h, 1)
+    first = h.x.recoveries[0]
+    assert first.checkpoint_step == 5 and first.policy == "restart-all"
+    assert [(c["slice"], c["step"]) for c in h.x.port.corrupt] == [("s1", 10)]
+    h.steps_until(20)
+    restarted = set(first.generations.items())  # the runtimes loaded from step 5
+    told = [c for w, g, c in h.workers.cuts if (w, g) in restarted]
+    resaved = next(i for i, c in enumerate(told) if c != 5)
+    assert resaved > 0 and told[resaved] == 10 and all(c >= 10 for c in told[resaved:]), told
+
+
+def test_a_second_loss_after_a_fall_back_restores_from_the_lowered_cut(tmp_path: Path) -> None:
+    h = Harness(tmp_path, workers=4)
+    lose_with_a_corrupt_cut(h)
+    h.workers.silent.update(("w0", "w1", "w2", "w3"))  # nothing runs past the restore until the second loss
+    recovered(h, 1)
+    assert h.x.progress.cut == 5
+    second = h.worker_of("s0")
+    h.workers.silent.clear()
+    h.store.revoke_lease(h.store.get(h.keys.worker(second)).lease)
+    h.workers.end(second)
+    recovered(h, 2)
+    assert h.x.recoveries[1].checkpoint_step == 5 and h.x.progress.cut == 5
+    h.steps_until(20)
+    assert [(c["slice"], c["step"]) for c in h.x.port.corrupt] == [("s1", 10)]
+    assert h.x.progress.cut == 15

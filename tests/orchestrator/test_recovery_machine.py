@@ -105,6 +105,9 @@ class FakeJob(RecoveryPort):
         self.calls.append(("remap", tuple(sorted(placed.items()))))
         return placed
 
+    def place(self, places: Mapping[str, SlicePlace]) -> None:
+        self.placement.update(places)
+
     def load(self, workers: set[str] | None, start: int, commits: Mapping[str, list[CheckpointCommit]], *,
              start_override: int | None = None) -> dict[str, WorkerCallFailed]:
         targets = sorted(workers) if workers is not None else sorted({p.worker for p in self.placement.values()})

@@ -95,7 +95,7 @@ def test_a_slow_slice_moves_to_the_spare_by_a_drain_and_its_worker_stays_cordone
     assert h.worker_of("s1") == drain.moved["s1"] and migrated["moved"] == drain.moved
     cordon = h.store.get(h.keys.cordon(slow))
     assert cordon is not None and cordon.json()["by"] == "straggler" and cordon.json()["slice"] == "s1"
-    assert not h.x.replayed  # a drain replays nothing
+    assert not h.x.progress.replayed  # a drain replays nothing
     h.steps_until(80)
     detail = json.loads(h.x.finish().detail)
     assert [d["decision"] for d in detail["stragglers"]][:2] == ["migrate", "migrated"]
@@ -197,3 +197,90 @@ def test_the_loops_work_on_the_step_before_is_not_a_waiting_sources_own_time(tmp
     h.clock.advance(0.01)
     w.instance(pb.InstanceDone(node="src", step=2, compute_s=0.004, busy_s=0.001))
     assert w._own(2, "s0") == pytest.approx(0.06 - 0.045 - 0.005)
+
+
+class FakeProgress:
+    def __init__(self) -> None:
+        self.completed = self.granted = self.start = 0
+
+
+class FakePort:
+    """A scripted StragglerPort: s0 on w0, s1 on w1, spares w2 and w3 registered in a MemoryStore; it records the
+    cordons and drains the watch asks for (no executor)."""
+
+    def __init__(self) -> None:
+        from rallypoint.etcd.cluster_view import read_cluster
+        from rallypoint.etcd.keys import Keys
+        from rallypoint.orchestrator.placement import SlicePlace
+        from tests.fakes import MemoryStore, register_worker
+        self.progress = FakeProgress()
+        self.store, self.keys = MemoryStore(), Keys("t")
+        for w in ("w0", "w1", "w2", "w3"):
+            register_worker(self.store, self.keys, w, 1)
+        self._read = lambda: read_cluster(self.store, self.keys)
+        self.places = {"s0": SlicePlace("w0", "w0:1", 1, (0,)), "s1": SlicePlace("w1", "w1:1", 2, (0,))}
+        self.said: list[tuple[str, dict[str, Any]]] = []
+        self.cordoned: list[str] = []
+        self.drained: list[str] = []
+        self.busy_reason = ""
+
+    def busy(self) -> str:
+        return self.busy_reason
+
+    def placement(self) -> Any:
+        return self.places
+
+    def loaded_workers(self) -> list[str]:
+        return ["w0", "w1"]
+
+    def cluster(self) -> Any:
+        return self._read()
+
+    def cordon(self, worker: str, slice_name: str) -> str:
+        self.cordoned.append(worker)
+        return ""
+
+    def uncordon(self, worker: str) -> None:
+        self.cordoned.remove(worker)
+
+    def drain(self, worker: str) -> Any:
+        from rallypoint.orchestrator.drain import DrainRecord
+        self.drained.append(worker)
+        self.busy_reason = f"drain 1 of worker {worker} (straggler) runs"
+        return DrainRecord(1, worker, "straggler", 0, 0.0)
+
+    def event(self, event: str, step: int = 0, **detail: Any) -> None:
+        self.said.append((event, detail))
+
+
+def drive(watch: stragglers.StragglerWatch, port: FakePort, clock: Any, steps: range, slow: dict[str, float]) -> None:
+    """Each step granted, then fwd0 (s0) and fwd1 (s1) heard in turn, each taking 2 ms plus its slice's stall."""
+    for s in steps:
+        port.progress.granted = s + 1
+        watch.advanced()
+        for node, sl in (("fwd0", "s0"), ("fwd1", "s1")):
+            clock.advance(0.002 + slow.get(sl, 0.0))
+            watch.instance(pb.InstanceDone(node=node, step=s, compute_s=0.001))
+        port.progress.completed = s + 1
+        watch.advanced()
+
+
+def test_the_watch_judges_through_its_port_alone_and_moves_a_stalled_slice() -> None:
+    from rallypoint.basics.clock import FakeClock
+    from rallypoint.recovery.stragglers import StragglerSettings
+    from tests.orchestrator.test_job_collaborators import Log
+    clock, port, log = FakeClock(), FakePort(), Log()
+    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=log)
+    watch.configure(StragglerSettings(), checkpoint_every=0)
+    drive(watch, port, clock, range(0, 20), {})
+    assert watch.baseline and port.said == []
+    port.busy_reason = "recovery 1 runs"  # nothing is judged while the job is disturbed
+    drive(watch, port, clock, range(20, 40), {"s1": 0.08})
+    assert port.drained == [] and port.said == []
+    port.busy_reason = ""
+    drive(watch, port, clock, range(40, 70), {"s1": 0.08})
+    assert port.drained == []  # a window of undisturbed steps passes before samples count again
+    drive(watch, port, clock, range(70, 100), {"s1": 0.08})
+    decisions = [d["decision"] for e, d in port.said if e == "job.straggler"]
+    assert decisions == ["migrate"] and port.drained == ["w1"] and port.cordoned == ["w1"], port.said
+    assert port.said[0][1]["slice"] == "s1" and port.said[0][1]["first_slow_step"] >= 56

@@ -1,0 +1,153 @@
+"""Loading a job's runtimes onto its workers, and rewiring the survivors after a move.
+
+:class:`JobLoads` builds each worker's ``LoadJobRequest`` from the placement (programs,
+routes, the cut to start from with its commits, checkpoint settings, where the in-memory
+checkpoint tier copies each slice's commits) and sends it through
+:class:`~rallypoint.orchestrator.job_workers.JobWorkers`. It owns what the loads tell:
+``holders`` (slice -> the peer its commits are copied to now), ``restore_tiers`` (slice ->
+``"memory"`` or ``"disk"``, what the last load restored from), ``program_sources``
+(node -> ``"warm"`` or ``"cold"``) and ``last_heard`` (worker -> when it was last loaded or
+heard from: a recovery's detection time starts there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rallypoint.basics.clock import Clock
+from rallypoint.basics.errors import StoreError
+from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
+from rallypoint.orchestrator.failures import WorkerCallFailed
+from rallypoint.orchestrator.job_recovery import RecoverySettings
+from rallypoint.orchestrator.job_term import Commits, JobTerm
+from rallypoint.orchestrator.job_workers import JobWorkers
+from rallypoint.orchestrator.placement import SlicePlace, load_requests
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.replicas import plan_replicas, replica_sources
+
+FLUSH_S = 30.0  # how long a worker being unloaded gets to deliver the pushes it had sent
+
+
+class JobLoads:
+    """Loads and rewires of one job's runtimes (see the module doc)."""
+
+    def __init__(self, spec: pb.JobSpec, workers: JobWorkers, term: JobTerm, placement: Mapping[str, SlicePlace], *,
+                 clock: Clock, log: Any) -> None:
+        self.spec, self.workers, self.term, self.placement, self.clock, self.log = \
+            spec, workers, term, placement, clock, log
+        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self.run_dir: Path | None = None
+        self.holders: dict[str, pb.ReplicaPeer] = {}
+        self.restore_tiers: dict[str, str] = {}
+        self.program_sources: dict[str, str] = {}
+        self.last_heard: dict[str, float] = {}
+
+    @property
+    def loaded(self) -> list[str]:
+        """The workers whose runtimes the job uses now."""
+        return self.workers.workers
+
+    def heard(self, worker: str) -> None:
+        self.last_heard[worker] = self.clock.monotonic()
+
+    def requests(self, workers: set[str] | None, start: int, commits: Commits) -> dict[str, pb.LoadJobRequest]:
+        """Load requests (of ``workers``, or all) that start from the cut at ``start`` with the given commits."""
+        assert self.settings is not None
+        reqs = load_requests(self.spec, self.placement, cluster=self.term.keys.cluster, term=self.term.term)
+        targets, sources = self.replica_plan(start > 0)
+        for w, req in reqs.items():
+            req.replica_targets.extend(targets[sa.slice] for sa in req.slices if sa.slice in targets)
+            req.replica_sources.extend(p for sa in req.slices for p in sources.get(sa.slice, ()))
+            req.checkpoint_every = self.settings.checkpoint_every
+            req.checkpoint_dir = str(self.run_dir or "")
+            req.keep_checkpoints = self.settings.keep_checkpoints
+            req.log_limit_bytes = self.settings.log_limit_bytes
+            req.start_step = start
+            for sa in req.slices:
+                for c in commits.get(sa.slice, ()):
+                    ref = pb.CheckpointRef(slice=c.slice_name, step=c.step, path=c.path, checksum=c.checksum)
+                    if c.step == start:
+                        req.restore.append(ref)
+                    elif c.step > start:
+                        req.committed.append(ref)
+        return {w: r for w, r in reqs.items() if workers is None or w in workers}
+
+    def load(self, workers: set[str] | None, start: int, commits: Commits, *,
+             start_override: int | None = None) -> dict[str, WorkerCallFailed]:
+        """Load ``workers`` (None: every worker of the placement) from the cut at ``start``; the failures by worker."""
+        reqs = self.requests(workers, start, commits)
+        if start_override is not None:  # only a deliberately broken recovery (ExecutorHooks.skip_replay)
+            for req in reqs.values():
+                req.start_step = start_override
+        addresses = {p.worker: p.address for p in self.placement.values()}
+        for w in reqs:
+            self.heard(w)
+        failed = self.workers.load(reqs, addresses)
+        self.restore_tiers = dict(self.workers.restore_tiers)
+        self.program_sources = dict(self.workers.program_sources)
+        for w, req in reqs.items():
+            if w not in failed:
+                self.holders.update({t.slice: t for t in req.replica_targets})
+        return failed
+
+    def replica_plan(self, restoring: bool) -> tuple[dict[str, pb.ReplicaPeer], dict[str, list[pb.ReplicaPeer]]]:
+        """The in-memory checkpoint tier (``recovery.replicas``): where each slice's commits are
+        copied, and (``restoring``) where copies of the commits it restores may be: the holder
+        in force when they were made, then the new one, if registered. etcd is read only when
+        needed (a one-worker job's spares, a restore's live holders); unreachable: no copies."""
+        peers = {p.worker: pb.ReplicaPeer(worker_id=p.worker, address=p.address, incarnation=p.incarnation)
+                 for p in self.placement.values()}
+        snap = None
+        if restoring or len(peers) == 1:
+            try:
+                snap = read_cluster(self.term.store, self.term.keys)
+            except StoreError as exc:
+                self.log.warning("replicas.unplanned", error=str(exc))
+        spares = snap.spares if snap is not None else []
+        if snap is not None:
+            for w in spares:
+                info = snap.workers[w].info
+                peers[w] = pb.ReplicaPeer(worker_id=w, address=info.address, incarnation=info.incarnation)
+        plan = plan_replicas({s: p.worker for s, p in self.placement.items()}, spares)
+        targets = {s: pb.ReplicaPeer(slice=s, worker_id=h, address=peers[h].address, incarnation=peers[h].incarnation)
+                   for s, h in plan.items()}
+        if not restoring or snap is None:
+            return targets, {}
+        known = {(p.slice, p.worker_id): p for p in [*self.holders.values(), *targets.values()]}
+        alive = {w for (_, w), p in known.items() if w in snap.workers and snap.workers[w].info.incarnation == p.incarnation}
+        chosen = replica_sources({s: p.worker_id for s, p in self.holders.items()}, plan, list(self.placement), alive)
+        return targets, {s: [known[(s, w)] for w in ws] for s, ws in chosen.items()}
+
+    def rewire(self, worker: str, nodes: list[str], cut: int, until: int, commits: Commits) -> pb.RewireResponse:
+        """Point a survivor's routes at the new places; it resends its logged outputs of ``nodes`` from ``cut``.
+
+        Raises :class:`WorkerCallFailed`."""
+        reqs = self.requests(None, cut, commits)
+        req = reqs.get(worker, pb.LoadJobRequest())
+        r = self.workers.rewire(worker, req.routes, nodes, cut, until, req.replica_targets)
+        self.holders.update({t.slice: t for t in req.replica_targets})
+        return r
+
+    def forget(self, worker: str) -> None:
+        """Stop using the worker's runtime (its events are ignored from now on)."""
+        self.workers.drop(worker)
+
+    def unload(self, worker: str) -> None:
+        """Unload the worker after its pushes on their way arrived, and forget it."""
+        self.workers.unload(worker, flush_s=FLUSH_S)
+        self.forget(worker)
+
+    def unload_everywhere(self, snap: ClusterSnapshot) -> None:
+        """Resume or adopt: unload the job from every registered worker (a lost leader's runtimes); best effort."""
+        for w, ws in snap.workers.items():
+            self.workers.unload_stale(w, ws.info.address, pb.Identity(cluster=self.term.keys.cluster, worker_id=w,
+                                                                      incarnation=ws.info.incarnation,
+                                                                      term=self.term.term))
+
+    def reset_all(self) -> None:
+        """Unload and forget every runtime (restart-all reloads them all)."""
+        for w in self.workers.workers:
+            self.workers.unload(w)
+            self.workers.drop(w)

@@ -1,0 +1,235 @@
+"""The executor's collaborators one at a time, each against a MemoryStore, a FakeElection and fakes of its peers.
+
+No executor is built here: each collaborator takes only what it acts through (the term,
+the placement, the loads, the progress), as the executor wires them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import pytest
+
+from rallypoint.basics.clock import FakeClock
+from rallypoint.basics.errors import StoreUnavailable
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.etcd.drains import DrainRequest
+from rallypoint.etcd.keys import Keys
+from rallypoint.orchestrator.job_drains import JobDrains
+from rallypoint.orchestrator.job_loads import JobLoads
+from rallypoint.orchestrator.job_placement import JobPlacement
+from rallypoint.orchestrator.job_ports import JobRecoveryPort, JobStragglerPort
+from rallypoint.orchestrator.job_progress import JobProgress
+from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job_state import HandedOff, JobFailed
+from rallypoint.orchestrator.job_term import JobTerm
+from rallypoint.orchestrator.placement import SlicePlace
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.replay import Graph
+from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker
+from tests.orchestrator.test_executor import pipeline_spec
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.events.append((event, kw))
+
+    warning = error = info
+
+
+class Parts:
+    """The collaborators of one job, wired as the executor wires them, over three registered workers."""
+
+    def __init__(self, workers: int = 3) -> None:
+        self.keys, self.store, self.clock, self.log = Keys("t"), MemoryStore(), FakeClock(), Log()
+        for i in range(workers):
+            register_worker(self.store, self.keys, f"w{i}", 1)
+        self.election = FakeElection(self.store, self.keys, self.clock)
+        self.spec = pipeline_spec()
+        self.graph = Graph.from_spec(self.spec)
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.term = JobTerm("pipe", store=self.store, keys=self.keys, election=self.election, clock=self.clock,
+                            log=self.log)
+        self.progress = JobProgress(self.spec, self.graph)
+        self.places = JobPlacement(self.spec, self.term, clock=self.clock, log=self.log, event=self.event)
+        self.workers = FakeWorkers("pipe", self.spec, self.store, self.keys)
+        self.loads = JobLoads(self.spec, self.workers, self.term, self.places.slices, clock=self.clock, log=self.log)
+        self.granted: list[list[str]] = []
+        self.drains = JobDrains(self.spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
+                                progress=self.progress, clock=self.clock, log=self.log, event=self.event,
+                                grant=self.granted.append, running=lambda: True, record=lambda: None)
+        settings = RecoverySettings.from_spec(self.spec)
+        for c in (self.places, self.loads, self.drains):
+            c.settings = settings
+        self.drains.checkpoints = True
+
+    def event(self, name: str, step: int = 0, **detail: Any) -> None:
+        self.events.append((name, {"step": step, **detail}))
+
+    def leases(self) -> list[str]:
+        return [kv.key for kv in self.store.get_prefix(self.keys.leases)[0]]
+
+
+# -- JobTerm ------------------------------------------------------------------------------------------
+
+
+def test_the_term_hands_off_once_deposed_and_writes_nothing_more() -> None:
+    p = Parts()
+    p.term.hold()
+    p.election.depose()
+    with pytest.raises(HandedOff):
+        p.term.hold()
+    assert not p.term.write_quietly("x.failed", [])
+
+
+def test_the_term_retries_etcd_calls_through_an_outage_and_says_what_failed_after_it() -> None:
+    p = Parts()
+    calls = {"n": 0}
+
+    def flaky() -> int:
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise StoreUnavailable("etcd away")
+        return 7
+
+    assert p.term.until_etcd("reading", flaky) == 7 and calls["n"] == 3
+
+    def down() -> int:
+        raise StoreUnavailable("etcd away")
+
+    with pytest.raises(JobFailed, match="reading: etcd stayed unreachable"):
+        p.term.until_etcd("reading", down)
+
+
+def test_the_term_sees_a_registration_gone_and_drops_a_commit_in_etcd() -> None:
+    p = Parts()
+    inc = p.store.get(p.keys.worker("w1")).create_revision
+    assert p.term.gone({"w1": inc}) == {} and p.term.registered("w1", {inc})
+    p.store.revoke_lease(p.store.get(p.keys.worker("w1")).lease)
+    assert "registration is gone" in p.term.gone({"w1": inc})["w1"] and not p.term.registered("w1", {inc})
+    c = CheckpointCommit("pipe", "s0", 5, "/ck/s0/5", "x")
+    p.store.put(p.keys.checkpoint("pipe", "s0", 5), json.dumps(c.to_json()))
+    assert [x.step for x in p.term.commits()["s0"]] == [5]
+    p.term.drop_commit("s0", 5)
+    assert p.term.commits().get("s0", []) == []
+
+
+# -- JobPlacement -----------------------------------------------------------------------------------------
+
+
+def test_placement_leases_every_slice_and_is_read_only_to_everyone_else() -> None:
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    assert sorted(p.places.slices) == ["s0", "s1"] and len(p.leases()) == 2
+    with pytest.raises(TypeError):
+        p.places.slices["s0"] = SlicePlace("w9", "", 1, (0,))  # type: ignore[index]
+    assert [e for e, _ in p.events] == ["job.placed"]
+    p.places.release_all()
+    assert p.leases() == []
+
+
+def record(**kw: Any) -> RecoveryRecord:
+    return RecoveryRecord(number=1, lost={}, reasons={}, detected_at=0.0, detected_mono=0.0, detection_s=0.0, **kw)
+
+
+def test_a_remap_leases_a_spare_and_apply_makes_it_the_slices_place() -> None:
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    lost = p.places.slices["s1"].worker
+    placed = p.places.remap({"s1": 1}, frozenset({lost, p.places.slices["s0"].worker}),
+                            record())
+    assert placed["s1"].worker not in (lost, p.places.slices["s0"].worker)
+    assert p.places.slices["s1"].worker == lost  # leased, not yet the job's
+    p.places.apply(placed)
+    assert p.places.slices["s1"].worker == placed["s1"].worker and p.places.resharded == []
+
+
+def test_a_remap_with_no_spare_and_on_no_spare_fail_fails_the_job_naming_the_slice() -> None:
+    p = Parts(workers=2)
+    p.places.settings = RecoverySettings.from_spec(pipeline_spec(on_no_spare="fail"))
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    with pytest.raises(JobFailed, match="s1"):
+        p.places.remap({"s1": 1}, frozenset({"w0", "w1"}),
+                       record())
+
+
+# -- JobDrains ----------------------------------------------------------------------------------------------
+
+
+def loaded(p: Parts) -> None:
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    assert p.loads.load(None, 0, {}) == {}
+    p.progress.widen(2)
+
+
+def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instead_of_recovering() -> None:
+    p = Parts()
+    loaded(p)
+    victim = p.places.slices["s1"].worker
+    p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
+    assert p.drains.step() == {} and p.drains.holds == {victim: 2}  # held at the grant
+    for s in (0, 1):
+        for node in ("fwd0", "fwd1"):
+            p.progress.instance(pb.InstanceDone(node=node, step=s))
+    p.progress.complete()
+    p.progress.commit("s1", 2)
+    spare = next(w for w in ("w0", "w1", "w2") if w not in {q.worker for q in p.places.slices.values()})
+    p.workers.load_failures = [{spare: call_failed(spare, grpc.StatusCode.UNAVAILABLE, "Connection refused")}]
+    lost = p.drains.step()
+    assert list(lost) == [spare] and p.drains.drains == {}
+    assert p.drains.drain_records[0].state == "aborted"
+
+
+def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing() -> None:
+    p = Parts()
+    loaded(p)
+    p.drains.checkpoints = False
+    before = (dict(p.places.slices), p.leases())
+    victim = p.places.slices["s1"].worker
+    p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
+    assert p.drains.step() == {} and p.drains.drains == {}
+    assert p.drains.drain_records[0].state == "cancelled" and "keeps no checkpoints" in p.drains.drain_records[0].detail
+    assert (dict(p.places.slices), p.leases()) == before and p.drains.holds == {}
+
+
+# -- the ports ------------------------------------------------------------------------------------------------
+
+
+def test_the_recovery_port_lowers_the_cut_to_the_restore_ignoring_commits_past_the_bad_cut() -> None:
+    p = Parts()
+    for s in ("s0", "s1"):
+        for step in (5, 10):
+            p.store.put(p.keys.checkpoint("pipe", s, step), json.dumps(CheckpointCommit("pipe", s, step, "/", "x")
+                                                                      .to_json()))
+            p.progress.commit(s, step)
+    assert p.progress.cut == 10
+    restored: list[Any] = []
+    port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                           on_restored=restored.append)
+
+    class Rec:  # what the port reads of a Recovery
+        record = record(checkpoint_step=5)
+        data = type("D", (), {"bad_cut": 10})()
+
+    port.restored(Rec())  # type: ignore[arg-type]
+    assert p.progress.cut == 5 and restored
+    assert p.progress.commit("s0", 10) is None  # s0's commit at 10 is past the bad cut: it counts once heard anew
+    assert p.progress.commit("s1", 10) == 10
+
+
+def test_the_straggler_port_cordons_as_the_watch_and_takes_its_cordon_back() -> None:
+    p = Parts()
+    port = JobStragglerPort("pipe", term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                            drains=p.drains, busy=lambda: "", event=p.event)
+    assert port.cordon("w1", "s1") == ""
+    assert json.loads(p.store.get(p.keys.cordon("w1")).value)["by"] == "straggler"
+    port.uncordon("w1")
+    assert p.store.get(p.keys.cordon("w1")) is None
+    p.election.depose()
+    assert port.cordon("w1", "s1") != "" and p.store.get(p.keys.cordon("w1")) is None  # a term that is over writes nothing
