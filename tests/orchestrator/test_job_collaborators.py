@@ -233,3 +233,42 @@ def test_the_straggler_port_cordons_as_the_watch_and_takes_its_cordon_back() -> 
     assert p.store.get(p.keys.cordon("w1")) is None
     p.election.depose()
     assert port.cordon("w1", "s1") != "" and p.store.get(p.keys.cordon("w1")) is None  # a term that is over writes nothing
+
+
+# -- JobLoads and JobRecoveries -------------------------------------------------------------------------------
+
+
+def test_loads_start_each_slice_from_the_cut_and_name_the_newer_commits() -> None:
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    commits = {s: [CheckpointCommit("pipe", s, step, f"/ck/{s}/{step}", "x") for step in (5, 10, 15)]
+               for s in ("s0", "s1")}
+    reqs = p.loads.requests(None, 10, commits)
+    assert sorted(reqs) == sorted({q.worker for q in p.places.slices.values()})
+    for req in reqs.values():
+        assert req.start_step == 10 and [r.step for r in req.restore] == [10] and [r.step for r in req.committed] == [15]
+    one = p.places.slices["s1"].worker
+    assert list(p.loads.requests({one}, 10, commits)) == [one]
+    assert p.loads.load({one}, 10, commits) == {} and p.loads.loaded == [one] and one in p.loads.last_heard
+    p.loads.reset_all()
+    assert p.loads.loaded == [] and one in p.workers.unloaded
+
+
+def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -> None:
+    from rallypoint.orchestrator.job_recoveries import JobRecoveries
+    from rallypoint.orchestrator.watchdog import ProgressWatchdog
+    from rallypoint.recovery.decide import Budget, Fail, Refence
+    p = Parts()
+    port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                           on_restored=lambda r: None)
+    rec = JobRecoveries(port, budget=Budget(stall=1), clock=p.clock, log=p.log, microbatches=1)
+    dog = ProgressWatchdog(p.clock, 30)
+    p.clock.advance(31)
+    assert dog.check() is not None
+    reason, decision = rec.stalled(31.0, dog, {"w1": "node 'fwd1' made no progress past step 4"}, 4)
+    assert isinstance(decision, Refence) and "no progress for 31.0s" in reason and "w1: node 'fwd1'" in reason
+    p.clock.advance(31)
+    assert dog.check() is not None
+    _reason, decision = rec.stalled(31.0, dog, {"w1": "again"}, 4)
+    assert isinstance(decision, Fail)
+    assert rec.active is None and rec.to_json() == []
