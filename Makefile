@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser demo test layers bench chaos soak proto clean
+.PHONY: install browser demo test check layers bench chaos soak proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,14 @@ demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
 	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
+# The whole suite, with its 25 slowest tests at the end (CI's log shows where the time goes).
 test: $(STAMP) layers browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
+
+# The fast tier for the edit-test loop: the unit and property tests that start no process
+# (tests marked `processes` left out; tests/conftest.py marks them and refuses a process to the rest).
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not processes" tests
 
 # Chromium for the dashboard's browser tests (tests/integration/test_dashboard.py), from the system
 # packages when it is missing and this is root with apt-get; otherwise those tests skip and say why.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import _posixsubprocess
 import json
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,75 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 SESSION_NOTES: list[str] = []
 """Lines for the end of the session's output (a screenshot's path, why a browser test skipped)."""
+
+
+# -- the two tiers -----------------------------------------------------------------------------------
+# `make check` runs the tests that start no process (`-m "not processes"`); `make test` runs them all.
+# A test is marked `processes` when it lives under tests/integration, uses a fixture that starts
+# processes (PROCESS_FIXTURES), or says so itself (`@pytest.mark.processes`, or a module's `pytestmark`).
+# Every other test runs with process creation refused: one that starts a process without the mark
+# fails, in both tiers, naming the mark, so the fast tier cannot silently come to start processes.
+
+PROCESS_FIXTURES = frozenset({"etcd", "store", "local_cluster"})
+PROCESS_DIRS = ("integration",)
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        top = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
+        if top in PROCESS_DIRS or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
+
+
+class ProcessRefused(RuntimeError):
+    pass
+
+
+_SPAWNERS = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "posix_spawn"),
+             (os, "posix_spawnp"), (os, "fork")]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    return (yield from _refusing_processes(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    return (yield from _refusing_processes(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Any:
+    return (yield from _refusing_processes(item))
+
+
+def _refusing_processes(item: pytest.Item) -> Any:
+    """Run one phase of ``item``; unless it is marked ``processes``, no process may start in it."""
+    if item.get_closest_marker("processes"):
+        return (yield)
+    tried: list[str] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def spawner(*args: Any, **kwargs: Any) -> Any:
+            tried.append(name)
+            raise ProcessRefused(f"{item.nodeid} started a process ({name}) but is not marked "
+                                 "`processes`: mark it (@pytest.mark.processes) so that `make check` leaves it out")
+        return spawner
+
+    saved = [(mod, name, getattr(mod, name)) for mod, name in _SPAWNERS if hasattr(mod, name)]
+    for mod, name, _ in saved:
+        setattr(mod, name, refuse(f"{mod.__name__}.{name}"))
+    try:
+        result = yield
+    finally:
+        for mod, name, original in saved:
+            setattr(mod, name, original)
+    if tried:  # also when the test caught the error
+        raise ProcessRefused(f"{item.nodeid} started a process ({', '.join(tried)}) but is not marked `processes`: "
+                             "mark it (@pytest.mark.processes) so that `make check` leaves it out")
+    return result
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

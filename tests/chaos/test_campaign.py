@@ -263,6 +263,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     (["scenarios/campaign-short.toml", "--seeds", "0"], "--seeds must be at least 1, got 0"),
     (["scenarios/kill-worker.toml", "--seeds", "3"], "has no [random] section"),
 ])
+@pytest.mark.processes
 def test_bad_input_is_one_clear_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     out = tmp_path / "campaign"
     r = cli(*args, "--out", str(out))
@@ -273,6 +274,7 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(args: list[str], message
     assert not out.exists()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_a_real_three_seed_campaign_passes_every_seed(tmp_path: Path) -> None:
     out = tmp_path / "campaign"

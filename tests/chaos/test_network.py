@@ -96,6 +96,7 @@ def _partition_and_heal(lc: LocalCluster, control: PartitionControl) -> dict[str
         store.close()
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
 def test_netns_partition_loses_a_live_worker_and_heal_brings_a_new_incarnation(tmp_path: Path) -> None:
     lc, control = start_partitionable_cluster(_config(tmp_path), mode="netns")
@@ -134,6 +135,7 @@ def test_netns_partition_loses_a_live_worker_and_heal_brings_a_new_incarnation(t
     control.close()  # idempotent
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
 def test_netns_partition_cuts_both_directions_and_teardown_is_exact() -> None:
     with NetnsNetwork() as a, NetnsNetwork() as b:
@@ -155,6 +157,7 @@ def test_netns_partition_cuts_both_directions_and_teardown_is_exact() -> None:
     a.teardown()  # idempotent
 
 
+@pytest.mark.processes
 def test_proxy_partition_loses_a_live_worker_and_heal_brings_a_new_incarnation(tmp_path: Path) -> None:
     lc, control = start_partitionable_cluster(_config(tmp_path), mode="proxy")
     try:

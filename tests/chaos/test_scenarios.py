@@ -21,6 +21,7 @@ from rallypoint.chaos.report import load_report
 from rallypoint.chaos.runner import run_scenario
 from rallypoint.chaos.scenario import KINDS, load_scenario
 
+pytestmark = pytest.mark.processes  # every test here starts processes
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = sorted(p.stem for p in (ROOT / "scenarios").glob("*.toml")
                if p.stem != "soak" and not p.stem.startswith("campaign"))  # campaigns vary by seed: test_campaign.py

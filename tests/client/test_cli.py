@@ -13,6 +13,7 @@ import pytest
 from rallypoint.cluster.local import STATE_FILE, LocalCluster, is_running
 from tests.conftest import read_events, wait_until
 
+pytestmark = pytest.mark.processes  # every test here starts processes
 ROOT = Path(__file__).resolve().parents[2]
 
 

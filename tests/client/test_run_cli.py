@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rallypoint.client.reference import run_reference
 from tests.client.test_cli import ROOT, rp
 from tests.examples import example
 
 
+@pytest.mark.processes
 def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest() -> None:
     r = rp("run", "--reference", "--json", "--steps", "3", str(ROOT / "examples" / "rl_loop.py"))
     events = [json.loads(line) for line in r.stdout.splitlines()]
@@ -21,11 +24,13 @@ def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest() ->
     assert final["state_digest"] == run_reference(example("rl_loop").build(steps=3)).state_digest
 
 
+@pytest.mark.processes
 def test_run_reference_shows_progress_and_the_digest() -> None:
     r = rp("run", "--reference", "--steps", "2", str(ROOT / "examples" / "data_parallel.py"))
     assert "data-parallel: 2 steps" in r.stdout and "state digest" in r.stdout
 
 
+@pytest.mark.processes
 def test_bad_job_files_get_a_clear_message_and_a_nonzero_exit(tmp_path: Path) -> None:
     cases = {
         "missing.py": (None, "not found"),
@@ -55,6 +60,7 @@ def test_bad_job_files_get_a_clear_message_and_a_nonzero_exit(tmp_path: Path) ->
 
 
 
+@pytest.mark.processes
 def test_a_straggler_factor_of_one_or_less_is_refused_before_anything_runs() -> None:
     r = rp("run", "--reference", "--straggler-factor", "1", str(ROOT / "examples" / "rl_loop.py"), check=False)
     assert r.returncode == 1 and "--straggler-factor must be > 1" in r.stderr and "Traceback" not in r.stderr

@@ -83,6 +83,7 @@ def _fake_binary(path: Path, body: str) -> Path:
 # --- single member ---------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_single_member_put_get_stop(single: EtcdCluster) -> None:
     member = single.members[0]
     assert single.endpoints == [f"127.0.0.1:{member.client_port}"]
@@ -105,6 +106,7 @@ def test_single_member_put_get_stop(single: EtcdCluster) -> None:
     single.stop()  # idempotent
 
 
+@pytest.mark.processes
 def test_single_member_restart_keeps_data(single: EtcdCluster) -> None:
     member = single.members[0]
     ports, old_pid = (member.client_port, member.peer_port), member.pid
@@ -121,6 +123,7 @@ def test_single_member_restart_keeps_data(single: EtcdCluster) -> None:
         client.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("heartbeat_ms", "election_ms"), [(50, 500), (100, 1000)])
 def test_min_lease_ttl_matches_server(
     tmp_path: Path, no_env_binary: None, heartbeat_ms: int, election_ms: int
@@ -150,6 +153,7 @@ def test_min_lease_ttl_rule_uses_whole_ticks() -> None:
 # --- three members -----------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_three_members_quorum(tmp_path: Path, no_env_binary: None) -> None:
     cluster = EtcdCluster.start(members=3, base_dir=tmp_path)
     seen_pids = cluster.pids
@@ -198,6 +202,7 @@ def test_three_members_quorum(tmp_path: Path, no_env_binary: None) -> None:
     assert cluster.pids == []
 
 
+@pytest.mark.processes
 def test_start_retries_when_a_port_is_taken(
     tmp_path: Path, no_env_binary: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,6 +227,7 @@ def test_start_retries_when_a_port_is_taken(
     assert "address already in use" in (tmp_path / "etcd0.log").read_text()
 
 
+@pytest.mark.processes
 def test_early_exit_fails_fast_with_log_tail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,6 +240,7 @@ def test_early_exit_fails_fast_with_log_tail(
     assert "code 3" in str(info.value)
 
 
+@pytest.mark.processes
 def test_ready_timeout_stops_what_it_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -363,6 +363,7 @@ def test_watch_cancel_ends_iteration_quietly(store: EtcdStore, pfx: str) -> None
 # --- etcd down and back ------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_outage_reads_unavailable_writes_indeterminate_then_recovers(tmp_path: Path) -> None:
     assert issubclass(WriteIndeterminate, StoreUnavailable)  # callers retry both as transient
     cluster = EtcdCluster.start(members=1, base_dir=tmp_path / "etcd")

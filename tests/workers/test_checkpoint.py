@@ -263,6 +263,7 @@ def _save_then_hang(directory: str, commits_file: str, saving_file: str) -> None
     time.sleep(120)
 
 
+@pytest.mark.processes
 def test_a_worker_killed_mid_save_leaves_the_previous_commit_in_force(tmp_path: Path) -> None:
     d, commits_file, saving = tmp_path / "s0", tmp_path / "commits.jsonl", tmp_path / "saving"
     child = multiprocessing.get_context("spawn").Process(

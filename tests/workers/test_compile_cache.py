@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.workers.programs import configure_compile_cache
@@ -60,6 +61,7 @@ def cache_entries(cache: Path) -> list[str]:
     return sorted(p.name for p in cache.glob("*-cache"))
 
 
+@pytest.mark.processes
 def test_a_second_process_loads_the_program_from_the_shared_cache(tmp_path: Path) -> None:
     blob, cache = tmp_path / "node.jax", tmp_path / "compile-cache"
     export_small_program(blob)
