@@ -28,7 +28,7 @@ from rallypoint.basics.clock import SYSTEM_CLOCK
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.retry import retrying
-from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.store import EtcdStore, Store
 from rallypoint.proto import rallypoint_pb2 as pb
 
 ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM, "drain": None}
@@ -79,6 +79,7 @@ class FaultInjector:
     log: Callable[[dict[str, Any]], None] = lambda _: None
     fired: list[dict[str, Any]] = field(default_factory=list)
     placement: dict[str, str] = field(default_factory=dict)
+    connect: Callable[[Sequence[str]], Store] = EtcdStore  # a fresh etcd connection per fault (tests pass their own)
 
     def __post_init__(self) -> None:
         self._pending = sorted(self.faults, key=lambda f: f.step)
@@ -106,19 +107,21 @@ class FaultInjector:
                                   "slice": fault.slice, "worker": worker, "step": reached, "at": time.time()}
         if worker is None:
             return record | {"error": f"slice {fault.slice!r} has no known worker"}
-        store = EtcdStore(self.endpoints)
+        store = self.connect(self.endpoints)
         keys = Keys(self.cluster)
+        # A fresh connection to etcd can fail its first call on a loaded host (a TLS handshake cut short): each
+        # call is retried for up to 10 s. Both are safe to repeat: a read, and a drain request (cordon and request
+        # again leave the same keys; a worker already cordoned is not cordoned twice).
+        again = retrying(clock=SYSTEM_CLOCK, what=f"reaching etcd to {fault.action} worker {worker}",
+                         stop_after_s=10.0)
         try:
             if fault.action == "drain":
                 try:
-                    req, _ = begin_drain(store, keys, worker, by="fault injector")
+                    req, _ = again(begin_drain, store, keys, worker, by="fault injector")
                 except DrainRefused as exc:
                     return record | {"error": str(exc)}
                 return record | {"drain_revision": req.revision}
-            # A fresh connection to etcd can fail its first call on a loaded host (a TLS handshake cut
-            # short): the read is idempotent, so it is retried for up to 10 s.
-            kv = retrying(clock=SYSTEM_CLOCK, what=f"reading worker {worker} for a fault", stop_after_s=10.0)(
-                store.get, keys.worker(worker))
+            kv = again(store.get, keys.worker(worker))
         finally:
             store.close()
         if kv is None:
