@@ -148,6 +148,14 @@ class _Pending:
     started: float
 
 
+_ORBAX_SAVES = threading.Lock()
+"""Held around every ``CheckpointManager.save`` of the process. Orbax keys the signals between a save's threads
+by a process-wide operation id, which each save bumps and its threads read when they are made: two managers saving
+at once (the slices of one worker) took each other's ids, and one save then waited for a signal never sent (a
+hang), or both wrote into one temporary directory. The lock covers only the synchronous part of a save; the
+writing goes on in the background, as before."""
+
+
 class SliceCheckpointer:
     """Asynchronous Orbax checkpoints of one slice's states, committed in step order.
 
@@ -224,7 +232,8 @@ class SliceCheckpointer:
                 self.log.info("checkpoint.replaced", step=step)  # from an earlier life of the slice
                 self._manager.delete(step)
             try:
-                self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
+                with _ORBAX_SAVES:
+                    self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
             except Exception as e:
                 self.log.error("checkpoint.save_failed", step=step, error=f"{type(e).__name__}: {e}")
                 raise CheckpointError(f"saving {self.job}/{self.slice_name} after step {step} failed: {e}") from e

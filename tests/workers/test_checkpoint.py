@@ -412,3 +412,32 @@ def test_orbax_alone_loads_a_slice_as_the_docs_show(tmp_path: Path) -> None:
     state = namespace["load_slice_state"](str(d), 20)
     assert_bitwise(state, states_at(20))
     assert state_checksum(state) == rec.commits[1].checksum
+
+
+def test_the_slices_of_one_worker_save_at_the_same_time_and_every_commit_arrives(tmp_path: Path) -> None:
+    # A worker holding several slices runs one checkpointer each, saving from their own threads. Orbax keys a save's
+    # signals by a process-wide operation id: unserialized, two saves at once took each other's ids (one waited for
+    # a signal never sent) or wrote into one temporary directory ("Directory not empty").
+    commits: list[CheckpointCommit] = []
+    cks = [SliceCheckpointer(tmp_path / f"s{i}", job="j", slice_name=f"s{i}", max_to_keep=2, commit=commits.append)
+           for i in range(4)]
+    errors: list[BaseException] = []
+
+    def save_all(ck: SliceCheckpointer) -> None:
+        try:
+            for step in range(1, 9):
+                ck.save(step, {"p": [np.full((64,), step, np.float32)]})
+            ck.wait(timeout_s=60)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save_all, args=(ck,), daemon=True) for ck in cks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not [t for t in threads if t.is_alive()], "a save hung"
+    assert errors == []
+    assert sorted((c.slice_name, c.step) for c in commits) == [(f"s{i}", s) for i in range(4) for s in range(1, 9)]
+    for ck in cks:
+        ck.close()
