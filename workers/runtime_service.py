@@ -30,7 +30,9 @@ from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
 from rallypoint.workers.replicas import ReplicaStore, ReplicaTier
-from rallypoint.workers.runtime import Admit, DeliveryError, JobRuntime, LoadError, RestoreError
+from rallypoint.workers.runtime import JobRuntime
+from rallypoint.workers.runtime_control import Admit
+from rallypoint.workers.runtime_state import DeliveryError, LoadError, RestoreError
 from rallypoint.workers.transfer import PeerChannels
 from rallypoint.workers.warm import WarmCache
 

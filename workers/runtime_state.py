@@ -1,9 +1,12 @@
 """Bookkeeping of one job on a worker: which instances ran, what has arrived, which
 state versions are kept.
 
-Plain data structures with no threads and no gRPC: :class:`rallypoint.workers.runtime.JobRuntime`
-uses them under its lock. Kept apart so the rules (state versions, idempotent
-delivery, when a value may be dropped) are small and tested on their own.
+Plain data structures with no threads and no gRPC: the pieces of
+:class:`rallypoint.workers.runtime.JobRuntime` use them under the job's lock (each
+node's :class:`NodeProgress` is the scheduler's, the :class:`Inbox` belongs to the
+inputs, the :class:`StateVersions` are shared: see :mod:`rallypoint.workers.runtime`).
+Kept apart so the rules (state versions, idempotent delivery, when a value may be
+dropped) are small and tested on their own; the runtime's errors live here too.
 """
 
 from __future__ import annotations

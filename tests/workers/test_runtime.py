@@ -32,8 +32,13 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from rallypoint.workers.daemon import StaleIncarnation
+from rallypoint.workers.outlog import OutputLog
+from rallypoint.workers.runtime_control import JobControl
+from rallypoint.workers.runtime_inputs import Inputs
+from rallypoint.workers.runtime_load import LoadedNode
+from rallypoint.workers.runtime_routes import Router
 from rallypoint.workers.runtime_service import WorkerRuntimeService
-from rallypoint.workers.runtime_state import NodeProgress, StateVersions
+from rallypoint.workers.runtime_state import DeliveryError, LoadError, NodeProgress, StateVersions
 from tests.examples import example
 
 STEPS = {"pipeline_mlp": 4, "rl_loop": 7, "data_parallel": 4}
@@ -337,6 +342,69 @@ def test_node_progress_keeps_a_watermark() -> None:
     p.mark_started(4, 0)
     p.mark_started(4, 1)
     assert p.all_started
+
+
+class _Outbox:
+    """Stands in for the runtime's outbox: records what would be logged and pushed."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.TransferHeader] = []
+        self.targets: set[tuple[str, int]] = set()
+
+    def keep_only(self, targets: set[tuple[str, int]]) -> None:
+        self.targets = targets
+
+    def send(self, r: pb.Route, header: pb.TransferHeader, value: list[Any]) -> None:
+        self.sent.append(header)
+
+
+def test_the_router_hands_values_over_here_or_to_the_outbox_and_keeps_state_push_progress() -> None:
+    # fwd.y goes to loss.x on this worker and to a consumer on worker "far"; state w is pushed to far's
+    # sync, which runs every 2 steps. No devices: the pieces of the runtime alone.
+    control = JobControl("j", cluster="c", worker_id="here", admit=lambda to: None, incarnation=lambda: 3,
+                         outlog=OutputLog(1 << 20))
+    ref = pb.InputBinding(arg="x", kind=pb.InputBinding.REF, node="fwd", output="y", leaves=1)
+    loss = pb.NodeProgram(name="loss", slice="s", every=1, inputs=[ref])
+    nodes = {"fwd": LoadedNode(pb.NodeProgram(name="fwd", slice="s", every=1), None, (-1,),  # type: ignore[arg-type]
+                               NodeProgress(1, (-1,), 4)),
+             "loss": LoadedNode(loss, None, (-1,), NodeProgress(1, (-1,), 4))}  # type: ignore[arg-type]
+    states = {"w": StateVersions("w", producer_every=0, steps=4, readers=[], push_everies=[2])}
+    states["w"].add(0, [np.zeros(2)])
+    inputs = Inputs(control, nodes, states, steps=4, microbatches=1)
+    outbox = _Outbox()
+    router = Router(control, nodes, {"w"}, states, inputs, outbox, steps=4, start_step=0)  # type: ignore[arg-type]
+    routes = [pb.Route(node="fwd", output="y", consumer_node="loss", arg="x", worker_id="here", incarnation=3),
+              pb.Route(node="fwd", output="y", consumer_node="head", arg="x", worker_id="far", incarnation=9),
+              pb.Route(state="w", consumer_node="sync", arg="w", worker_id="far", incarnation=9, consumer_every=2)]
+    router.set_routes(routes)
+    assert outbox.targets == {("here", 3), ("far", 9)} and router.push_everies("w") == [2]
+
+    with control.cv:
+        router.send_output("fwd", "y", 0, -1, [np.ones(1)])
+    assert inputs.ready(nodes["loss"], 0, -1) and not inputs.ready(nodes["loss"], 1, -1)
+    [pushed] = outbox.sent
+    assert (pushed.to.worker_id, pushed.consumer_node, pushed.from_worker, pushed.from_incarnation) == (
+        "far", "head", "here", 3)
+    local = pb.TransferHeader(job="j", consumer_node="loss", arg="x", step=0, microbatch=-1)
+    assert inputs.deliver(local, [np.ones(1)])  # already held: a duplicate
+    with pytest.raises(DeliveryError):
+        inputs.deliver(pb.TransferHeader(job="j", consumer_node="loss", arg="x", step=1, microbatch=-1), [])
+
+    outbox.sent.clear()
+    control.until = 4
+    router.pump_state_pushes()  # the steps sync runs at, once granted
+    assert [(h.state, h.step) for h in outbox.sent] == [("w", 0), ("w", 2)]
+    router.set_routes(routes)  # a rewire keeps what was pushed already
+    router.pump_state_pushes()
+    assert len(outbox.sent) == 2
+    with pytest.raises(LoadError):
+        router.set_routes([pb.Route(node="gone", output="y", consumer_node="loss", arg="x", worker_id="here")])
+
+    router.set_routes(routes)
+    outbox.sent.clear()
+    control.stopped = True
+    router.send_output("fwd", "y", 1, -1, [np.ones(1)])
+    assert outbox.sent == []  # an unloaded job pushes nothing
 
 
 def test_an_instance_that_raises_is_reported_and_stops_the_job(workers: dict[str, Worker]) -> None:

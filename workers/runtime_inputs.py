@@ -1,0 +1,122 @@
+"""What the instances of a loaded job read: values delivered to them, and resident states.
+
+:class:`Inputs` receives every value meant for a consumer on this worker, whether
+pushed by a peer (``Push``, the data plane) or handed over in memory by this
+worker's own router, checks it against the consumer's input bindings and keeps it in
+the :class:`~rallypoint.workers.runtime_state.Inbox` until the consumer instance takes
+it. Delivery is idempotent per ``(consumer, arg, step, microbatch)``: a value already
+held, or one whose instance has started, is a duplicate. Resident states are read in
+place: step ``s`` reads the version its producer made before ``s`` (the init before that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.runtime_control import JobControl
+from rallypoint.workers.runtime_load import LoadedNode
+from rallypoint.workers.runtime_state import DeliveryError, Inbox, Key, Leaves, StateVersions, runs_at
+
+B = pb.InputBinding
+
+
+class Inputs:
+    """Delivered values waiting for their instances (owns the inbox); all under the job's lock.
+
+    Args:
+        control: the job's control (``stopped``; names in errors).
+        nodes: the job's nodes here (read: their bindings and progress).
+        states: the job's resident states (read in place; each read counts against the version's uses).
+        steps: the job's step count.
+        microbatches: microbatches per step.
+    """
+
+    def __init__(self, control: JobControl, nodes: Mapping[str, LoadedNode], states: Mapping[str, StateVersions], *,
+                 steps: int, microbatches: int) -> None:
+        self._control = control
+        self._nodes = nodes
+        self._states = states
+        self._steps = steps
+        self._m = microbatches
+        self._inbox = Inbox()
+
+    def deliver(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
+        """Keep a value for its consumer instance(s); returns True for a duplicate (dropped). Under the lock.
+
+        Raises:
+            DeliveryError: the value matches no input of the job here.
+        """
+        control = self._control
+        if control.stopped:
+            return False
+        job = control.job
+        n = self._nodes.get(header.consumer_node)
+        if n is None:
+            raise DeliveryError(f"job {job!r}: node {header.consumer_node!r} is not loaded on worker "
+                                f"{control.worker_id}")
+        b = next((b for b in n.prog.inputs if b.arg == header.arg), None)
+        if b is None or b.kind in (B.STEP, B.MICROBATCH) or (b.kind == B.STATE and b.state in self._states):
+            raise DeliveryError(f"job {job!r}: node {n.prog.name!r} takes no pushed input {header.arg!r}")
+        step, mb = int(header.step), int(header.microbatch)
+        per_mb_value = b.kind == B.GATHER or (b.kind == B.REF and b.producer_per_microbatch)
+        if not 0 <= step < self._steps or not (0 <= mb < self._m if per_mb_value else mb == -1):
+            raise DeliveryError(f"job {job!r}: {n.prog.name}.{header.arg} has no step {step} microbatch {mb}")
+        if len(leaves) != b.leaves:
+            raise DeliveryError(f"job {job!r}: {n.prog.name}.{header.arg} takes {b.leaves} leaves, got {len(leaves)}")
+        if not runs_at(step, n.prog.every):
+            return False  # the consumer does not run at this step: nothing needs it
+        key: Key = (n.prog.name, header.arg, step, mb)
+        consumer_mb = (mb if mb >= 0 else 0) if n.prog.per_microbatch else -1
+        if key in self._inbox or n.progress.is_started(step, consumer_mb):
+            return True
+        self._inbox.put(key, leaves, self._m if n.prog.per_microbatch and mb < 0 else 1)
+        return False
+
+    @staticmethod
+    def _arrival_mb(b: pb.InputBinding, mb: int) -> int:
+        return mb if b.kind == B.REF and b.producer_per_microbatch else -1
+
+    def ready(self, n: LoadedNode, step: int, mb: int) -> bool:
+        """Whether every input of instance ``(n, step, mb)`` is here."""
+        name = n.prog.name
+        for b in n.prog.inputs:
+            if b.kind in (B.STEP, B.MICROBATCH):
+                continue
+            if b.kind == B.STATE and b.state in self._states:
+                if self._states[b.state].at(step) is None:
+                    return False
+            elif b.kind == B.GATHER:
+                if any((name, b.arg, step, i) not in self._inbox for i in range(self._m)):
+                    return False
+            elif (name, b.arg, step, self._arrival_mb(b, mb)) not in self._inbox:
+                return False
+        return True
+
+    def take(self, n: LoadedNode, step: int, mb: int) -> list[Any]:
+        """The arguments of a ready instance, in binding order; each value taken counts against its uses.
+
+        A gather stacks the step's microbatch values on a new axis 0 with numpy.
+        """
+        name = n.prog.name
+        args: list[Any] = []
+        for b in n.prog.inputs:
+            if b.kind == B.STEP:
+                args.append(np.int32(step))
+            elif b.kind == B.MICROBATCH:
+                args.append(np.int32(mb if mb >= 0 else 0))
+            elif b.kind == B.STATE and b.state in self._states:
+                args += self._states[b.state].use(step)
+            elif b.kind == B.GATHER:
+                parts = [self._inbox.take((name, b.arg, step, i)) for i in range(self._m)]
+                args += [np.stack(xs) for xs in zip(*parts, strict=True)]
+            else:
+                args += self._inbox.take((name, b.arg, step, self._arrival_mb(b, mb)))
+        return args
+
+    def clear(self) -> None:
+        """Drop every value held (the job was unloaded)."""
+        self._inbox.clear()

@@ -1,0 +1,123 @@
+"""Loading a job on this worker: a mesh per slice, the node programs, the resident states.
+
+What :class:`rallypoint.workers.runtime.JobRuntime` builds from a ``LoadJobRequest``
+before any instance runs: :func:`slice_meshes` checks the slices' local devices,
+:func:`load_nodes` deserializes each node's exported program (or takes the
+executable a warm spare compiled ahead, :mod:`rallypoint.workers.warm`), and
+:func:`load_states` makes each resident state's first version: its init run on the
+slice's mesh, or, for a runtime starting at a checkpoint, the restored value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.programs import load_exported, slice_mesh
+from rallypoint.workers.runtime_state import Leaves, LoadError, NodeProgress, RestoreError, StateVersions
+from rallypoint.workers.warm import NodeExecutable, WarmCache, program_key
+
+B = pb.InputBinding
+MeshOf = Callable[[str, str], Any]
+"""``mesh_of(what, slice)``: the slice's mesh (``what`` names the asker in the error)."""
+
+
+@dataclass
+class LoadedNode:
+    """One node of the job loaded here: what it is, how to call it, which instances started.
+
+    ``progress`` is the scheduler's (written under the job's lock); the rest is fixed at load.
+    """
+
+    prog: pb.NodeProgram  # without its exported bytes
+    call: NodeExecutable
+    mbs: tuple[int, ...]  # its instances per running step: the microbatches, or (-1,) for a per-step node
+    progress: NodeProgress
+
+
+def slice_meshes(req: pb.LoadJobRequest, devices: Sequence[Any], worker_id: str) -> MeshOf:
+    """A mesh per assigned slice over this worker's local ``devices``; returns ``mesh_of(what, slice)``.
+
+    Raises:
+        LoadError: a slice's device indices do not fit this worker, or its mesh shape does not fit them
+            (now), or ``mesh_of`` is asked for a slice not assigned here (later).
+    """
+    meshes: dict[str, Any] = {}
+    for sa in req.slices:
+        bad = [i for i in sa.devices if not 0 <= i < len(devices)]
+        if bad or not sa.devices:
+            raise LoadError(f"slice {sa.slice!r}: local device indices {list(sa.devices)} do not fit worker "
+                            f"{worker_id}, which has {len(devices)} devices")
+        try:
+            meshes[sa.slice] = slice_mesh([devices[i] for i in sa.devices], sa.mesh_shape, sa.mesh_axes)
+        except ValueError as exc:
+            raise LoadError(f"slice {sa.slice!r}: {exc}") from exc
+
+    def mesh_of(what: str, slice_name: str) -> Any:
+        if slice_name not in meshes:
+            raise LoadError(f"{what} is on slice {slice_name!r}, which is not assigned to worker {worker_id}")
+        return meshes[slice_name]
+
+    return mesh_of
+
+
+def load_nodes(req: pb.LoadJobRequest, mesh_of: MeshOf, *, microbatches: int, warm: WarmCache | None,
+               program_sources: dict[str, str]) -> dict[str, LoadedNode]:
+    """Every node of the request, in its (topological) order; ``program_sources`` gets
+    ``{node: "warm" | "cold"}`` (compiled ahead, or at its first call)."""
+    steps, start = int(req.steps), int(req.start_step)
+    nodes: dict[str, LoadedNode] = {}
+    assigned = {sa.slice: sa for sa in req.slices}
+    for n in req.nodes:  # topological order: the order instances of a step run in
+        mesh = mesh_of(f"node {n.name!r}", n.slice)
+        call = NodeExecutable(n.exported, mesh, warm.take(program_key(req.job, n, assigned[n.slice]))
+                              if warm is not None else None)
+        program_sources[n.name] = call.expected
+        prog = pb.NodeProgram()
+        prog.CopyFrom(n)
+        prog.ClearField("exported")
+        mbs = tuple(range(microbatches)) if n.per_microbatch else (-1,)
+        nodes[n.name] = LoadedNode(prog, call, mbs, NodeProgress(n.every, mbs, steps, start))
+    return nodes
+
+
+def nodes_by_slice(req: pb.LoadJobRequest, nodes: Mapping[str, LoadedNode]) -> dict[str, list[LoadedNode]]:
+    """Each assigned slice's nodes, in topological order (a slice may have none)."""
+    return {sa.slice: [n for n in nodes.values() if n.prog.slice == sa.slice] for sa in req.slices}
+
+
+def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, LoadedNode],
+                push_everies: Callable[[str], list[int]],
+                restored: Mapping[str, Mapping[str, Leaves]]) -> dict[str, StateVersions]:
+    """Each resident state with its first version: the init's value, or at a start step > 0 the
+    checkpoint's (``restored``: slice -> state -> leaves). ``push_everies(state)``: the ``every``
+    of each remote consumer the state is pushed to (the router's state routes).
+
+    Raises:
+        RestoreError: a checkpoint lacks one of its slice's states.
+        LoadError: a state's value has the wrong number of leaves, or its slice is not assigned here.
+    """
+    steps, start = int(req.steps), int(req.start_step)
+    states: dict[str, StateVersions] = {}
+    for st in req.states:
+        readers = [(n.prog.every, len(n.mbs)) for n in nodes.values() for b in n.prog.inputs
+                   if b.kind == B.STATE and b.state == st.name]
+        sv = StateVersions(st.name, st.producer_every if st.producer_node else 0, steps, readers,
+                           push_everies(st.name), start=start)
+        if start > 0:
+            leaves = restored[st.slice].get(st.name)
+            if leaves is None:
+                raise RestoreError(f"the checkpoint of slice {st.slice!r} at step {start} lacks "
+                                   f"state {st.name!r}", slice_name=st.slice, step=start)
+        else:
+            init = load_exported(st.exported_init, mesh_of(f"state {st.name!r}", st.slice))
+            leaves = [np.asarray(x) for x in init()]
+        if len(leaves) != st.leaves:
+            raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
+        sv.add(sv.key(start), leaves)
+        states[st.name] = sv
+    return states

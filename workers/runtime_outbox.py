@@ -1,0 +1,81 @@
+"""What a loaded job sends to other workers: each value logged, then pushed.
+
+:class:`Outbox` owns the job's output log (:mod:`rallypoint.workers.outlog`: every value
+sent to another worker stays there until the consistent cut passes it, so a
+recovery can send it again) and its push pools (:class:`rallypoint.workers.transfer.PushPools`:
+one per consumer worker incarnation, so a stuck peer holds up no other). A push
+retries while this worker is fenced and ends when the job is unloaded or recovery
+moved its consumer away (:meth:`Outbox.keep_only`); the log still holds the value.
+Values for consumers on this worker never come here: the router hands them over
+in memory (:mod:`rallypoint.workers.runtime_routes`).
+"""
+
+from __future__ import annotations
+
+from rallypoint.basics.errors import RallypointError
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.outlog import OutputLog
+from rallypoint.workers.runtime_control import JobControl
+from rallypoint.workers.runtime_state import Leaves
+from rallypoint.workers.transfer import NotAllowed, PeerChannels, PushPools
+
+
+class Outbox:
+    """The output log and the pushes of one job on this worker.
+
+    Owns ``outlog`` (trimmed by the runtime at each new cut, read back by ``rewire``),
+    the push pools and ``targets``: the consumer worker incarnations the routing table
+    names now (pushes towards any other are cancelled).
+
+    Args:
+        control: the job's control (the gate each push attempt passes; ``stopped``).
+        outlog: the job's output log, owned from here on.
+        peers: the worker's channels to its peers.
+        push_threads: threads per consumer worker incarnation.
+    """
+
+    def __init__(self, control: JobControl, outlog: OutputLog, peers: PeerChannels, push_threads: int) -> None:
+        self._control = control
+        self.outlog = outlog
+        self._peers = peers
+        self._pools = PushPools(control.job, push_threads)
+        self.targets: set[tuple[str, int]] = set()
+
+    def keep_only(self, targets: set[tuple[str, int]]) -> None:
+        """The routing table now names these consumer incarnations: pushes to any other end."""
+        self.targets = targets
+        self._pools.keep_only(targets)
+
+    def send(self, r: pb.Route, header: pb.TransferHeader, value: Leaves) -> None:
+        """Log ``value`` and push it to the consumer ``r`` names on another worker (in the background)."""
+        self.outlog.put(header, value)
+        self._pools.submit((r.worker_id, int(r.incarnation)), self._push, r.data_address or r.address, header, value,
+                           bool(r.data_address))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every push submitted so far has ended; whether they all did."""
+        done, left = self._pools.wait_idle(timeout_s)
+        if not done:
+            self._control.log.warning("job.flush_timed_out", pending=left, timeout_s=timeout_s)
+        return done
+
+    def shutdown(self) -> None:
+        """End every push (the job was unloaded)."""
+        self._pools.shutdown()
+
+    def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:
+        control = self._control
+
+        def may_act() -> None:
+            try:
+                control.admit()
+            except RallypointError as exc:
+                raise NotAllowed(str(exc)) from exc
+
+        target = (header.to.worker_id, header.to.incarnation)
+
+        def cancelled() -> bool:  # unloaded, or recovery moved the consumer (the log holds the value)
+            return control.stopped or target not in self.targets
+
+        self._peers.push(address, header, value, may_act=may_act, cancelled=cancelled, log=control.log,
+                         data_plane=data_plane)
