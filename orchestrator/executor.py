@@ -118,7 +118,7 @@ class JobExecutor:
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
         self.settings: RecoverySettings | None = None
-        # The collaborators, each the one owner of its part of the job (the module doc's table).
+        # The collaborators, each the one owner of its part of the job (docs/runtime.md has the table).
         self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
                             on_unpaused=self._unpaused)
         self.term.resume = self.resume
