@@ -15,6 +15,7 @@ import queue
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator import service as service_mod
+from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.orchestrator.executor import JOBSPEC_FILE
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -183,7 +185,7 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
     _no_resume(lc)
     rec = _record(lc, job)
     assert rec["state"] == "succeeded" and rec["term"] == new_term
-    time.sleep(1.0)
+    _catch_up(lc, job, jobs_history, leases_history)
     jobs_history.close()
     leases_history.close()
     # Nothing of the old term was written once the new term began.
@@ -193,6 +195,25 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
     assert not stale, stale
     assert _leader(lc) == (new, new_term), "leadership changed hands again"
     _assert_settled(lc)
+
+
+def _catch_up(lc: LocalCluster, job: str, jobs: LeaseHistory, leases: LeaseHistory) -> None:
+    """Wait until both histories hold every change made so far: write in each prefix (the finished job's record
+    again, unchanged; a device lease taken and given back) and wait for those writes, since a watch delivers
+    in revision order."""
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.job(job))
+        assert kv is not None
+        rev = store.put(lc.keys.job(job), kv.value)
+        devices = DeviceLeases(store, lc.keys)
+        taken = devices.allocate("history-catch-up", "s", 1)
+        assert devices.release("history-catch-up") == 1
+    finally:
+        store.close()
+    wait_until(lambda: any(e.kv.mod_revision >= rev for e in jobs.events), 10, "the job history to catch up")
+    wait_until(lambda: any(e.type == "delete" and e.kv.mod_revision > taken.revision for e in leases.events), 10,
+               "the lease history to catch up")
 
 
 # -- the job service on its own -------------------------------------------------------------------------
@@ -247,11 +268,40 @@ class Aborted(Exception):
         self.code, self.details = code, details
 
 
+class StandInElection:
+    """The coordinator's election as the service sees it; every read of ``term`` is recorded with the thread
+    that read it, so a test can wait until the service has looked at the term, instead of sleeping."""
+
+    def __init__(self) -> None:
+        self._term: int | None = 7
+        self.is_leader = True
+        self.keeper: Any = SimpleNamespace(fence=SimpleNamespace(dead=False))
+        self.readers: list[threading.Thread] = []
+
+    @property
+    def term(self) -> int | None:
+        self.readers.append(threading.current_thread())
+        return self._term
+
+    @term.setter
+    def term(self, value: int | None) -> None:
+        self._term = value
+
+    def current_leader(self) -> tuple[str, int]:
+        return ("c0", 7)
+
+
+def _looked_at_the_term(election: StandInElection, since: int) -> threading.Thread | None:
+    """The service thread that has read the term three times since read number ``since`` (one whole decision
+    and the start of the next: it chose to keep waiting), if any."""
+    readers = Counter(t for t in election.readers[since:] if t is not threading.main_thread())
+    return next((t for t, n in readers.items() if n >= 3), None)
+
+
 def _service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any]:
     monkeypatch.setattr(service_mod, "JobExecutor", StandInExecutor)
     StandInExecutor.made.clear()
-    keeper = SimpleNamespace(fence=SimpleNamespace(dead=False))
-    election = SimpleNamespace(term=7, is_leader=True, keeper=keeper, current_leader=lambda: ("c0", 7))
+    election = StandInElection()
     listeners: list[Any] = []
     fence_listeners: list[Any] = []
     c = SimpleNamespace(store=MemoryStore(), keys=Keys("t"), election=election, clock=FakeClock(), stopping=False,
@@ -315,15 +365,18 @@ def test_step_down_hands_every_job_off_once_the_term_is_over(
     assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
     # Only the local deadline passed: the lease is kept and the term may come back; it does.
     c.election.term, c.election.is_leader = None, False
+    since = len(c.election.readers)
     svc.on_step_down("no keepalive acknowledged within the lease TTL")
-    time.sleep(0.3)
+    waiting = wait_until(lambda: _looked_at_the_term(c.election, since), 5, "the service to wait for the term")
     assert x.stopped is None
     c.election.term = 7
-    time.sleep(0.3)
+    waiting.join(5)
+    assert not waiting.is_alive() and x.stopped is None  # the same term leads again: the executor goes on
     c.election.term = None
+    since = len(c.election.readers)
     svc.on_step_down("no keepalive acknowledged within the lease TTL")  # again, and this time the lease is lost
-    time.sleep(0.3)
-    assert x.stopped is None
+    wait_until(lambda: _looked_at_the_term(c.election, since), 5, "the service to wait for the term")
+    assert x.stopped is None  # the lease may still come back: nothing is handed off yet
     c.election.keeper.fence.dead = True
     wait_until(lambda: x.stopped, 5, "the executor is stopped once the term is over")
     assert next(stream).event == "job.handed_off"

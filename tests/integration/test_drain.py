@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults
 from tests.client.test_cli import rp
+from tests.conftest import wait_until
 from tests.examples import example
 from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
 
@@ -111,18 +111,17 @@ def test_rallypoint_drain_moves_the_slices_reports_the_pause_and_leaves_the_work
     answers: list[Any] = []
     threads: list[threading.Thread] = []
 
+    workers: list[str] = []
+
     def on_event(ev: pb.JobEvent) -> None:
         if ev.event == "job.placed":
-            worker = json.loads(ev.detail)["stage1"]["worker"]
-
+            workers.append(json.loads(ev.detail)["stage1"]["worker"])
+        if ev.event == "step.done" and ev.step == 2 and not threads:  # a few steps in
             def drain() -> None:
-                while not answers and time.monotonic() < t0 + 60:
-                    time.sleep(0.5)  # a few steps in
-                    answers.append((worker, rp("drain", worker, "--json", *cluster_args(lc), check=False)))
+                answers.append((workers[0], rp("drain", workers[0], "--json", *cluster_args(lc), check=False)))
             threads.append(threading.Thread(target=drain))
             threads[0].start()
 
-    t0 = time.monotonic()
     result, _ = run(lc, compiled, [], on_event=on_event)
     threads[0].join()
     ((worker, r),) = answers
@@ -149,10 +148,7 @@ def test_sigterm_with_time_to_drain_moves_the_slices_first_and_the_worker_leaves
     d = assert_no_replay(result)
     assert d["reason"] == "preempted" and d["worker"] == fired["worker"]
     rec = lc.process(fired["worker"])
-    deadline = time.monotonic() + 15
-    while is_running(rec) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not is_running(rec), "a preempted worker leaves once it holds nothing"
+    wait_until(lambda: not is_running(rec), 15, "a preempted worker to leave once it holds nothing")
     assert fired["worker"] not in snapshot(lc).workers
     assert_settled(lc)
 

@@ -280,19 +280,22 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
                 time.sleep(0.02)
             injector = injector_box[0]
             os.kill(lc.process(injector.placement["stage2"]).pid, signal.SIGSTOP)
-            time.sleep(0.3)  # a commit the worker had sent lands
             store = lc.store()
             try:
                 commits = read_commits(store, lc.keys, compiled.program.name)
             finally:
                 store.close()
-            for c in commits["stage2"]:
-                if c.step >= 10:
-                    f = largest_file(Path(c.path))
+            # Every save of stage2 at or past step 10 that is finalized on disk: a commit follows its save's
+            # finalization, so this takes in a commit the worker had sent but etcd had not yet applied.
+            slice_dir = Path(commits["stage2"][-1].path).parent
+            for step in ocp.path.step.checkpoint_steps(slice_dir):
+                if step >= 10:
+                    f = largest_file(slice_dir / str(step))
                     data = bytearray(f.read_bytes())
                     data[len(data) // 2: len(data) // 2 + 64] = b"\x5a" * 64
                     f.write_bytes(bytes(data))
-                    corrupted.append(c.step)
+                    corrupted.append(step)
+            assert {c.step for c in commits["stage2"] if c.step >= 10} <= set(corrupted), (commits, corrupted)
             injector.kill(Fault("stage2", "stage2", 12), 12)  # SIGKILL ends a stopped process too
 
     injector = FaultInjector([], lc.endpoints, lc.keys.cluster)

@@ -4,7 +4,6 @@ and fetched over real gRPC between two worker runtime services."""
 
 from __future__ import annotations
 
-import time
 from concurrent import futures
 from typing import Any
 
@@ -21,6 +20,7 @@ from rallypoint.workers.faults import WorkerFaults
 from rallypoint.workers.job_checkpoints import restore
 from rallypoint.workers.replicas import Replica, ReplicaStore, Replicator
 from rallypoint.workers.runtime_service import WorkerRuntimeService
+from tests.conftest import wait_until
 
 LOG = get_logger("test")
 
@@ -119,10 +119,7 @@ def push_and_restore(holder: WorkerRuntimeService, address: str, restorer: Worke
     rep = Replicator(restorer.peers, [target], cluster="c", worker_id="w1", incarnation=3, log=LOG)
     try:
         rep.submit(c, st)
-        for _ in range(200):
-            if rep.pushed:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: rep.pushed, 10, "the copy to be pushed")
         assert rep.pushed == [("s", 10, holder.worker_id)]
     finally:
         rep.close()
