@@ -86,10 +86,11 @@ class ScenarioRun:
     """One run of a scenario (see the module doc)."""
 
     def __init__(self, scenario: Scenario, compiled: Any, *, say: Callable[[dict[str, Any]], None],
-                 break_replay: bool = False) -> None:
+                 break_replay: bool = False, compile_cache_dir: Path | None = None) -> None:
         self.s, self.compiled, self.say = scenario, compiled, say
         self.program = compiled.program
         self.break_replay = break_replay
+        self.compile_cache_dir = compile_cache_dir
         self.completed = 0
         self.done = threading.Event()
         self.faults: list[dict[str, Any]] = []
@@ -275,7 +276,7 @@ class ScenarioRun:
             state_dir=state_dir, workers=s.workers or len(program.slices), spares=s.spares,
             devices_per_worker=s.devices_per_worker or max(sl.devices for sl in program.slices.values()),
             coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s,
-            compile_cache_dir=None if s.compile_cache else "",
+            compile_cache_dir=self.compile_cache_dir if s.compile_cache else "",
             # a storage flag, without root; damaged in-memory checkpoint copies, when the scenario asks
             worker_faults=replace(storage.faults if storage else NO_FAULTS, corrupt_replicas=s.corrupt_replicas),
             coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay))
@@ -409,8 +410,12 @@ class ScenarioRun:
 
 
 def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callable[[dict[str, Any]], None] = print,
-                 break_replay: bool = False) -> tuple[dict[str, Any], Path]:
-    """Run ``scenario``; return its summary and the report folder written."""
+                 break_replay: bool = False, compile_cache_dir: Path | None = None) -> tuple[dict[str, Any], Path]:
+    """Run ``scenario``; return its summary and the report folder written.
+
+    ``compile_cache_dir``: the workers' compilation cache when the scenario keeps one (None: in the run's
+    state folder, removed with it); the test suite passes one cache for all its runs.
+    """
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
     ensure_host_devices(8)
@@ -423,7 +428,8 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
     state = Path(tempfile.mkdtemp(prefix=f"rallypoint-chaos-{scenario.name}-"))
     ok = False
     try:
-        summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay).run(state)
+        summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay,
+                              compile_cache_dir=compile_cache_dir).run(state)
         ok = bool(summary["ok"])
         if not ok:
             summary["logs"] = str(state / "logs")  # kept for whoever reads the report

@@ -5,7 +5,10 @@ from __future__ import annotations
 import _posixsubprocess
 import json
 import os
+import shutil
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,13 +18,24 @@ import jax
 import pytest
 
 from rallypoint.etcd.server import EtcdCluster
-from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running, stop_process
 from rallypoint.etcd.store import EtcdStore
+from rallypoint.workers.programs import configure_compile_cache
 
 # The client-side tests compile programs for slices of up to 4 devices and run the
 # reference on several device sets: give this process 8 CPU devices before any JAX
 # operation runs. (A config, not XLA_FLAGS, so worker processes do not inherit it.)
 jax.config.update("jax_num_cpu_devices", 8)
+
+# A persistent compilation cache for this process, for the session: the same programs (the examples, their
+# references, in-process workers) are compiled by many tests, and from the second time on they are loaded.
+# Set before anything compiles (JAX decides once per process); removed when the session ends.
+JAX_CACHE = Path(tempfile.mkdtemp(prefix="rallypoint-tests-jax-cache-"))
+configure_compile_cache(JAX_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 SESSION_NOTES: list[str] = []
@@ -124,14 +138,23 @@ def store(etcd: EtcdCluster) -> Iterator[EtcdStore]:
         s.close()
 
 
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One JAX compilation cache for every cluster the session starts (``--compile-cache-dir``): a program
+    compiled by one test's workers is loaded by the next test's, as a restarted worker loads it from a cluster's
+    own cache. tests/workers/test_compile_cache.py checks the cache itself, from cold."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
 @pytest.fixture
-def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+def local_cluster(tmp_path: Path, compile_cache: Path) -> Iterator[Callable[..., LocalCluster]]:
     """Factory for local clusters of real processes; every process is stopped and checked gone."""
     started: list[LocalCluster] = []
 
     def start(**overrides: Any) -> LocalCluster:
         settings: dict[str, Any] = {
             "workers": 2, "spares": 0, "devices_per_worker": 1, "coordinators": 2, "lease_ttl_s": 2,
+            "compile_cache_dir": compile_cache,
         } | overrides
         cfg = LocalClusterConfig(state_dir=tmp_path / f"cluster{len(started)}", **settings)
         lc = LocalCluster.start(cfg)
@@ -142,9 +165,21 @@ def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
         yield start
     finally:
         for lc in started:
-            lc.stop()
+            stop_cluster(lc)
             left = [p for p in lc.processes if is_running(p)]
             assert not left, f"processes left running: {left}"
+
+
+def stop_cluster(lc: LocalCluster) -> None:
+    """:meth:`LocalCluster.stop` in the same order (workers, then coordinators, then etcd), but the processes
+    of a role stopped together rather than one after another (each takes up to a second to leave cleanly)."""
+    for role in ("worker", "coordinator"):
+        threads = [threading.Thread(target=stop_process, args=(p,)) for p in lc.processes if p.role == role]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    lc.stop()
 
 
 def read_events(log_path: str | Path, event: str | None = None) -> list[dict[str, Any]]:

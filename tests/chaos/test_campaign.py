@@ -1,5 +1,6 @@
 """Chaos campaigns: the table and its totals (pure), the loop with a stand-in runner, the
-bad inputs through the real CLI, and one real 3-seed campaign of ``campaign-short``."""
+bad inputs through the real CLI, and one real campaign of ``campaign-short``: one seed that draws
+each of its six fault kinds once (``make soak`` runs 20 seeds of ``campaign``)."""
 
 from __future__ import annotations
 
@@ -204,11 +205,11 @@ def test_campaign_scenarios_draw_worker_and_leader_faults_that_depend_on_the_see
     assert all(f.origin == "random" for sch in schedules for f in sch)
 
 
-def test_the_short_campaigns_seeds_cover_every_kind_they_draw() -> None:
+def test_the_short_campaigns_seed_draws_every_kind_it_may() -> None:
     s = short_scenario()
     assert s.random is not None
-    drawn = Counter(f.kind for seed in seed_list(s.random.seed, 3) for f in s.with_seed(seed).schedule(SLICES))
-    assert set(drawn) == WORKER_KINDS | LEADER_KINDS
+    drawn = Counter(f.kind for f in s.with_seed(s.random.seed).schedule(SLICES))
+    assert set(drawn) == WORKER_KINDS | LEADER_KINDS == set(s.random.kinds)
     assert 6 <= sum(drawn.values()) <= 20
 
 
@@ -275,24 +276,25 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(args: list[str], message
 
 
 @pytest.mark.processes
-@pytest.mark.timeout(900)
-def test_a_real_three_seed_campaign_passes_every_seed(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_a_real_campaign_of_random_faults_passes_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "campaign"
-    r = cli("scenarios/campaign-short.toml", "--seeds", "3", "--out", str(out), timeout=880)
+    r = cli("scenarios/campaign-short.toml", "--seeds", "1", "--out", str(out), timeout=580)
     assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
     data = json.loads((out / CAMPAIGN_FILE).read_text())
-    seeds = seed_list(short_scenario().seed or 0, 3)
+    seeds = seed_list(short_scenario().seed or 0, 1)
     assert data["seeds"] == seeds and data["complete"] and data["ok"]
     assert [row["seed"] for row in data["rows"]] == seeds
     failed = [(row["seed"], row["failed_invariants"], row["reason"], row["logs"]) for row in data["rows"] if not row["ok"]]
     assert not failed, failed
-    assert data["totals"]["passed"] == 3 and data["totals"]["failed"] == 0 and data["failed"] == []
-    assert sum(data["totals"]["faults_fired"].values()) > 0 and data["totals"]["recoveries"] > 0
-    assert all(row["scheduled"] and row["scheduled"] >= sum(row["fired"].values()) for row in data["rows"])
+    assert data["totals"]["passed"] == 1 and data["totals"]["failed"] == 0 and data["failed"] == []
+    assert set(data["totals"]["faults_fired"]) == WORKER_KINDS | LEADER_KINDS and data["totals"]["recoveries"] > 0
+    # Every scheduled fault was tried (fired, or failed to and said why): none was left for after the end.
+    assert all(row["scheduled"] and row["unfired"] == 0 for row in data["rows"])
     table = [line for line in r.stdout.splitlines() if re.match(r"^\d+\s+(ok|FAILED)\s", line)]
     assert [int(line.split()[0]) for line in table] == seeds
     assert all(line.split()[1:3] == ["ok", "finished"] for line in table)
     for row, line in zip(data["rows"], table):
         assert f"{row['wall_s']:.1f}" in line.split()
-    assert "3 passed, 0 failed (pass rate 100%)" in r.stdout
+    assert "1 passed, 0 failed (pass rate 100%)" in r.stdout
     assert sorted(p.name for p in out.iterdir()) == [CAMPAIGN_FILE]  # passed seeds' reports removed
