@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from rallypoint.cluster.local import STATE_FILE, LocalCluster, is_running
 from tests.conftest import read_events, wait_until
 
 pytestmark = pytest.mark.processes  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,7 +41,17 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
             LocalCluster.load(d).stop()
 
 
-def test_up_workers_cordon_uncordon_down(state_dir: Path) -> None:
+def test_up_workers_cordon_uncordon_down_and_down_stops_only_what_up_started(state_dir: Path) -> None:
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        up_workers_cordon_uncordon_down(state_dir)
+        assert bystander.poll() is None, "down killed a process it did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
     out = rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "1", "--devices-per-worker", "2",
              "--coordinators", "2").stdout
     assert "rallypoint workers" in out and "rallypoint down" in out
@@ -80,7 +92,9 @@ def test_up_workers_cordon_uncordon_down(state_dir: Path) -> None:
     assert r.returncode == 1 and "rallypoint up" in r.stderr
 
 
-def test_bad_arguments_get_a_clear_message_a_nonzero_exit_and_change_nothing(state_dir: Path, tmp_path: Path) -> None:
+def test_bad_arguments_get_a_clear_message_a_nonzero_exit_and_change_nothing_and_a_lost_worker_is_shown(
+    state_dir: Path, tmp_path: Path,
+) -> None:
     r = rp("up", "--state-dir", str(state_dir), "--workers", "0", check=False)
     assert r.returncode == 1 and "--workers must be at least 1" in r.stderr
     assert not state_dir.exists(), "a rejected `up` created state"
@@ -94,7 +108,7 @@ def test_bad_arguments_get_a_clear_message_a_nonzero_exit_and_change_nothing(sta
     assert r.returncode == 1 and "HOST:PORT" in r.stderr
 
     rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "0", "--devices-per-worker", "1",
-       "--coordinators", "1")
+       "--coordinators", "1", "--lease-ttl-s", "1")
     lc = LocalCluster.load(state_dir)
     before = rows("--state-dir", str(state_dir))
     r = rp("cordon", "nope", "--state-dir", str(state_dir), check=False)
@@ -107,27 +121,7 @@ def test_bad_arguments_get_a_clear_message_a_nonzero_exit_and_change_nothing(sta
     assert all(is_running(p) for p in lc.processes)
     assert rows("--state-dir", str(state_dir)) == before
 
-
-def test_down_stops_only_what_up_started(state_dir: Path) -> None:
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "0", "--devices-per-worker", "1",
-           "--coordinators", "1")
-        lc = LocalCluster.load(state_dir)
-        rp("down", "--state-dir", str(state_dir))
-        assert not any(is_running(p) for p in lc.processes)
-        assert bystander.poll() is None, "down killed a process it did not start"
-    finally:
-        bystander.kill()
-        bystander.wait()
-
-
-def test_workers_shows_a_lost_worker(state_dir: Path) -> None:
-    import signal
-
-    rp("up", "--state-dir", str(state_dir), "--workers", "2", "--spares", "0", "--devices-per-worker", "1",
-       "--coordinators", "1", "--lease-ttl-s", "1")
-    lc = LocalCluster.load(state_dir)
+    # The same cluster: a killed worker is shown lost.
     lc.signal("w0", signal.SIGKILL)
     lost = wait_until(lambda: (r := rows("--state-dir", str(state_dir)).get("w0")) and r["state"] == "lost" and r,
                       15, "w0 shown lost")

@@ -350,6 +350,10 @@ def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
 
 
 def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json() -> None:
+    """`rallypoint run` on its embedded cluster (the path every `rallypoint run` without --cluster takes): each
+    step once, in order, then the reference's digest, the fault and the recovery in between. (That
+    `rallypoint run --reference` prints the in-process reference's digest: tests/client/test_run_cli.py.)"""
+    from rallypoint.client.reference import run_reference
     from tests.client.test_cli import ROOT
 
     job = str(ROOT / "examples" / "pipeline_mlp.py")
@@ -357,9 +361,10 @@ def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     kinds = [x["event"] for x in lines if x["event"] != "step"]
     assert kinds == ["fault.injected", "job.recovering", "job.recovered", "job.finished"], kinds
-    reference = json.loads(rp("run", "--reference", "--json", "--steps", "14", job).stdout.splitlines()[-1])
+    assert [x["step"] for x in lines if x["event"] == "step"] == list(range(14))
     final = lines[-1]
-    assert final["state_digest"] == reference["state_digest"]
+    assert final["steps"] == 14
+    assert final["state_digest"] == run_reference(example("pipeline_mlp").build(steps=14)).state_digest
     assert [f["slices"] for f in final["failures"]] == [["stage1"]]
     assert final["recoveries"][0]["checkpoint_step"] in (0, 4)
     assert set(final["replayed_instances"]) <= {"fwd1", "bwd1", "update1"}
