@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import random
-import threading
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults
-from tests.client.test_cli import rp
+from tests.client.test_cli import ROOT, rp
 from tests.conftest import wait_until
 from tests.examples import example
 from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
@@ -101,32 +102,48 @@ def test_rallypoint_drain_refuses_what_cannot_work_and_changes_nothing(
         store.close()
 
 
+# `rallypoint drain WORKER ARGS...` with the worker's name read from stdin: the command starts (its imports take
+# seconds) before the worker is known, and drains the moment it is told which.
+DRAIN_WHEN_TOLD = """
+import sys
+from rallypoint.cli import main
+import rallypoint.client.drains  # what the command imports when it runs
+worker = sys.stdin.readline().strip()
+sys.argv = ["rallypoint", "drain", worker, *sys.argv[1:]]
+main()
+"""
+
+
 def test_rallypoint_drain_moves_the_slices_reports_the_pause_and_leaves_the_worker_cordoned(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    # Long enough that the command (its start-up) and the leader's poll land well inside the run.
+    # Long enough that the leader's poll of the request lands well inside the run.
     compiled = compile_program(example("pipeline_mlp").build(steps=80))
     reference = ReferenceExecutor(compiled).run().state_digest
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
-    answers: list[Any] = []
-    threads: list[threading.Thread] = []
-
-    workers: list[str] = []
+    command = subprocess.Popen([sys.executable, "-c", DRAIN_WHEN_TOLD, "--json", *cluster_args(lc)], cwd=ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    placed: list[str] = []  # stage1's worker
+    told: list[str] = []  # the worker the command drains
 
     def on_event(ev: pb.JobEvent) -> None:
         if ev.event == "job.placed":
-            workers.append(json.loads(ev.detail)["stage1"]["worker"])
-        if ev.event == "step.done" and ev.step == 2 and not threads:  # a few steps in
-            def drain() -> None:
-                answers.append((workers[0], rp("drain", workers[0], "--json", *cluster_args(lc), check=False)))
-            threads.append(threading.Thread(target=drain))
-            threads[0].start()
+            placed.append(json.loads(ev.detail)["stage1"]["worker"])
+        if ev.event == "step.done" and ev.step == 2 and not told:  # a few steps in
+            told.append(placed[0])
+            assert command.stdin is not None
+            command.stdin.write(placed[0] + "\n")
+            command.stdin.flush()
 
-    result, _ = run(lc, compiled, [], on_event=on_event)
-    threads[0].join()
-    ((worker, r),) = answers
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    try:
+        result, _ = run(lc, compiled, [], on_event=on_event)
+        stdout, stderr = command.communicate(timeout=120)
+    finally:
+        command.kill()
+        command.wait()
+    (worker,) = told
+    assert command.returncode == 0, stderr
+    out = json.loads(stdout)
     assert out["state"] == "done" and out["held"] == {}
     job = out["jobs"][compiled.program.name]
     assert job["state"] == "done" and job["slices"] == ["stage1"] and job["paused_s"] > 0
