@@ -29,6 +29,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.client.test_cli import rp
+from tests.conftest import stop_cluster
 from tests.examples import example
 from tests.workers.test_checkpoint import largest_file
 from rallypoint.workers.checkpoint import state_checksum
@@ -313,14 +314,14 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
 
 
 def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
-    tmp_path: Path, pipeline: tuple[CompiledProgram, str],
+    tmp_path: Path, pipeline: tuple[CompiledProgram, str], compile_cache: Path,
 ) -> None:
     """SIGKILL every process of the cluster (etcd, coordinator, workers) mid-job; a new
     cluster on the same state dir (a fresh etcd: the commits come from their copies
     beside the checkpoints) resumes the job from the newest consistent cut."""
     compiled, reference = pipeline
     config = LocalClusterConfig(state_dir=tmp_path / "cluster", workers=4, spares=0, devices_per_worker=1,
-                                coordinators=1)
+                                coordinators=1, compile_cache_dir=compile_cache)
     lc = LocalCluster.start(config)
     try:
         def on_event(ev: pb.JobEvent) -> None:
@@ -346,7 +347,7 @@ def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
         assert lines[-1]["event"] == "job.finished" and lines[-1]["state_digest"] == reference
         assert lines[-1]["start_step"] == resumed["step"]
     finally:
-        lc2.stop()
+        stop_cluster(lc2)
 
 
 def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json() -> None:
