@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +60,15 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
     lc = LocalCluster.load(state_dir)
     assert {p.role for p in lc.processes} == {"etcd", "coordinator", "worker"}
     assert all(is_running(p) for p in lc.processes)
+    # `up` prints the leader's dashboard (the page itself: tests/integration/test_dashboard.py), and it answers.
+    m = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)", out)
+    assert m, out
+    dashboard = m.group(1)
+    with urllib.request.urlopen(dashboard + "api/cluster", timeout=5) as r:
+        body = json.loads(r.read())
+    assert body["leading"] and sorted(w["worker"] for w in body["workers"]) == ["w0", "w1"]
+    with urllib.request.urlopen(dashboard, timeout=5) as r:
+        assert "<title>Rallypoint dashboard</title>" in r.read().decode()
 
     table = rows("--state-dir", str(state_dir))
     assert set(table) == {"w0", "w1"}
@@ -65,7 +76,7 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
         assert row["state"] == "spare" and row["devices"] == 2 and row["alive"]
         assert row["pid"] == lc.process(w).pid and row["incarnation"] > 0
     human = rp("workers", "--state-dir", str(state_dir)).stdout
-    assert "w0" in human and "spare" in human and "leader" in human
+    assert "w0" in human and "spare" in human and "leader" in human and dashboard in human
 
     rp("cordon", "w1", "--state-dir", str(state_dir))
     assert rows("--state-dir", str(state_dir))["w1"]["state"] == "cordoned"

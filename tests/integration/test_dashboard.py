@@ -3,8 +3,9 @@
 Chromium (the system package) loads the page, runs its script (which polls
 ``/api/cluster``) and prints the DOM (``--dump-dom``); the tests read the elements' ``data-*``
 attributes. Where no Chromium binary is found (``make browser`` installs it), the browser
-tests skip, and the reason is printed in the session summary. The last test saves a
-screenshot under its tmp dir and prints its path there too.
+tests skip, and the reason is printed in the session summary. The first test saves a
+screenshot under its tmp dir and prints its path there too. (That `rallypoint up` prints the
+dashboard's address and that it answers: tests/client/test_cli.py.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import pytest
 from rallypoint.client.compile import compile_program
 from rallypoint.client.faults import Fault
 from rallypoint.cluster.local import LocalCluster
-from tests.client.test_cli import rp
 from tests.conftest import SESSION_NOTES, wait_until
 from tests.examples import example
 from tests.integration.test_recovery import assert_settled, run
@@ -176,22 +176,6 @@ def test_a_follower_points_to_the_leader(local_cluster: Callable[..., LocalClust
     assert dom.by_id["leader"]["data-leading"] == "false"
     assert dom.by_id["leader-link"]["href"] == leader_url
     assert set(dom.workers) == {"w0"}
-
-
-def test_rallypoint_up_prints_the_leader_dashboard_and_it_answers(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    out = rp("up", "--state-dir", str(state), "--workers", "1", "--spares", "0", "--devices-per-worker", "1",
-             "--coordinators", "1").stdout
-    try:
-        m = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)", out)
-        assert m, out
-        body = api(m.group(1))
-        assert body["leading"] and [w["worker"] for w in body["workers"]] == ["w0"]
-        assert m.group(1) in rp("workers", "--state-dir", str(state)).stdout
-        with urllib.request.urlopen(m.group(1), timeout=5) as r:
-            assert "<title>Rallypoint dashboard</title>" in r.read().decode()
-    finally:
-        rp("down", "--state-dir", str(state))
 
 
 def test_a_bad_dashboard_port_is_a_clear_error() -> None:
