@@ -7,7 +7,9 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     devices/<worker>/<index>    one physical device of a live worker, on its lease
     leases/<worker>/<index>     the holder of a device: {job, slice, term}, on the
                                 worker's lease, so fencing the worker frees it
-    cordon/<worker>             present while the worker takes no new leases
+    cordon/<worker>             present while the worker takes no new leases: {by, ...}; a straggler
+                                move's is on a lease of its probation, so it lapses by itself
+    straggler-moves/<worker>    when the worker was last moved off as a straggler: {moves: [wall times]}
     lost/<worker>               last loss of a worker: {incarnation, reason, ...}
     drain/<worker>              a request to move the worker's slices off it (rallypoint.etcd.drains):
                                 {reason, by, at, deadline_s}; a preempted worker's is on its own lease
@@ -105,6 +107,9 @@ class Keys:
 
     def cordon(self, worker: str) -> str:
         return f"{self.cordons}{worker}"
+
+    def straggler_moves(self, worker: str) -> str:
+        return f"{self.prefix}straggler-moves/{worker}"
 
     @property
     def lost_workers(self) -> str:

@@ -17,6 +17,7 @@ drains through the job's drains.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,6 +41,7 @@ from rallypoint.orchestrator.recovery_machine import Recovery, RecoveryPort, cla
 from rallypoint.orchestrator.stragglers import CORDON_BY
 from rallypoint.recovery.decide import Budget, FallBack, Refence, decide
 from rallypoint.recovery.replay import Graph, ReplayPlan
+from rallypoint.recovery.stragglers import Probation
 
 
 class JobRecoveryPort(RecoveryPort):
@@ -199,13 +201,31 @@ class JobStragglerPort:
         except StoreError:
             return None
 
-    def cordon(self, worker: str, slice_name: str) -> str:
-        why = json.dumps({"by": CORDON_BY, "job": self.job, "slice": slice_name, "at": time.time()})
+    def cordon(self, worker: str, slice_name: str, probation: Probation) -> str:
+        now = time.time()
+        why: dict[str, object] = {"by": CORDON_BY, "job": self.job, "slice": slice_name, "at": now}
         try:
-            self.term.txn([Put(self.term.keys.cordon(worker), why)])
+            lease = 0
+            if probation.lapse_s is None:
+                why["kept_out"] = probation.reason
+            else:  # the cordon lapses with its lease: etcd puts the worker back, whoever leads by then
+                grant = self.term.store.grant_lease(max(1, math.ceil(probation.lapse_s)))
+                lease, why["lapses_at"] = grant.id, now + grant.ttl_s
+            self.term.txn([Put(self.term.keys.cordon(worker), json.dumps(why), lease=lease)])
         except (StoreError, NotLeader) as exc:
             return str(exc)
         return ""
+
+    def straggler_moves(self, worker: str) -> list[float]:
+        try:
+            kv = self.term.store.get(self.term.keys.straggler_moves(worker))
+        except StoreError:
+            return []  # etcd away: judged as a first move (probation), the safer way to err for capacity
+        return [float(t) for t in kv.json().get("moves", [])] if kv is not None else []
+
+    def note_moves(self, worker: str, moves: tuple[float, ...]) -> None:
+        self.term.write_quietly("straggler.moves_unrecorded",
+                                [Put(self.term.keys.straggler_moves(worker), json.dumps({"moves": list(moves)}))])
 
     def uncordon(self, worker: str) -> None:
         self.term.write_quietly("straggler.uncordon_failed", [Delete(self.term.keys.cordon(worker))])

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.stragglers import DEFAULT_FACTOR, DEFAULT_PERSIST, DEFAULT_WINDOW, StragglerSettings
+from rallypoint.recovery.stragglers import (DEFAULT_FACTOR, DEFAULT_PERSIST, DEFAULT_PROBATION_S, DEFAULT_REPEAT_WINDOW_S,
+                                            DEFAULT_WINDOW, StragglerSettings)
 from rallypoint.recovery.warm import DEFAULT_WARM_SPARES
 
 POLICIES = ("partial", "restart-all")
@@ -75,7 +76,8 @@ class RecoverySettings:
         for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
-        for name in ("straggler_factor", "straggler_window", "straggler_persist"):
+        for name in ("straggler_factor", "straggler_window", "straggler_persist", "straggler_probation_s",
+                     "straggler_repeat_window_s"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
         warm = int(spec.warm_spares) if spec.HasField("warm_spares") else DEFAULT_WARM_SPARES
@@ -83,7 +85,9 @@ class RecoverySettings:
             raise ValueError(f"warm_spares must be >= 0 (0: no warm spares; unset: {DEFAULT_WARM_SPARES}), got {warm}")
         window = int(spec.straggler_window or DEFAULT_WINDOW)
         stragglers = StragglerSettings(spec.stragglers or "migrate", float(spec.straggler_factor or DEFAULT_FACTOR),
-                                       window, int(spec.straggler_persist or min(DEFAULT_PERSIST, window)))
+                                       window, int(spec.straggler_persist or min(DEFAULT_PERSIST, window)),
+                                       probation_s=float(spec.straggler_probation_s or DEFAULT_PROBATION_S),
+                                       repeat_window_s=float(spec.straggler_repeat_window_s or DEFAULT_REPEAT_WINDOW_S))
         return cls(policy, on_no_spare, float(spec.wait_timeout_s or DEFAULT_WAIT_S),
                    int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY), int(spec.keep_checkpoints or DEFAULT_KEEP),
                    int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT), float(spec.stall_timeout_s or DEFAULT_STALL_S),

@@ -40,8 +40,11 @@ operator's drain does, and only while another spare with that room is left for
 recoveries (``KEEP_SPARES``): no room: ``straggler.no_spare``, asked again a window later;
 etcd away: the window starts again (a worker waiting on etcd is not a slow host).
 Every decision that names a straggler is a ``straggler.*`` log event and a
-``job.straggler`` JobEvent carrying its evidence. When the drain ends the worker stays
-cordoned (``done``), or its cordon is taken back (cancelled, aborted).
+``job.straggler`` JobEvent carrying its evidence. When the drain ends (``done``) the worker
+stays cordoned on probation (the cordon lapses with its etcd lease after
+``straggler_probation_s``), or for good when it was moved off before within
+``straggler_repeat_window_s`` (``kept_out``, reported); a cancelled or aborted drain takes
+the cordon back.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from rallypoint.orchestrator.drain import DrainRecord
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
-from rallypoint.recovery.stragglers import Keep, Migrate, StragglerSettings, judge
+from rallypoint.recovery.stragglers import Keep, Migrate, Probation, StragglerSettings, judge, probation
 
 WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a baseline
 KEPT_DECISIONS = 20  # the decisions job.finished reports (the newest)
@@ -96,8 +99,15 @@ class StragglerPort(Protocol):
     def cluster(self) -> ClusterSnapshot | None:
         """The cluster as etcd has it (None: etcd is away)."""
 
-    def cordon(self, worker: str, slice_name: str) -> str:
-        """Cordon ``worker`` as this watch's (``by``: ``CORDON_BY``); "" when done, else why not."""
+    def cordon(self, worker: str, slice_name: str, probation: Probation) -> str:
+        """Cordon ``worker`` as this watch's (``by``: ``CORDON_BY``), lapsing after ``probation.lapse_s`` (None: for
+        good); "" when done, else why not."""
+
+    def straggler_moves(self, worker: str) -> list[float]:
+        """When ``worker`` was moved off as a straggler before (wall times, any job's; [] when etcd is away)."""
+
+    def note_moves(self, worker: str, moves: tuple[float, ...]) -> None:
+        """Record ``worker``'s straggler moves (best effort)."""
 
     def uncordon(self, worker: str) -> None:
         """Take back the cordon this watch put (best effort)."""
@@ -366,8 +376,9 @@ class StragglerWatch:
 
     def _migrate(self, got: Migrate, slices: list[str], step: int, cordoned: bool) -> None:
         cordoned_now = False
+        on_probation = probation(self.port.straggler_moves(got.worker), time.time(), self.settings)
         if not cordoned:
-            error = self.port.cordon(got.worker, got.slice)
+            error = self.port.cordon(got.worker, got.slice, on_probation)
             if error:
                 self._say("keep", got.slice, got.worker, f"could not cordon worker {got.worker}: {error}", got.evidence)
                 return
@@ -378,7 +389,8 @@ class StragglerWatch:
         detection_s = round(self.clock.monotonic() - onset, 4)
         rec = self.port.drain(got.worker)
         self.pending = {"drain": rec, "slices": slices, "slice": got.slice, "worker": got.worker,
-                        "cordoned": cordoned_now, "decided": self.clock.monotonic(), "onset": onset, "step": step}
+                        "cordoned": cordoned_now, "decided": self.clock.monotonic(), "onset": onset, "step": step,
+                        "probation": on_probation}
         self._say("migrate", got.slice, got.worker, f"moving slices {slices} off worker {got.worker} by drain "
                   f"{rec.number}", got.evidence, detection_s=detection_s, slices=slices, drain=rec.number,
                   first_slow_step=first_slow)
@@ -395,10 +407,16 @@ class StragglerWatch:
         if rec.state == "done":
             for s in rec.moved:
                 self.moved_at[s] = rec.step
+            kept: Probation = p["probation"]
+            self.port.note_moves(p["worker"], kept.moves)
+            cordon = (f"worker {p['worker']} is cordoned, {kept.reason}" if p["cordoned"]
+                      else f"worker {p['worker']} stays cordoned as it was")
             self._say("migrated", p["slice"], p["worker"], f"slices {sorted(rec.moved)} moved to "
-                      f"{sorted(set(rec.moved.values()))} at step {rec.step}; worker {p['worker']} stays cordoned",
+                      f"{sorted(set(rec.moved.values()))} at step {rec.step}; {cordon}",
                       {"drain": rec.to_json()}, moved=rec.moved, migrated_s=round(now - p["decided"], 4),
-                      since_onset_s=round(now - p["onset"], 4), drain=rec.number)
+                      since_onset_s=round(now - p["onset"], 4), drain=rec.number, probation_s=kept.lapse_s)
+            if kept.lapse_s is None and p["cordoned"]:
+                self._say("kept_out", p["slice"], p["worker"], kept.reason, {"moves": list(kept.moves)})
             return
         if p["cordoned"]:
             self.port.uncordon(p["worker"])
@@ -413,7 +431,7 @@ class StragglerWatch:
         self._last_said, self._said_at = key, self._judged
         detail = {"decision": decision, "slice": slice_name, "worker": worker, "reason": reason,
                   "at": time.time(), **extra, "evidence": evidence}
-        level = self.log.warning if decision in ("migrate", "no_spare", "not_moved") else self.log.info
+        level = self.log.warning if decision in ("migrate", "no_spare", "not_moved", "kept_out") else self.log.info
         level(f"straggler.{decision}", **{k: v for k, v in detail.items() if k != "at"})
         self.port.event("job.straggler", step=self.port.progress.completed, **detail)
         self.decisions = (self.decisions + [{k: v for k, v in detail.items() if k != "evidence"}])[-KEPT_DECISIONS:]

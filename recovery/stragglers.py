@@ -29,6 +29,12 @@ moving already (``busy``: a drain or a recovery), or it moved less than ``cooldo
 steps ago; each of those is a :class:`Keep` naming the reason. The evidence (the
 numbers the decision came from) goes with either. A job with one slice has no peers
 and is never judged.
+
+A worker a straggler move leaves is cordoned **on probation** (:func:`probation`): the
+cordon lapses after ``probation_s`` and the worker returns to the pool (a host slowed for
+a while by a noisy neighbour, a thermal throttle or a firmware update is not lost for good),
+unless it was moved off once already within ``repeat_window_s``: a host that straggles again
+stays out until an operator takes it back.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ DEFAULT_FACTOR = 2.0
 DEFAULT_WINDOW = 16
 DEFAULT_PERSIST = 8
 DEFAULT_MIN_EXCESS_S = 0.03
+DEFAULT_PROBATION_S = 600.0  # a straggler's worker is cordoned this long, then back in the pool
+DEFAULT_REPEAT_WINDOW_S = 3600.0  # moved off again within this: it stays out
 BASELINE_FLOOR_S = 0.001  # a baseline under a millisecond counts as one (slowdowns of a near-idle slice stay finite)
 
 
@@ -56,6 +64,8 @@ class StragglerSettings:
     persist: int = DEFAULT_PERSIST
     min_excess_s: float = DEFAULT_MIN_EXCESS_S
     cooldown: int = 0
+    probation_s: float = DEFAULT_PROBATION_S
+    repeat_window_s: float = DEFAULT_REPEAT_WINDOW_S
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +80,9 @@ class StragglerSettings:
                              f"got {self.persist}")
         if self.min_excess_s < 0 or self.cooldown < 0:
             raise ValueError(f"min_excess_s and cooldown must be >= 0, got {self.min_excess_s}, {self.cooldown}")
+        if not (self.probation_s > 0 and self.repeat_window_s > 0):
+            raise ValueError(f"straggler_probation_s and straggler_repeat_window_s must be > 0 seconds, got "
+                             f"{self.probation_s:g} and {self.repeat_window_s:g}")
 
     @property
     def cooldown_steps(self) -> int:
@@ -92,6 +105,26 @@ class Keep:
     reason: str
     straggling: tuple[str, ...] = ()
     evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Probation:
+    """How a worker a straggler move leaves is cordoned: ``lapse_s`` seconds (None: until an operator takes the
+    cordon back), and the times of its straggler moves within the window, this one included."""
+
+    lapse_s: float | None
+    moves: tuple[float, ...]
+    reason: str
+
+
+def probation(earlier: Sequence[float], now: float, settings: StragglerSettings) -> Probation:
+    """The cordon of a worker moved off as a straggler at ``now`` (wall clock), given the times of its earlier
+    straggler moves (any job's)."""
+    moves = tuple(sorted(t for t in earlier if now - settings.repeat_window_s < t <= now)) + (now,)
+    if len(moves) > 1:
+        return Probation(None, moves, f"moved off as a straggler {len(moves)} times within "
+                         f"{settings.repeat_window_s:g} s: it stays cordoned until an operator uncordons it")
+    return Probation(settings.probation_s, moves, f"on probation: back in the pool after {settings.probation_s:g} s")
 
 
 def slowdowns(samples: Mapping[str, Sequence[float]], baseline: Mapping[str, float]) -> dict[str, list[float]]:

@@ -1,4 +1,5 @@
-"""The executor's collaborators one at a time, each against a MemoryStore, a FakeElection and fakes of its peers.
+"""The executor's collaborators one at a time, each against a MemoryStore (one test: a real etcd), a FakeElection and
+fakes of its peers.
 
 No executor is built here: each collaborator takes only what it acts through (the term,
 the placement, the loads, the progress), as the executor wires them.
@@ -7,6 +8,7 @@ the placement, the loads, the progress), as the executor wires them.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import grpc
@@ -29,6 +31,7 @@ from rallypoint.orchestrator.job_term import JobTerm
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
+from rallypoint.recovery.stragglers import Probation, StragglerSettings, probation
 from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker
 from tests.orchestrator.test_executor import pipeline_spec
 
@@ -227,12 +230,44 @@ def test_the_straggler_port_cordons_as_the_watch_and_takes_its_cordon_back() -> 
     p = Parts()
     port = JobStragglerPort("pipe", term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
                             drains=p.drains, busy=lambda: "", event=p.event)
-    assert port.cordon("w1", "s1") == ""
-    assert json.loads(p.store.get(p.keys.cordon("w1")).value)["by"] == "straggler"
+    assert port.cordon("w1", "s1", Probation(None, (1.0,), "kept out")) == ""
+    kv = p.store.get(p.keys.cordon("w1"))
+    assert json.loads(kv.value)["by"] == "straggler" and kv.lease == 0 and json.loads(kv.value)["kept_out"]
     port.uncordon("w1")
     assert p.store.get(p.keys.cordon("w1")) is None
+    assert port.cordon("w1", "s1", Probation(30.0, (1.0,), "on probation")) == ""
+    kv = p.store.get(p.keys.cordon("w1"))
+    assert kv.lease and p.store.lease_ttl(kv.lease) == 30 and "lapses_at" in json.loads(kv.value)
+    p.store.revoke_lease(kv.lease)  # the probation ends: etcd deletes the cordon with its lease
+    assert p.store.get(p.keys.cordon("w1")) is None
+    assert port.straggler_moves("w1") == []
+    port.note_moves("w1", (1.0, 2.0))
+    assert port.straggler_moves("w1") == [1.0, 2.0]
     p.election.depose()
-    assert port.cordon("w1", "s1") != "" and p.store.get(p.keys.cordon("w1")) is None  # a term that is over writes nothing
+    assert port.cordon("w1", "s1", Probation(None, (1.0,), "kept out")) != ""
+    assert p.store.get(p.keys.cordon("w1")) is None  # a term that is over writes nothing
+
+
+def test_a_straggler_cordon_lapses_in_a_real_etcd_and_a_second_move_keeps_the_worker_out(store: Any) -> None:
+    keys, clock = Keys("t"), FakeClock()
+    election = FakeElection(store, keys, clock)
+    term = JobTerm("pipe", store=store, keys=keys, election=election, clock=clock, log=Log())
+    port = JobStragglerPort("pipe", term=term, placement=None, loads=None, progress=None,  # type: ignore[arg-type]
+                            drains=None, busy=lambda: "", event=lambda *a, **k: None)
+    settings = StragglerSettings(probation_s=1.0, repeat_window_s=600.0)
+    first = probation(port.straggler_moves("w1"), time.time(), settings)
+    assert first.lapse_s == 1.0 and port.cordon("w1", "s1", first) == ""
+    assert store.get(keys.cordon("w1")) is not None
+    deadline = time.monotonic() + 15
+    while store.get(keys.cordon("w1")) is not None:  # etcd itself ends the probation
+        assert time.monotonic() < deadline, "the straggler cordon never lapsed"
+        time.sleep(0.1)
+    port.note_moves("w1", first.moves)
+    store.keepalive(election.lease)
+    second = probation(port.straggler_moves("w1"), time.time(), settings)
+    assert second.lapse_s is None and port.cordon("w1", "s1", second) == ""
+    kv = store.get(keys.cordon("w1"))
+    assert kv is not None and kv.lease == 0 and "uncordon" in kv.json()["kept_out"]
 
 
 # -- JobLoads and JobRecoveries -------------------------------------------------------------------------------

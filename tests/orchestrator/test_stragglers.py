@@ -221,6 +221,8 @@ class FakePort:
         self.places = {"s0": SlicePlace("w0", "w0:1", 1, (0,)), "s1": SlicePlace("w1", "w1:1", 2, (0,))}
         self.said: list[tuple[str, dict[str, Any]]] = []
         self.cordoned: list[str] = []
+        self.probations: list[Any] = []
+        self.moves: dict[str, list[float]] = {}
         self.drained: list[str] = []
         self.busy_reason = ""
 
@@ -236,9 +238,16 @@ class FakePort:
     def cluster(self) -> Any:
         return self._read()
 
-    def cordon(self, worker: str, slice_name: str) -> str:
+    def cordon(self, worker: str, slice_name: str, probation: Any) -> str:
         self.cordoned.append(worker)
+        self.probations.append(probation)
         return ""
+
+    def straggler_moves(self, worker: str) -> list[float]:
+        return list(self.moves.get(worker, []))
+
+    def note_moves(self, worker: str, moves: tuple[float, ...]) -> None:
+        self.moves[worker] = list(moves)
 
     def uncordon(self, worker: str) -> None:
         self.cordoned.remove(worker)
@@ -284,3 +293,41 @@ def test_the_watch_judges_through_its_port_alone_and_moves_a_stalled_slice() -> 
     decisions = [d["decision"] for e, d in port.said if e == "job.straggler"]
     assert decisions == ["migrate"] and port.drained == ["w1"] and port.cordoned == ["w1"], port.said
     assert port.said[0][1]["slice"] == "s1" and port.said[0][1]["first_slow_step"] >= 56
+
+
+def moved_once(earlier: list[float]) -> tuple[FakePort, list[str]]:
+    """Drive the scripted port until its straggler's drain is done; the decisions said."""
+    from rallypoint.basics.clock import FakeClock
+    from rallypoint.recovery.stragglers import StragglerSettings
+    from tests.orchestrator.test_job_collaborators import Log
+    clock, port = FakeClock(), FakePort()
+    port.moves["w1"] = earlier
+    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=Log())
+    watch.configure(StragglerSettings(probation_s=30.0, repeat_window_s=600.0), checkpoint_every=0)
+    drive(watch, port, clock, range(0, 20), {})
+    drive(watch, port, clock, range(20, 60), {"s1": 0.08})
+    assert port.drained == ["w1"], port.said
+    watch.pending["drain"].state = "done"  # the drain moved s1 to w2
+    watch.pending["drain"].moved = {"s1": "w2"}
+    watch.advanced()
+    return port, [d["decision"] for e, d in port.said if e == "job.straggler"]
+
+
+def test_a_straggler_s_worker_is_cordoned_on_probation_and_its_move_is_recorded() -> None:
+    import time
+    port, decisions = moved_once([time.time() - 3600])  # a move an hour ago is outside the window
+    assert decisions == ["migrate", "migrated"]
+    (probation,) = port.probations
+    assert probation.lapse_s == 30.0 and len(probation.moves) == 1
+    assert port.moves["w1"] == list(probation.moves)  # recorded once the drain is done
+    assert "on probation" in port.said[1][1]["reason"] and port.said[1][1]["probation_s"] == 30.0
+
+
+def test_a_worker_moved_off_twice_in_the_window_stays_out_and_is_reported() -> None:
+    import time
+    port, decisions = moved_once([time.time() - 60])
+    assert decisions == ["migrate", "migrated", "kept_out"]
+    (probation,) = port.probations
+    assert probation.lapse_s is None and len(probation.moves) == 2 and len(port.moves["w1"]) == 2
+    kept = port.said[2][1]
+    assert kept["worker"] == "w1" and "2 times within 600 s" in kept["reason"] and "uncordon" in kept["reason"]

@@ -205,3 +205,16 @@ def test_a_decision_always_names_a_straggling_slice_and_keep_always_says_why(sam
     else:
         assert got.reason
         assert set(got.straggling) == {s for s, j in judged.items() if j["straggles"]}
+
+
+def test_a_first_straggler_move_is_probation_and_a_second_within_the_window_keeps_the_worker_out() -> None:
+    from rallypoint.recovery.stragglers import probation
+    settings = StragglerSettings(probation_s=300.0, repeat_window_s=1000.0)
+    first = probation([], 5000.0, settings)
+    assert first.lapse_s == 300.0 and first.moves == (5000.0,)
+    old = probation([3000.0], 5000.0, settings)  # the earlier move left the window: probation again
+    assert old.lapse_s == 300.0 and old.moves == (5000.0,)
+    again = probation([3000.0, 4500.0], 5000.0, settings)
+    assert again.lapse_s is None and again.moves == (4500.0, 5000.0) and "2 times within 1000 s" in again.reason
+    with pytest.raises(ValueError, match="straggler_probation_s"):
+        StragglerSettings(probation_s=0.0)
