@@ -235,6 +235,9 @@ class JobExecutor:
             if self.checkpoint_root is None:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
+            if self.adopted:  # the earlier term's recoveries go on in this term's record (docs/recovery.md)
+                earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
+                self.recovery.adopt(earlier.json().get("recoveries", []) if earlier is not None else [], self.term.term)
         else:
             # A new run: commits of an earlier run of this job name no longer count.
             self.term.txn([Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
@@ -364,6 +367,8 @@ class JobExecutor:
         for done in self.progress.complete():
             self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=done.step, metrics=done.metrics))
             self.step_times.step_done(done.step)
+            if self.adopted:
+                self.recovery.adopted_running(done.step)
             if self.progress.completed % RECORD_EVERY == 0:
                 self._record_quietly()
         self.recovery.progressed()

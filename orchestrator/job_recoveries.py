@@ -8,6 +8,14 @@ while they replay and catch up (:meth:`observe`, :meth:`first_call`, :meth:`prog
 (:meth:`stalled`): a setback of its own source, decided like any other.
 Each machine acts on the job only through the job's
 :class:`~rallypoint.orchestrator.recovery_machine.RecoveryPort`.
+
+A job adopted from a lost or deposed leader carries that leader's recoveries on
+(:meth:`adopt`): they stay in the records, new ones are numbered after them, and one the
+old leader had not seen to its end (``mttr_s`` null: it was replaying or catching up, or
+still restoring, when the term ended) is finished by the adopting leader: ``adopted_by_term``
+names the term that adopted it, its phases are those the old leader saw, and its
+``mttr_s`` runs from the loss (wall clock) to the first step the adopted job completes
+(:meth:`adopted_running`), with ``finished_by: "adoption"``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ class JobRecoveries:
         self.microbatches = microbatches
         self.machines: list[Recovery] = []
         self.records: list[RecoveryRecord] = []
+        self.adopted: list[dict[str, Any]] = []  # an earlier term's recoveries, as its job record had them
+        self._open_adopted: list[dict[str, Any]] = []  # of those, the ones the earlier term did not finish
 
     @property
     def active(self) -> Recovery | None:
@@ -40,12 +50,31 @@ class JobRecoveries:
         return next((m for m in self.machines if not m.phase.is_terminal), None)
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [r.to_json() for r in self.records]
+        return [dict(r) for r in self.adopted] + [r.to_json() for r in self.records]
+
+    def adopt(self, earlier: list[dict[str, Any]], term: int) -> None:
+        """The recoveries an earlier term recorded for this job; those it did not finish, this term finishes."""
+        self.adopted = [dict(r) for r in earlier if isinstance(r, dict) and "recovery" in r]
+        self._open_adopted = []
+        for r in self.adopted:
+            if r.get("mttr_s") is None and "finished_by" not in r:
+                r["adopted_by_term"] = term
+                self._open_adopted.append(r)
+
+    def adopted_running(self, step: int) -> None:
+        """The adopted job completed ``step``: the recoveries the earlier term left open end now."""
+        now = time.time()
+        for r in self._open_adopted:
+            r["mttr_s"] = round(max(0.0, now - float(r.get("detected_at", now))), 4)
+            r["finished_by"], r["running_again_at_step"] = "adoption", step
+            self.log.info("recovery.finished_on_adoption", recovery=r["recovery"], mttr_s=r["mttr_s"], step=step)
+        self._open_adopted = []
 
     def open(self, lost: Mapping[str, str], detection_s: float) -> RecoveryRecord:
         """A new recovery of ``lost`` (worker -> why); any earlier one still measuring its replay ends there."""
         now = self.clock.monotonic()
-        rec = RecoveryRecord(number=len(self.records) + 1, lost={}, reasons=dict(lost), detected_at=time.time(),
+        number = max([r.number for r in self.records] + [int(r["recovery"]) for r in self.adopted], default=0) + 1
+        rec = RecoveryRecord(number=number, lost={}, reasons=dict(lost), detected_at=time.time(),
                              detected_mono=now, detection_s=detection_s)
         self.supersede(f"recovery {rec.number} started")
         self.records.append(rec)

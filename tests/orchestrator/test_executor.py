@@ -233,6 +233,35 @@ def test_an_adopted_job_restarts_from_the_newest_cut_that_restores(tmp_path: Pat
     assert h.record()["state"] == "succeeded" and h.record()["term"] == h.election.term
 
 
+def test_an_adopting_leader_carries_the_recoveries_on_and_finishes_the_one_it_adopted_open(tmp_path: Path) -> None:
+    first = Harness(tmp_path, workers=5)
+    first.x.begin()
+    first.steps_until(12)
+    victim = first.worker_of("s1")
+    first.store.revoke_lease(first.store.get(first.keys.worker(victim)).lease)
+    first.workers.end(victim)
+    recovered(first, 1)  # restored and running again; its replay is not measured yet when the term ends
+    (open_rec,) = first.record()["recoveries"]
+    assert open_rec["mttr_s"] is None and "replay" not in open_rec["phases"]
+    first.election.depose()
+    h = Harness(tmp_path, adopted=True, store=first.store)
+    h.x.begin()
+    h.steps_until(15)
+    lost = h.worker_of("s0")
+    h.store.revoke_lease(h.store.get(h.keys.worker(lost)).lease)
+    h.workers.end(lost)
+    recovered(h, 1)
+    h.steps_until(20)
+    finished = h.x.finish()
+    recs = json.loads(finished.detail)["recoveries"]
+    assert [r["recovery"] for r in recs] == [1, 2]  # the adopted one, then this term's, numbered after it
+    adopted, own = recs
+    assert adopted["detected_at"] == open_rec["detected_at"] and adopted["lost"] == {victim: ["s1"]}
+    assert adopted["adopted_by_term"] == h.election.term and adopted["finished_by"] == "adoption"
+    assert adopted["mttr_s"] is not None and adopted["mttr_s"] >= 0 and adopted["phases"] == open_rec["phases"]
+    assert own["lost"] == {lost: ["s0"]} and "adopted_by_term" not in own
+
+
 def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     h.x._prepare()
