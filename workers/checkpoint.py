@@ -551,6 +551,6 @@ def _same_path(a: str | None, b: str) -> bool:
     return a is not None and os.path.normpath(a) == os.path.normpath(b)
 
 
-def etcd_commit(store: Store, keys: Keys, guard: Compare) -> EtcdCommitter:
+def etcd_commit(store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> EtcdCommitter:
     """The :class:`EtcdCommitter` of one worker incarnation."""
-    return EtcdCommitter(store, keys, guard)
+    return EtcdCommitter(store, keys, guard, clock=clock)
