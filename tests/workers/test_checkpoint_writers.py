@@ -168,14 +168,22 @@ def test_a_commit_path_outside_the_slice_directory_is_refused_unread(tmp_path: P
         inside.close()
         elsewhere.close()
     good, outside = rec.commits  # both valid checkpoints: only where they lie differs
+    # A worker loaded to restore a commit whose path lies outside the run's directory of the slice.
+    req = pb.LoadJobRequest(job="j", start_step=20, checkpoint_dir=str(tmp_path / "run"),
+                            slices=[pb.SliceAssignment(slice="s0")], states=[pb.StateProgram(name="p", slice="s0")],
+                            restore=[pb.CheckpointRef(slice="s0", step=20, path=outside.path, checksum=outside.checksum)])
+    with pytest.raises(RestoreError, match="outside"):
+        restore_for_load(req)
+    req.restore[0].CopyFrom(pb.CheckpointRef(slice="s0", step=10, path=good.path, checksum=good.checksum))
+    assert_bitwise(restore_for_load(req)["s0"], states_at(10))
     slice_dir = tmp_path / "run" / "s0"
     (slice_dir / "link").symlink_to(elsewhere.directory)
     bad = [
         ("outside", outside),
-        ("'..'", CheckpointCommit("j", "s0", 20, f"{slice_dir}/../../elsewhere/s0/{elsewhere.writer}/20",
+        ("'..'", CheckpointCommit("j", "s0", 20, f"{slice_dir}/../../elsewhere/s0/{elsewhere.directory.name}/20",
                                   outside.checksum)),
         ("outside", CheckpointCommit("j", "s0", 20, str(slice_dir / "link" / "20"), outside.checksum)),  # a symlink
-        ("not absolute", CheckpointCommit("j", "s0", 20, f"s0/{elsewhere.writer}/20", outside.checksum)),
+        ("not absolute", CheckpointCommit("j", "s0", 20, f"s0/{elsewhere.directory.name}/20", outside.checksum)),
         ("invalid slice name", CheckpointCommit("j", "../s0", 20, outside.path, outside.checksum)),
     ]
     configure()
@@ -187,13 +195,6 @@ def test_a_commit_path_outside_the_slice_directory_is_refused_unread(tmp_path: P
     found = latest_committed([good, outside], slice_dir)  # the newer one escapes: fall back to the older
     assert found.commit == good and [c.step for c, _ in found.skipped] == [20]
 
-    req = pb.LoadJobRequest(job="j", start_step=20, checkpoint_dir=str(tmp_path / "run"),
-                            slices=[pb.SliceAssignment(slice="s0")], states=[pb.StateProgram(name="p", slice="s0")],
-                            restore=[pb.CheckpointRef(slice="s0", step=20, path=outside.path, checksum=outside.checksum)])
-    with pytest.raises(RestoreError, match="outside"):
-        restore_for_load(req)
-    req.restore[0].CopyFrom(pb.CheckpointRef(slice="s0", step=10, path=good.path, checksum=good.checksum))
-    assert_bitwise(restore_for_load(req)["s0"], states_at(10))
 
 
 def test_latest_must_name_a_run_directory_of_the_job(tmp_path: Path) -> None:
