@@ -7,6 +7,7 @@ names the newest run, the one ``resume`` and adoption continue.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +16,7 @@ from rallypoint.orchestrator.job_state import JobFailed
 
 JOBSPEC_FILE = "jobspec.pb"
 LATEST_FILE = "LATEST"
+_RUN_NAME = re.compile(r"run-[0-9T]{15}-[0-9a-f]{6}")
 
 
 def run_dir(root: Path, job: str, *, create: bool) -> Path:
@@ -28,4 +30,10 @@ def run_dir(root: Path, job: str, *, create: bool) -> Path:
     latest = base / LATEST_FILE
     if not latest.exists():
         raise JobFailed(f"no run of job {job!r} under {root}: nothing to resume (is --checkpoint-dir right?)")
-    return base / latest.read_text().strip()
+    name = latest.read_text().strip()
+    run = base / name
+    # LATEST is read from disk: it must name one run directory of this job, not a path elsewhere.
+    if not _RUN_NAME.fullmatch(name) or run.is_symlink() or not run.resolve().is_relative_to(base.resolve()):
+        raise JobFailed(f"{latest} names {name!r}, not a run directory of job {job!r} (run-<time>-<id> in "
+                        f"{base}): fix or remove that file, then resume again")
+    return run

@@ -13,16 +13,23 @@ Orbax checks no content checksums: :func:`state_checksum` (sha256 over every sta
 name, leaf dtype, shape and bytes) is recorded with each commit and checked on
 restore; :func:`latest_committed` falls back to older commits past a corrupt one.
 
-On disk each step is a plain Orbax ``CheckpointManager`` step (item ``default``,
+On disk each checkpointer writes its own Orbax ``CheckpointManager`` directory,
+``<slice dir>/<writer>/`` (a name unique to it), so two writers of one slice (a zombie
+and its successor, or a replay of a step that already counts) never share a step or
+a temporary directory; each step is a plain Orbax step (item ``default``,
 ``StandardSave`` of ``{state name: [leaf arrays]}``): see ``docs/checkpoints.md``.
+Retention deletes a step directory only after the commit naming it is gone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,17 +38,19 @@ from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import Retrying
 
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
-from rallypoint.basics.errors import Fenced, RallypointError, StoreUnavailable, WriteIndeterminate
+from rallypoint.basics.clock import Clock, SystemClock
+from rallypoint.basics.errors import ConfigError, Fenced, RallypointError, WriteIndeterminate
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.basics.logs import get_logger
-from rallypoint.etcd.store import Compare, Delete, Put, Store
+from rallypoint.etcd.store import Compare, Delete, Put, Store, key_missing, unchanged_since
 from rallypoint.workers import meter
 
 __all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
-           "EtcdCommitter", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
+           "EtcdCommitter", "checkpoint_within", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
 
 States = dict[str, list[np.ndarray]]
 """A slice's states: state name -> its value as flat leaves (host arrays)."""
@@ -92,14 +101,47 @@ def _restore_dir(step_dir: Path) -> States:
     return {name: [np.asarray(x) for x in leaves] for name, leaves in tree.items()}
 
 
-def restore_commit(commit: CheckpointCommit) -> States:
+def checkpoint_within(commit: CheckpointCommit, slice_dir: Path) -> Path:
+    """The directory ``commit.path`` names, resolved, once it is checked to lie inside ``slice_dir``.
+
+    A commit comes from etcd (or a commit record on disk): its path is refused when it is
+    relative, has a ``..`` part, or resolves (symlinks followed) outside the slice's
+    checkpoint directory. Raises :class:`CheckpointCorrupt` then, before anything is read.
+    """
+    def refuse(why: str) -> CheckpointCorrupt:
+        get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name).warning(
+            "checkpoint.path_refused", step=commit.step, path=commit.path, slice_dir=str(slice_dir), reason=why)
+        return CheckpointCorrupt(commit, None, f"its path {why}; a commit may only name a step directory "
+                                               f"inside the slice's checkpoint directory {slice_dir}")
+
+    try:
+        check_name("slice", commit.slice_name)
+    except ConfigError as e:
+        raise refuse(f"is of an invalid slice name ({e})") from e
+    p = Path(commit.path)
+    if not p.is_absolute():
+        raise refuse("is not absolute")
+    if ".." in p.parts:
+        raise refuse("has a '..' part")
+    real, base = p.resolve(), Path(slice_dir).absolute().resolve()
+    if real == base or not real.is_relative_to(base):
+        raise refuse(f"resolves to {real}, outside {base}")
+    return real
+
+
+def restore_commit(commit: CheckpointCommit, slice_dir: Path | None = None) -> States:
     """The states a commit names, read from ``commit.path`` and checked against its checksum.
 
-    Raises :class:`CheckpointCorrupt` when the checkpoint cannot be read or its checksum differs.
+    With ``slice_dir`` (the slice's checkpoint directory; a worker restoring a commit
+    always passes it), a path outside it is refused unread (:func:`checkpoint_within`).
+
+    Raises :class:`CheckpointCorrupt` when the checkpoint cannot be read, its checksum
+    differs, or its path is refused.
     """
     log = get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name)
+    step_dir = checkpoint_within(commit, slice_dir) if slice_dir is not None else Path(commit.path)
     try:
-        states = _restore_dir(Path(commit.path))
+        states = _restore_dir(step_dir)
     except Exception as e:  # any failure to read is a corrupt checkpoint
         log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
                     actual=None, error=f"{type(e).__name__}: {e}")
@@ -121,10 +163,11 @@ class LatestCommitted:
     skipped: list[tuple[CheckpointCommit, str]] = field(default_factory=list)
 
 
-def latest_committed(commits: Iterable[CheckpointCommit]) -> LatestCommitted:
+def latest_committed(commits: Iterable[CheckpointCommit], slice_dir: Path | None = None) -> LatestCommitted:
     """Restore the newest of one slice's ``commits`` that reads back with its checksum.
 
-    Corrupt or unreadable ones are skipped (logged ``checkpoint.corrupt``, listed in
+    Corrupt or unreadable ones (and, with ``slice_dir``, ones whose path lies outside
+    it: :func:`checkpoint_within`) are skipped (logged ``checkpoint.corrupt``, listed in
     ``skipped`` with the reason), falling back to older commits; ``commit`` is None
     when none restores.
     """
@@ -134,7 +177,7 @@ def latest_committed(commits: Iterable[CheckpointCommit]) -> LatestCommitted:
         raise ValueError("latest_committed takes the commits of one slice of one job")
     for c in ordered:
         try:
-            found.states, found.commit = restore_commit(c), c
+            found.states, found.commit = restore_commit(c, slice_dir), c
             return found
         except CheckpointCorrupt as e:
             found.skipped.append((c, str(e)))
@@ -160,33 +203,49 @@ class SliceCheckpointer:
     """Asynchronous Orbax checkpoints of one slice's states, committed in step order.
 
     Args:
-        directory: the slice's Orbax directory (e.g. ``<root>/<job>/<slice>``); step
-            ``s`` is written to ``directory/<s>``.
+        slice_dir: the slice's checkpoint directory (e.g. ``<run>/<slice>``); this
+            checkpointer's Orbax directory is ``slice_dir/<writer>`` (:attr:`directory`)
+            and step ``s`` is written to ``slice_dir/<writer>/<s>``.
         job, slice_name: whose state this is (in commits and log events).
         max_to_keep: committed checkpoints kept on disk (None: all). Older ones are
-            deleted after a newer commit, except steps held with :meth:`protect`.
+            deleted after a newer commit, except steps held with :meth:`protect`; so are
+            other writers' finalized steps that old (a step whose commit names another
+            directory is kept by ``forget``).
         commit: called (on a background thread, in step order) once a checkpoint is
             finalized; it makes the checkpoint count, e.g. :func:`etcd_commit`. An
             exception means the checkpoint does not count; :meth:`wait` raises it.
         log_fields: extra fields bound to every log event (worker, incarnation).
-        forget: called with a step before retention deletes it (to delete its commit).
+        forget: called with a step and its directory before retention deletes it: it deletes
+            the step's commit if (and only if) that commit names this directory, and raises
+            (:class:`CommitRefused`) when this writer is fenced; the directory then stays.
+        writer: the name of this checkpointer's directory in ``slice_dir`` (default: a new
+            unique ``w-<hex>``); it must be unique to this checkpointer.
         replicate: called with each commit and its states once it counts (the in-memory
             tier copies them to a peer: :mod:`rallypoint.workers.replicas`); must not block.
     """
 
-    def __init__(self, directory: Path, *, job: str, slice_name: str, max_to_keep: int | None,
+    def __init__(self, slice_dir: Path, *, job: str, slice_name: str, max_to_keep: int | None,
                  commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None,
-                 forget: Callable[[int], None] | None = None,
-                 replicate: Callable[[CheckpointCommit, States], None] | None = None) -> None:
+                 forget: Callable[[int, str], None] | None = None,
+                 replicate: Callable[[CheckpointCommit, States], None] | None = None,
+                 writer: str | None = None) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be None or at least 1, got {max_to_keep}")
         self.job, self.slice_name = check_name("job", job), check_name("slice", slice_name)
-        self.directory = Path(directory).absolute()
+        self.writer = check_name("checkpoint writer", writer if writer is not None else f"w-{uuid.uuid4().hex[:12]}")
+        self.slice_dir = Path(slice_dir).absolute()
+        self.directory = self.slice_dir / self.writer
+        if self.directory.exists():
+            raise CheckpointError(f"checkpoint writer directory {self.directory} exists: each checkpointer of "
+                                  f"{self.job}/{self.slice_name} needs a writer name of its own")
         self.max_to_keep = max_to_keep
         self._commit = commit
         self._forget = forget
         self._replicate = replicate
-        self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, **(log_fields or {}))
+        self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, writer=self.writer,
+                              **(log_fields or {}))
+        # Orbax's temporary-directory clean-up at start-up sees only this writer's (new, empty) directory:
+        # it never touches another writer's save in flight, a zombie's included.
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
         self._orbax = threading.RLock()  # every CheckpointManager call; taken before _cond, never after
@@ -226,11 +285,9 @@ class SliceCheckpointer:
             if step < 0 or (self._last_step is not None and step <= self._last_step):
                 raise CheckpointError(f"checkpoint steps of {self.job}/{self.slice_name} must increase: "
                                       f"{step} after {self._last_step}")
-            if step in self._manager.all_steps():
-                if self._protected[step]:
-                    raise CheckpointError(f"step {step} of {self.job}/{self.slice_name} exists and is protected")
-                self.log.info("checkpoint.replaced", step=step)  # from an earlier life of the slice
-                self._manager.delete(step)
+            # A step that exists is never replaced in place: steps increase within this writer's directory, and a
+            # step saved again by a later writer (a replay) goes to that writer's directory, while the commit an
+            # earlier writer made keeps naming its own until the new commit replaces it.
             try:
                 with _ORBAX_SAVES:
                     self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
@@ -350,7 +407,13 @@ class SliceCheckpointer:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        """Delete every step older than the ``max_to_keep``-th newest commit, unless protected."""
+        """Delete every step older than the ``max_to_keep``-th newest commit, unless protected:
+        this writer's, then other writers' finalized ones in the slice directory.
+
+        Each goes only after ``forget`` dropped its commit (or found that the commit names
+        another directory); when ``forget`` refuses (this writer is fenced), nothing more is
+        deleted: a zombie never deletes what a live commit names.
+        """
         if self.max_to_keep is None:
             return
         with self._orbax:
@@ -359,29 +422,55 @@ class SliceCheckpointer:
                     return
                 keep_from = sorted(self._committed)[-self.max_to_keep]
                 held = set(self._protected) | {p.step for p in self._queue}
-            for s in [s for s in self._manager.all_steps() if s < keep_from and s not in held]:
-                if self._forget is not None:
-                    self._forget(s)  # it stops counting before its data goes
-                self._manager.delete(s)
-                self.log.info("checkpoint.deleted", step=s)
-                with self._cond:
-                    self._committed = [c for c in self._committed if c != s]
+            try:
+                for s in [s for s in self._manager.all_steps() if s < keep_from and s not in held]:
+                    if self._forget is not None:
+                        self._forget(s, str(self.directory / str(s)))  # it stops counting before its data goes
+                    self._manager.delete(s)
+                    self.log.info("checkpoint.deleted", step=s)
+                    with self._cond:
+                        self._committed = [c for c in self._committed if c != s]
+                for s, path in self._other_writers_steps():
+                    if s >= keep_from or s in held:
+                        continue
+                    if self._forget is not None:
+                        self._forget(s, str(path))
+                    try:
+                        shutil.rmtree(path)
+                    except OSError as e:
+                        self.log.warning("checkpoint.delete_failed", step=s, path=str(path), error=str(e))
+                        continue
+                    self.log.info("checkpoint.deleted", step=s, path=str(path))
+            except CommitRefused as e:
+                self.log.warning("checkpoint.retention_refused", error=str(e))
+
+    def _other_writers_steps(self) -> list[tuple[int, Path]]:
+        """Finalized steps of the slice's other writers (earlier incarnations, replays): (step, directory)."""
+        out: list[tuple[int, Path]] = []
+        try:
+            writers = [d for d in self.slice_dir.iterdir()
+                       if d.name != self.writer and not d.is_symlink() and d.is_dir()]
+            for d in writers:
+                out += [(int(p.name), p) for p in d.iterdir() if p.name.isdigit() and not p.is_symlink() and p.is_dir()]
+        except OSError as e:
+            self.log.warning("checkpoint.list_failed", path=str(self.slice_dir), error=str(e))
+        return sorted(out)
 
     def steps_on_disk(self) -> list[int]:
-        """Steps Orbax has finalized in this slice's directory."""
+        """Steps Orbax has finalized in this writer's directory."""
         return sorted(ocp.path.step.checkpoint_steps(self.directory))
 
     # -- restoring ------------------------------------------------------------------------
 
     def restore(self, step: int, expected_checksum: str) -> States:
-        """The states saved after ``step`` in this slice's directory, checked against the checksum.
+        """The states this checkpointer saved after ``step``, checked against the checksum.
 
         Raises :class:`CheckpointCorrupt` (naming both checksums) on a mismatch or when
         the checkpoint cannot be read.
         """
         c = CheckpointCommit(self.job, self.slice_name, step, str(self.directory / str(step)), expected_checksum)
         with self._orbax:
-            return restore_commit(c)
+            return restore_commit(c, self.slice_dir)
 
 
 # -- commits in etcd ----------------------------------------------------------------------
@@ -392,24 +481,31 @@ class EtcdCommitter:
     ``keys.checkpoint(job, slice, step)`` in a transaction guarded by ``guard``:
     ``created_at(keys.worker(worker_id), incarnation)``, so a zombie incarnation
     cannot commit (:class:`CommitRefused`). Unreachable etcd is retried for
-    ``COMMIT_RETRY_S``; an indeterminate write is resolved by reading the key back.
+    ``COMMIT_RETRY_S`` of ``clock`` (the shared policy: :func:`rallypoint.basics.retry.retrying`);
+    an indeterminate write is resolved by reading the key back.
     :meth:`forget` deletes a commit (before retention deletes its checkpoint).
     """
 
-    def __init__(self, store: Store, keys: Keys, guard: Compare) -> None:
+    def __init__(self, store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> None:
         if guard.target != "create" or guard.op != "==" or not guard.key.startswith(keys.workers):
             raise ValueError(f"the commit guard must be created_at(keys.worker(worker_id), incarnation), got {guard}")
         self.store, self.keys, self.guard = store, keys, guard
+        self.clock: Clock = clock if clock is not None else SystemClock()
         self.worker, self.incarnation = keys.tail(guard.key, keys.workers)[0], int(guard.value)
+        self.log = get_logger("rallypoint.checkpoint", worker=self.worker, incarnation=self.incarnation)
 
-    def _retrying(self) -> Retrying:
-        return Retrying(stop=stop_after_delay(COMMIT_RETRY_S), wait=wait_exponential(multiplier=0.05, max=1.0),
-                        retry=retry_if_exception_type(StoreUnavailable), reraise=True)
+    def _retrying(self, what: str) -> Retrying:
+        return retrying(clock=self.clock, what=what, log=self.log, stop_after_s=COMMIT_RETRY_S,
+                        initial_s=0.05, max_s=1.0)
+
+    def _refused(self, what: str) -> CommitRefused:
+        return CommitRefused(f"worker {self.worker} incarnation {self.incarnation}",
+                             f"its incarnation is over; {what} refused")
 
     def __call__(self, c: CheckpointCommit) -> None:
         key = self.keys.checkpoint(c.job, c.slice_name, c.step)
         value = json.dumps(c.to_json() | {"worker": self.worker, "incarnation": self.incarnation, "at": time.time()})
-        for attempt in self._retrying():
+        for attempt in self._retrying(f"checkpoint commit {c.job}/{c.slice_name}@{c.step}"):
             with attempt:
                 try:
                     r = self.store.txn([self.guard], [Put(key, value)])
@@ -419,17 +515,42 @@ class EtcdCommitter:
                         return
                     raise
                 if not r.succeeded:
-                    raise CommitRefused(f"worker {self.worker} incarnation {self.incarnation}",
-                                        f"its incarnation is over; commit of {c.job}/{c.slice_name} "
-                                        f"step {c.step} refused")
+                    raise self._refused(f"commit of {c.job}/{c.slice_name} step {c.step}")
 
-    def forget(self, job: str, slice_name: str, step: int) -> None:
-        """Delete the commit of ``slice_name`` at ``step``: that checkpoint no longer counts."""
-        for attempt in self._retrying():
+    def forget(self, job: str, slice_name: str, step: int, path: str | None = None) -> None:
+        """Delete the commit of ``slice_name`` at ``step``: that checkpoint no longer counts.
+
+        With ``path``, only a commit naming that directory is deleted (one naming another
+        writer's directory stays). Raises :class:`CommitRefused` when this incarnation is
+        over, so the caller keeps the directory.
+        """
+        key = self.keys.checkpoint(job, slice_name, step)
+        for attempt in self._retrying(f"forget checkpoint commit {job}/{slice_name}@{step}"):
             with attempt:
-                self.store.txn([self.guard], [Delete(self.keys.checkpoint(job, slice_name, step))])
+                for _ in range(8):  # the key changed between the read and the delete: look again
+                    kv = self.store.get(key)
+                    ours = kv is not None and (path is None or _same_path(_commit_path(kv.value), path))
+                    at = unchanged_since(key, kv.mod_revision) if kv is not None else key_missing(key)
+                    if self.store.txn([self.guard, at], [Delete(key)] if ours else []).succeeded:
+                        return
+                    if not self.store.txn([self.guard], []).succeeded:
+                        raise self._refused(f"forgetting the commit of {job}/{slice_name} step {step}")
+                raise CheckpointError(f"the commit of {job}/{slice_name} step {step} kept changing while "
+                                      "it was being forgotten")
 
 
-def etcd_commit(store: Store, keys: Keys, guard: Compare) -> EtcdCommitter:
+def _commit_path(value: bytes) -> str | None:
+    try:
+        path = json.loads(value).get("path")
+    except (ValueError, AttributeError):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _same_path(a: str | None, b: str) -> bool:
+    return a is not None and os.path.normpath(a) == os.path.normpath(b)
+
+
+def etcd_commit(store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> EtcdCommitter:
     """The :class:`EtcdCommitter` of one worker incarnation."""
-    return EtcdCommitter(store, keys, guard)
+    return EtcdCommitter(store, keys, guard, clock=clock)

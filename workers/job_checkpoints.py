@@ -11,7 +11,8 @@ copy of it is written beside the checkpoints (``<root>/commits/<slice>/<step>.js
 what ``rallypoint resume`` reads when etcd itself was lost) and the coordinator hears
 of it through the job's event stream.
 
-Layout of a run's checkpoint root: ``<root>/<slice>/<step>/`` (plain Orbax steps),
+Layout of a run's checkpoint root: ``<root>/<slice>/<writer>/<step>/`` (plain Orbax steps,
+one directory per checkpointer: ``<worker>-i<incarnation>-<hex>``),
 ``<root>/commits/<slice>/<step:012d>.json``, ``<root>/jobspec.pb``.
 """
 
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,10 +46,12 @@ def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
             tiers: dict[str, str] | None = None) -> dict[str, States]:
     """Each slice's states from its commit in ``req.restore``: the nearest valid copy, a
     peer's memory (``fetch``, see :mod:`rallypoint.workers.replicas`) first, then the disk
-    (checksums checked). ``tiers`` gets ``{slice: "memory" | "disk"}``.
+    (checksums checked). ``tiers`` gets ``{slice: "memory" | "disk"}``. A commit is read from
+    disk only inside its slice's directory of the run, ``<req.checkpoint_dir>/<slice>``.
 
     Raises:
-        workers.checkpoint.CheckpointCorrupt: a checkpoint on disk does not read back as committed.
+        workers.checkpoint.CheckpointCorrupt: a checkpoint on disk does not read back as committed,
+            or its path lies outside the slice's directory (or the request names no directory).
     """
     out: dict[str, States] = {}
     for ref in req.restore:
@@ -55,7 +59,10 @@ def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
         states, tier = (fetch(ref) if fetch is not None else None), "memory"
         if states is None:
             commit = CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum)
-            states, tier = restore_commit(commit), "disk"
+            if not req.checkpoint_dir:
+                raise CheckpointCorrupt(commit, None, "the load request names no checkpoint directory to read "
+                                                      "it from")
+            states, tier = restore_commit(commit, Path(req.checkpoint_dir) / ref.slice), "disk"
         out[ref.slice] = states
         if tiers is not None:
             tiers[ref.slice] = tier
@@ -139,10 +146,18 @@ class JobCheckpoints:
             assert self.root is not None
             ck = SliceCheckpointer(self.root / s, job=self.job, slice_name=s, max_to_keep=self._keep,
                                    commit=self._committer(self._commit), log_fields=self._log_fields,
-                                   forget=self._forgetter(self._commit, s), replicate=self._replicate)
+                                   forget=self._forgetter(self._commit, s), replicate=self._replicate,
+                                   writer=self._writer())
             ck.protect(self.cut)
             self._ckpt[s] = ck
         return self._ckpt[s]
+
+    def _writer(self) -> str:
+        """A new checkpointer's directory name: whose it is, and unique (a reload gets another)."""
+        worker, inc = self._log_fields.get("worker"), self._log_fields.get("incarnation")
+        who = f"{worker}-i{inc}-" if worker is not None and inc is not None else "w-"
+        name = f"{who}{uuid.uuid4().hex[:8]}"
+        return name if len(name) <= 63 and name[0].isalnum() else f"w-{uuid.uuid4().hex[:12]}"
 
     def _committer(self, commit: CommitFn) -> CommitFn:
         delay = self.faults.commit_delay_s
@@ -163,13 +178,19 @@ class JobCheckpoints:
             self._on_commit(c.slice_name, c.step)
         return done
 
-    def _forgetter(self, commit: CommitFn, slice_name: str) -> Callable[[int], None]:
-        def forget(step: int) -> None:
+    def _forgetter(self, commit: CommitFn, slice_name: str) -> Callable[[int, str], None]:
+        def forget(step: int, path: str) -> None:
             assert self.root is not None
             forget_commit = getattr(commit, "forget", None)
             if forget_commit is not None:
-                forget_commit(self.job, slice_name, step)
-            commit_record_path(self.root, slice_name, step).unlink(missing_ok=True)
+                forget_commit(self.job, slice_name, step, path)  # raises when fenced: nothing below happens
+            record = commit_record_path(self.root, slice_name, step)
+            try:
+                named = json.loads(record.read_text()).get("path")
+            except (OSError, ValueError, AttributeError):
+                named = None
+            if named is None or os.path.normpath(str(named)) == os.path.normpath(path):
+                record.unlink(missing_ok=True)  # the record of another writer's commit of this step stays
         return forget
 
     def barrier(self, slice_name: str) -> float:

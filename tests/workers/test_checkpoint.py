@@ -35,6 +35,7 @@ from rallypoint.workers.checkpoint import (
     etcd_commit,
     latest_committed,
     read_commits,
+    restore_commit,
     state_checksum,
 )
 
@@ -107,7 +108,8 @@ def test_round_trip_is_bitwise_and_commit_names_the_checkpoint(tmp_path: Path) -
             ck.close()
     assert_bitwise(got, states_at(10))
     c = rec.commits[0]
-    assert c == CheckpointCommit("j", "s0", 10, str((tmp_path / "j" / "s0" / "10").absolute()),
+    assert ck.directory.parent == (tmp_path / "j" / "s0").absolute()  # the slice's directory, then the writer's
+    assert c == CheckpointCommit("j", "s0", 10, str(ck.directory / "10"),
                                  state_checksum(states_at(10)), ("stage0.opt", "stage0.params"))
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", c.checksum)
     assert CheckpointCommit.from_json(json.loads(json.dumps(c.to_json()))) == c
@@ -126,10 +128,10 @@ def test_save_returns_before_orbax_finalizes_and_commit_follows(tmp_path: Path) 
         ck.save(1, big)
         # Orbax is still writing: not finalized, not committed.
         assert ck.pending_steps == [1] and rec.commits == []
-        assert 1 not in ocp.path.step.checkpoint_steps(d)
+        assert 1 not in ocp.path.step.checkpoint_steps(ck.directory)
         ck.wait()
         assert rec.steps == [1] and ck.pending_steps == []
-        assert ocp.path.step.checkpoint_steps(d) == [1]
+        assert ocp.path.step.checkpoint_steps(ck.directory) == [1]
     finally:
         ck.close()
 
@@ -165,8 +167,8 @@ def largest_file(directory: Path) -> Path:
 
 def test_corrupt_newest_checkpoint_is_detected_and_an_older_commit_is_used(tmp_path: Path) -> None:
     rec = Recorder()
-    d = tmp_path / "s0"
-    ck = make(d, rec)
+    ck = make(tmp_path / "s0", rec)
+    d = ck.directory
     try:
         for step in (10, 20, 30):
             ck.save(step, states_at(step, n=100_000))
@@ -284,10 +286,11 @@ def test_a_worker_killed_mid_save_leaves_the_previous_commit_in_force(tmp_path: 
 
     commits = [CheckpointCommit.from_json(json.loads(line)) for line in commits_file.read_text().splitlines()]
     assert [c.step for c in commits] == [1]
+    (dead,) = d.iterdir()  # the killed writer's directory
     # The save was cut off mid-write, and Orbax does not count it as a step.
-    assert [p.name for p in d.iterdir() if p.name.startswith("2")] == ["2.orbax-checkpoint-tmp"]
-    assert ocp.path.step.checkpoint_steps(d) == [1]
-    plain = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(read_only=True))
+    assert [p.name for p in dead.iterdir() if p.name.startswith("2")] == ["2.orbax-checkpoint-tmp"]
+    assert ocp.path.step.checkpoint_steps(dead) == [1]
+    plain = ocp.CheckpointManager(dead, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
         assert list(plain.all_steps()) == [1]
     finally:
@@ -297,15 +300,17 @@ def test_a_worker_killed_mid_save_leaves_the_previous_commit_in_force(tmp_path: 
     ck = make(d, rec, max_to_keep=1)  # the next incarnation, on the same directory
     try:
         ck.protect(1)  # as a recovery does while it restores
-        assert_bitwise(ck.restore(1, commits[0].checksum), states_at(1))
-        found = latest_committed(commits)
+        assert_bitwise(restore_commit(commits[0], d), states_at(1))
+        found = latest_committed(commits, d)
         assert found.commit == commits[0] and found.skipped == []
         ck.save(2, states_at(2))
         ck.wait()
-        assert rec.steps == [2] and ck.steps_on_disk() == [1, 2]
+        assert rec.steps == [2] and ck.steps_on_disk() == [2]
+        assert ocp.path.step.checkpoint_steps(dead) == [1]
         ck.release(1)  # committed by another life: retention counts it once released
-        assert ck.steps_on_disk() == [2]
-        assert not [p for p in d.iterdir() if "tmp" in p.name]  # Orbax cleaned up the half-written save
+        assert ck.steps_on_disk() == [2] and ocp.path.step.checkpoint_steps(dead) == []
+        # The new writer's Orbax never cleans another writer's directory: a writer's save in flight is its own.
+        assert [p.name for p in dead.iterdir()] == ["2.orbax-checkpoint-tmp"]
     finally:
         ck.close()
 
@@ -409,7 +414,8 @@ def test_orbax_alone_loads_a_slice_as_the_docs_show(tmp_path: Path) -> None:
     assert imports == ["import orbax.checkpoint as ocp"]
     namespace: dict[str, Any] = {}
     exec(compile(code, "docs/checkpoints.md", "exec"), namespace)  # noqa: S102 - the documented code, verbatim
-    state = namespace["load_slice_state"](str(d), 20)
+    assert rec.commits[1].path == str(ck.directory / "20")
+    state = namespace["load_slice_state"](str(Path(rec.commits[1].path).parent), 20)
     assert_bitwise(state, states_at(20))
     assert state_checksum(state) == rec.commits[1].checksum
 
