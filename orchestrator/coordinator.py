@@ -35,7 +35,7 @@ from tenacity import RetryCallState
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.devices import fence_worker
 from rallypoint.orchestrator.election import LeaderElection
-from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
+from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, StoreError
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.failures import Verdict, classify_rpc_error
 from rallypoint.etcd.keys import Keys, check_name
@@ -448,8 +448,7 @@ class Coordinator:
             # A refusal by etcd already stepped down. Otherwise keep the lease while it
             # may still live: if only the local deadline passed, we resume the same term.
             if self.election.term is not None:
-                keeper = self.election.keeper
-                self.election.step_down(str(exc), keep_lease=keeper is not None and not keeper.fence.dead)
+                self.election.step_down(str(exc), keep_lease=None)
             self._stop_leading(str(exc))
 
     def _store_retry_logged(self, state: RetryCallState) -> None:
@@ -458,8 +457,26 @@ class Coordinator:
             exc = state.outcome.exception() if state.outcome is not None else None
             self.log.warning("coordinator.store_unavailable", failures=n, error=str(exc))
 
+    def _step_failed(self, exc: Exception) -> None:
+        """An unexpected error on the coordinator thread: step down (its lease revoked, so the state
+        it led with is dropped whole and a standby may take over), then campaign again."""
+        reason = f"internal error on the coordinator thread: {exc!r}"
+        self.log.exception("coordinator.step_failed", state=self.state.value, term=self.election.term,
+                           error=repr(exc), action="step down, campaign again")
+        try:
+            self.election.step_down(reason)
+        except Exception as err:  # noqa: BLE001 - stepping down must not end the thread either
+            self.log.exception("coordinator.step_down_failed", error=repr(err))
+        try:
+            self._stop_leading(reason)
+        except Exception as err:  # noqa: BLE001
+            self.log.exception("coordinator.step_down_failed", error=repr(err))
+            self.state = CoordinatorState.STANDBY
+        self.clock.wait(self._stop, self.config.campaign_interval_s)
+
     def run(self) -> None:
-        """Run until :meth:`stop`. etcd outages are retried (tenacity, on the injected clock), never fatal."""
+        """Run until :meth:`stop`. etcd outages are retried (tenacity, on the injected clock), never fatal;
+        any other error steps this coordinator down and it campaigns again (``coordinator.step_failed``)."""
         self.server.start()
         step = retrying(clock=self.clock, what="coordinator step", retry_on=StoreError, should_stop=self._stop.is_set,
                         initial_s=STEP_BACKOFF_S, max_s=STEP_BACKOFF_MAX_S, before_sleep=self._store_retry_logged)
@@ -468,9 +485,8 @@ class Coordinator:
                 step(self.step)  # each call backs off afresh: a step that succeeds resets the backoff
             except StoreError:
                 pass  # stop() came while etcd was away
-            except RallypointError as exc:
-                self.log.error("coordinator.step_failed", error=str(exc))
-                self.clock.wait(self._stop, 0.5)
+            except Exception as exc:  # a bug, or an error nobody foresaw: never the end of this thread
+                self._step_failed(exc)
         self._stop_leading("stopping")
         self.server.stop(grace=1.0)
         self.election.resign()
