@@ -86,6 +86,10 @@ class CoordinatorConfig:
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
             endpoint). The address is logged (``metrics.serving``) and published in the
             coordinator's etcd record and the leader key (docs/metrics.md).
+        max_watchers: ``WatchJob`` streams served at once; one more is refused with
+            RESOURCE_EXHAUSTED. The gRPC server has a thread for each of them plus
+            :data:`RPC_THREADS_RESERVED` that watchers never take (submissions, resumes, the
+            rest), so watchers cannot starve the service (docs/control-plane.md).
     """
 
     cluster: str
@@ -101,9 +105,12 @@ class CoordinatorConfig:
     hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
     tls: TlsConfig | None = None
     metrics_port: int | None = None
+    max_watchers: int = 128
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)
+        if self.max_watchers < 1:
+            raise ConfigError(f"max_watchers must be >= 1, got {self.max_watchers}")
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if not self.endpoints:
@@ -195,6 +202,7 @@ class WorkerLink:
 LINK_BACKOFF_S = 0.1  # a broken Attach stream is opened again after 0.1 s, 0.2 s, ... up to 1 s (plus jitter)
 LINK_BACKOFF_MAX_S = 1.0
 LINK_JITTER_S = 0.02
+RPC_THREADS_RESERVED = 32  # gRPC threads WatchJob streams never take: SubmitJob, ResumeJob, the other calls
 STEP_BACKOFF_S = 0.2  # etcd unreachable: the coordinator loop tries again after 0.2 s, 0.4 s, ... up to 1 s
 STEP_BACKOFF_MAX_S = 1.0
 
@@ -207,7 +215,12 @@ class Coordinator:
         self.keys = Keys(config.cluster)
         self.store = store or EtcdStore(config.endpoints, tls=config.tls)
         self.clock = clock
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
+        # Every RPC of the sync server holds a thread while it runs (a stream: until it ends). Watch
+        # streams are capped below the pool (service.py), so RPC_THREADS_RESERVED threads always remain
+        # for the other calls; past the pool, a call is refused (RESOURCE_EXHAUSTED) instead of queued.
+        threads = config.max_watchers + RPC_THREADS_RESERVED
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coordinator-rpc"),
+                                  maximum_concurrent_rpcs=threads)
         port = add_port(self.server, f"{config.host}:{config.port}", config.tls)
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
