@@ -8,6 +8,11 @@ while they replay and catch up (:meth:`observe`, :meth:`first_call`, :meth:`prog
 (:meth:`stalled`): a setback of its own source, decided like any other.
 Each machine acts on the job only through the job's
 :class:`~rallypoint.orchestrator.recovery_machine.RecoveryPort`.
+
+What the executor hears per instance touches only the recoveries it can concern: those not
+yet done or failed (at most the newest, in practice), and for a first call the one recovery
+that loaded that runtime (found by its worker and generation). A job's thousandth recovery
+costs each instance what its first did.
 """
 
 from __future__ import annotations
@@ -33,11 +38,17 @@ class JobRecoveries:
         self.microbatches = microbatches
         self.machines: list[Recovery] = []
         self.records: list[RecoveryRecord] = []
+        self._live: list[Recovery] = []  # the machines not yet done or failed
+        self._by_runtime: dict[tuple[str, int], RecoveryRecord] = {}  # (worker, generation) -> the recovery that loaded it
+
+    def _prune(self) -> None:
+        if any(m.phase.is_terminal for m in self._live):
+            self._live = [m for m in self._live if not m.phase.is_terminal]
 
     @property
     def active(self) -> Recovery | None:
         """The recovery still restoring, replaying or catching up, if any."""
-        return next((m for m in self.machines if not m.phase.is_terminal), None)
+        return next((m for m in self._live if not m.phase.is_terminal), None)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [r.to_json() for r in self.records]
@@ -57,7 +68,13 @@ class JobRecoveries:
         machine = Recovery(self.port, rec, lost, policy=policy, budget=self.budget, clock=self.clock, log=self.log,
                            frontier=frontier, microbatches=self.microbatches, hooks=self.hooks, parked=parked)
         self.machines.append(machine)
-        machine.run_to_replay()
+        self._live.append(machine)
+        try:
+            machine.run_to_replay()
+        finally:
+            for worker, generation in rec.generations.items():
+                self._by_runtime[(worker, generation)] = rec
+            self._prune()
 
     def stalled(self, quiet_s: float, watchdog: ProgressWatchdog, blamed: Mapping[str, str],
                 completed: int) -> tuple[str, Decision]:
@@ -71,19 +88,26 @@ class JobRecoveries:
         return reason, decision
 
     def observe(self, worker: str, generation: int, node: str, step: int) -> None:
-        for m in self.machines:
+        for m in self._live:
             m.observe(worker, generation, node, step)
+        self._prune()
 
     def first_call(self, worker: str, generation: int, slice_name: str, source: str, compile_s: float) -> None:
         """A node's first call on a runtime: where its executable came from (warm spares)."""
-        for m in self.machines:
+        rec = self._by_runtime.get((worker, generation))
+        if rec is not None:
+            rec.first_call(worker, generation, slice_name, source, compile_s)
+            return
+        for m in self._live:  # a runtime loaded by a recovery still under way
             m.record.first_call(worker, generation, slice_name, source, compile_s)
 
     def progressed(self) -> None:
-        for m in self.machines:
+        for m in self._live:
             m.progressed()
+        self._prune()
 
     def supersede(self, reason: str) -> None:
         """A newer loss, or the job's end: every recovery's measured phases end here."""
-        for m in self.machines:
+        for m in self._live:
             m.supersede(reason)
+        self._prune()
