@@ -134,11 +134,14 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
 @click.option("--dashboard-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
               help="The dashboard's port (0: a free one, -1: no dashboard). Its address is logged "
                    "(dashboard.serving) and published in the leader key.")
+@click.option("--max-watchers", type=click.IntRange(min=1), default=128, show_default=True,
+              help="WatchJob streams this coordinator serves at once; one more is refused with RESOURCE_EXHAUSTED "
+                   "(docs/control-plane.md).")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
 def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str,
                 host: str, suspect_after_s: float, metrics_port: int | None, dashboard_host: str, dashboard_port: int,
-                test_skip_replay: bool) -> None:
+                max_watchers: int, test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
@@ -146,7 +149,8 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
     tls = tls_from_options(tls_dir, insecure, ident)
     c = Coordinator(CoordinatorConfig(tls=tls, cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, host=host, hooks=hooks,
-                                      suspect_after_s=suspect_after_s, metrics_port=metrics_port))
+                                      suspect_after_s=suspect_after_s, metrics_port=metrics_port,
+                                      max_watchers=max_watchers))
     service = serve_jobs(c)
     dashboard = start_dashboard(c, service, host=dashboard_host, port=dashboard_port) if dashboard_port >= 0 else None
     done = threading.Event()

@@ -35,7 +35,7 @@ from tenacity import RetryCallState
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.devices import fence_worker
 from rallypoint.orchestrator.election import LeaderElection
-from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, RallypointError, StoreError
+from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, StoreError
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.failures import Verdict, classify_rpc_error
 from rallypoint.etcd.keys import Keys, check_name
@@ -86,6 +86,10 @@ class CoordinatorConfig:
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
             endpoint). The address is logged (``metrics.serving``) and published in the
             coordinator's etcd record and the leader key (docs/metrics.md).
+        max_watchers: ``WatchJob`` streams served at once; one more is refused with
+            RESOURCE_EXHAUSTED. The gRPC server has a thread for each of them plus
+            :data:`RPC_THREADS_RESERVED` that watchers never take (submissions, resumes, the
+            rest), so watchers cannot starve the service (docs/control-plane.md).
     """
 
     cluster: str
@@ -101,9 +105,12 @@ class CoordinatorConfig:
     hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
     tls: TlsConfig | None = None
     metrics_port: int | None = None
+    max_watchers: int = 128
 
     def __post_init__(self) -> None:
         check_name("coordinator", self.coordinator_id)
+        if self.max_watchers < 1:
+            raise ConfigError(f"max_watchers must be >= 1, got {self.max_watchers}")
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if not self.endpoints:
@@ -195,6 +202,7 @@ class WorkerLink:
 LINK_BACKOFF_S = 0.1  # a broken Attach stream is opened again after 0.1 s, 0.2 s, ... up to 1 s (plus jitter)
 LINK_BACKOFF_MAX_S = 1.0
 LINK_JITTER_S = 0.02
+RPC_THREADS_RESERVED = 32  # gRPC threads WatchJob streams never take: SubmitJob, ResumeJob, the other calls
 STEP_BACKOFF_S = 0.2  # etcd unreachable: the coordinator loop tries again after 0.2 s, 0.4 s, ... up to 1 s
 STEP_BACKOFF_MAX_S = 1.0
 
@@ -207,7 +215,12 @@ class Coordinator:
         self.keys = Keys(config.cluster)
         self.store = store or EtcdStore(config.endpoints, tls=config.tls)
         self.clock = clock
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
+        # Every RPC of the sync server holds a thread while it runs (a stream: until it ends). Watch
+        # streams are capped below the pool (service.py), so RPC_THREADS_RESERVED threads always remain
+        # for the other calls; past the pool, a call is refused (RESOURCE_EXHAUSTED) instead of queued.
+        threads = config.max_watchers + RPC_THREADS_RESERVED
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coordinator-rpc"),
+                                  maximum_concurrent_rpcs=threads)
         port = add_port(self.server, f"{config.host}:{config.port}", config.tls)
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
@@ -448,8 +461,7 @@ class Coordinator:
             # A refusal by etcd already stepped down. Otherwise keep the lease while it
             # may still live: if only the local deadline passed, we resume the same term.
             if self.election.term is not None:
-                keeper = self.election.keeper
-                self.election.step_down(str(exc), keep_lease=keeper is not None and not keeper.fence.dead)
+                self.election.step_down(str(exc), keep_lease=None)
             self._stop_leading(str(exc))
 
     def _store_retry_logged(self, state: RetryCallState) -> None:
@@ -458,8 +470,26 @@ class Coordinator:
             exc = state.outcome.exception() if state.outcome is not None else None
             self.log.warning("coordinator.store_unavailable", failures=n, error=str(exc))
 
+    def _step_failed(self, exc: Exception) -> None:
+        """An unexpected error on the coordinator thread: step down (its lease revoked, so the state
+        it led with is dropped whole and a standby may take over), then campaign again."""
+        reason = f"internal error on the coordinator thread: {exc!r}"
+        self.log.exception("coordinator.step_failed", state=self.state.value, term=self.election.term,
+                           error=repr(exc), action="step down, campaign again")
+        try:
+            self.election.step_down(reason)
+        except Exception as err:  # noqa: BLE001 - stepping down must not end the thread either
+            self.log.exception("coordinator.step_down_failed", error=repr(err))
+        try:
+            self._stop_leading(reason)
+        except Exception as err:  # noqa: BLE001
+            self.log.exception("coordinator.step_down_failed", error=repr(err))
+            self.state = CoordinatorState.STANDBY
+        self.clock.wait(self._stop, self.config.campaign_interval_s)
+
     def run(self) -> None:
-        """Run until :meth:`stop`. etcd outages are retried (tenacity, on the injected clock), never fatal."""
+        """Run until :meth:`stop`. etcd outages are retried (tenacity, on the injected clock), never fatal;
+        any other error steps this coordinator down and it campaigns again (``coordinator.step_failed``)."""
         self.server.start()
         step = retrying(clock=self.clock, what="coordinator step", retry_on=StoreError, should_stop=self._stop.is_set,
                         initial_s=STEP_BACKOFF_S, max_s=STEP_BACKOFF_MAX_S, before_sleep=self._store_retry_logged)
@@ -468,9 +498,8 @@ class Coordinator:
                 step(self.step)  # each call backs off afresh: a step that succeeds resets the backoff
             except StoreError:
                 pass  # stop() came while etcd was away
-            except RallypointError as exc:
-                self.log.error("coordinator.step_failed", error=str(exc))
-                self.clock.wait(self._stop, 0.5)
+            except Exception as exc:  # a bug, or an error nobody foresaw: never the end of this thread
+                self._step_failed(exc)
         self._stop_leading("stopping")
         self.server.stop(grace=1.0)
         self.election.resign()

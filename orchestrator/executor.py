@@ -62,6 +62,7 @@ from rallypoint.orchestrator.job_placement import JobPlacement
 from rallypoint.orchestrator.job_progress import JobProgress
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job_recoveries import JobRecoveries
+from rallypoint.orchestrator.job_record import RecordHistory
 from rallypoint.orchestrator.job_ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
 from rallypoint.orchestrator.job_term import JobTerm
@@ -132,6 +133,7 @@ class JobExecutor:
                                 record=lambda: self._record_quietly())
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
                                     progress=self.progress, on_restored=self._restored)
+        self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
                                       microbatches=spec.microbatches, hooks=hooks)
         self.stragglers = StragglerWatch(spec, JobStragglerPort(  # docs/elastic.md
@@ -195,8 +197,9 @@ class JobExecutor:
             "term": self.term.term, "run_dir": str(self.run_dir or ""), "cut": p.cut,
             "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
             "placement": {s: {"worker": q.worker, "devices": list(q.devices)} for s, q in self.placement.items()},
-            "failures": self.failures, "recoveries": self.recovery.to_json(),
-            "replayed_instances": dict(p.replayed), "resharded": self.places.resharded, "drains": self.drains.to_json(),
+            **self.history.fields(self.recovery.entries(), self.failures, self.drains.drain_records, self.run_dir,
+                                  final=self.state.is_terminal),  # bounded: the newest in full (job_record.py)
+            "replayed_instances": dict(p.replayed), "resharded": self.places.resharded,
             "at": time.time(), **fields,
         }
         self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record))])
@@ -237,7 +240,9 @@ class JobExecutor:
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
             if self.adopted:  # the earlier term's recoveries go on in this term's record (docs/recovery.md)
                 earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
-                self.recovery.adopt(earlier.json().get("recoveries", []) if earlier is not None else [], self.term.term)
+                old = earlier.json() if earlier is not None else {}
+                self.recovery.adopt(old.get("recoveries", []), self.term.term)
+                self.history.adopt(old.get("recoveries_earlier"))
         else:
             # A new run: commits of an earlier run of this job name no longer count.
             self.term.txn([Delete(self.keys.checkpoints(self.spec.job), prefix=True)])

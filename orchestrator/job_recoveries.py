@@ -16,6 +16,11 @@ still restoring, when the term ended) is finished by the adopting leader: ``adop
 names the term that adopted it, its phases are those the old leader saw, and its
 ``mttr_s`` runs from the loss (wall clock) to the first step the adopted job completes
 (:meth:`adopted_running`), with ``finished_by: "adoption"``.
+
+What the executor hears per instance touches only the recoveries it can concern: those not
+yet done or failed (at most the newest, in practice), and for a first call the one recovery
+that loaded that runtime (found by its worker and generation). A job's thousandth recovery
+costs each instance what its first did.
 """
 
 from __future__ import annotations
@@ -43,14 +48,24 @@ class JobRecoveries:
         self.records: list[RecoveryRecord] = []
         self.adopted: list[dict[str, Any]] = []  # an earlier term's recoveries, as its job record had them
         self._open_adopted: list[dict[str, Any]] = []  # of those, the ones the earlier term did not finish
+        self._live: list[Recovery] = []  # the machines not yet done or failed
+        self._by_runtime: dict[tuple[str, int], RecoveryRecord] = {}  # (worker, generation) -> the recovery that loaded it
+
+    def _prune(self) -> None:
+        if any(m.phase.is_terminal for m in self._live):
+            self._live = [m for m in self._live if not m.phase.is_terminal]
 
     @property
     def active(self) -> Recovery | None:
         """The recovery still restoring, replaying or catching up, if any."""
-        return next((m for m in self.machines if not m.phase.is_terminal), None)
+        return next((m for m in self._live if not m.phase.is_terminal), None)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.adopted] + [r.to_json() for r in self.records]
+
+    def entries(self) -> list[Any]:
+        """Every recovery of the job, oldest first, each with ``to_json()``: the adopted ones, then this term's."""
+        return [_Adopted(r) for r in self.adopted] + list(self.records)
 
     def adopt(self, earlier: list[dict[str, Any]], term: int) -> None:
         """The recoveries an earlier term recorded for this job; those it did not finish, this term finishes."""
@@ -86,7 +101,13 @@ class JobRecoveries:
         machine = Recovery(self.port, rec, lost, policy=policy, budget=self.budget, clock=self.clock, log=self.log,
                            frontier=frontier, microbatches=self.microbatches, hooks=self.hooks, parked=parked)
         self.machines.append(machine)
-        machine.run_to_replay()
+        self._live.append(machine)
+        try:
+            machine.run_to_replay()
+        finally:
+            for worker, generation in rec.generations.items():
+                self._by_runtime[(worker, generation)] = rec
+            self._prune()
 
     def stalled(self, quiet_s: float, watchdog: ProgressWatchdog, blamed: Mapping[str, str],
                 completed: int) -> tuple[str, Decision]:
@@ -100,19 +121,36 @@ class JobRecoveries:
         return reason, decision
 
     def observe(self, worker: str, generation: int, node: str, step: int) -> None:
-        for m in self.machines:
+        for m in self._live:
             m.observe(worker, generation, node, step)
+        self._prune()
 
     def first_call(self, worker: str, generation: int, slice_name: str, source: str, compile_s: float) -> None:
         """A node's first call on a runtime: where its executable came from (warm spares)."""
-        for m in self.machines:
+        rec = self._by_runtime.get((worker, generation))
+        if rec is not None:
+            rec.first_call(worker, generation, slice_name, source, compile_s)
+            return
+        for m in self._live:  # a runtime loaded by a recovery still under way
             m.record.first_call(worker, generation, slice_name, source, compile_s)
 
     def progressed(self) -> None:
-        for m in self.machines:
+        for m in self._live:
             m.progressed()
+        self._prune()
 
     def supersede(self, reason: str) -> None:
         """A newer loss, or the job's end: every recovery's measured phases end here."""
-        for m in self.machines:
+        for m in self._live:
             m.supersede(reason)
+        self._prune()
+
+
+class _Adopted:
+    """An earlier term's recovery, as the job record has it (finished by this term when it was left open)."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.record)

@@ -60,6 +60,16 @@ OLD_TERM_WAIT_S = 60.0  # on lead: how long to wait for an executor of an older 
 AWAIT_TERM_POLL_S = 0.1  # after a step-down that kept the lease: how often to look whether the term is over
 KEEP_ENDED = 4  # ended jobs whose last event (final states included) WatchJob still answers with ...
 KEEP_ENDED_S = 300.0  # ... for this long: a client that lost its stream just as the job ended
+DEFAULT_MAX_WATCHERS = 128  # WatchJob streams one coordinator serves at once (CoordinatorConfig.max_watchers)
+SUBSCRIBER_QUEUE_MAX = 256  # events a stream may fall behind the job before it is dropped (the job never waits)
+
+
+class _Subscriber(queue.Queue[pb.JobEvent]):
+    """One stream's events, bounded; ``dropped`` says why it was cut off (it fell too far behind)."""
+
+    def __init__(self) -> None:
+        super().__init__(maxsize=SUBSCRIBER_QUEUE_MAX)
+        self.dropped = ""
 
 
 @dataclass
@@ -77,7 +87,8 @@ class _Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def publish(self, ev: pb.JobEvent) -> None:
-        """The executor's ``emit``: every subscriber gets every event (thread-safe)."""
+        """The executor's ``emit``: every subscriber gets every event (thread-safe). It never blocks:
+        a subscriber whose queue is full (its client reads too slowly) is dropped, not waited for."""
         with self.lock:
             if self.last is not None:
                 return  # nothing after the end
@@ -85,10 +96,19 @@ class _Run:
                 self.last = ev
             subs = list(self.subscribers)
         for q in subs:
-            q.put(ev)
+            try:
+                q.put_nowait(ev)
+            except queue.Full:
+                self._drop(q, ev)
+
+    def _drop(self, q: queue.Queue[pb.JobEvent], ev: pb.JobEvent) -> None:
+        self.unsubscribe(q)
+        if isinstance(q, _Subscriber):
+            q.dropped = (f"this stream fell {q.maxsize} events behind job {self.job!r} (at {ev.event} step {ev.step}) "
+                         "and was dropped; the job goes on: follow it again with WatchJob")
 
     def subscribe(self) -> queue.Queue[pb.JobEvent]:
-        q: queue.Queue[pb.JobEvent] = queue.Queue()
+        q = _Subscriber()
         with self.lock:
             if self.last is not None:
                 q.put(self.last)
@@ -110,6 +130,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._runs: dict[str, _Run] = {}
         self._ended: OrderedDict[str, tuple[pb.JobEvent, float]] = OrderedDict()  # job -> (its end, when)
         self._lock = threading.Lock()
+        self._watching = 0  # WatchJob streams open now (each holds a server thread), at most max_watchers
         self.timeline = TimelineRecorder()  # what the dashboard shows of the jobs run here
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
@@ -155,7 +176,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         self._check_leader(context)
-        yield from self._watch(request.job, context)
+        cap = int(getattr(self.c.config, "max_watchers", 0) or 0) or DEFAULT_MAX_WATCHERS
+        with self._lock:
+            full = self._watching >= cap
+            if not full:
+                self._watching += 1
+        if full:
+            self.log.warning("watch.refused", job=request.job, watching=cap)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"coordinator {self.c.config.coordinator_id} already serves {cap} WatchJob streams (its "
+                          f"limit, --max-watchers); try again later, or read the job's record in etcd "
+                          f"({self.c.keys.job(request.job)})")
+        try:
+            yield from self._watch(request.job, context)
+        finally:
+            with self._lock:
+                self._watching -= 1
+
+    @property
+    def watching(self) -> int:
+        """WatchJob streams open now."""
+        with self._lock:
+            return self._watching
 
     # -- running jobs ------------------------------------------------------------------------
 
@@ -231,6 +273,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The run's events from ``q`` until its last one, or until the client goes away."""
         try:
             while True:
+                dropped = getattr(q, "dropped", "")
+                if dropped:  # it fell too far behind: the client hears why, the job goes on
+                    self.log.warning("watch.dropped", job=run.job, reason=dropped)
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, dropped)
                 try:
                     ev = q.get(timeout=0.5)
                 except queue.Empty:

@@ -260,6 +260,7 @@ def test_an_adopting_leader_carries_the_recoveries_on_and_finishes_the_one_it_ad
     assert adopted["adopted_by_term"] == h.election.term and adopted["finished_by"] == "adoption"
     assert adopted["mttr_s"] is not None and adopted["mttr_s"] >= 0 and adopted["phases"] == open_rec["phases"]
     assert own["lost"] == {lost: ["s0"]} and "adopted_by_term" not in own
+    assert [r["recovery"] for r in h.record()["recoveries"]] == [1, 2]  # the job record keeps them too
 
 
 def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path) -> None:

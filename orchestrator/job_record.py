@@ -1,0 +1,107 @@
+"""The job record's lists, of a fixed size however long the job runs (``jobs/<job>`` in etcd).
+
+The executor writes the job record every few steps and on every change of state
+(:meth:`~rallypoint.orchestrator.executor.JobExecutor.record`). Its recoveries, failures and
+drains grow with the job's life, so the record carries only the newest of each
+(:data:`RECENT_RECOVERIES`, :data:`RECENT_FAILURES`, :data:`RECENT_DRAINS`) and a summary of
+the older ones (``recoveries_earlier``, ``failures_earlier``, ``drains_earlier``). Every
+recovery that leaves the newest ones is appended, once, to ``<run_dir>/recoveries.jsonl``
+(:data:`HISTORY_FILE`), and when the job ends the rest follow: the full history lies beside
+the checkpoints (a job without checkpoints has no run directory and keeps only the summary).
+
+The work per record is bounded too: each recovery is summarised and written once, when it
+leaves the window, never again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rallypoint.orchestrator.job_recovery import RecoveryRecord
+
+RECENT_RECOVERIES = 8  # recoveries the record carries in full (the newest)
+RECENT_FAILURES = 16  # worker failures it carries in full
+RECENT_DRAINS = 8  # drains it carries in full
+HISTORY_FILE = "recoveries.jsonl"  # in the run directory: one JSON line per recovery, oldest first
+
+
+class RecordHistory:
+    """What one executor's job record says of its past (see the module doc).
+
+    Args:
+        term: the executor's term, on each line of the history file (an adopted job's
+            recoveries are numbered from 1 again under the next term).
+        log: the executor's bound logger.
+    """
+
+    def __init__(self, *, term: int, log: Any) -> None:
+        self.term, self.log = term, log
+        self._folded = 0  # recoveries[:_folded] are summarised in `earlier`
+        self._written = 0  # recoveries[:_written] are in the history file
+        self._adopted_earlier = False  # `earlier` holds an adopted job's summary from the term before
+        self.earlier: dict[str, Any] = {"count": 0, "first": None, "last": None, "workers_lost": 0,
+                                        "policies": {}, "escalated": 0, "mttr_s_max": None, "mttr_s_sum": 0.0,
+                                        "with_mttr": 0}
+
+    def adopt(self, earlier: dict[str, Any] | None) -> None:
+        """An adopted job: the earlier term's summary of its older recoveries (already in the history file)."""
+        if earlier:
+            self.earlier = {k: v for k, v in earlier.items() if k != "history"}
+            self._adopted_earlier = True
+
+    def fields(self, recoveries: Sequence[RecoveryRecord], failures: Sequence[dict[str, Any]],
+               drains: Sequence[Any], run_dir: Path | None, *, final: bool = False) -> dict[str, Any]:
+        """The record's ``recoveries``, ``failures``, ``drains`` and their summaries; with ``final``
+        (the job ended), every recovery not yet in the history file is written there too."""
+        while len(recoveries) - self._folded > RECENT_RECOVERIES:
+            self._fold(recoveries[self._folded].to_json(), run_dir)
+        if final:
+            self._write(recoveries, len(recoveries), run_dir)
+        out: dict[str, Any] = {
+            "recoveries": [r.to_json() for r in recoveries[self._folded:]],
+            "failures": [dict(f) for f in failures[-RECENT_FAILURES:]],
+            "drains": [d.to_json() for d in drains[-RECENT_DRAINS:]],
+        }
+        if self._folded or self._adopted_earlier:
+            out["recoveries_earlier"] = {**self.earlier, "history": str(run_dir / HISTORY_FILE) if run_dir else ""}
+        if len(failures) > RECENT_FAILURES:
+            out["failures_earlier"] = len(failures) - RECENT_FAILURES
+        if len(drains) > RECENT_DRAINS:
+            out["drains_earlier"] = len(drains) - RECENT_DRAINS
+        return out
+
+    def _fold(self, r: dict[str, Any], run_dir: Path | None) -> None:
+        e = self.earlier
+        e["count"] += 1
+        e["first"] = r["recovery"] if e["first"] is None else e["first"]
+        e["last"] = r["recovery"]
+        e["workers_lost"] += len(r.get("lost") or r.get("reasons") or {})
+        policy = r.get("policy") or "none"
+        e["policies"][policy] = e["policies"].get(policy, 0) + 1
+        e["escalated"] += 1 if r.get("escalated") else 0
+        mttr = r.get("mttr_s")
+        if mttr is not None:
+            e["with_mttr"] += 1
+            e["mttr_s_sum"] = round(e["mttr_s_sum"] + mttr, 4)
+            e["mttr_s_max"] = mttr if e["mttr_s_max"] is None else max(e["mttr_s_max"], mttr)
+        if self._written <= self._folded:
+            self._append(r, run_dir)
+            self._written = self._folded + 1
+        self._folded += 1
+
+    def _write(self, recoveries: Sequence[RecoveryRecord], upto: int, run_dir: Path | None) -> None:
+        while self._written < upto:
+            self._append(recoveries[self._written].to_json(), run_dir)
+            self._written += 1
+
+    def _append(self, r: dict[str, Any], run_dir: Path | None) -> None:
+        if run_dir is None:
+            return
+        try:
+            with open(run_dir / HISTORY_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"term": self.term, **r}) + "\n")
+        except OSError as exc:  # the history is a record of the past; the job goes on without it
+            self.log.warning("job.history_write_failed", path=str(run_dir / HISTORY_FILE), error=str(exc))
