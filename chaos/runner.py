@@ -13,6 +13,7 @@ reference, bitwise equal to a fault-free cluster run) and writes the report
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 import shutil
@@ -86,8 +87,10 @@ class ScenarioRun:
     """One run of a scenario (see the module doc)."""
 
     def __init__(self, scenario: Scenario, compiled: Any, *, say: Callable[[dict[str, Any]], None],
-                 break_replay: bool = False, compile_cache_dir: Path | None = None) -> None:
+                 break_replay: bool = False, compile_cache_dir: Path | None = None,
+                 reference: tuple[Any, float] | None = None) -> None:
         self.s, self.compiled, self.say = scenario, compiled, say
+        self.reference = reference  # (the fault-free in-process run, its wall time); None: run it here
         self.program = compiled.program
         self.break_replay = break_replay
         self.compile_cache_dir = compile_cache_dir
@@ -104,13 +107,8 @@ class ScenarioRun:
         self.second: Any = None  # (compiled, reference digest) of the scenario's [second_job]
         self.second_outcome: dict[str, Any] = {}
         if scenario.second_job is not None:
-            from rallypoint.client.compile import compile_program
-            from rallypoint.client.jobfile import load_program
-            from rallypoint.client.reference import ReferenceExecutor
-
-            prog = load_program(scenario.second_job.job_file, steps=scenario.second_job.steps)
-            other = compile_program(prog)
-            self.second = (other, ReferenceExecutor(other).run().state_digest)
+            other, ref, _wall = prepared(scenario.second_job.job_file, scenario.second_job.steps, 0)
+            self.second = (other, ref.state_digest)
         self._last_event = time.monotonic()
 
     # -- the job --------------------------------------------------------------------------
@@ -266,9 +264,10 @@ class ScenarioRun:
         from rallypoint.client.reference import ReferenceExecutor
 
         s, program = self.s, self.program
-        t_ref = time.perf_counter()
-        reference = ReferenceExecutor(self.compiled).run()
-        fault_free_wall = time.perf_counter() - t_ref
+        if self.reference is None:
+            t_ref = time.perf_counter()
+            self.reference = (ReferenceExecutor(self.compiled).run(), time.perf_counter() - t_ref)
+        reference, fault_free_wall = self.reference
         schedule = s.schedule(list(program.slices))
         network = None
         storage = Storage(state_dir / "checkpoints") if {"disk_full", "disk_readonly"} & s.kinds else None
@@ -416,20 +415,12 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
     ``compile_cache_dir``: the workers' compilation cache when the scenario keeps one (None: in the run's
     state folder, removed with it); the test suite passes one cache for all its runs.
     """
-    from rallypoint.client.compile import compile_program, ensure_host_devices
-
-    ensure_host_devices(8)
-    from rallypoint.client.jobfile import load_program
-
-    program = load_program(scenario.job_file, steps=scenario.steps)
-    if scenario.checkpoint_every:
-        program.checkpoint_every = scenario.checkpoint_every
-    compiled = compile_program(program)
+    compiled, reference, reference_wall = prepared(scenario.job_file, scenario.steps, scenario.checkpoint_every)
     state = Path(tempfile.mkdtemp(prefix=f"rallypoint-chaos-{scenario.name}-"))
     ok = False
     try:
-        summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay,
-                              compile_cache_dir=compile_cache_dir).run(state)
+        summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay, compile_cache_dir=compile_cache_dir,
+                              reference=(reference, reference_wall)).run(state)
         ok = bool(summary["ok"])
         if not ok:
             summary["logs"] = str(state / "logs")  # kept for whoever reads the report
@@ -440,6 +431,35 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
             say({"event": "chaos.logs", "dir": str(state / "logs")})
     out = out_dir or Path("chaos-reports") / f"{scenario.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     return summary, write_report(out, summary)
+
+
+_PREPARED: dict[tuple[str, str, int, int], tuple[Any, Any, float]] = {}
+
+
+def prepared(job_file: Path | str, steps: int | None, checkpoint_every: int | None) -> tuple[Any, Any, float]:
+    """A scenario's job compiled, and its fault-free in-process reference run with that run's wall time.
+
+    Both are deterministic in the job file (by content), the step count and the checkpoint interval, so they are
+    made once per process for each: the chaos suite runs a dozen scenarios of the same pipeline at 40 steps, and
+    each compiled it and ran its reference again (several seconds each on a 2-core host).
+    """
+    from rallypoint.client.compile import compile_program, ensure_host_devices
+
+    ensure_host_devices(8)
+    from rallypoint.client.jobfile import load_program
+    from rallypoint.client.reference import ReferenceExecutor
+
+    path = Path(job_file).resolve()
+    key = (str(path), hashlib.sha256(path.read_bytes()).hexdigest(), int(steps or 0), int(checkpoint_every or 0))
+    if key not in _PREPARED:
+        program = load_program(job_file, steps=steps)
+        if checkpoint_every:
+            program.checkpoint_every = checkpoint_every
+        compiled = compile_program(program)
+        t = time.perf_counter()
+        reference = ReferenceExecutor(compiled).run()
+        _PREPARED[key] = (compiled, reference, time.perf_counter() - t)
+    return _PREPARED[key]
 
 
 def _flat_states(states: dict[str, Any]) -> dict[str, list[Any]]:
