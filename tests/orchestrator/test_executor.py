@@ -256,6 +256,22 @@ def test_a_load_refused_for_a_reason_other_than_a_loss_fails_the_job_clearly(tmp
     assert h.leases() == []
 
 
+def test_the_programs_own_failure_at_load_fails_the_job_at_once_naming_it_and_fences_nobody(tmp_path: Path) -> None:
+    from rallypoint.proto.errors import program_failed_metadata
+
+    h = Harness(tmp_path)
+    meta = program_failed_metadata("state 'p1' init", "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory")
+    h.workers.load_failures = [{w: call_failed(w, grpc.StatusCode.INTERNAL, f"loading job 'pipe': state 'p1' init "
+                                               f"failed on worker {w}: RESOURCE_EXHAUSTED", meta)
+                                for w in ("w1",)}]
+    assert h.x.run() is JobState.FAILED
+    reason = h.record()["reason"]
+    assert "state 'p1' init failed on worker w1: RESOURCE_EXHAUSTED" in reason and "none was fenced" in reason
+    assert h.x.failures == [] and h.x.recoveries == [] and "job.recovering" not in h.names()
+    assert all(h.store.get(h.keys.worker(w)) is not None for w in ("w0", "w1", "w2"))  # every worker still live
+    assert h.leases() == []
+
+
 def test_a_pause_of_the_term_is_not_counted_as_a_stall(tmp_path: Path) -> None:
     h = Harness(tmp_path, spec=pipeline_spec(stall_timeout_s=30))
     h.x.begin()
