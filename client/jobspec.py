@@ -11,7 +11,8 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
                    "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor",
-                   "straggler_window", "straggler_persist", "warm_spares")
+                   "straggler_window", "straggler_persist", "warm_spares", "max_faults", "max_preemptions",
+                   "failure_window_s", "compile_timeout_s")
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> pb.JobSpec:

@@ -5,7 +5,10 @@ records (``records``, what ``job.finished`` and the job record report). It opens
 recovery (:meth:`open`: the newest supersedes any still measuring its replay), runs it
 until the lost slices run again (:meth:`run`), and passes on what the executor hears
 while they replay and catch up (:meth:`observe`, :meth:`first_call`, :meth:`progressed`). A stall is judged here too
-(:meth:`stalled`): a setback of its own source, decided like any other.
+(:meth:`stalled`): a setback of its own source, decided like any other. Beside each
+recovery's budget, the job's failure policy (:class:`~rallypoint.recovery.decide.FailurePolicy`)
+bounds the recoveries in a sliding window, faults and preemptions apart: :meth:`open`
+fails the job, listing them, on one too many.
 Each machine acts on the job only through the job's
 :class:`~rallypoint.orchestrator.recovery_machine.RecoveryPort`.
 """
@@ -19,9 +22,11 @@ from typing import Any
 from rallypoint.basics.clock import Clock
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_recovery import RecoveryRecord
+from rallypoint.orchestrator.job_state import JobFailed
 from rallypoint.orchestrator.recovery_machine import Recovery, RecoveryPort
 from rallypoint.orchestrator.watchdog import ProgressWatchdog
-from rallypoint.recovery.decide import Budget, Decision, Setback, Source, decide
+from rallypoint.recovery.decide import (Budget, Decision, Disruption, FailurePolicy, FailureWindow, Setback, Source,
+                                        decide)
 
 
 class JobRecoveries:
@@ -33,6 +38,11 @@ class JobRecoveries:
         self.microbatches = microbatches
         self.machines: list[Recovery] = []
         self.records: list[RecoveryRecord] = []
+        self.window = FailureWindow(FailurePolicy())
+
+    def configure(self, policy: FailurePolicy) -> None:
+        """The job's failure policy (from its settings)."""
+        self.window = FailureWindow(policy)
 
     @property
     def active(self) -> Recovery | None:
@@ -42,9 +52,15 @@ class JobRecoveries:
     def to_json(self) -> list[dict[str, Any]]:
         return [r.to_json() for r in self.records]
 
-    def open(self, lost: Mapping[str, str], detection_s: float) -> RecoveryRecord:
-        """A new recovery of ``lost`` (worker -> why); any earlier one still measuring its replay ends there."""
+    def open(self, lost: Mapping[str, str], detection_s: float, *, preempted: bool = False) -> RecoveryRecord:
+        """A new recovery of ``lost`` (worker -> why; ``preempted``: every one of them was); any earlier one still
+        measuring its replay ends there. Raises :class:`JobFailed` when the job's failure policy allows no more."""
         now = self.clock.monotonic()
+        why = "; ".join(f"{w}: {r}" for w, r in sorted(lost.items()))
+        fail = self.window.admit(Disruption(len(self.records) + 1, now, preempted, why))
+        if fail is not None:
+            self.log.error("job.failure_policy", reason=fail.reason, preempted=preempted)
+            raise JobFailed(fail.reason)
         rec = RecoveryRecord(number=len(self.records) + 1, lost={}, reasons=dict(lost), detected_at=time.time(),
                              detected_mono=now, detection_s=detection_s)
         self.supersede(f"recovery {rec.number} started")

@@ -167,6 +167,54 @@ def decide(setback: Setback, count: int, budget: Budget) -> Decision:
     return Fail(f"a worker rejected the request: {what}")
 
 
+DEFAULT_MAX_FAULTS = 10
+DEFAULT_MAX_PREEMPTIONS = 30
+DEFAULT_FAILURE_WINDOW_S = 3600.0
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """The job's own budget, beside each recovery's: at most ``max_faults`` recoveries from faults and
+    ``max_preemptions`` from preemptions in any window of ``window_s`` (as Ray Train's ``max_failures``,
+    but sliding, and apart for preemptions, which are no fault of the job's)."""
+
+    max_faults: int = DEFAULT_MAX_FAULTS
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    window_s: float = DEFAULT_FAILURE_WINDOW_S
+
+
+@dataclass(frozen=True)
+class Disruption:
+    """One recovery the job went through: its number, when it started (a monotonic clock), why."""
+
+    number: int
+    at: float
+    preempted: bool
+    why: str
+
+
+class FailureWindow:
+    """The recoveries of a job within its policy's sliding window (pure: the caller passes the clock's time)."""
+
+    def __init__(self, policy: FailurePolicy) -> None:
+        self.policy = policy
+        self.recent: list[Disruption] = []
+
+    def admit(self, d: Disruption) -> Fail | None:
+        """Count the recovery ``d`` about to start; :class:`Fail`, listing those in the window, if it is one too many."""
+        self.recent = [r for r in self.recent if r.at > d.at - self.policy.window_s]
+        self.recent.append(d)
+        kind = [r for r in self.recent if r.preempted == d.preempted]
+        limit = self.policy.max_preemptions if d.preempted else self.policy.max_faults
+        if len(kind) <= limit:
+            return None
+        what, setting = ("preemptions", "max_preemptions") if d.preempted else ("faults", "max_faults")
+        listed = "; ".join(f"recovery {r.number} ({d.at - r.at:.0f}s ago): {r.why}" for r in kind)
+        return Fail(f"the job failed {len(kind)} times from {what} in the last {self.policy.window_s:g}s, more than "
+                    f"its {setting}={limit} (raise {setting} or failure_window_s in the job's failure policy): "
+                    f"{listed}")
+
+
 def plan_recovery(graph: Graph, *, policy: str, lost_slices: set[str], cut: int,
                   done_through: Mapping[str, int], logged_from: Mapping[str, int]) -> tuple[ReplayPlan, str]:
     """The replay plan for ``policy`` and why it became restart-all ("" when it did not).

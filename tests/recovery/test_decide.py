@@ -110,3 +110,20 @@ def test_a_cancelled_call_is_never_a_suspicion_only_an_ended_registration_is_a_l
     d = decide(Setback(Source.CANCELLED, workers={"w1": "CANCELLED", "w2": "CANCELLED"},
                        registered={"w1": False, "w2": True}), 1, Budget())
     assert isinstance(d, Refence) and dict(d.lost) == {"w1": "CANCELLED"}
+
+
+def test_the_failure_window_allows_so_many_faults_in_any_window_and_then_fails_listing_them() -> None:
+    from rallypoint.recovery.decide import Disruption, FailurePolicy, FailureWindow
+
+    w = FailureWindow(FailurePolicy(max_faults=2, max_preemptions=1, window_s=100.0))
+    assert w.admit(Disruption(1, 0.0, False, "w1: lost")) is None
+    assert w.admit(Disruption(2, 50.0, False, "w2: stalled")) is None
+    assert w.admit(Disruption(3, 60.0, True, "w3: preempted")) is None  # preemptions count apart
+    assert w.admit(Disruption(4, 101.0, False, "w4: lost")) is None  # the first fault left the window
+    d = w.admit(Disruption(5, 120.0, False, "w5: lost"))
+    assert isinstance(d, Fail)
+    assert "failed 3 times from faults in the last 100s, more than its max_faults=2" in d.reason
+    assert "recovery 2 (70s ago): w2: stalled; recovery 4 (19s ago): w4: lost; recovery 5 (0s ago): w5: lost" in d.reason
+    assert "w3" not in d.reason and "w1" not in d.reason
+    d = w.admit(Disruption(6, 130.0, True, "w6: preempted"))
+    assert isinstance(d, Fail) and "from preemptions" in d.reason and "max_preemptions=1" in d.reason
