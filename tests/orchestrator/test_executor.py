@@ -272,6 +272,21 @@ def test_the_programs_own_failure_at_load_fails_the_job_at_once_naming_it_and_fe
     assert h.leases() == []
 
 
+def test_a_node_that_fails_at_its_first_call_fails_the_job_naming_node_worker_and_error_and_fences_nobody(
+        tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    w = h.worker_of("s1")
+    error = "XlaRuntimeError: INVALID_ARGUMENT: the program does not compile for this mesh"
+    h.workers.events.put(("done", (w, h.workers.generation[w], pb.InstanceDone(node="fwd1", step=0, error=error))))
+    with pytest.raises(JobFailed) as info:
+        for _ in range(50):
+            h.x.step(timeout_s=0.0)
+    assert str(info.value) == f"node 'fwd1' failed at step 0 on worker {w}: {error}"
+    assert h.x.failures == [] and h.x.recoveries == []
+    assert all(h.store.get(h.keys.worker(x)) is not None for x in ("w0", "w1", "w2"))
+
+
 def test_a_slice_whose_nodes_never_ran_compiles_and_is_not_stalled_before_the_compile_timeout(tmp_path: Path) -> None:
     h = Harness(tmp_path, spec=pipeline_spec(stall_timeout_s=30, compile_timeout_s=600))
     h.x._prepare()
