@@ -4,6 +4,11 @@ Every retry in Rallypoint is one of these, so each one waits on the clock it was
 (a :class:`~rallypoint.basics.clock.FakeClock` in tests: no real waiting), backs off with
 jitter up to a bound, stops on a deadline of that clock or on a condition, and logs
 each retry with its count. The last error is re-raised unchanged when it stops.
+
+An RPC to a peer is worth retrying on :data:`TRANSIENT_RPC_CODES` (:func:`transient_rpc`),
+the one set every retry of a call between workers uses (pushes of values, copies of
+checkpoints). A cancellation is never retried: it is ours (the job was unloaded, the
+process stops).
 """
 
 from __future__ import annotations
@@ -11,11 +16,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import tenacity
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential, wait_random
+from tenacity import RetryCallState, Retrying, retry_if_exception, retry_if_exception_type, wait_exponential, wait_random
 
 from rallypoint.basics.clock import Clock
 from rallypoint.basics.errors import StoreUnavailable
+
+
+TRANSIENT_RPC_CODES: frozenset[grpc.StatusCode] = frozenset({
+    grpc.StatusCode.UNAVAILABLE,  # the peer unreachable, or restarting
+    grpc.StatusCode.DEADLINE_EXCEEDED,  # slow
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # overloaded
+    grpc.StatusCode.FAILED_PRECONDITION,  # a fence, which lifts when etcd answers again and the lease is alive
+})
+
+
+def transient_rpc(exc: BaseException) -> bool:
+    """Whether ``exc`` is an RPC failure worth another attempt (:data:`TRANSIENT_RPC_CODES`)."""
+    return isinstance(exc, grpc.RpcError) and exc.code() in TRANSIENT_RPC_CODES
 
 
 class _Stop:
@@ -39,6 +58,7 @@ def retrying(
     what: str,
     log: Any = None,
     retry_on: type[BaseException] | tuple[type[BaseException], ...] = StoreUnavailable,
+    retry_if: Callable[[BaseException], bool] | None = None,
     retry_if_result: Callable[[Any], bool] | None = None,
     stop_after_s: float | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -55,6 +75,8 @@ def retrying(
         what: what is retried, for the log.
         log: a structlog logger; each retry logs ``retry`` with ``what``, the attempt and the error.
         retry_on: the exceptions worth retrying (others propagate at once).
+        retry_if: instead of ``retry_on``, says of each exception whether it is worth retrying
+            (e.g. :func:`transient_rpc`).
         retry_if_result: also retry while this says the result is not good yet; when it
             stops, the last result is returned (not raised).
         stop_after_s: give up this long after the first attempt (None: no deadline).
@@ -74,7 +96,7 @@ def retrying(
         if before_sleep is not None:
             before_sleep(state)
 
-    retry = retry_if_exception_type(retry_on)
+    retry = retry_if_exception(retry_if) if retry_if is not None else retry_if_exception_type(retry_on)
     if retry_if_result is not None:
         retry = retry | tenacity.retry_if_result(retry_if_result)
     return Retrying(

@@ -293,8 +293,11 @@ class ScenarioRun:
         started = time.time()
         t0 = time.monotonic()
         try:
+            # A campaign injects a fault every few seconds on purpose: the job's failure policy (docs/recovery.md)
+            # must not be what ends it; each recovery's own budget still applies.
             spec = job_spec(self.compiled, window=s.window, policy=s.policy, checkpoint_every=s.checkpoint_every,
-                            on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s, priority=s.priority)
+                            on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s, priority=s.priority,
+                            max_faults=10_000)
             threads = [threading.Thread(target=self._scheduler, args=(schedule, t0), daemon=True),
                        threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]
             if self.second is not None:

@@ -328,6 +328,17 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--wait-timeout-s", type=float, default=None, help="How long --on-no-spare wait waits (default 60).")
 @click.option("--stall-timeout-s", type=float, default=None,
               help="No progress this long: job.stalled and a recovery of the workers it waits on (default 60).")
+@click.option("--max-faults", type=int, default=None,
+              help="Failure policy: recoveries from faults (lost, hung, stalled workers) allowed in any "
+              "--failure-window-s; one more fails the job, listing them (default 10).")
+@click.option("--max-preemptions", type=int, default=None,
+              help="Failure policy: recoveries from preempted workers allowed in any --failure-window-s (default 30).")
+@click.option("--failure-window-s", type=float, default=None,
+              help="Failure policy: the sliding window of --max-faults, --max-preemptions and of the stall count "
+              "(default 3600).")
+@click.option("--compile-timeout-s", type=float, default=None,
+              help="While the nodes the job waits on compile (their first call), no stall before this long "
+              "(default 1800).")
 @click.option("--stragglers", type=click.Choice(["migrate", "report", "off"]), default=None,
               help="A slice persistently slower than its baseline and its peers: move it to a spare by a drain "
               "(migrate, default), only report it (job.straggler events), or judge nothing (off).")
@@ -340,7 +351,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
-        straggler_factor: float | None, warm_spares: int | None) -> None:
+        straggler_factor: float | None, warm_spares: int | None, max_faults: int | None,
+        max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -354,7 +366,9 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker "
                           "or --fail")
     for name, value in (("--checkpoint-every", checkpoint_every), ("--keep-checkpoints", keep_checkpoints),
-                        ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s)):
+                        ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s),
+                        ("--max-faults", max_faults), ("--max-preemptions", max_preemptions),
+                        ("--failure-window-s", failure_window_s), ("--compile-timeout-s", compile_timeout_s)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     if warm_spares is not None and warm_spares < 0:
@@ -367,7 +381,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
                 "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
                 "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
-                "warm_spares": warm_spares}
+                "warm_spares": warm_spares, "max_faults": max_faults, "max_preemptions": max_preemptions,
+                "failure_window_s": failure_window_s, "compile_timeout_s": compile_timeout_s}
     compiled = compile_program(program)
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731

@@ -72,7 +72,7 @@ from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.recovery_machine import Recovery
 from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir
 from rallypoint.orchestrator.stragglers import StragglerWatch
-from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
+from rallypoint.orchestrator.watchdog import ProgressWatchdog, lagging_nodes, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail, Refence
@@ -229,7 +229,10 @@ class JobExecutor:
     def _prepare(self) -> None:
         try:
             self.settings = RecoverySettings.from_spec(self.spec)
-            self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s)
+            self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
+                                             compile_timeout_s=self.settings.compile_timeout_s,
+                                             window_s=self.settings.failure_policy.window_s)
+            self.recovery.configure(self.settings.failure_policy)
             self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term.term,
                                       max_spares=self.settings.warm_spares, log=self.log)
         except ValueError as exc:
@@ -300,7 +303,7 @@ class JobExecutor:
                 self._grant(retry)
             self._warm_check()
             assert self.watchdog is not None
-            quiet = self.watchdog.check()
+            quiet = self.watchdog.check(self._compiling())
             if quiet is not None:
                 self._stalled(quiet)
                 return
@@ -361,6 +364,8 @@ class JobExecutor:
     def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
         step, node = int(item.step), item.node
         self.recovery.observe(worker, gen, node, step)
+        assert self.watchdog is not None
+        self.watchdog.ran(node, (worker, gen))
         self.drains.observe(worker, node, step)
         if item.program_source:  # a node's first call on this runtime: where its executable came from
             self.recovery.first_call(worker, gen, self.graph.node(node).slice, item.program_source, item.compile_s)
@@ -396,13 +401,28 @@ class JobExecutor:
         elif isinstance(decision, Fail):
             raise JobFailed(decision.reason)
 
+    def _compiling(self) -> bool:
+        """Whether a node the job waits on has not yet run on its runtime: it compiles (watchdog.py)."""
+        assert self.watchdog is not None
+        worker_of = {s: p.worker for s, p in self.placement.items()}
+        lag = lagging_nodes([(n.name, n.slice) for n in self.graph.nodes], self.progress.done_through, self.spec.steps)
+        runtime = {n: (w, self.workers.generation[w]) for n, sl in lag
+                   if (w := worker_of.get(sl, "")) in self.workers.generation}
+        return self.watchdog.compiling(runtime, runtime.get)
+
+    def _preempted(self, lost: Mapping[str, str]) -> bool:
+        """Whether every lost worker had asked for a preemption drain it did not finish (a preemption, not a fault)."""
+        asked = {r.worker for r in self.drains.drain_records if r.reason == "preempted" and r.state != "done"}
+        return bool(lost) and set(lost) <= asked
+
     def _recover(self, lost: dict[str, str]) -> None:
         """Start a recovery of ``lost`` and run it until the lost slices run again."""
         assert self.settings is not None
         now = self.clock.monotonic()
         self.workers.gather_ended(lost, self.loss_grace_s)
         heard = self.loads.last_heard
-        rec = self.recovery.open(lost, detection_s=max(now - heard.get(w, now) for w in lost))
+        rec = self.recovery.open(lost, detection_s=max(now - heard.get(w, now) for w in lost),
+                                 preempted=self._preempted(lost))
         parked = self.drains.abort(f"recovery {rec.number} started")
         frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))

@@ -9,7 +9,12 @@
   slice and step as a typed error in the call's metadata: :mod:`rallypoint.proto.errors`).
 - ``LOG_SHORT``: its output log no longer reaches back to the step asked for (OUT_OF_RANGE).
 - ``INVALID``: the request itself is wrong (INVALID_ARGUMENT): a bug, retrying cannot help.
-- ``NOT_OURS``: our own cancellation or shutdown.
+- ``PROGRAM``: the job's own program failed on the worker, deterministically (an exception
+  in an init, an XLA compile error, out of device memory, a shape error: the worker says
+  so as a typed error in the call's metadata, :mod:`rallypoint.proto.errors`). No worker
+  is to blame: the job fails, naming the part, the worker and the error.
+- ``NOT_OURS``: a cancellation (ours, or the server's as it shuts down). Never a
+  suspicion: a recovery asks again, and fences only a worker whose registration is gone.
 
 What to *do* on a verdict is the caller's policy, and each is explicit: the leader's
 link to a worker fences on ``LOST`` and lets the lease decide on ``SUSPECT``; a job's
@@ -26,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from rallypoint.proto.errors import CorruptCheckpoint, parse_error
+from rallypoint.proto.errors import CorruptCheckpoint, ProgramFailure, parse_error
 
 
 class Verdict(enum.Enum):
@@ -36,6 +41,7 @@ class Verdict(enum.Enum):
     CORRUPT = "corrupt"
     LOG_SHORT = "log_short"
     INVALID = "invalid"
+    PROGRAM = "program"
     NOT_OURS = "not_ours"
 
 
@@ -78,7 +84,12 @@ class WorkerCallFailed(Exception):
         super().__init__(f"worker {worker}: {what} failed: {code.name} {details}")
         self.worker, self.what, self.code, self.details = worker, what, code, details
         self.verdict = classify_rpc_error(code, details)
-        self.corrupt: CorruptCheckpoint | None = parse_error(metadata) if self.verdict is Verdict.CORRUPT else None
+        typed = parse_error(metadata)
+        self.corrupt: CorruptCheckpoint | None = typed if self.verdict is Verdict.CORRUPT and isinstance(
+            typed, CorruptCheckpoint) else None
+        self.program: ProgramFailure | None = None
+        if code is grpc.StatusCode.INTERNAL and isinstance(typed, ProgramFailure):
+            self.verdict, self.program = Verdict.PROGRAM, typed
 
     @classmethod
     def from_rpc_error(cls, worker: str, what: str, exc: BaseException) -> WorkerCallFailed:

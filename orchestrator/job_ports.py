@@ -39,7 +39,7 @@ from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.job_state import JobFailed
 from rallypoint.orchestrator.recovery_machine import Recovery, RecoveryPort, classify_setback
 from rallypoint.orchestrator.stragglers import CORDON_BY
-from rallypoint.recovery.decide import Budget, FallBack, Refence, decide
+from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Source, decide
 from rallypoint.recovery.replay import Graph, ReplayPlan
 from rallypoint.recovery.stragglers import Probation
 
@@ -164,6 +164,8 @@ class JobRecoveryPort(RecoveryPort):
         if isinstance(decision, Refence):
             self.loads.log.warning("job.lost_while_loading", workers=sorted(decision.lost), reason=decision.reason)
             return dict(decision.lost)
+        if setback.source is Source.PROGRAM and isinstance(decision, Fail):
+            raise JobFailed(decision.reason)
         w, f = next(iter(failed.items()))
         raise JobFailed(f"worker {w} could not load the job: {f}")
 

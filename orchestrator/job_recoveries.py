@@ -5,7 +5,10 @@ records (``records``, what ``job.finished`` and the job record report). It opens
 recovery (:meth:`open`: the newest supersedes any still measuring its replay), runs it
 until the lost slices run again (:meth:`run`), and passes on what the executor hears
 while they replay and catch up (:meth:`observe`, :meth:`first_call`, :meth:`progressed`). A stall is judged here too
-(:meth:`stalled`): a setback of its own source, decided like any other.
+(:meth:`stalled`): a setback of its own source, decided like any other. Beside each
+recovery's budget, the job's failure policy (:class:`~rallypoint.recovery.decide.FailurePolicy`)
+bounds the recoveries in a sliding window, faults and preemptions apart: :meth:`open`
+fails the job, listing them, on one too many.
 Each machine acts on the job only through the job's
 :class:`~rallypoint.orchestrator.recovery_machine.RecoveryPort`.
 
@@ -32,9 +35,11 @@ from typing import Any
 from rallypoint.basics.clock import Clock
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_recovery import RecoveryRecord
+from rallypoint.orchestrator.job_state import JobFailed
 from rallypoint.orchestrator.recovery_machine import Recovery, RecoveryPort
 from rallypoint.orchestrator.watchdog import ProgressWatchdog
-from rallypoint.recovery.decide import Budget, Decision, Setback, Source, decide
+from rallypoint.recovery.decide import (Budget, Decision, Disruption, FailurePolicy, FailureWindow, Setback, Source,
+                                        decide)
 
 
 class JobRecoveries:
@@ -50,10 +55,15 @@ class JobRecoveries:
         self._open_adopted: list[dict[str, Any]] = []  # of those, the ones the earlier term did not finish
         self._live: list[Recovery] = []  # the machines not yet done or failed
         self._by_runtime: dict[tuple[str, int], RecoveryRecord] = {}  # (worker, generation) -> the recovery that loaded it
+        self.window = FailureWindow(FailurePolicy())
 
     def _prune(self) -> None:
         if any(m.phase.is_terminal for m in self._live):
             self._live = [m for m in self._live if not m.phase.is_terminal]
+
+    def configure(self, policy: FailurePolicy) -> None:
+        """The job's failure policy (from its settings)."""
+        self.window = FailureWindow(policy)
 
     @property
     def active(self) -> Recovery | None:
@@ -85,10 +95,16 @@ class JobRecoveries:
             self.log.info("recovery.finished_on_adoption", recovery=r["recovery"], mttr_s=r["mttr_s"], step=step)
         self._open_adopted = []
 
-    def open(self, lost: Mapping[str, str], detection_s: float) -> RecoveryRecord:
-        """A new recovery of ``lost`` (worker -> why); any earlier one still measuring its replay ends there."""
+    def open(self, lost: Mapping[str, str], detection_s: float, *, preempted: bool = False) -> RecoveryRecord:
+        """A new recovery of ``lost`` (worker -> why; ``preempted``: every one of them was); any earlier one still
+        measuring its replay ends there. Raises :class:`JobFailed` when the job's failure policy allows no more."""
         now = self.clock.monotonic()
         number = max([r.number for r in self.records] + [int(r["recovery"]) for r in self.adopted], default=0) + 1
+        why = "; ".join(f"{w}: {r}" for w, r in sorted(lost.items()))
+        fail = self.window.admit(Disruption(number, now, preempted, why))
+        if fail is not None:
+            self.log.error("job.failure_policy", reason=fail.reason, preempted=preempted)
+            raise JobFailed(fail.reason)
         rec = RecoveryRecord(number=number, lost={}, reasons=dict(lost), detected_at=time.time(),
                              detected_mono=now, detection_s=detection_s)
         self.supersede(f"recovery {rec.number} started")

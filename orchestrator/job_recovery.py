@@ -30,7 +30,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.orchestrator.watchdog import DEFAULT_COMPILE_TIMEOUT_S
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.decide import (DEFAULT_FAILURE_WINDOW_S, DEFAULT_MAX_FAULTS, DEFAULT_MAX_PREEMPTIONS,
+                                        FailurePolicy)
 from rallypoint.recovery.stragglers import (DEFAULT_FACTOR, DEFAULT_PERSIST, DEFAULT_PROBATION_S, DEFAULT_REPEAT_WINDOW_S,
                                             DEFAULT_WINDOW, StragglerSettings)
 from rallypoint.recovery.warm import DEFAULT_WARM_SPARES
@@ -56,6 +59,8 @@ class RecoverySettings:
     stall_timeout_s: float = DEFAULT_STALL_S
     stragglers: StragglerSettings = StragglerSettings()
     warm_spares: int = DEFAULT_WARM_SPARES  # spares that compile the job's programs ahead (0: off)
+    failure_policy: FailurePolicy = FailurePolicy()  # at most so many recoveries per window (docs/recovery.md)
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # no stall before this while the nodes waited on compile
 
     @classmethod
     def from_spec(cls, spec: pb.JobSpec) -> RecoverySettings:
@@ -76,6 +81,9 @@ class RecoverySettings:
         for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
+        for name in ("max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s"):
+            if getattr(spec, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
         for name in ("straggler_factor", "straggler_window", "straggler_persist", "straggler_probation_s",
                      "straggler_repeat_window_s"):
             if getattr(spec, name) < 0:
@@ -91,7 +99,11 @@ class RecoverySettings:
         return cls(policy, on_no_spare, float(spec.wait_timeout_s or DEFAULT_WAIT_S),
                    int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY), int(spec.keep_checkpoints or DEFAULT_KEEP),
                    int(spec.log_limit_bytes or DEFAULT_LOG_LIMIT), float(spec.stall_timeout_s or DEFAULT_STALL_S),
-                   stragglers, warm)
+                   stragglers, warm,
+                   FailurePolicy(int(spec.max_faults or DEFAULT_MAX_FAULTS),
+                                 int(spec.max_preemptions or DEFAULT_MAX_PREEMPTIONS),
+                                 float(spec.failure_window_s or DEFAULT_FAILURE_WINDOW_S)),
+                   float(spec.compile_timeout_s or DEFAULT_COMPILE_TIMEOUT_S))
 
 
 @dataclass

@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import RetryCallState
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import StoreUnavailable, WatchCompacted
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.cluster_view import WorkerInfo
@@ -191,7 +192,7 @@ class MembershipMonitor:
         self.log.warning("membership.watch_retry", attempt=state.attempt_number, error=str(exc))
         self.watch_restarts += 1
 
-    def _outage_too_long(self, state: RetryCallState) -> bool:
+    def _outage_too_long(self) -> bool:
         return self.clock.monotonic() - self._healthy_at > self.reconnect_budget_s
 
     def _attempt(self) -> None:
@@ -211,22 +212,18 @@ class MembershipMonitor:
             raise StoreUnavailable("watch ended")
 
     def _run(self) -> None:
-        """Watch until stopped. Each outage is retried (tenacity, exponential backoff) for at
+        """Watch until stopped. Each outage is retried (the shared policy, on the injected clock) for at
         most ``reconnect_budget_s`` from the last moment the watch was healthy."""
         self._healthy_at = self.clock.monotonic()
-        retrying = Retrying(
-            retry=retry_if_exception_type(StoreUnavailable),
-            wait=wait_exponential(multiplier=0.05, min=0.05, max=1.0),
-            stop=self._outage_too_long,
-            sleep=self.clock.sleep,
-            before_sleep=self._log_retry,
-            reraise=True,
-        )
+
+        def attempt() -> None:
+            if self._running():
+                self._attempt()
+
         try:
-            for attempt in retrying:
-                with attempt:
-                    if self._running():
-                        self._attempt()
+            retrying(clock=self.clock, what="membership watch", retry_on=StoreUnavailable,
+                     should_stop=self._outage_too_long, initial_s=0.05, max_s=1.0, jitter_s=0.05,
+                     before_sleep=self._log_retry)(attempt)
         except StoreUnavailable as exc:
             if self._running():
                 self.log.error("membership.watch_failed", error=str(exc), budget_s=self.reconnect_budget_s)

@@ -434,15 +434,17 @@ class Recovery:
 def classify_setback(failures: Mapping[str, WorkerCallFailed], cut: int, registered: Mapping[str, bool]) -> Setback:
     """The one setback an attempt's worker failures amount to (the gravest kind wins).
 
-    Order: a corrupt checkpoint (the cut must move), lost workers, suspect workers, a
-    short output log, an invalid request, refusals.
+    Order: the job's own program failed (nothing else matters), a corrupt checkpoint (the cut
+    must move), lost workers, suspect workers, a short output log, an invalid request,
+    refusals, cancellations (never a suspicion).
     """
     by: dict[Verdict, dict[str, WorkerCallFailed]] = {}
     for w, f in failures.items():
         by.setdefault(f.verdict, {})[w] = f
-    order = [(Verdict.CORRUPT, Source.CORRUPT), (Verdict.LOST, Source.LOST), (Verdict.SUSPECT, Source.SUSPECT),
-             (Verdict.NOT_OURS, Source.SUSPECT), (Verdict.LOG_SHORT, Source.LOG_SHORT),
-             (Verdict.INVALID, Source.INVALID), (Verdict.REFUSED, Source.REFUSED)]
+    order = [(Verdict.PROGRAM, Source.PROGRAM), (Verdict.CORRUPT, Source.CORRUPT), (Verdict.LOST, Source.LOST),
+             (Verdict.SUSPECT, Source.SUSPECT), (Verdict.LOG_SHORT, Source.LOG_SHORT),
+             (Verdict.INVALID, Source.INVALID), (Verdict.REFUSED, Source.REFUSED),
+             (Verdict.NOT_OURS, Source.CANCELLED)]
     for verdict, source in order:
         if verdict in by:
             fs = by[verdict]

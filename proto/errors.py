@@ -6,6 +6,10 @@ coordinator reads a typed value instead of parsing the message. Today's kind:
 
 * ``corrupt_checkpoint`` with ``slice`` and ``step``: a checkpoint of the cut failed
   to restore (status DATA_LOSS); its commit stops counting.
+* ``program_failed`` with ``part`` (e.g. ``state 'params' init``, ``node 'train'``) and
+  ``error``: the job's own program failed on the worker, deterministically (an
+  exception in an init, an XLA compile error, out of device memory, a shape error;
+  status INTERNAL): no worker is to blame, the job fails.
 """
 
 from __future__ import annotations
@@ -31,7 +35,20 @@ def corrupt_checkpoint_metadata(slice_name: str, step: int) -> tuple[tuple[str, 
     return ((ERROR_KEY, json.dumps({"kind": "corrupt_checkpoint", "slice": slice_name, "step": int(step)})),)
 
 
-def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | None:
+@dataclass(frozen=True, slots=True)
+class ProgramFailure:
+    """The job's own program failed deterministically: ``part`` of it, with ``error``."""
+
+    part: str
+    error: str
+
+
+def program_failed_metadata(part: str, error: str) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that reports a deterministic failure of the job's own program."""
+    return ((ERROR_KEY, json.dumps({"kind": "program_failed", "part": part, "error": error})),)
+
+
+def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | ProgramFailure | None:
     """The typed error in a call's trailing metadata, or None (absent or not understood)."""
     for item in metadata or ():
         key, value = (item.key, item.value) if hasattr(item, "key") else item
@@ -46,4 +63,7 @@ def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | None:
                 return CorruptCheckpoint(str(d["slice"]), int(d["step"]))
             except (KeyError, TypeError, ValueError):
                 return None
+        if isinstance(d, dict) and d.get("kind") == "program_failed":
+            part, error = d.get("part"), d.get("error")
+            return ProgramFailure(part, error) if isinstance(part, str) and isinstance(error, str) else None
     return None

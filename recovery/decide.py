@@ -9,8 +9,10 @@ progress) it asks :func:`decide`, which answers with one :class:`Decision`:
 * :class:`FallBack`: the cut's checkpoint is corrupt: drop its commit, every slice
   restarts from an older cut;
 * :class:`Escalate`: partial replay cannot work: every slice restarts from the same cut;
-* :class:`Retry`: ask again after a pause (a live worker refused, e.g. its storage);
-* :class:`Fail`: give up, with the reason.
+* :class:`Retry`: ask again after a pause (a live worker refused, e.g. its storage, or a
+  call was cancelled);
+* :class:`Fail`: give up, with the reason (at once when the job's own program failed:
+  no worker is to blame and none is fenced).
 
 Each setback has a **source** with its own budget per recovery (:class:`Budget`);
 past it, the decision is :class:`Fail`, naming the source, the count and the limit.
@@ -36,6 +38,8 @@ class Source(enum.Enum):
     REFUSED = "refused"  # a live worker refused a load or rewire
     LOG_SHORT = "log_short"  # a survivor's output log does not reach back to the cut
     INVALID = "invalid"  # a worker found the request itself wrong
+    PROGRAM = "program"  # the job's own program failed on a worker, deterministically
+    CANCELLED = "cancelled"  # a call was cancelled (ours, or a server shutting down): never a suspicion
     STALL = "stall"  # the job made no progress for the stall timeout
 
 
@@ -49,10 +53,12 @@ class Budget:
     refused: int = 10
     log_short: int = 2
     invalid: int = 0
+    cancelled: int = 10
     stall: int = 3
 
     def limit(self, source: Source) -> int:
-        return int(getattr(self, source.value))
+        """How many setbacks of ``source`` are absorbed (none of the program's own: it fails the same anywhere)."""
+        return 0 if source is Source.PROGRAM else int(getattr(self, source.value))
 
 
 @dataclass(frozen=True)
@@ -119,26 +125,30 @@ def decide(setback: Setback, count: int, budget: Budget) -> Decision:
 
     Rules, in order:
 
+    0. PROGRAM: :class:`Fail` at once, naming the part of the program, the worker and the error
+       (the same program fails the same on any worker: fencing one would only use up the spares).
     1. Past the source's budget: :class:`Fail` naming the source, count and limit.
     2. LOST, or SUSPECT (no answer in time: fencing confirms a suspicion safely, a
        worker that was only slow comes back as a new incarnation): :class:`Refence`.
     3. CORRUPT at a cut above 0: :class:`FallBack` below it, dropping that commit.
        At 0 (the inits), nothing older exists: :class:`Fail`.
     4. LOG_SHORT: :class:`Escalate` to restart-all from the same cut.
-    5. REFUSED: those whose registration is gone are lost (:class:`Refence`); if all
-       still live, :class:`Retry` after a pause.
+    5. REFUSED or CANCELLED: those whose registration is gone are lost (:class:`Refence`);
+       if all still live, :class:`Retry` after a pause.
     6. INVALID: :class:`Fail` (the request is wrong; no retry can help).
     7. STALL: :class:`Refence` the workers that made no progress.
     """
     limit = budget.limit(setback.source)
     what = setback.detail or "; ".join(f"{w}: {why}" for w, why in sorted(setback.workers.items()))
+    if setback.source is Source.PROGRAM:
+        return Fail(f"the job's program failed (no worker is to blame; none was fenced): {what}")
     if count > limit:
         return Fail(f"recovery gave up: {setback.source.value} setbacks {count} > limit {limit} (last: {what})")
     if setback.source in (Source.LOST, Source.SUSPECT) or (setback.source is Source.STALL and setback.workers):
         return Refence(dict(setback.workers), f"{setback.source.value}: {what}")
     gone = {w: why for w, why in setback.workers.items() if not setback.registered.get(w, True)}
-    if setback.source is Source.REFUSED and gone:
-        return Refence(gone, f"refused, and its incarnation ended: {what}")
+    if setback.source in (Source.REFUSED, Source.CANCELLED) and gone:
+        return Refence(gone, f"{setback.source.value}, and its incarnation ended: {what}")
     if setback.source is Source.CORRUPT:
         if setback.cut <= 0:
             return Fail(f"cannot restore: {what} (no older checkpoint than step 0)")
@@ -150,9 +160,59 @@ def decide(setback: Setback, count: int, budget: Budget) -> Decision:
                         "slice restarts from the cut")
     if setback.source is Source.REFUSED:
         return Retry(RETRY_AFTER_S, f"refused by live workers, asking again: {what}")
+    if setback.source is Source.CANCELLED:
+        return Retry(RETRY_AFTER_S, f"a call to a live worker was cancelled, asking again: {what}")
     if setback.source is Source.STALL:
         return Fail(f"the job made no progress and no worker can be blamed: {what}")
     return Fail(f"a worker rejected the request: {what}")
+
+
+DEFAULT_MAX_FAULTS = 10
+DEFAULT_MAX_PREEMPTIONS = 30
+DEFAULT_FAILURE_WINDOW_S = 3600.0
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """The job's own budget, beside each recovery's: at most ``max_faults`` recoveries from faults and
+    ``max_preemptions`` from preemptions in any window of ``window_s`` (as Ray Train's ``max_failures``,
+    but sliding, and apart for preemptions, which are no fault of the job's)."""
+
+    max_faults: int = DEFAULT_MAX_FAULTS
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    window_s: float = DEFAULT_FAILURE_WINDOW_S
+
+
+@dataclass(frozen=True)
+class Disruption:
+    """One recovery the job went through: its number, when it started (a monotonic clock), why."""
+
+    number: int
+    at: float
+    preempted: bool
+    why: str
+
+
+class FailureWindow:
+    """The recoveries of a job within its policy's sliding window (pure: the caller passes the clock's time)."""
+
+    def __init__(self, policy: FailurePolicy) -> None:
+        self.policy = policy
+        self.recent: list[Disruption] = []
+
+    def admit(self, d: Disruption) -> Fail | None:
+        """Count the recovery ``d`` about to start; :class:`Fail`, listing those in the window, if it is one too many."""
+        self.recent = [r for r in self.recent if r.at > d.at - self.policy.window_s]
+        self.recent.append(d)
+        kind = [r for r in self.recent if r.preempted == d.preempted]
+        limit = self.policy.max_preemptions if d.preempted else self.policy.max_faults
+        if len(kind) <= limit:
+            return None
+        what, setting = ("preemptions", "max_preemptions") if d.preempted else ("faults", "max_faults")
+        listed = "; ".join(f"recovery {r.number} ({d.at - r.at:.0f}s ago): {r.why}" for r in kind)
+        return Fail(f"the job failed {len(kind)} times from {what} in the last {self.policy.window_s:g}s, more than "
+                    f"its {setting}={limit} (raise {setting} or failure_window_s in the job's failure policy): "
+                    f"{listed}")
 
 
 def plan_recovery(graph: Graph, *, policy: str, lost_slices: set[str], cut: int,

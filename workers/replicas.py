@@ -30,10 +30,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.logs import get_logger
+from rallypoint.basics.retry import retrying, transient_rpc
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoint import States, state_checksum
@@ -47,8 +47,6 @@ TTL_S = 1800.0
 """A job's copies not refreshed for this long are dropped (a finished job's, on a spare)."""
 PUSH_RETRY_S = 10.0
 FETCH_TIMEOUT_S = 30.0
-RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclass
@@ -163,7 +161,9 @@ class Replicator:
     """Pushes each committed checkpoint of a job's slices to their holders, on one thread.
 
     Only the newest commit of a slice waits to go: an older one still queued is dropped.
-    A push is retried (tenacity) while the holder is unreachable, up to ``PUSH_RETRY_S``.
+    A push is retried with the shared policy (:func:`~rallypoint.basics.retry.retrying`, on the
+    channels' clock) on the transient codes every call between workers retries on, up to
+    ``PUSH_RETRY_S`` or until the replicator closes.
     """
 
     def __init__(self, peers: PeerChannels, targets: Sequence[pb.ReplicaPeer], *, cluster: str, worker_id: str,
@@ -220,15 +220,11 @@ class Replicator:
             from_incarnation=self._incarnation)
         t0 = time.perf_counter()
 
-        def retryable(exc: BaseException) -> bool:
-            return not self._closed and isinstance(exc, grpc.RpcError) and exc.code() in RETRY_CODES
-
         try:
-            for attempt in Retrying(stop=stop_after_delay(PUSH_RETRY_S), wait=wait_exponential(0.05, max=1.0),
-                                    retry=retry_if_exception(retryable), reraise=True):
-                with attempt:
-                    r = self._peers.stub(target.address).PushReplica(codec.replica_chunks(header, states),
-                                                                     timeout=FETCH_TIMEOUT_S)
+            r = retrying(clock=self._peers.clock, what="replica push", retry_if=transient_rpc,
+                         stop_after_s=PUSH_RETRY_S, should_stop=lambda: self._closed, initial_s=0.05, max_s=1.0,
+                         jitter_s=0.05)(lambda: self._peers.stub(target.address).PushReplica(
+                             codec.replica_chunks(header, states), timeout=FETCH_TIMEOUT_S))
         except grpc.RpcError as exc:
             self.log.warning("replica.push_failed", slice=c.slice_name, step=c.step, holder=target.worker_id,
                              code=exc.code().name, error=exc.details())

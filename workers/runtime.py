@@ -96,6 +96,7 @@ class JobRuntime:
     Raises:
         LoadError: the request does not fit this worker (devices, slices, routes, leaves).
         RestoreError: a checkpoint to start from does not read back as committed.
+        ProgramFailed: the job's own program failed here (an init, a program that does not deserialize).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
@@ -119,7 +120,8 @@ class JobRuntime:
         self.restore_tiers: dict[str, str] = {}  # slice -> "memory" (a peer's copy) or "disk", when restored
 
         mesh_of = slice_meshes(req, devices, worker_id)
-        self.nodes = load_nodes(req, mesh_of, microbatches=self.m, warm=warm, program_sources=self.program_sources)
+        self.nodes = load_nodes(req, mesh_of, microbatches=self.m, warm=warm, program_sources=self.program_sources,
+                                worker_id=worker_id)
         self._slice_nodes = nodes_by_slice(req, self.nodes)
         self.states: dict[str, StateVersions] = {}  # filled below, once the routes say where each is pushed
         self.inputs = Inputs(self.control, self.nodes, self.states, steps=self.steps, microbatches=self.m)
@@ -128,7 +130,7 @@ class JobRuntime:
         self.router.set_routes(req.routes)
         fetch = (lambda ref: replicas.fetch(req, ref, self.log)) if replicas is not None else None
         restored = restore_for_load(req, fetch, self.restore_tiers) if start > 0 else {}
-        self.states.update(load_states(req, mesh_of, self.nodes, self.router.push_everies, restored))
+        self.states.update(load_states(req, mesh_of, self.nodes, self.router.push_everies, restored, worker_id))
 
         self.handoff = CheckpointHandoff(req, self.control, self.states, commit_factory=commit_factory, faults=faults,
                                          replicas=replicas)

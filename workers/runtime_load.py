@@ -6,6 +6,13 @@ before any instance runs: :func:`slice_meshes` checks the slices' local devices,
 executable a warm spare compiled ahead, :mod:`rallypoint.workers.warm`), and
 :func:`load_states` makes each resident state's first version: its init run on the
 slice's mesh, or, for a runtime starting at a checkpoint, the restored value.
+
+A part of the job's own program that fails here for a reason no other worker would
+escape (:func:`program_fault`: an exception in an init, an XLA compile error, out of
+device memory, a shape error) raises :class:`ProgramFailed`: the service reports it
+as such and the coordinator fails the job, blaming no worker. A failure of the worker
+itself (a device that stops answering, XLA's ``INTERNAL`` or ``UNAVAILABLE``) stays an
+ordinary exception: the coordinator suspects the worker.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.runtime_state import Leaves, LoadError, NodeProgress, RestoreError, StateVersions
@@ -24,6 +32,42 @@ from rallypoint.workers.warm import NodeExecutable, WarmCache, program_key
 B = pb.InputBinding
 MeshOf = Callable[[str, str], Any]
 """``mesh_of(what, slice)``: the slice's mesh (``what`` names the asker in the error)."""
+
+# XLA status codes of a runtime error that the program itself causes, wherever it runs: out of
+# memory, a program XLA rejects or cannot compile, a shape or index out of range. Any other
+# (INTERNAL, UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED, DATA_LOSS, UNKNOWN, ...) may be the device's.
+PROGRAM_XLA_CODES = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED", "OUT_OF_RANGE", "FAILED_PRECONDITION")
+
+
+class ProgramFailed(RallypointError):
+    """``part`` of the job's own program (``node 'train'``, ``state 'params' init``) failed here, deterministically."""
+
+    def __init__(self, part: str, worker_id: str, exc: BaseException) -> None:
+        self.part, self.worker_id = part, worker_id
+        self.error = f"{type(exc).__name__}: {exc}"
+        super().__init__(f"{part} failed on worker {worker_id}: {self.error}")
+
+
+def program_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by deserializing, compiling or running part of the job's program,
+    is the program's own (it fails the same on any worker) rather than this worker's.
+
+    XLA's runtime errors say their status code first: the program's are :data:`PROGRAM_XLA_CODES`.
+    Any other exception (a Python error while tracing or deserializing, a shape mismatch) is the program's.
+    """
+    if type(exc).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
+        return str(exc).lstrip().startswith(PROGRAM_XLA_CODES)
+    return isinstance(exc, Exception) and not isinstance(exc, (OSError, MemoryError))
+
+
+def _program_part(part: str, worker_id: str, run: Callable[[], Any]) -> Any:
+    """``run()``, raising :class:`ProgramFailed` for ``part`` when it fails for a reason of the program's own."""
+    try:
+        return run()
+    except Exception as exc:
+        if program_fault(exc):
+            raise ProgramFailed(part, worker_id, exc) from exc
+        raise
 
 
 @dataclass
@@ -66,16 +110,19 @@ def slice_meshes(req: pb.LoadJobRequest, devices: Sequence[Any], worker_id: str)
 
 
 def load_nodes(req: pb.LoadJobRequest, mesh_of: MeshOf, *, microbatches: int, warm: WarmCache | None,
-               program_sources: dict[str, str]) -> dict[str, LoadedNode]:
+               program_sources: dict[str, str], worker_id: str = "") -> dict[str, LoadedNode]:
     """Every node of the request, in its (topological) order; ``program_sources`` gets
-    ``{node: "warm" | "cold"}`` (compiled ahead, or at its first call)."""
+    ``{node: "warm" | "cold"}`` (compiled ahead, or at its first call).
+
+    Raises:
+        ProgramFailed: a node's exported program does not deserialize."""
     steps, start = int(req.steps), int(req.start_step)
     nodes: dict[str, LoadedNode] = {}
     assigned = {sa.slice: sa for sa in req.slices}
     for n in req.nodes:  # topological order: the order instances of a step run in
         mesh = mesh_of(f"node {n.name!r}", n.slice)
-        call = NodeExecutable(n.exported, mesh, warm.take(program_key(req.job, n, assigned[n.slice]))
-                              if warm is not None else None)
+        entry = warm.take(program_key(req.job, n, assigned[n.slice])) if warm is not None else None
+        call = _program_part(f"node {n.name!r}", worker_id, lambda: NodeExecutable(n.exported, mesh, entry))
         program_sources[n.name] = call.expected
         prog = pb.NodeProgram()
         prog.CopyFrom(n)
@@ -92,7 +139,7 @@ def nodes_by_slice(req: pb.LoadJobRequest, nodes: Mapping[str, LoadedNode]) -> d
 
 def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, LoadedNode],
                 push_everies: Callable[[str], list[int]],
-                restored: Mapping[str, Mapping[str, Leaves]]) -> dict[str, StateVersions]:
+                restored: Mapping[str, Mapping[str, Leaves]], worker_id: str = "") -> dict[str, StateVersions]:
     """Each resident state with its first version: the init's value, or at a start step > 0 the
     checkpoint's (``restored``: slice -> state -> leaves). ``push_everies(state)``: the ``every``
     of each remote consumer the state is pushed to (the router's state routes).
@@ -100,6 +147,7 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
     Raises:
         RestoreError: a checkpoint lacks one of its slice's states.
         LoadError: a state's value has the wrong number of leaves, or its slice is not assigned here.
+        ProgramFailed: a state's init failed for a reason of its own (:func:`program_fault`).
     """
     steps, start = int(req.steps), int(req.start_step)
     states: dict[str, StateVersions] = {}
@@ -114,8 +162,9 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
                 raise RestoreError(f"the checkpoint of slice {st.slice!r} at step {start} lacks "
                                    f"state {st.name!r}", slice_name=st.slice, step=start)
         else:
-            init = load_exported(st.exported_init, mesh_of(f"state {st.name!r}", st.slice))
-            leaves = [np.asarray(x) for x in init()]
+            mesh = mesh_of(f"state {st.name!r}", st.slice)
+            leaves = _program_part(f"state {st.name!r} init", worker_id,
+                                   lambda: [np.asarray(x) for x in load_exported(st.exported_init, mesh)()])
         if len(leaves) != st.leaves:
             raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
         sv.add(sv.key(start), leaves)

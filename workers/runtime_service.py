@@ -22,7 +22,7 @@ from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.proto import codec
-from rallypoint.proto.errors import corrupt_checkpoint_metadata
+from rallypoint.proto.errors import corrupt_checkpoint_metadata, program_failed_metadata
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
@@ -32,6 +32,7 @@ from rallypoint.workers.job_checkpoints import CommitFn
 from rallypoint.workers.replicas import ReplicaStore, ReplicaTier
 from rallypoint.workers.runtime import JobRuntime
 from rallypoint.workers.runtime_control import Admit
+from rallypoint.workers.runtime_load import ProgramFailed
 from rallypoint.workers.runtime_state import DeliveryError, LoadError, RestoreError
 from rallypoint.workers.transfer import PeerChannels
 from rallypoint.workers.warm import WarmCache
@@ -162,17 +163,21 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")
         failure: tuple[grpc.StatusCode, str] | None = None
-        corrupt: RestoreError | None = None
+        metadata: tuple[tuple[str, str], ...] = ()
         try:
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
                             commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas,
                             warm=self.warm)
         except RestoreError as exc:
-            failure, corrupt = (grpc.StatusCode.DATA_LOSS, str(exc)), exc
+            failure = (grpc.StatusCode.DATA_LOSS, str(exc))
+            metadata = corrupt_checkpoint_metadata(exc.slice_name, exc.step)
         except LoadError as exc:
             failure = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:  # deserializing or running an init: report it, do not kill the server
+        except ProgramFailed as exc:  # the job's own program: typed, so the coordinator blames no worker
+            failure = (grpc.StatusCode.INTERNAL, f"loading job {request.job!r}: {exc}")
+            metadata = program_failed_metadata(exc.part, exc.error)
+        except Exception as exc:  # this worker's own failure (a device, the host): report it, do not kill the server
             failure = (grpc.StatusCode.INTERNAL, f"loading job {request.job!r}: {type(exc).__name__}: {exc}")
         finally:
             with self._lock:
@@ -180,9 +185,9 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
                 if failure is None:
                     self._jobs[request.job] = rt
         if failure is not None:
-            self.log.error("job.load_failed", job=request.job, error=failure[1])
-            if corrupt is not None:
-                context.set_trailing_metadata(corrupt_checkpoint_metadata(corrupt.slice_name, corrupt.step))
+            self.log.error("job.load_failed", job=request.job, error=failure[1], code=failure[0].name)
+            if metadata:
+                context.set_trailing_metadata(metadata)
             _abort(context, *failure)
         self.warm.loaded(request)  # no spare of this job any more; its devices are taken
         rt.start()

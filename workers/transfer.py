@@ -2,11 +2,13 @@
 :mod:`rallypoint.workers.dataplane`) when it has one, else as a gRPC ``Push`` stream
 (:func:`rallypoint.proto.codec.chunks`) on one cached channel per peer; bounded retries.
 
-Transient failures are
-retried with exponential backoff (tenacity, at most 1 s apart) until the push is
-cancelled: the peer unreachable, a deadline, overload, this worker or the peer
-fenced (a fence lifts when etcd answers again and the lease is alive, however long
-etcd was away; FAILED_PRECONDITION is also what a peer's ended incarnation gets).
+Transient failures (:data:`~rallypoint.basics.retry.TRANSIENT_RPC_CODES`, the set every
+call between workers retries on) are retried with the shared policy
+(:func:`~rallypoint.basics.retry.retrying`: exponential backoff at most 1 s apart, on the
+channels' clock) until the push is cancelled, which is its stop condition: the peer
+unreachable, a deadline, overload, this worker or the peer fenced (a fence lifts when
+etcd answers again and the lease is alive, however long etcd was away;
+FAILED_PRECONDITION is also what a peer's ended incarnation gets).
 A push is cancelled when its job is unloaded or recovery moved its consumer (the
 producer's output log still holds the value and sends it to the new place), so a
 value is never dropped while its consumer may still need it. A failure that is not
@@ -22,8 +24,10 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
+from tenacity import RetryCallState
 
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.retry import retrying, transient_rpc
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.proto import codec
@@ -34,8 +38,6 @@ from rallypoint.workers.dataplane import DataPlaneClient, DataPlaneError, Status
 
 PUSH_TIMEOUT_S = 120.0
 PUSH_WARN_S = 30.0  # a push still retrying is logged this often
-RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
 
 
 class NotAllowed(Exception):
@@ -43,9 +45,13 @@ class NotAllowed(Exception):
 
 
 class PeerChannels:
-    """The channels this worker pushes on, one per peer address, kept for the process."""
+    """The channels this worker pushes on, one per peer address, kept for the process.
 
-    def __init__(self, tls: TlsConfig | None = None) -> None:
+    ``clock``: what retries wait on (every push, and the in-memory tier's copies).
+    """
+
+    def __init__(self, tls: TlsConfig | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self._lock = threading.Lock()
         self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
@@ -84,28 +90,29 @@ class PeerChannels:
             return self.send(address, header, leaves, data_plane=data_plane)
 
         def retryable(exc: BaseException) -> bool:
-            return not cancelled() and (
-                isinstance(exc, NotAllowed)
-                or (isinstance(exc, grpc.RpcError) and exc.code() in RETRY_CODES)
-                or (isinstance(exc, DataPlaneError) and exc.retryable)
-            )
+            return isinstance(exc, NotAllowed) or transient_rpc(exc) or (
+                isinstance(exc, DataPlaneError) and exc.retryable)
 
         where = {"to_worker": header.to.worker_id, "address": address, "consumer": header.consumer_node,
                  "arg": header.arg, "step": header.step, "microbatch": header.microbatch}
-        warned = [time.monotonic()]
+        clock = self.clock
+        warned = [clock.monotonic()]
 
         def still_retrying(state: RetryCallState) -> None:
-            if time.monotonic() - warned[0] >= PUSH_WARN_S:
-                warned[0] = time.monotonic()
+            if clock.monotonic() - warned[0] >= PUSH_WARN_S:
+                warned[0] = clock.monotonic()
                 exc = state.outcome.exception() if state.outcome else None
                 log.warning("push.retrying", attempts=state.attempt_number, error=f"{type(exc).__name__}: {exc}",
                             **where)
 
         try:
-            for tried in Retrying(retry=retry_if_exception(retryable), before_sleep=still_retrying,
-                                  wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True):
-                with tried:
-                    return attempt()
+            # Until it is delivered, or cancelled (its stop condition): a value is never dropped while its
+            # consumer may still need it.
+            return retrying(clock=clock, what="push", retry_if=retryable, should_stop=cancelled, initial_s=0.05,
+                            max_s=1.0, jitter_s=0.05, before_sleep=still_retrying)(attempt)
+        except NotAllowed:
+            if not cancelled():  # unreachable: only a cancellation stops the retries
+                log.warning("push.failed", error="fenced", **where)
         except DataPlaneError as exc:
             if exc.status is Status.NO_JOB:  # the consumer's worker no longer holds the job
                 log.info("push.no_job", error=str(exc), **where)

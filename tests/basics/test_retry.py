@@ -58,3 +58,27 @@ def test_retries_while_the_result_is_not_good_yet_and_returns_the_last_one() -> 
     answers = iter([None, None, 7])
     assert retrying(clock=clock, what="x", retry_if_result=lambda r: r is None)(lambda: next(answers)) == 7
     assert retrying(clock=clock, what="x", retry_if_result=lambda r: r is None, stop_after_s=2.0)(lambda: None) is None
+
+
+def test_one_set_of_transient_rpc_codes_and_a_cancellation_is_never_one_of_them() -> None:
+    import grpc
+
+    from rallypoint.basics.retry import TRANSIENT_RPC_CODES, transient_rpc
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode) -> None:
+            self._code = code
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+    assert grpc.StatusCode.CANCELLED not in TRANSIENT_RPC_CODES
+    assert {c for c in grpc.StatusCode if transient_rpc(Failed(c))} == set(TRANSIENT_RPC_CODES)
+    assert not transient_rpc(ConnectionError("not an RPC"))
+    clock = FakeClock()
+    f = Flaky(3, Failed(grpc.StatusCode.UNAVAILABLE))
+    assert retrying(clock=clock, what="x", retry_if=transient_rpc)(f) == "ok" and f.calls == 4
+    g = Flaky(3, Failed(grpc.StatusCode.CANCELLED))
+    with pytest.raises(grpc.RpcError):
+        retrying(clock=clock, what="x", retry_if=transient_rpc)(g)
+    assert g.calls == 1

@@ -76,3 +76,20 @@ def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
                       "evidence": {"slices": {"stage3": {"slowdown": 3.48, "peers_slowdown": 1.23}}}})
     assert line == ("[yellow]straggler[/yellow] stage3 on w3 (3.5x its baseline, peers 1.2x): migrate: "
                     "moving slices ['stage3'] off worker w3 by drain 1")
+
+
+def test_the_failure_policy_options_reach_the_job_spec_and_bad_values_are_refused_naming_them() -> None:
+    from click.testing import CliRunner
+
+    from rallypoint.client.cli import main
+    from rallypoint.client.compile import compile_program
+    from rallypoint.client.jobspec import job_spec
+    from tests.examples import example
+
+    for option, value in (("--max-faults", "0"), ("--max-preemptions", "-1"), ("--failure-window-s", "0"),
+                          ("--compile-timeout-s", "-5")):
+        r = CliRunner().invoke(main, ["run", "--reference", option, value, str(ROOT / "examples" / "rl_loop.py")])
+        assert r.exit_code == 1 and f"{option} must be positive, got {value}" in r.output, (option, r.output)
+    spec = job_spec(compile_program(example("rl_loop").build(steps=2)), max_faults=3, max_preemptions=7,
+                    failure_window_s=120.0, compile_timeout_s=900.0)
+    assert (spec.max_faults, spec.max_preemptions, spec.failure_window_s, spec.compile_timeout_s) == (3, 7, 120, 900)

@@ -18,7 +18,7 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, run_dir
-from rallypoint.orchestrator.job_state import HandedOff, JobState
+from rallypoint.orchestrator.job_state import HandedOff, JobFailed, JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker
@@ -284,6 +284,83 @@ def test_a_load_refused_for_a_reason_other_than_a_loss_fails_the_job_clearly(tmp
     assert h.x.run() is JobState.FAILED
     assert "could not load the job" in h.record()["reason"] and "needs 4 devices" in h.record()["reason"]
     assert h.leases() == []
+
+
+def test_the_programs_own_failure_at_load_fails_the_job_at_once_naming_it_and_fences_nobody(tmp_path: Path) -> None:
+    from rallypoint.proto.errors import program_failed_metadata
+
+    h = Harness(tmp_path)
+    meta = program_failed_metadata("state 'p1' init", "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory")
+    h.workers.load_failures = [{w: call_failed(w, grpc.StatusCode.INTERNAL, f"loading job 'pipe': state 'p1' init "
+                                               f"failed on worker {w}: RESOURCE_EXHAUSTED", meta)
+                                for w in ("w1",)}]
+    assert h.x.run() is JobState.FAILED
+    reason = h.record()["reason"]
+    assert "state 'p1' init failed on worker w1: RESOURCE_EXHAUSTED" in reason and "none was fenced" in reason
+    assert h.x.failures == [] and h.x.recoveries == [] and "job.recovering" not in h.names()
+    assert all(h.store.get(h.keys.worker(w)) is not None for w in ("w0", "w1", "w2"))  # every worker still live
+    assert h.leases() == []
+
+
+def test_a_node_that_fails_at_its_first_call_fails_the_job_naming_node_worker_and_error_and_fences_nobody(
+        tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    w = h.worker_of("s1")
+    error = "XlaRuntimeError: INVALID_ARGUMENT: the program does not compile for this mesh"
+    h.workers.events.put(("done", (w, h.workers.generation[w], pb.InstanceDone(node="fwd1", step=0, error=error))))
+    with pytest.raises(JobFailed) as info:
+        for _ in range(50):
+            h.x.step(timeout_s=0.0)
+    assert str(info.value) == f"node 'fwd1' failed at step 0 on worker {w}: {error}"
+    assert h.x.failures == [] and h.x.recoveries == []
+    assert all(h.store.get(h.keys.worker(x)) is not None for x in ("w0", "w1", "w2"))
+
+
+def test_a_slice_whose_nodes_never_ran_compiles_and_is_not_stalled_before_the_compile_timeout(tmp_path: Path) -> None:
+    h = Harness(tmp_path, spec=pipeline_spec(stall_timeout_s=30, compile_timeout_s=600))
+    h.x._prepare()
+    h.x._place()
+    victim = h.worker_of("s0")
+    h.workers.silent.add(victim)  # its first call compiles for minutes: nothing from it yet
+    h.x._prepare = lambda: None  # type: ignore[method-assign]  # already done, placement kept
+    h.x._place = lambda: None  # type: ignore[method-assign]
+    h.x.begin()
+    for advance in (31, 31, 31, 31, 500):
+        h.clock.advance(advance)
+        h.x.step(timeout_s=0.0)
+        assert [e for e in h.events if e.event == "job.stalled"] == [], advance
+    h.clock.advance(100)  # 624 s without progress, all of it compiling: past compile_timeout_s
+    h.x.step(timeout_s=0.0)
+    stalled = [json.loads(e.detail) for e in h.events if e.event == "job.stalled"]
+    assert len(stalled) == 1 and stalled[0]["workers"] == [victim]
+
+
+def test_the_failure_policy_fails_the_job_on_one_fault_too_many_in_its_window_listing_them(tmp_path: Path) -> None:
+    h = Harness(tmp_path, workers=5, spec=pipeline_spec(max_faults=1, failure_window_s=600))
+    h.x.begin()
+    h.steps_until(6)
+    first = h.worker_of("s1")
+    h.store.revoke_lease(h.store.get(h.keys.worker(first)).lease)
+    h.workers.end(first)
+    h.steps_until(12)
+    assert len(h.x.recoveries) == 1
+    second = h.worker_of("s0")
+    h.store.revoke_lease(h.store.get(h.keys.worker(second)).lease)
+    h.workers.end(second)
+    with pytest.raises(JobFailed) as info:
+        for _ in range(50):
+            h.x.step(timeout_s=0.0)
+    reason = str(info.value)
+    assert "failed 2 times from faults in the last 600s, more than its max_faults=1" in reason
+    assert f"recovery 1 (0s ago): {first}: " in reason and f"recovery 2 (0s ago): {second}: " in reason
+    assert len(h.x.recoveries) == 1  # the second was never started: nothing more fenced or moved
+
+
+def test_a_negative_failure_policy_setting_fails_the_job_naming_the_field(tmp_path: Path) -> None:
+    h = Harness(tmp_path, spec=pipeline_spec(max_faults=-1))
+    assert h.x.run() is JobState.FAILED
+    assert "max_faults must be >= 0" in h.record()["reason"]
 
 
 def test_a_pause_of_the_term_is_not_counted_as_a_stall(tmp_path: Path) -> None:

@@ -63,3 +63,20 @@ def test_a_corrupt_checkpoint_is_read_from_the_typed_error_not_the_message() -> 
     assert WorkerCallFailed("w1", "LoadJob", C.DATA_LOSS, "corrupt checkpoint slice=s step=4").corrupt is None
     assert WorkerCallFailed("w1", "LoadJob", C.DATA_LOSS, "x", ((ERROR_KEY, "not json"),)).corrupt is None
     assert WorkerCallFailed("w1", "LoadJob", C.UNAVAILABLE, "x", corrupt_checkpoint_metadata("s", 4)).corrupt is None
+
+
+def test_the_programs_own_failure_is_read_from_the_typed_error_and_blames_no_worker() -> None:
+    from rallypoint.orchestrator.failures import WorkerCallFailed
+    from rallypoint.proto.errors import ERROR_KEY, ProgramFailure, program_failed_metadata
+
+    meta = program_failed_metadata("state 'w' init", "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory")
+    f = WorkerCallFailed("w1", "LoadJob", C.INTERNAL, "loading job 'j': state 'w' init failed on worker w1", meta)
+    assert f.verdict is Verdict.PROGRAM and f.corrupt is None
+    assert f.program == ProgramFailure("state 'w' init", "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory")
+    # Without the typed error, INTERNAL is the worker's own failure: suspect, as before.
+    assert WorkerCallFailed("w1", "LoadJob", C.INTERNAL, "state 'w' init failed").verdict is Verdict.SUSPECT
+    assert WorkerCallFailed("w1", "LoadJob", C.INTERNAL, "x", ((ERROR_KEY, '{"kind": "program_failed"}'),)
+                            ).verdict is Verdict.SUSPECT  # not understood: no part, no error
+    # Only with INTERNAL: the typed error does not turn a lost or refused call into the program's.
+    assert WorkerCallFailed("w1", "LoadJob", C.UNAVAILABLE, "Connection refused", meta).verdict is Verdict.LOST
+    assert WorkerCallFailed("w1", "LoadJob", C.FAILED_PRECONDITION, "fenced", meta).verdict is Verdict.REFUSED

@@ -37,7 +37,7 @@ def test_the_record_keeps_the_newest_recoveries_summarises_the_rest_and_the_run_
         real_observe(self, *args)
 
     monkeypatch.setattr(Recovery, "observe", observe)
-    h = Harness(tmp_path, spec=pipeline_spec(steps=12 * LOSSES + 20, checkpoint_every=5))
+    h = Harness(tmp_path, spec=pipeline_spec(steps=12 * LOSSES + 20, checkpoint_every=5, max_faults=10 * LOSSES))
     h.x.begin()
     sizes: dict[int, int] = {}
     for n in range(1, LOSSES + 1):

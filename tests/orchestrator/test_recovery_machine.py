@@ -308,3 +308,30 @@ def test_transitions_outside_the_table_are_refused() -> None:
     with pytest.raises(AssertionError, match="no transition fencing -> replaying"):
         r._set(type("X", (), {"phase": P.REPLAYING})())  # type: ignore[arg-type]
     assert all(P.FAILED in TRANSITIONS[p] or p in (P.REPLAYING, P.CATCHING_UP) or p.is_terminal for p in P)
+
+
+def program_failed(worker: str) -> WorkerCallFailed:
+    from rallypoint.proto.errors import program_failed_metadata
+
+    return WorkerCallFailed(worker, "LoadJob", C.INTERNAL,
+                            f"loading job 'j': state 'p1' init failed on worker {worker}: RESOURCE_EXHAUSTED",
+                            program_failed_metadata("state 'p1' init", "JaxRuntimeError: RESOURCE_EXHAUSTED"))
+
+
+def test_the_programs_own_failure_on_the_spare_fails_the_recovery_at_once_fencing_only_the_lost_worker() -> None:
+    job = FakeJob(spares=["w2", "w3"], commits=[commits_at(10)], load_failures=[{"w2": program_failed("w2")}])
+    r, _, _ = recovery(job, {"w1": "gone"})
+    with pytest.raises(JobFailed, match=r"state 'p1' init failed on worker w2: RESOURCE_EXHAUSTED"):
+        r.run_to_replay()
+    assert [c for c in job.calls if c[0] == "fence"] == [("fence", "w1", 101)]  # the spare is not blamed
+    assert job.spares == ["w3"] and r.phase is P.FAILED  # and no other spare is tried
+
+
+def test_a_cancelled_load_on_a_live_spare_is_asked_again_never_suspected() -> None:
+    cancelled = WorkerCallFailed("w2", "LoadJob", C.CANCELLED, "Cancelled")
+    job = FakeJob(spares=["w2", "w3"], commits=[commits_at(10)], load_failures=[{"w2": cancelled}],
+                  registered={"w2": True})
+    r, _, _ = recovery(job, {"w1": "gone"})
+    r.run_to_replay()
+    assert [c for c in job.calls if c[0] == "fence"] == [("fence", "w1", 101)]
+    assert job.placement["s1"].worker == "w2" and r.data.setbacks == {Source.CANCELLED: 1}

@@ -32,3 +32,34 @@ def test_laggards_are_the_workers_of_the_nodes_furthest_behind() -> None:
     out = laggards(nodes, progress.__getitem__, {"s0": "w0", "s1": "w1", "s2": "w1", "s3": "w3"}, steps=10)
     assert out == {"w1": "node 'b' made no progress past step 3"}
     assert laggards(nodes, lambda n: 10, {"s0": "w0"}, steps=10) == {}
+
+
+def test_stalls_are_counted_per_window_not_per_lifetime() -> None:
+    clock = FakeClock()
+    w = ProgressWatchdog(clock, 10.0, window_s=100.0)
+    for _ in range(3):
+        clock.advance(10)
+        assert w.check() is not None
+    assert w.stalls == 3
+    clock.advance(75)  # the first stall was 95 s ago, the others 85 and 75
+    assert w.stalls == 3
+    clock.advance(10)
+    assert w.stalls == 2
+
+
+def test_no_stall_while_a_node_waited_on_compiles_until_the_compile_timeout() -> None:
+    clock = FakeClock()
+    w = ProgressWatchdog(clock, 10.0, compile_timeout_s=300.0)
+    runtime = {"a": ("w0", 1), "b": ("w1", 1)}
+    assert w.compiling(runtime, runtime.get)  # nothing has run yet: both compile at their first call
+    w.ran("a", ("w0", 1))
+    assert w.compiling(runtime, runtime.get)
+    clock.advance(299)
+    assert w.check(compiling=True) is None
+    clock.advance(1)
+    assert w.check(compiling=True) == pytest.approx(300) and w.stalls == 1  # a hang while compiling is still seen
+    w.ran("b", ("w1", 1))
+    assert not w.compiling(runtime, runtime.get)
+    assert w.compiling({"b": ("w2", 2)}, {"b": ("w2", 2)}.get)  # moved to another runtime: it compiles again there
+    clock.advance(10)
+    assert w.check(compiling=False) == pytest.approx(10)

@@ -48,7 +48,7 @@ def test_an_invalid_request_fails_at_once_and_a_stall_blames_the_laggards() -> N
     assert isinstance(d, Fail) and "nobody behind" in d.reason
 
 
-@pytest.mark.parametrize("source", list(Source))
+@pytest.mark.parametrize("source", [s for s in Source if s is not Source.PROGRAM])  # that one: at once, below
 def test_past_its_budget_every_source_fails_naming_source_count_and_limit(source: Source) -> None:
     budget = Budget()
     limit = budget.limit(source)
@@ -94,3 +94,36 @@ def test_plan_recovery_escalates_when_a_survivor_would_have_to_rerun() -> None:
     plan, why = plan_recovery(_pipeline(), policy="restart-all", lost_slices={"s1"}, cut=4,
                               done_through={"fwd0": 8, "fwd1": 7}, logged_from={"fwd0": 4, "fwd1": 4})
     assert plan.policy == "restart-all" and why == ""
+
+
+def test_the_programs_own_failure_fails_at_once_whatever_the_budget_and_fences_nobody() -> None:
+    detail = "worker w1: LoadJob failed: INTERNAL state 'w' init failed on worker w1: RESOURCE_EXHAUSTED"
+    for count in (1, 2):
+        d = decide(Setback(Source.PROGRAM, workers={"w1": detail}, detail=detail), count, Budget())
+        assert isinstance(d, Fail) and "state 'w' init" in d.reason and "w1" in d.reason
+        assert "none was fenced" in d.reason
+
+
+def test_a_cancelled_call_is_never_a_suspicion_only_an_ended_registration_is_a_loss() -> None:
+    d = decide(Setback(Source.CANCELLED, workers={"w1": "CANCELLED"}, registered={"w1": True}), 1, Budget())
+    assert isinstance(d, Retry) and "cancelled" in d.reason
+    d = decide(Setback(Source.CANCELLED, workers={"w1": "CANCELLED", "w2": "CANCELLED"},
+                       registered={"w1": False, "w2": True}), 1, Budget())
+    assert isinstance(d, Refence) and dict(d.lost) == {"w1": "CANCELLED"}
+
+
+def test_the_failure_window_allows_so_many_faults_in_any_window_and_then_fails_listing_them() -> None:
+    from rallypoint.recovery.decide import Disruption, FailurePolicy, FailureWindow
+
+    w = FailureWindow(FailurePolicy(max_faults=2, max_preemptions=1, window_s=100.0))
+    assert w.admit(Disruption(1, 0.0, False, "w1: lost")) is None
+    assert w.admit(Disruption(2, 50.0, False, "w2: stalled")) is None
+    assert w.admit(Disruption(3, 60.0, True, "w3: preempted")) is None  # preemptions count apart
+    assert w.admit(Disruption(4, 101.0, False, "w4: lost")) is None  # the first fault left the window
+    d = w.admit(Disruption(5, 120.0, False, "w5: lost"))
+    assert isinstance(d, Fail)
+    assert "failed 3 times from faults in the last 100s, more than its max_faults=2" in d.reason
+    assert "recovery 2 (70s ago): w2: stalled; recovery 4 (19s ago): w4: lost; recovery 5 (0s ago): w5: lost" in d.reason
+    assert "w3" not in d.reason and "w1" not in d.reason
+    d = w.admit(Disruption(6, 130.0, True, "w6: preempted"))
+    assert isinstance(d, Fail) and "from preemptions" in d.reason and "max_preemptions=1" in d.reason
