@@ -8,7 +8,9 @@ Errors print one clear line and exit non-zero; a rejected command changes nothin
 
 from __future__ import annotations
 
+import errno
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +28,42 @@ from rallypoint.basics.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-@click.group(cls=RallypointGroup)
+_WHAT_TO_DO = {
+    errno.EACCES: "give a path this user may write (or read), or fix its permissions",
+    errno.EPERM: "give a path this user may write (or read), or fix its permissions",
+    errno.ENOENT: "check the path: it (or a folder above it) does not exist",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: give another path",
+    errno.EEXIST: "something is in the way at that path: move it or give another path",
+    errno.EISDIR: "the path is a folder where a file was expected: give a file",
+    errno.ENOSPC: "the disk is full: free space or give a path on another disk",
+    errno.EROFS: "the file system is read-only: give a writable path",
+}
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an operating-system error: what failed, on which path, and what to do."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:  # no path: a socket, a pipe, a process
+        return f"{what} ({type(exc).__name__}); check that what the command reaches is up, then run it again"
+    where = str(exc.filename) + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    hint = _WHAT_TO_DO.get(exc.errno or 0, "check the path and its permissions, then run the command again")
+    return f"cannot use {where}: {what}; {hint}"
+
+
+class CliGroup(RallypointGroup):
+    """The ``rallypoint`` group: besides RallypointError (one line, exit 1), an operating-system
+    error of any verb (a folder it cannot make, a file it cannot read) is one line naming the
+    path and what to do, exit 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            click.echo(f"error: {os_error_message(exc)}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=CliGroup)
 def main() -> None:
     """Rallypoint: a fault-tolerant training orchestrator for JAX."""
 
