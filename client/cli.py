@@ -373,11 +373,15 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--warm-spares", type=int, default=None,
               help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
               "compilation (default 2; 0: off).")
+@click.option("--new-run", is_flag=True,
+              help="The job name already has a run with checkpoints: start a new run anyway (the old run's files "
+              "and commits stay under its run id, `rallypoint status NAME`). Without it such a run is refused; "
+              "`rallypoint resume NAME` continues the old run.")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
-        straggler_factor: float | None, warm_spares: int | None) -> None:
+        straggler_factor: float | None, warm_spares: int | None, new_run: bool) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -387,9 +391,9 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     from rallypoint.client.reference import ReferenceExecutor
 
     program = load_program(job_file, steps=steps)
-    if reference and (cluster or workers is not None or devices_per_worker is not None or fail):
-        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker "
-                          "or --fail")
+    if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run):
+        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "
+                          "--fail or --new-run")
     for name, value in (("--checkpoint-every", checkpoint_every), ("--keep-checkpoints", keep_checkpoints),
                         ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s)):
         if value is not None and value <= 0:
@@ -416,7 +420,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
 
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
             return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
-                                   faults=faults, say=say, recovery=recovery)
+                                   faults=faults, say=say, recovery=recovery, new_run=new_run)
 
     if as_json:
         def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -479,7 +483,8 @@ def _describe(d: dict[str, Any]) -> str:
 def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spares: int,
                     devices_per_worker: int | None, window: int,
                     on_step: Callable[[int, dict[str, float]], None], quiet: bool, *, faults: Any = (),
-                    say: Callable[[dict[str, Any]], None] = lambda _: None, recovery: dict[str, Any] | None = None) -> Any:
+                    say: Callable[[dict[str, Any]], None] = lambda _: None, recovery: dict[str, Any] | None = None,
+                    new_run: bool = False) -> Any:
     """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after."""
     import tempfile
 
@@ -500,7 +505,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
-                      **recovery)
+                      new_run=new_run, **recovery)
 
     if cluster:
         addr = resolve_cluster(Path(DEFAULT_STATE_DIR), cluster)
@@ -535,3 +540,4 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 main.add_command(jobs_cli.status)
 main.add_command(jobs_cli.jobs)
 main.add_command(jobs_cli.resume)
+main.add_command(jobs_cli.delete_run)

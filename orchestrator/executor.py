@@ -50,7 +50,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import tls_of
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.etcd.store import Put, Store
 from rallypoint.orchestrator.drain import DrainRecord
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
@@ -69,7 +69,7 @@ from rallypoint.orchestrator.job_warm import SpareWarmer
 from rallypoint.orchestrator.job_workers import JobWorkers
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.recovery_machine import Recovery
-from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir
+from rallypoint.orchestrator.runs import JOBSPEC_FILE, archive_ops, new_run_id, previous_run, prune, run_dir
 from rallypoint.orchestrator.stragglers import StragglerWatch
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -101,13 +101,14 @@ class JobExecutor:
         budget: setbacks each recovery absorbs, by source.
         loss_grace_s: after one loss, how long to gather others that happened with it.
         workers: the RPCs to the job's workers (default: gRPC with the store's TLS identity).
+        keep_runs: retention of the job name's earlier runs when a new run starts (0: keep all).
     """
 
     def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
                  emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
                  resume: bool = False, adopted: bool = False, hooks: ExecutorHooks = ExecutorHooks(),
                  budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S,
-                 workers: JobWorkers | None = None) -> None:
+                 workers: JobWorkers | None = None, keep_runs: int = 0) -> None:
         self.spec, self.store, self.keys, self.clock, self.emit = spec, store, keys, clock, emit
         self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
         self.resume, self.adopted = resume or adopted, adopted
@@ -115,6 +116,8 @@ class JobExecutor:
         root = spec.checkpoint_dir or checkpoint_root
         self.checkpoint_root = Path(root).absolute() if root else None
         self.run_dir: Path | None = None
+        self.run_id = ""  # this run of the job name (orchestrator/runs.py)
+        self.keep_runs = keep_runs
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
         self.settings: RecoverySettings | None = None
@@ -192,7 +195,7 @@ class JobExecutor:
         p = self.progress
         record = {
             "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": p.completed,
-            "term": self.term.term, "run_dir": str(self.run_dir or ""), "cut": p.cut,
+            "term": self.term.term, "run": self.run_id, "run_dir": str(self.run_dir or ""), "cut": p.cut,
             "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
             "placement": {s: {"worker": q.worker, "devices": list(q.devices)} for s, q in self.placement.items()},
             "failures": self.failures, "recoveries": self.recovery.to_json(),
@@ -235,12 +238,9 @@ class JobExecutor:
             if self.checkpoint_root is None:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
+            self.run_id = self.run_dir.name
         else:
-            # A new run: commits of an earlier run of this job name no longer count.
-            self.term.txn([Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
-            if self.checkpoint_root is not None:
-                self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True)
-                (self.run_dir / JOBSPEC_FILE).write_bytes(self.spec.SerializeToString())
+            self._new_run()
         self.term.run_dir = self.loads.run_dir = self.run_dir
         for c in (self.places, self.loads, self.drains):
             c.settings = self.settings
@@ -250,6 +250,28 @@ class JobExecutor:
         if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
             self.term.leases().release(self.spec.job)
             self.loads.unload_everywhere(read_cluster(self.store, self.keys))
+
+    def _new_run(self) -> None:
+        """A new run of the job name: the previous run's record and commits move under its run id (the
+        service refused the submit if they had commits and it asked for no new run); nothing is deleted
+        but by retention (``keep_runs``)."""
+        self.run_id = new_run_id()
+        for ops in archive_ops(self.keys, previous_run(self.store, self.keys, self.spec.job, None)):
+            self.term.txn(ops)
+        if self.checkpoint_root is not None:
+            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True, run=self.run_id)
+            saved = pb.JobSpec()
+            saved.CopyFrom(self.spec)
+            saved.ClearField("new_run")  # resuming or adopting it continues this run
+            (self.run_dir / JOBSPEC_FILE).write_bytes(saved.SerializeToString())
+        try:
+            gone = prune(self.store, self.keys, lambda ops: self.term.txn(ops), self.spec.job,
+                         str(self.checkpoint_root or ""), self.keep_runs)
+        except (RallypointError, OSError) as exc:  # retention must not keep the job from running
+            self.log.warning("job.retention_failed", error=str(exc))
+        else:
+            if gone:
+                self.log.info("job.runs_deleted", runs=gone, keep_runs=self.keep_runs)
 
     def _load_all_from_cut(self) -> dict[str, str]:
         """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""

@@ -539,7 +539,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "new_run")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +561,7 @@ class JobSpec(_message.Message):
     STRAGGLER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_PERSIST_FIELD_NUMBER: _ClassVar[int]
     WARM_SPARES_FIELD_NUMBER: _ClassVar[int]
+    NEW_RUN_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -582,7 +583,8 @@ class JobSpec(_message.Message):
     straggler_window: int
     straggler_persist: int
     warm_spares: int
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ...) -> None: ...
+    new_run: bool
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., new_run: _Optional[bool] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("job", "checkpoint_dir")
