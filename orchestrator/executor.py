@@ -69,7 +69,7 @@ from rallypoint.orchestrator.job_warm import SpareWarmer
 from rallypoint.orchestrator.job_workers import JobWorkers
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.recovery_machine import Recovery
-from rallypoint.orchestrator.runs import JOBSPEC_FILE, archive_ops, new_run_id, previous_run, prune, run_dir
+from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir, start_run
 from rallypoint.orchestrator.stragglers import StragglerWatch
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -239,8 +239,9 @@ class JobExecutor:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
             self.run_id = self.run_dir.name
-        else:
-            self._new_run()
+        else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
+            self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
+                                                  self.keep_runs, self.log)
         self.term.run_dir = self.loads.run_dir = self.run_dir
         for c in (self.places, self.loads, self.drains):
             c.settings = self.settings
@@ -250,28 +251,6 @@ class JobExecutor:
         if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
             self.term.leases().release(self.spec.job)
             self.loads.unload_everywhere(read_cluster(self.store, self.keys))
-
-    def _new_run(self) -> None:
-        """A new run of the job name: the previous run's record and commits move under its run id (the
-        service refused the submit if they had commits and it asked for no new run); nothing is deleted
-        but by retention (``keep_runs``)."""
-        self.run_id = new_run_id()
-        for ops in archive_ops(self.keys, previous_run(self.store, self.keys, self.spec.job, None)):
-            self.term.txn(ops)
-        if self.checkpoint_root is not None:
-            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True, run=self.run_id)
-            saved = pb.JobSpec()
-            saved.CopyFrom(self.spec)
-            saved.ClearField("new_run")  # resuming or adopting it continues this run
-            (self.run_dir / JOBSPEC_FILE).write_bytes(saved.SerializeToString())
-        try:
-            gone = prune(self.store, self.keys, lambda ops: self.term.txn(ops), self.spec.job,
-                         str(self.checkpoint_root or ""), self.keep_runs)
-        except (RallypointError, OSError) as exc:  # retention must not keep the job from running
-            self.log.warning("job.retention_failed", error=str(exc))
-        else:
-            if gone:
-                self.log.info("job.runs_deleted", runs=gone, keep_runs=self.keep_runs)
 
     def _load_all_from_cut(self) -> dict[str, str]:
         """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
 
-from rallypoint.basics.errors import ConfigError
+from rallypoint.basics.errors import ConfigError, RallypointError
 from rallypoint.etcd.commits import read_commit_records
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.store import Delete, KeyValue, Put, Store
@@ -264,3 +264,29 @@ def prune(store: Store, keys: Keys, txn: Any, job: str, root: str, keep: int) ->
         delete_run(store, keys, txn, job, r["run"], root)
         gone.append(r["run"])
     return gone
+
+
+def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, keep_runs: int,
+              log: Any) -> tuple[str, Path | None]:
+    """A new run of ``spec.job`` (the executor's start when it neither resumes nor adopts): the previous
+    run's record and commits move under its run id (``txn``: the leader's fenced writes), the run
+    directory is made with the spec it runs, and retention (``keep_runs``) deletes the oldest earlier
+    runs. Returns the run id and directory (None: no checkpoint root)."""
+    run = new_run_id()
+    for ops in archive_ops(keys, previous_run(store, keys, spec.job, None)):
+        txn(ops)
+    rd = None
+    if root is not None:
+        rd = run_dir(root, spec.job, create=True, run=run)
+        saved = type(spec)()
+        saved.CopyFrom(spec)
+        saved.ClearField("new_run")  # resuming or adopting it continues this run
+        (rd / JOBSPEC_FILE).write_bytes(saved.SerializeToString())
+    try:
+        gone = prune(store, keys, txn, spec.job, str(root or ""), keep_runs)
+    except (RallypointError, OSError) as exc:  # retention must not keep the job from running
+        log.warning("job.retention_failed", error=str(exc))
+    else:
+        if gone:
+            log.info("job.runs_deleted", runs=gone, keep_runs=keep_runs)
+    return run, rd
