@@ -48,3 +48,14 @@ def test_the_message_says_what_to_do_for_each_kind_of_error() -> None:
         msg = os_error_message(OSError(code, "why", "/some/path"))
         assert msg.startswith("cannot use /some/path: why;") and hint in msg, msg
     assert "/some/path" not in os_error_message(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+
+
+def test_delete_run_refuses_a_name_that_is_not_a_run_id_before_reaching_the_cluster(tmp_path: Path) -> None:
+    code, out = invoke("delete-run", "--state-dir", str(tmp_path / "none"), "job", "../../etc")
+    assert code == 1 and "'../../etc' is not a run id" in out and not (tmp_path / "none").exists()
+
+
+def test_run_new_run_is_for_a_cluster_not_the_reference() -> None:
+    job = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
+    code, out = invoke("run", "--reference", "--new-run", "--steps", "1", str(job))
+    assert code == 1 and "--new-run" in out and "takes no" in out
