@@ -190,6 +190,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             prev = previous_run(self.c.store, self.c.keys, spec.job, Path(root).absolute() if root else None)
         except StoreError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the runs of job {spec.job!r}: {exc}")
+        record = (prev.record if prev is not None else None) or {}
+        if record.get("state", "") not in FINAL_RECORD_STATES and record.get("run_dir") and not spec.new_run:
+            # Recorded as running under a lost leader: this leader adopts it (a client that retried its
+            # submit after losing the old leader follows it: WatchJob).
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"job {spec.job!r} is recorded as {record.get('state')} (run {prev.run if prev else ''}): "
+                          f"the leader adopts it; `rallypoint status {spec.job}` shows it")
         why = refusal(prev)
         if why and not spec.new_run:
             self.log.warning("job.resubmit_refused", job=spec.job, run=prev.run if prev else "")

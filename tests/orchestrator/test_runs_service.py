@@ -114,3 +114,17 @@ def test_adoption_reads_no_run_dir_outside_the_root(monkeypatch: pytest.MonkeyPa
     before = snapshot(c, tmp_path)
     svc._adopt_all(7)
     assert StandInExecutor.made == [] and snapshot(c, tmp_path) == before
+
+
+def test_a_resubmit_of_a_job_recorded_as_running_is_answered_already_exists(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """A client that retried its submit on a new leader, which has yet to adopt the job: ALREADY_EXISTS (the
+    client then follows the job there), and nothing is started or written."""
+    svc, c = _service(monkeypatch, tmp_path)
+    rd = a_run_with_commits(c, tmp_path)
+    c.store.put(c.keys.job("a"), json.dumps({"job": "a", "state": "running", "term": 3, "run": rd.name,
+                                             "run_dir": str(rd)}))
+    before = snapshot(c, tmp_path)
+    why = refused(svc.SubmitJob(spec(), Context()), grpc.StatusCode.ALREADY_EXISTS)
+    assert "recorded as running" in why and "adopts it" in why
+    assert StandInExecutor.made == [] and snapshot(c, tmp_path) == before
