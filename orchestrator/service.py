@@ -5,6 +5,10 @@ The service keeps a registry of the jobs this coordinator runs (one
 stream that follows it: the ``SubmitJob`` or ``ResumeJob`` call that started it and any
 number of ``WatchJob`` calls.
 
+``SubmitJob`` checks the request's names and checkpoint directory first, and refuses a job
+name whose run has commits unless the request asks for a new run (``new_run``;
+:mod:`~rallypoint.orchestrator.runs`): nothing is written for a refused request.
+
 It listens to the coordinator's leadership (:meth:`Coordinator.add_leadership_listener`):
 
 * **on lead(term)** it adopts every job a lost or deposed leader ran: it reads the job
