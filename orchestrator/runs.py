@@ -107,6 +107,7 @@ def run_dir(root: Path, job: str, *, create: bool, run: str = "") -> Path:
     base = root / job
     if create:
         name = check_run_id(run) if run else new_run_id()
+        within(root, base, "job folder")
         base.mkdir(parents=True, exist_ok=True)
         within(root, base, "job folder")
         (base / name).mkdir()

@@ -49,7 +49,7 @@ from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFaile
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
 from rallypoint.orchestrator.runs import adoptable_run_dir, check_spec_names, previous_run, refusal
-from rallypoint.orchestrator.runs import request_checkpoint_dir
+from rallypoint.orchestrator.runs import request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -131,6 +131,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             check_spec_names(request)
             if request.checkpoint_dir:
                 request.checkpoint_dir = request_checkpoint_dir(request.checkpoint_dir, self._root())
+            root = request.checkpoint_dir or self._root()
+            if root:
+                within(Path(root), Path(root) / request.job, "the job's folder")
         except RallypointError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
         self._refuse_a_resubmit(request, context)

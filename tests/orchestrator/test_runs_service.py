@@ -73,6 +73,7 @@ def test_names_and_checkpoint_dirs_from_requests_are_refused_with_nothing_writte
     root.mkdir()
     (tmp_path / "outside").mkdir()
     (root / "escape").symlink_to(tmp_path / "outside")
+    (root / "linked-job").symlink_to(tmp_path / "outside")
     svc, c = _service(monkeypatch, root)
     before = snapshot(c, tmp_path)
     bad_slice = spec()
@@ -80,7 +81,8 @@ def test_names_and_checkpoint_dirs_from_requests_are_refused_with_nothing_writte
     for request, what in ((spec(checkpoint_dir="../outside"), "'..' is not allowed"),
                           (spec(checkpoint_dir=str(tmp_path / "outside")), "outside the checkpoint root"),
                           (spec(checkpoint_dir="escape"), "outside the checkpoint root"),
-                          (spec(job="../a"), "invalid job name"), (bad_slice, "invalid slice name")):
+                          (spec(job="../a"), "invalid job name"), (bad_slice, "invalid slice name"),
+                          (spec(job="linked-job"), "the job's folder")):
         assert what in refused(svc.SubmitJob(request, Context()), grpc.StatusCode.INVALID_ARGUMENT)
     for request, what in ((pb.ResumeRequest(job="a", checkpoint_dir="../outside"), "'..' is not allowed"),
                           (pb.ResumeRequest(job="a", checkpoint_dir="escape"), "outside the checkpoint root"),
