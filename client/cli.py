@@ -8,7 +8,9 @@ Errors print one clear line and exit non-zero; a rejected command changes nothin
 
 from __future__ import annotations
 
+import errno
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +28,42 @@ from rallypoint.basics.logs import configure as configure_logs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-@click.group(cls=RallypointGroup)
+_WHAT_TO_DO = {
+    errno.EACCES: "give a path this user may write (or read), or fix its permissions",
+    errno.EPERM: "give a path this user may write (or read), or fix its permissions",
+    errno.ENOENT: "check the path: it (or a folder above it) does not exist",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: give another path",
+    errno.EEXIST: "something is in the way at that path: move it or give another path",
+    errno.EISDIR: "the path is a folder where a file was expected: give a file",
+    errno.ENOSPC: "the disk is full: free space or give a path on another disk",
+    errno.EROFS: "the file system is read-only: give a writable path",
+}
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an operating-system error: what failed, on which path, and what to do."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:  # no path: a socket, a pipe, a process
+        return f"{what} ({type(exc).__name__}); check that what the command reaches is up, then run it again"
+    where = str(exc.filename) + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    hint = _WHAT_TO_DO.get(exc.errno or 0, "check the path and its permissions, then run the command again")
+    return f"cannot use {where}: {what}; {hint}"
+
+
+class CliGroup(RallypointGroup):
+    """The ``rallypoint`` group: besides RallypointError (one line, exit 1), an operating-system
+    error of any verb (a folder it cannot make, a file it cannot read) is one line naming the
+    path and what to do, exit 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            click.echo(f"error: {os_error_message(exc)}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=CliGroup)
 def main() -> None:
     """Rallypoint: a fault-tolerant training orchestrator for JAX."""
 
@@ -347,12 +384,16 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--warm-spares", type=int, default=None,
               help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
               "compilation (default 2; 0: off).")
+@click.option("--new-run", is_flag=True,
+              help="The job name already has a run with checkpoints: start a new run anyway (the old run's files "
+              "and commits stay under its run id, `rallypoint status NAME`). Without it such a run is refused; "
+              "`rallypoint resume NAME` continues the old run.")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
         straggler_factor: float | None, warm_spares: int | None, max_faults: int | None,
-        max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None) -> None:
+        max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None, new_run: bool) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -362,9 +403,9 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     from rallypoint.client.reference import ReferenceExecutor
 
     program = load_program(job_file, steps=steps)
-    if reference and (cluster or workers is not None or devices_per_worker is not None or fail):
-        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker "
-                          "or --fail")
+    if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run):
+        raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "
+                          "--fail or --new-run")
     for name, value in (("--checkpoint-every", checkpoint_every), ("--keep-checkpoints", keep_checkpoints),
                         ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s),
                         ("--max-faults", max_faults), ("--max-preemptions", max_preemptions),
@@ -394,7 +435,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
 
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
             return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
-                                   faults=faults, say=say, recovery=recovery)
+                                   faults=faults, say=say, recovery=recovery, new_run=new_run)
 
     if as_json:
         def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -457,7 +498,8 @@ def _describe(d: dict[str, Any]) -> str:
 def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spares: int,
                     devices_per_worker: int | None, window: int,
                     on_step: Callable[[int, dict[str, float]], None], quiet: bool, *, faults: Any = (),
-                    say: Callable[[dict[str, Any]], None] = lambda _: None, recovery: dict[str, Any] | None = None) -> Any:
+                    say: Callable[[dict[str, Any]], None] = lambda _: None, recovery: dict[str, Any] | None = None,
+                    new_run: bool = False) -> Any:
     """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after."""
     import tempfile
 
@@ -478,7 +520,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
-                      **recovery)
+                      new_run=new_run, **recovery)
 
     if cluster:
         addr = resolve_cluster(Path(DEFAULT_STATE_DIR), cluster)
@@ -513,3 +555,4 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 main.add_command(jobs_cli.status)
 main.add_command(jobs_cli.jobs)
 main.add_command(jobs_cli.resume)
+main.add_command(jobs_cli.delete_run)

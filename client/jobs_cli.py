@@ -1,4 +1,5 @@
-"""Operator commands for jobs: ``rallypoint jobs``, ``rallypoint status JOB`` and ``rallypoint resume JOB``.
+"""Operator commands for jobs: ``rallypoint jobs``, ``rallypoint status JOB``, ``rallypoint resume JOB``
+and ``rallypoint delete-run JOB RUN``.
 
 ``resume`` is for a whole-cluster loss (or a failed job): after a leader loss the new
 leader adopts every running job by itself, and clients follow it there.
@@ -32,7 +33,12 @@ def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
     if kv is None:
         raise RallypointError(f"cluster {keys.cluster!r} has no job {job!r}; `rallypoint status` takes a job name "
                               "that was submitted to this cluster")
+    from rallypoint.orchestrator.runs import old_runs, run_of
+
     record = kv.json()
+    record["run"] = run_of(record)
+    record["earlier_runs"] = [{k: r.get(k) for k in ("run", "state", "step_done", "steps", "commits", "run_dir")}
+                              for r in old_runs(store, keys, job)]
     commits = read_commits(store, keys, job)
     record["last_commits"] = {s: {"step": cs[-1].step, "path": cs[-1].path, "checksum": cs[-1].checksum}
                               for s, cs in sorted(commits.items()) if cs}
@@ -45,6 +51,7 @@ def job_rows(store: Any, keys: Any) -> list[dict[str, Any]]:
     from collections import Counter
 
     from rallypoint.etcd.cluster_view import job_records, read_cluster
+    from rallypoint.orchestrator.runs import run_of
 
     records = job_records(store, keys)
     snap = read_cluster(store, keys)
@@ -53,7 +60,7 @@ def job_rows(store: Any, keys: Any) -> list[dict[str, Any]]:
     asked = Counter(keys.tail(kv.key, keys.yields)[0] for kv in yields)
     rows = []
     for job, r in sorted(records.items(), key=lambda kv: (-int(kv[1].get("priority", 0)), kv[0])):
-        rows.append({"job": job, "priority": int(r.get("priority", 0)), "state": r.get("state", ""),
+        rows.append({"job": job, "run": run_of(r), "priority": int(r.get("priority", 0)), "state": r.get("state", ""),
                      "step_done": r.get("step_done", 0), "steps": r.get("steps", 0), "devices_held": held.get(job, 0),
                      "slices": {s: {"worker": p["worker"], "devices": len(p["devices"])}
                                 for s, p in sorted((r.get("placement") or {}).items())},
@@ -80,11 +87,11 @@ def jobs(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"cluster {keys.cluster}: {len(rows)} jobs (highest priority first)")
-    for col in ("job", "priority", "state", "step", "devices held", "placement", "asked to yield"):
+    for col in ("job", "run", "priority", "state", "step", "devices held", "placement", "asked to yield"):
         table.add_column(col)
     for r in rows:
         where = ", ".join(f"{s}@{p['worker']}x{p['devices']}" for s, p in r["slices"].items()) or "-"
-        table.add_row(r["job"], str(r["priority"]), r["state"], f"{r['step_done']}/{r['steps']}",
+        table.add_row(r["job"], r["run"] or "-", str(r["priority"]), r["state"], f"{r['step_done']}/{r['steps']}",
                       str(r["devices_held"]), where, str(r["asked_to_yield"] or "-"))
     Console(width=140).print(table)
 
@@ -109,7 +116,7 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
 
     con = Console(width=120)
     age = time.time() - float(rec.get("at", time.time()))
-    con.print(f"job [bold]{job}[/bold]: {rec['state']}, step {rec.get('step_done', 0)}/{rec.get('steps')}, policy "
+    con.print(f"job [bold]{job}[/bold] (run {rec.get('run') or '-'}): {rec['state']}, step {rec.get('step_done', 0)}/{rec.get('steps')}, policy "
               f"{rec.get('policy') or '-'}, consistent cut {rec.get('consistent_cut')}, updated {age:.0f}s ago")
     if rec.get("reason"):
         con.print(f"reason: {rec['reason']}")
@@ -121,6 +128,10 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
         c = commits.get(s, {})
         table.add_row(s, p["worker"], ",".join(map(str, p["devices"])), str(c.get("step", "-")), c.get("path", "-"))
     con.print(table)
+    for r in rec.get("earlier_runs", []):
+        con.print(f"earlier run {r['run']}: {r.get('state')}, step {r.get('step_done')}/{r.get('steps')}, "
+                  f"{r.get('commits')} commits kept, files {r.get('run_dir') or '-'} "
+                  f"(`rallypoint delete-run {job} {r['run']}` deletes it)")
     for f in rec.get("failures", []):
         con.print(f"failure: worker {f['worker']} (incarnation {f['incarnation']}, slices {', '.join(f['slices'])}) "
                   f"at step {f['step']}: {f['reason']}")
@@ -173,3 +184,28 @@ def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, 
     else:
         click.echo(f"{job}: {done['steps']} steps (resumed at {done.get('start_step')}), "
                    f"state digest {done.get('state_digest')}")
+
+
+@click.command("delete-run")
+@cluster_options
+@click.argument("job")
+@click.argument("run")
+@click.option("--checkpoint-dir", default="", help="The checkpoint root the run's files are under (where the "
+              "coordinators keep checkpoints); without it only the run's etcd records and commits go.")
+def delete_run(state_dir: Path, cluster: str | None, job: str, run: str, checkpoint_dir: str) -> None:
+    """Delete an earlier run RUN of JOB (its commits, record and files); the current run is never deleted.
+
+    A new run (`rallypoint run ... --new-run`) keeps the old one under its run id; this, or the
+    coordinators' --keep-runs retention, is the only way an old run goes."""
+    from rallypoint.orchestrator.runs import check_run_id, delete_run as delete
+
+    check_name("job", job)
+    check_run_id(run)
+    store, keys = store_and_keys(state_dir, cluster)
+    try:
+        gone = delete(store, keys, lambda ops: store.txn([], ops), job, run,
+                      str(Path(checkpoint_dir).absolute()) if checkpoint_dir else "")
+    finally:
+        store.close()
+    click.echo(f"{job}: deleted run {run} ({gone['etcd_keys']} etcd keys"
+               + (f", files {gone['run_dir']}" if gone["run_dir"] else "") + ")")

@@ -52,18 +52,22 @@ RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", 
 def submit(
     compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
-    on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, **recovery: Any,
+    on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, new_run: bool = False,
+    **recovery: Any,
 ) -> RunResult:
     """Run ``compiled`` on the cluster; return its final state and digest.
 
     The job is followed through leader changes (:class:`JobFollower`): a new leader adopts
     it, and ``follow_s`` bounds how long the client looks for it after losing its leader.
     ``recovery``: the job's recovery settings (:data:`rallypoint.client.jobspec.RECOVERY_FIELDS`).
+    ``new_run``: the job name has a run with commits: start a new run (the old one is kept under
+    its run id) instead of being refused (docs/operations.md, "Runs").
 
     Raises:
         JobError: the job failed (the reason names what went wrong).
     """
     spec = job_spec(compiled, window=window, **recovery)
+    spec.new_run = new_run
     t0 = time.perf_counter()
     metrics_log: list[dict[str, float]] = []
 

@@ -22,7 +22,9 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     jobs/<job>                  the job record (JSON: state, term, run_dir, placement,
                                 cut, failures, recoveries): what a new leader adopts from
     jobs/<job>/checkpoints/<slice>/<step:012d>
-                                a committed slice checkpoint (rallypoint.workers.checkpoint)
+                                a committed slice checkpoint of the job's current run (rallypoint.workers.checkpoint)
+    jobs/<job>/runs/<run>/record, jobs/<job>/runs/<run>/checkpoints/<slice>/<step:012d>
+                                an earlier run of the job name, kept under its run id (rallypoint.orchestrator.runs)
 
 See ``docs/keys.md``.
 """
@@ -168,6 +170,18 @@ class Keys:
     def checkpoint(self, job: str, slice_name: str, step: int) -> str:
         """The commit of ``slice_name``'s checkpoint after ``step``; the zero-padded step sorts by number."""
         return f"{self.checkpoints(job)}{slice_name}/{step:012d}"
+
+    def runs(self, job: str) -> str:
+        """Prefix of the job name's earlier runs, each kept under its run id (rallypoint.orchestrator.runs)."""
+        return f"{self.job(job)}/runs/"
+
+    def old_run(self, job: str, run: str) -> str:
+        """The job record of an earlier run, as it was when a new run of the name started."""
+        return f"{self.runs(job)}{run}/record"
+
+    def old_run_checkpoints(self, job: str, run: str) -> str:
+        """Prefix of an earlier run's commits (``<slice>/<step:012d>``, as they were under ``checkpoints``)."""
+        return f"{self.runs(job)}{run}/checkpoints/"
 
     # parsing
     def tail(self, key: str, under: str) -> list[str]:

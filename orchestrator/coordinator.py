@@ -80,6 +80,8 @@ class CoordinatorConfig:
             picks a free one. The leader publishes the address in the leader key.
         checkpoint_dir: where jobs keep checkpoints when they name no directory
             (a filesystem every worker shares; "": such jobs run without checkpoints).
+        keep_runs: when a new run of a job name starts, keep this many of the name's earlier
+            runs (their commits, records and files) and delete older ones (0: keep all; docs/operations.md).
         hooks: fault hooks for tests (:class:`ExecutorHooks`); the defaults break nothing.
         tls: this coordinator's certificate, key and CA: mutual TLS on its gRPC service, its
             channels to workers (executors take it from the store) and etcd (None: ``--insecure``).
@@ -102,6 +104,7 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     checkpoint_dir: str = ""
+    keep_runs: int = 0
     hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
     tls: TlsConfig | None = None
     metrics_port: int | None = None
@@ -111,6 +114,8 @@ class CoordinatorConfig:
         check_name("coordinator", self.coordinator_id)
         if self.max_watchers < 1:
             raise ConfigError(f"max_watchers must be >= 1, got {self.max_watchers}")
+        if self.keep_runs < 0:
+            raise ConfigError(f"keep_runs must be >= 0 (0: keep every earlier run), got {self.keep_runs}")
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if not self.endpoints:

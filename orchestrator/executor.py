@@ -50,7 +50,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import tls_of
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.etcd.store import Put, Store
 from rallypoint.orchestrator.drain import DrainRecord
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
@@ -70,7 +70,7 @@ from rallypoint.orchestrator.job_warm import SpareWarmer
 from rallypoint.orchestrator.job_workers import JobWorkers
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.recovery_machine import Recovery
-from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir
+from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir, start_run
 from rallypoint.orchestrator.stragglers import StragglerWatch
 from rallypoint.orchestrator.watchdog import ProgressWatchdog, lagging_nodes, laggards
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -102,13 +102,14 @@ class JobExecutor:
         budget: setbacks each recovery absorbs, by source.
         loss_grace_s: after one loss, how long to gather others that happened with it.
         workers: the RPCs to the job's workers (default: gRPC with the store's TLS identity).
+        keep_runs: retention of the job name's earlier runs when a new run starts (0: keep all).
     """
 
     def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
                  emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
                  resume: bool = False, adopted: bool = False, hooks: ExecutorHooks = ExecutorHooks(),
                  budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S,
-                 workers: JobWorkers | None = None) -> None:
+                 workers: JobWorkers | None = None, keep_runs: int = 0) -> None:
         self.spec, self.store, self.keys, self.clock, self.emit = spec, store, keys, clock, emit
         self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
         self.resume, self.adopted = resume or adopted, adopted
@@ -116,6 +117,8 @@ class JobExecutor:
         root = spec.checkpoint_dir or checkpoint_root
         self.checkpoint_root = Path(root).absolute() if root else None
         self.run_dir: Path | None = None
+        self.run_id = ""  # this run of the job name (orchestrator/runs.py)
+        self.keep_runs = keep_runs
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
         self.settings: RecoverySettings | None = None
@@ -194,7 +197,7 @@ class JobExecutor:
         p = self.progress
         record = {
             "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": p.completed,
-            "term": self.term.term, "run_dir": str(self.run_dir or ""), "cut": p.cut,
+            "term": self.term.term, "run": self.run_id, "run_dir": str(self.run_dir or ""), "cut": p.cut,
             "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
             "placement": {s: {"worker": q.worker, "devices": list(q.devices)} for s, q in self.placement.items()},
             **self.history.fields(self.recovery.entries(), self.failures, self.drains.drain_records, self.run_dir,
@@ -241,17 +244,15 @@ class JobExecutor:
             if self.checkpoint_root is None:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
+            self.run_id = self.run_dir.name
             if self.adopted:  # the earlier term's recoveries go on in this term's record (docs/recovery.md)
                 earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
                 old = earlier.json() if earlier is not None else {}
                 self.recovery.adopt(old.get("recoveries", []), self.term.term)
                 self.history.adopt(old.get("recoveries_earlier"))
-        else:
-            # A new run: commits of an earlier run of this job name no longer count.
-            self.term.txn([Delete(self.keys.checkpoints(self.spec.job), prefix=True)])
-            if self.checkpoint_root is not None:
-                self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=True)
-                (self.run_dir / JOBSPEC_FILE).write_bytes(self.spec.SerializeToString())
+        else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
+            self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
+                                                  self.keep_runs, self.log)
         self.term.run_dir = self.loads.run_dir = self.run_dir
         for c in (self.places, self.loads, self.drains):
             c.settings = self.settings

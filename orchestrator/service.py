@@ -5,6 +5,10 @@ The service keeps a registry of the jobs this coordinator runs (one
 stream that follows it: the ``SubmitJob`` or ``ResumeJob`` call that started it and any
 number of ``WatchJob`` calls.
 
+``SubmitJob`` checks the request's names and checkpoint directory first, and refuses a job
+name whose run has commits unless the request asks for a new run (``new_run``;
+:mod:`~rallypoint.orchestrator.runs`): nothing is written for a refused request.
+
 It listens to the coordinator's leadership (:meth:`Coordinator.add_leadership_listener`):
 
 * **on lead(term)** it adopts every job a lost or deposed leader ran: it reads the job
@@ -40,9 +44,12 @@ from rallypoint.etcd.cluster_view import parse_job_records
 from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
+from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
+from rallypoint.orchestrator.runs import adoptable_run_dir, check_spec_names, previous_run, refusal
+from rallypoint.orchestrator.runs import request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -141,6 +148,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def SubmitJob(self, request: pb.JobSpec, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         self._check_leader(context)
+        try:  # names and the checkpoint directory reach the file system: checked before anything is written
+            check_spec_names(request)
+            if request.checkpoint_dir:
+                request.checkpoint_dir = request_checkpoint_dir(request.checkpoint_dir, self._root())
+            root = request.checkpoint_dir or self._root()
+            if root:
+                within(Path(root), Path(root) / request.job, "the job's folder")
+        except RallypointError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
+        self._refuse_a_resubmit(request, context)
         try:
             run = self._start(request, resume=False, adopted=False)
         except (RallypointError, ValueError) as exc:
@@ -155,17 +172,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def ResumeJob(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         self._check_leader(context)
-        root = request.checkpoint_dir or self.c.config.checkpoint_dir
+        try:
+            check_name("job", request.job)
+            root = request_checkpoint_dir(request.checkpoint_dir, self._root())
+        except RallypointError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot resume job {request.job!r}: {exc}")
         if not root:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "no checkpoint directory: give --checkpoint-dir (the one the job ran with)")
         try:
             spec_path = run_dir(Path(root).absolute(), request.job, create=False) / JOBSPEC_FILE
             spec = pb.JobSpec.FromString(spec_path.read_bytes())
-        except (JobFailed, OSError) as exc:
+            if spec.job != request.job:
+                raise JobFailed(f"{spec_path} is the spec of job {spec.job!r}, not of {request.job!r}")
+            check_spec_names(spec)
+        except (JobFailed, OSError, ValueError) as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, f"cannot resume job {request.job!r}: {exc}")
         if request.checkpoint_dir:
-            spec.checkpoint_dir = request.checkpoint_dir
+            spec.checkpoint_dir = root
         run = self._start(spec, resume=True, adopted=False)
         if run is None:  # it runs here already (this leader adopted it): follow it
             yield from self._watch(request.job, context)
@@ -201,6 +225,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- running jobs ------------------------------------------------------------------------
 
+    def _root(self) -> str:
+        return self.c.config.checkpoint_dir
+
+    def _refuse_a_resubmit(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> None:
+        """A job name whose run has commits is not started over unless the submit asks for a new run
+        (``new_run``): an accidental resubmit must not cost the way back to its checkpoints."""
+        with self._lock:
+            if spec.job in self._runs:
+                return  # _start answers ALREADY_EXISTS
+        root = spec.checkpoint_dir or self._root()
+        try:
+            prev = previous_run(self.c.store, self.c.keys, spec.job, Path(root).absolute() if root else None)
+        except StoreError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the runs of job {spec.job!r}: {exc}")
+        record = (prev.record if prev is not None else None) or {}
+        if record.get("state", "") not in FINAL_RECORD_STATES and record.get("run_dir") and not spec.new_run:
+            # Recorded as running under a lost leader: this leader adopts it (a client that retried its
+            # submit after losing the old leader follows it: WatchJob).
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"job {spec.job!r} is recorded as {record.get('state')} (run {prev.run if prev else ''}): "
+                          f"the leader adopts it; `rallypoint status {spec.job}` shows it")
+        why = refusal(prev)
+        if why and not spec.new_run:
+            self.log.warning("job.resubmit_refused", job=spec.job, run=prev.run if prev else "")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+
     def _check_leader(self, context: grpc.ServicerContext) -> None:
         election = self.c.election
         if not election.is_leader:
@@ -233,6 +283,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                    checkpoint_root=self.c.config.checkpoint_dir if checkpoint_root is None
                                    else checkpoint_root,
                                    resume=resume, adopted=adopted, hooks=self.c.config.hooks)
+            executor.keep_runs = getattr(self.c.config, "keep_runs", 0)  # retention of earlier runs (runs.py)
             run.executor = executor
             if getattr(self.c, "metrics", None) is not None:
                 self.c.metrics.job_started(executor)  # docs/metrics.md
@@ -388,16 +439,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                            reason="the job ran without checkpoints (no run_dir in its record): nothing to "
                                   "restart it from; submit it again")
             return
-        try:
-            spec = pb.JobSpec.FromString((Path(rd) / JOBSPEC_FILE).read_bytes())
-        except (OSError, ValueError) as exc:
+        try:  # the record's run_dir came from etcd: checked before it is read
+            checked = adoptable_run_dir(rd, job, self._root())
+            spec = pb.JobSpec.FromString((checked / JOBSPEC_FILE).read_bytes())
+            if spec.job != job:
+                raise ValueError(f"it is the spec of job {spec.job!r}")
+            check_spec_names(spec)
+            if spec.checkpoint_dir:
+                request_checkpoint_dir(spec.checkpoint_dir, self._root())
+        except (OSError, ValueError, RallypointError) as exc:
             self.log.error("job.adoption_impossible", job=job, state=state, old_term=old_term,
-                           reason=f"cannot read its job spec {Path(rd) / JOBSPEC_FILE}: {exc}")
+                           reason=f"cannot use its job spec {Path(rd) / JOBSPEC_FILE}: {exc}")
             return
         if not self._term_holds(term):
             return
         # The run's checkpoint root: run_dir is <root>/<job>/<run>.
-        started = self._start(spec, resume=True, adopted=True, checkpoint_root=str(Path(rd).parent.parent))
+        started = self._start(spec, resume=True, adopted=True, checkpoint_root=str(checked.parent.parent))
         if started is None:
             return  # a ResumeJob started it meanwhile
         if started.first is not None:

@@ -346,8 +346,41 @@ def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
         assert [x["step"] for x in lines if x["event"] == "step"] == list(range(resumed["step"], STEPS))
         assert lines[-1]["event"] == "job.finished" and lines[-1]["state_digest"] == reference
         assert lines[-1]["start_step"] == resumed["step"]
+        _a_resubmit_is_refused_and_a_new_run_keeps_the_old_one(lc2, compiled, reference)
     finally:
         stop_cluster(lc2)
+
+
+def _a_resubmit_is_refused_and_a_new_run_keeps_the_old_one(lc: LocalCluster, compiled: CompiledProgram,
+                                                           reference: str) -> None:
+    """On the resumed job's cluster: submitting the name again is refused (nothing changed in etcd
+    or on disk); with new_run it runs, and the old run's commits and files stay under its run id."""
+    job = compiled.program.name
+    root = lc.checkpoint_dir / job
+    store = lc.store()
+    try:
+        old = store.get(lc.keys.job(job)).json()
+        before = ({kv.key: kv.mod_revision for kv in store.get_prefix(lc.keys.prefix + "jobs/")[0]},
+                  sorted(str(p) for p in root.rglob("*")))
+        with pytest.raises(JobError, match="FAILED_PRECONDITION") as err:
+            submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=EVERY)
+        assert f"rallypoint resume {job}" in str(err.value) and "--new-run" in str(err.value)
+        assert old["run"] and old["run"] in str(err.value)
+        assert ({kv.key: kv.mod_revision for kv in store.get_prefix(lc.keys.prefix + "jobs/")[0]},
+                sorted(str(p) for p in root.rglob("*"))) == before
+        old_commits = {kv.key.split("/checkpoints/")[1]: kv.value for kv in store.get_prefix(lc.keys.checkpoints(job))[0]}
+        result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=EVERY, new_run=True)
+        assert result.state_digest == reference
+        new = store.get(lc.keys.job(job)).json()
+        assert new["run"] != old["run"] and new["state"] == "succeeded"
+        kept = {kv.key.split("/checkpoints/")[1]: kv.value
+                for kv in store.get_prefix(lc.keys.old_run_checkpoints(job, old["run"]))[0]}
+        assert kept == old_commits and kept  # the old run's commits, under its run id
+        assert all(Path(c.path).is_relative_to(new["run_dir"])
+                   for cs in read_commits(store, lc.keys, job).values() for c in cs)
+        assert (root / old["run"]).is_dir() and (root / "LATEST").read_text().strip() == new["run"]
+    finally:
+        store.close()
 
 
 def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json() -> None:

@@ -1,0 +1,20 @@
+"""`rallypoint status` and `rallypoint jobs` show the run id; status lists the earlier runs kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rallypoint.client.jobs_cli import job_rows, job_status
+from tests.orchestrator.test_runs import a_run
+
+
+def test_status_and_jobs_show_the_current_run_and_the_earlier_ones(tmp_path: Path) -> None:
+    first = a_run(tmp_path)
+    second = a_run(tmp_path, first.store)
+    rec = job_status(first.store, first.keys, "pipe")
+    assert rec["run"] == second.x.run_id and rec["run_dir"] == str(second.x.run_dir)
+    assert rec["earlier_runs"] == [{"run": first.x.run_id, "state": "succeeded", "step_done": 20, "steps": 20,
+                                    "commits": 8, "run_dir": str(first.x.run_dir)}]
+    assert {s: c["step"] for s, c in rec["last_commits"].items()} == {"s0": 15, "s1": 15}
+    (row,) = job_rows(first.store, first.keys)
+    assert row["job"] == "pipe" and row["run"] == second.x.run_id
