@@ -498,10 +498,7 @@ class JobExecutor:
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
         self._set_state(JobState.FINISHING)
-        try:
-            states = self.workers.fetch()
-        except WorkerCallFailed as exc:
-            raise JobFailed(f"could not fetch the final state: {exc}") from None
+        states = self._final_states()
         self.recovery.supersede("the job ended")
         self.drains.abort("the job ended")
         trees = {s.name: s.treedef for s in self.spec.states}
@@ -510,6 +507,25 @@ class JobExecutor:
                   "adopted": self.adopted, **self.summary()}
         return pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
                            detail=json.dumps(detail))
+
+    def _final_states(self) -> list[pb.StateValue]:
+        """Every worker's final states, fetched from all at once. A worker lost meanwhile is
+        recovered like any other (its slices replay to the end on a spare), then all are asked again."""
+        while True:
+            states, failed = self.workers.fetch_all()
+            if not failed:
+                return states
+            lost = {w: f"lost while its final state was fetched: {exc}" for w, exc in failed.items()
+                    if exc.verdict is Verdict.LOST}
+            lost.update(self.term.gone({w: self.workers.identity[w].incarnation for w in failed
+                                        if w in self.workers.identity}))
+            if not lost:
+                raise JobFailed(f"could not fetch the final state: {next(iter(failed.values()))}")
+            self.log.warning("job.lost_while_finishing", lost=sorted(lost))
+            self._recover(lost)
+            while self.recovery.active is not None:  # the lost slices replay to the end (step() sees to losses, stalls)
+                self.step()
+            self._set_state(JobState.FINISHING)
 
     def run(self) -> JobState:
         """Run the job to its end: :meth:`begin`, :meth:`step` until every step is done, :meth:`finish`.

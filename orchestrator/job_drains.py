@@ -279,10 +279,13 @@ class JobDrains(DrainPort):
             raise next(iter(failures.values()))
         moved_nodes = sorted(n.name for n in self.graph.nodes if n.slice in places)
         granted = self.progress.granted
-        for w in self.loads.loaded:
-            if w in new or w not in {p.worker for p in self.placement.values()}:
-                continue
-            r = self.loads.rewire(w, moved_nodes, step, min(granted, self.holds.get(w, granted)), commits)
+        survivors = [w for w in self.loads.loaded if w not in new and w in {p.worker for p in self.placement.values()}]
+        answers, failed = self.loads.rewire_all(survivors, moved_nodes, step,
+                                                {w: min(granted, self.holds.get(w, granted)) for w in survivors},
+                                                commits)
+        for w, r in answers.items():
             self.log.info("drain.rewired", worker=w, resent=r.resent, log_from=r.log_from)
+        if failed:
+            raise next(iter(failed.values()))
         self.progress.floor(moved_nodes, step)  # the spares' output logs start at the drain step
         self._grant(sorted(new))

@@ -124,11 +124,22 @@ class JobLoads:
         """Point a survivor's routes at the new places; it resends its logged outputs of ``nodes`` from ``cut``.
 
         Raises :class:`WorkerCallFailed`."""
+        answers, failed = self.rewire_all([worker], nodes, cut, {worker: until}, commits)
+        if failed:
+            raise failed[worker]
+        return answers[worker]
+
+    def rewire_all(self, workers: list[str], nodes: list[str], cut: int, until: Mapping[str, int],
+                   commits: Commits) -> tuple[dict[str, pb.RewireResponse], dict[str, WorkerCallFailed]]:
+        """:meth:`rewire` every survivor in ``workers`` at once (``until``: each one's grant); answers and failures."""
         reqs = self.requests(None, cut, commits)
-        req = reqs.get(worker, pb.LoadJobRequest())
-        r = self.workers.rewire(worker, req.routes, nodes, cut, until, req.replica_targets)
-        self.holders.update({t.slice: t for t in req.replica_targets})
-        return r
+        rewires = {w: self.workers.rewire_request(w, reqs.get(w, pb.LoadJobRequest()).routes, nodes, cut, until[w],
+                                                  reqs.get(w, pb.LoadJobRequest()).replica_targets)
+                   for w in workers}
+        answers, failed = self.workers.rewire_all(rewires)
+        for w in answers:
+            self.holders.update({t.slice: t for t in rewires[w].replica_targets})
+        return answers, failed
 
     def forget(self, worker: str) -> None:
         """Stop using the worker's runtime (its events are ignored from now on)."""

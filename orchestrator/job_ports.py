@@ -128,6 +128,14 @@ class JobRecoveryPort(RecoveryPort):
         r = self.loads.rewire(worker, sorted(plan.nodes), cut, self.progress.granted, commits)
         self.loads.log.info("recovery.rewired", worker=worker, resent=r.resent, log_from=r.log_from)
 
+    def rewire_all(self, workers: list[str], plan: ReplayPlan, cut: int, commits: Commits) -> dict[str, WorkerCallFailed]:
+        """Every survivor at once, each with a deadline that follows from the bytes it may resend."""
+        answers, failed = self.loads.rewire_all(workers, sorted(plan.nodes), cut,
+                                                {w: self.progress.granted for w in workers}, commits)
+        for w, r in answers.items():
+            self.loads.log.info("recovery.rewired", worker=w, resent=r.resent, log_from=r.log_from)
+        return failed
+
     def reset_all(self) -> None:
         self.progress.reset_floor()  # every runtime restarts from the cut
         self.loads.reset_all()

@@ -3,6 +3,7 @@
 ::
 
     PLACING -> LOADING -> RUNNING <-> RECOVERING, RUNNING -> FINISHING -> SUCCEEDED
+    FINISHING -> RECOVERING (a worker lost while the final state is fetched; back to FINISHING by RUNNING)
     any state that is not final -> FAILED (with a reason), or HANDED_OFF (this leader's
     term ended: the job goes on under the next leader, which adopts it)
 
@@ -39,7 +40,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     S.LOADING: frozenset({S.RUNNING}) | _ENDS,
     S.RUNNING: frozenset({S.RECOVERING, S.FINISHING}) | _ENDS,
     S.RECOVERING: frozenset({S.RUNNING, S.RECOVERING}) | _ENDS,
-    S.FINISHING: frozenset({S.SUCCEEDED}) | _ENDS,
+    S.FINISHING: frozenset({S.SUCCEEDED, S.RECOVERING}) | _ENDS,
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),
     S.HANDED_OFF: frozenset(),

@@ -203,6 +203,16 @@ class RecoveryPort(abc.ABC):
     def rewire(self, worker: str, plan: ReplayPlan, cut: int, commits: Commits) -> None:
         """Point a survivor's routes at the new places and resend its logged outputs. Raises :class:`WorkerCallFailed`."""
 
+    def rewire_all(self, workers: list[str], plan: ReplayPlan, cut: int, commits: Commits) -> dict[str, WorkerCallFailed]:
+        """:meth:`rewire` each survivor of ``workers`` (a port may do them all at once); the failures by worker."""
+        failures: dict[str, WorkerCallFailed] = {}
+        for w in workers:
+            try:
+                self.rewire(w, plan, cut, commits)
+            except WorkerCallFailed as exc:
+                failures[w] = exc
+        return failures
+
     @abc.abstractmethod
     def reset_all(self) -> None:
         """Unload and forget every runtime (restart-all reloads them all)."""
@@ -349,13 +359,8 @@ class Recovery:
                 self.log.warning("recovery.replay_skipped", restored=s.cut, starts_at=skip)
             failures = port.load(set(s.new_workers), s.cut, s.commits, start_override=skip)
             if not failures:
-                for w in port.loaded_workers():
-                    if w in s.new_workers:
-                        continue
-                    try:
-                        port.rewire(w, s.plan, s.cut, s.commits)
-                    except WorkerCallFailed as exc:
-                        failures[w] = exc
+                survivors = [w for w in port.loaded_workers() if w not in s.new_workers]
+                failures = port.rewire_all(survivors, s.plan, s.cut, s.commits)
         else:
             port.reset_all()
             failures = port.load(None, s.cut, s.commits)

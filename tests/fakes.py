@@ -279,6 +279,11 @@ class FakeWorkers(JobWorkers):
         self.rewires.append((worker, from_step))
         return pb.RewireResponse(resent=0, log_from=from_step)
 
+    def rewire_all(self, requests: Mapping[str, pb.RewireRequest]
+                   ) -> tuple[dict[str, pb.RewireResponse], dict[str, WorkerCallFailed]]:
+        return {w: self.rewire(w, r.routes, r.resend_to, r.from_step, r.until_step, r.replica_targets)
+                for w, r in requests.items()}, {}
+
     def unload(self, worker: str, *, flush_s: float = 0.0) -> None:
         self.unloaded.append(worker)
 
@@ -287,6 +292,9 @@ class FakeWorkers(JobWorkers):
 
     def fetch(self) -> list[pb.StateValue]:
         return []
+
+    def fetch_all(self) -> tuple[list[pb.StateValue], dict[str, WorkerCallFailed]]:
+        return [], {}
 
     def close(self) -> None:
         self.unloaded.extend(self.workers)

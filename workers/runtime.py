@@ -199,24 +199,34 @@ class JobRuntime:
     def rewire(self, routes: Sequence[pb.Route], resend_to: Sequence[str], from_step: int, until_step: int) -> int:
         """New routes after recovery moved consumers; send ``resend_to`` their logged inputs of steps ``>= from_step``.
 
+        The routes apply all or nothing: a rejected rewire leaves the old ones in place.
         Pushes still retrying towards a worker no route names any more are dropped
-        (the log holds their values). Returns how many values were sent again.
+        (the log holds their values). The logged values are sent one at a time: a
+        spilled one is read back outside the job's lock, and each waits while the
+        pushes not yet ended are over the log's limit (so a resend takes time in
+        proportion to the bytes it moves). Returns how many values were sent again.
 
         Raises:
             LoadError: a route that does not fit this job here.
             DeliveryError: the log does not reach back to ``from_step``.
         """
-        control = self.control
+        control, router = self.control, self.router
         with control.cv:
             if from_step < self.outlog.low and resend_to:
                 raise DeliveryError(f"job {self.job!r}: the output log of worker {self.worker_id} starts at step "
                                     f"{self.outlog.low}, after the step {from_step} asked for")
-            self.router.set_routes(routes)
-            resent = self.router.resend(routes, self.outlog.entries(resend_to, from_step))
+            router.set_routes(routes)
             if until_step > control.until:
                 control.until = until_step
-            self.router.pump_state_pushes()
+            router.pump_state_pushes()
             control.cv.notify_all()
+        resent = 0
+        for header, leaves in self.outlog.iter_entries(resend_to, from_step) if resend_to else ():
+            with control.cv:
+                control.cv.wait_for(lambda: not router.backlogged or control.stopped)
+                if control.stopped:
+                    break
+                resent += router.resend(routes, [(header, leaves)])
         self.log.info("job.rewired", resend_to=list(resend_to), from_step=from_step, resent=resent)
         return resent
 

@@ -8,9 +8,19 @@ retries while this worker is fenced and ends when the job is unloaded or recover
 moved its consumer away (:meth:`Outbox.keep_only`); the log still holds the value.
 Values for consumers on this worker never come here: the router hands them over
 in memory (:mod:`rallypoint.workers.runtime_routes`).
+
+Nothing here grows without bound when a consumer is slow or stops reading: a push
+waiting for its turn keeps its value alive even after the log spilled it, so the
+outbox counts the bytes of pushes not yet ended (``backlog_bytes``) and the producer
+starts no new instance while they exceed the log's limit (:attr:`Outbox.backlogged`,
+back-pressure; the slice scheduler waits on it). The log's spills write files, so
+they happen outside the job's lock, on the producer's own device thread after each
+instance (:meth:`Outbox.relieve`): a slow disk slows the producer, not the job's calls.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -40,17 +50,49 @@ class Outbox:
         self._peers = peers
         self._pools = PushPools(control.job, push_threads)
         self.targets: set[tuple[str, int]] = set()
+        self.backlog_bytes = 0  # bytes of pushes submitted and not yet ended (under the job's lock)
+        self.backlog_limit = max(outlog.limit_bytes, 1)
+        self.peak_backlog_bytes = 0
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether the pushes not yet ended hold more bytes than the limit (the producer waits). Under the lock."""
+        return self.backlog_bytes > self.backlog_limit
 
     def keep_only(self, targets: set[tuple[str, int]]) -> None:
         """The routing table now names these consumer incarnations: pushes to any other end."""
         self.targets = targets
         self._pools.keep_only(targets)
 
-    def send(self, r: pb.Route, header: pb.TransferHeader, value: Leaves) -> None:
-        """Log ``value`` and push it to the consumer ``r`` names on another worker (in the background)."""
-        self.outlog.put(header, value)
-        self._pools.submit((r.worker_id, int(r.incarnation)), self._push, r.data_address or r.address, header, value,
-                           bool(r.data_address))
+    def send(self, r: pb.Route, header: pb.TransferHeader, value: Leaves, *, log: bool = True) -> None:
+        """Log ``value`` and push it to the consumer ``r`` names on another worker (in the background). Under the lock.
+
+        ``log=False``: the value is in the log already (a resend). The log may go over its
+        limit here; :meth:`relieve` spills it once no lock is held.
+        """
+        if log:
+            self.outlog.put(header, value)
+        nbytes = sum(int(np.asarray(x).nbytes) for x in value)
+        self.backlog_bytes += nbytes
+        self.peak_backlog_bytes = max(self.peak_backlog_bytes, self.backlog_bytes)
+        future = self._pools.submit((r.worker_id, int(r.incarnation)), self._push, r.data_address or r.address,
+                                    header, value, bool(r.data_address))
+        future.add_done_callback(lambda _f, n=nbytes: self._ended(n))
+
+    def _ended(self, nbytes: int) -> None:
+        """A push ended (delivered, given up or cancelled): its bytes no longer hold the producer back."""
+        with self._control.cv:
+            self.backlog_bytes -= nbytes
+            self._control.cv.notify_all()
+
+    def relieve(self) -> None:
+        """Spill the output log back within its limit; call it holding no lock (it writes files)."""
+        if not self.outlog.over_limit:
+            return
+        try:
+            self.outlog.spill()
+        except OSError as exc:  # kept in memory: a later spill tries again
+            self._control.log.warning("outlog.spill_failed", error=f"{type(exc).__name__}: {exc}")
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every push submitted so far has ended; whether they all did."""

@@ -67,12 +67,15 @@ class Router:
     def set_routes(self, routes: Sequence[pb.Route]) -> None:
         """Install the routing table (at load, and again on ``rewire``); state pushes keep their progress.
 
+        All or nothing: every route is checked before any replaces the table in use, so a
+        rejected rewire leaves the routes (and the pushes under way) as they were.
+
         Raises:
             LoadError: a route from a node or state that is not here.
         """
         worker_id = self._control.worker_id
         progress = {(sr.route.state, sr.route.consumer_node, sr.route.arg): sr.next_step for sr in self._state_routes}
-        self._outputs = {}
+        outputs: dict[str, dict[str, list[pb.Route]]] = {}
         state_routes: list[StateRoute] = []
         for r in routes:
             if r.state:
@@ -82,10 +85,10 @@ class Router:
                     state_routes.append(StateRoute(r, progress.get((r.state, r.consumer_node, r.arg),
                                                                    self._start_step)))
             elif r.node in self._nodes:
-                self._outputs.setdefault(r.node, {}).setdefault(r.output, []).append(r)
+                outputs.setdefault(r.node, {}).setdefault(r.output, []).append(r)
             else:
                 raise LoadError(f"route from node {r.node!r}, which is not loaded on worker {worker_id}")
-        self._state_routes = state_routes
+        self._outputs, self._state_routes = outputs, state_routes
         self._outbox.keep_only({(r.worker_id, r.incarnation) for r in routes})
 
     def push_everies(self, state: str) -> list[int]:
@@ -123,12 +126,21 @@ class Router:
         resent = 0
         for header, leaves in logged:
             for r in by_consumer.get((header.consumer_node, header.arg), ()):
-                self.route(r, header, leaves)
+                self.route(r, header, leaves, log=False)  # logged already
                 resent += 1
         return resent
 
-    def route(self, r: pb.Route, header: pb.TransferHeader, value: Leaves) -> None:
-        """Hand ``value`` to the consumer ``r`` names: in memory here, else logged and pushed."""
+    @property
+    def backlogged(self) -> bool:
+        """Whether pushes not yet ended hold more bytes than the log's limit (the producer waits)."""
+        return self._outbox.backlogged
+
+    def relieve(self) -> None:
+        """Spill the output log back within its limit; holding no lock."""
+        self._outbox.relieve()
+
+    def route(self, r: pb.Route, header: pb.TransferHeader, value: Leaves, *, log: bool = True) -> None:
+        """Hand ``value`` to the consumer ``r`` names: in memory here, else logged (unless ``log`` is False) and pushed."""
         control = self._control
         header.leaves = len(value)
         header.to.CopyFrom(pb.Identity(cluster=control.cluster, worker_id=r.worker_id, incarnation=r.incarnation))
@@ -136,4 +148,4 @@ class Router:
         if r.worker_id == control.worker_id:
             self._inputs.deliver(header, value)
         elif not control.stopped:
-            self._outbox.send(r, header, value)
+            self._outbox.send(r, header, value, log=log)

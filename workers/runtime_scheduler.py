@@ -5,6 +5,11 @@ then topological position, then microbatch; different slices run in parallel. An
 instance ``(node, step, microbatch)`` runs once its step is granted (``until``), every
 input is here (:class:`~rallypoint.workers.runtime_inputs.Inputs`), the slice's next
 checkpoint does not hold it back, and the daemon's gate lets this incarnation act.
+A slice starts no new instance while the job's pushes not yet ended hold more bytes
+than its output log's limit (back-pressure from a slow consumer,
+:class:`~rallypoint.workers.runtime_outbox.Outbox`). No file is written under the
+job's lock: the instance record is written before the lock is taken, and the output
+log spills after it is let go.
 When a checkpoint is due the slice saves before anything later runs
 (:class:`~rallypoint.workers.runtime_handoff.CheckpointHandoff`). A finished instance's
 outputs go to the router, its state updates become new versions, and an
@@ -102,6 +107,9 @@ class SliceScheduler:
                     if due is not None:
                         cut = self._handoff.snapshot(slice_name, due)
                         break
+                    if self._router.backlogged:  # back-pressure: a consumer is not taking what was sent
+                        cv.wait(1.0)
+                        continue
                     found = self._next_ready(nodes, self._handoff.barrier(slice_name))
                     if found is not None and self._may_act(*found):
                         break
@@ -132,6 +140,7 @@ class SliceScheduler:
                 return
             compute_s = time.perf_counter() - t0
             del args
+            self._records.ran(node.prog.name, step, mb, compute_s)  # a file write: outside the lock
             with cv:
                 if control.stopped:
                     return
@@ -142,6 +151,7 @@ class SliceScheduler:
                                           f"delivering outputs: {type(exc).__name__}: {exc}")
                     return
                 cv.notify_all()
+            self._router.relieve()  # the output log's spills write files: outside the lock
 
     def _next_ready(self, nodes: list[LoadedNode],
                     barrier: float = math.inf) -> tuple[LoadedNode, int, int] | None:
@@ -171,7 +181,6 @@ class SliceScheduler:
 
     def _complete(self, n: LoadedNode, step: int, mb: int, leaves: Leaves, compute_s: float, picked: float) -> None:
         self.completed += 1
-        self._records.ran(n.prog.name, step, mb, compute_s)
         done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s,
                                saving_s=self._handoff.take_saving_s(n.prog.slice))
         if (first := n.call.first_report()) is not None:  # where the executable came from, and its compile time

@@ -147,13 +147,16 @@ class PushPools:
         self._pending = 0
         self._cv = threading.Condition()
 
-    def submit(self, target: tuple[str, int], fn: Callable[..., None], *args: Any) -> None:
+    def submit(self, target: tuple[str, int], fn: Callable[..., None], *args: Any) -> futures.Future[None]:
+        """Run ``fn(*args)`` on the target's pool; the future ends when it ran or was cancelled."""
         if target not in self._pools:
             self._pools[target] = futures.ThreadPoolExecutor(max_workers=self.threads,
                                                              thread_name_prefix=f"push-{self.job}-{target[0]}")
         with self._cv:
             self._pending += 1
-        self._pools[target].submit(fn, *args).add_done_callback(self._ended)
+        future = self._pools[target].submit(fn, *args)
+        future.add_done_callback(self._ended)
+        return future
 
     def _ended(self, _future: futures.Future[None]) -> None:
         with self._cv:

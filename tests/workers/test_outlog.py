@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,6 +42,9 @@ def test_past_the_limit_the_oldest_values_spill_to_disk_and_read_back_bitwise(tm
     log = OutputLog(3 * 1024, spill_dir=tmp_path)
     for step in range(8):
         log.put(header("a", step), value(step))  # 1 KiB each
+        assert log.over_limit == (step >= 3)
+        log.spill()  # what the sender does once it holds no lock
+    assert not log.over_limit
     assert log.memory_bytes <= 3 * 1024 and log.spilled_bytes == 5 * 1024
     assert log.peak_memory_bytes <= 4 * 1024
     got = log.entries(["a"], 0)
@@ -83,3 +88,63 @@ def test_a_pinned_version_is_kept_for_the_checkpoint_after_its_uses_are_spent() 
     assert sv.at(4) is None
     sv.pin(10)
     assert sv.at(5) is None
+
+
+def test_a_spill_blocked_in_its_file_write_holds_up_no_put_trim_read_or_count(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The file system hangs inside a spill's write: logging, trimming, counting and reading
+    # back the values still in memory go on meanwhile (no file work under the log's lock).
+    entered, release = threading.Event(), threading.Event()
+    real_save = np.save
+
+    def stuck_save(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        assert release.wait(30), "the test never let the write go"
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(np, "save", stuck_save)
+    log = OutputLog(1024, spill_dir=tmp_path)
+    log.put(header("a", 0), value(0))
+
+    def producer() -> None:
+        log.put(header("a", 1), value(1))  # over the limit: step 0 spills
+        log.spill()
+
+    spiller = threading.Thread(target=producer, daemon=True)
+    spiller.start()
+    assert entered.wait(10)
+    others = threading.Thread(target=lambda: (log.put(header("b", 2), value(2)), len(log), log.trim(1),
+                                              log.entries(["b"], 0)), daemon=True)
+    others.start()
+    others.join(5)
+    blocked = others.is_alive()
+    release.set()
+    spiller.join(10)
+    others.join(10)
+    assert not blocked, "a put, trim or read waited for a spill's file write"
+    # step 0 was trimmed while it was being written: its file went with it, nothing counts it;
+    # the spill went on with step 1 (two values left over a one-value limit)
+    assert (log.memory_bytes, log.spilled_bytes, len(log)) == (1024, 1024, 2)
+    got = log.entries(["a", "b"], 0)
+    assert [h.step for h, _ in got] == [1, 2] and all(np.array_equal(v[0], value(h.step)[0]) for h, v in got)
+    assert len(list(tmp_path.rglob("*.npy"))) == 1, "a trimmed entry's spilled file stayed behind"
+    log.close()
+
+
+def test_a_spill_the_file_system_refuses_keeps_the_value_in_memory(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    log = OutputLog(0, spill_dir=tmp_path)
+    log.put(header("a", 0), value(0))
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(OSError, match="No space"):
+        log.spill()
+    assert log.memory_bytes == 1024 and log.spilled_bytes == 0 and log.over_limit
+    monkeypatch.undo()
+    assert log.spill() == 1024 and log.spilled_bytes == 1024
+    assert np.array_equal(log.entries(["a"], 0)[0][1][0], value(0)[0])
+    log.close()
+    assert not any(tmp_path.iterdir())

@@ -354,7 +354,7 @@ class _Outbox:
     def keep_only(self, targets: set[tuple[str, int]]) -> None:
         self.targets = targets
 
-    def send(self, r: pb.Route, header: pb.TransferHeader, value: list[Any]) -> None:
+    def send(self, r: pb.Route, header: pb.TransferHeader, value: list[Any], *, log: bool = True) -> None:
         self.sent.append(header)
 
 
