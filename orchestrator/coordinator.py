@@ -45,6 +45,7 @@ from rallypoint.orchestrator.membership import MembershipChange, MembershipMonit
 from rallypoint.orchestrator.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import EtcdStore, Put, Store
+from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -207,7 +208,8 @@ class Coordinator:
         self.keys = Keys(config.cluster)
         self.store = store or EtcdStore(config.endpoints, tls=config.tls)
         self.clock = clock
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="coordinator-rpc"),
+                                  interceptors=authz.interceptors(config.tls))  # each method checks the caller's role
         port = add_port(self.server, f"{config.host}:{config.port}", config.tls)
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")
