@@ -82,6 +82,21 @@ class TlsConfig:
                               "make both again with `rallypoint certs`") from None
         return self
 
+    def role(self) -> str | None:
+        """The role the certificate carries (:mod:`rallypoint.basics.authz`); None: it names none."""
+        from rallypoint.basics.authz import role_of_pem
+
+        return role_of_pem(self.pem()[1])
+
+    def check_role(self, role: str) -> TlsConfig:
+        """Raise ConfigError unless the certificate carries ``role`` (a process started with another's identity)."""
+        has = self.role()
+        if has != role:
+            name = self.cert.stem
+            raise ConfigError(f"TLS certificate {self.cert} has role {has or 'none'}, not {role}: make it with "
+                              f"`rallypoint certs --names {name}:{role}` (docs/security.md)")
+        return self
+
     def pem(self) -> tuple[bytes, bytes, bytes]:
         """(ca, cert, key) bytes."""
         return (_read_pem(self.ca, "CA certificate", "BEGIN CERTIFICATE"),

@@ -5,8 +5,9 @@ certificate is good for both ends of a connection (server and client auth), name
 process and the addresses it is reached at as subject-alternative names (so clients check
 the name they dialled), carries its role as the URI SAN ``rallypoint://role/ROLE``
 (:mod:`rallypoint.basics.authz`: what each server lets it call) and the role's etcd user
-``BASE-ROLE`` as its common name (see :mod:`rallypoint.basics.tls`). Keys are written mode 0600. An existing CA in the directory is
-kept and signs the new certificates; an existing certificate is replaced.
+``BASE-ROLE`` as its common name (see :mod:`rallypoint.basics.tls`). Keys are written mode
+0600. An existing CA in the directory is kept and signs the new certificates; an existing
+certificate is replaced.
 """
 
 from __future__ import annotations

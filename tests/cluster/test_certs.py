@@ -77,3 +77,14 @@ def test_a_daemon_needs_a_tls_dir_or_an_explicit_insecure(tmp_path: Path) -> Non
     assert r.exit_code == 1 and "exclude each other" in r.output
     r = CliRunner().invoke(daemons.main, ["coordinator", "--cluster", "t@127.0.0.1:1", "--id", "c0"])
     assert r.exit_code == 1 and "--insecure" in r.output
+
+
+def test_a_daemon_refuses_a_certificate_of_another_role(tmp_path: Path) -> None:
+    make_certs(tmp_path, ["w0:client", "c0:worker"])  # e.g. a client's certificate copied to a worker host
+    r = CliRunner().invoke(daemons.main, ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0", "--tls-dir",
+                                          str(tmp_path)])
+    assert r.exit_code == 1 and "w0.crt has role client, not worker" in r.output, r.output
+    assert "rallypoint certs --names w0:worker" in r.output
+    r = CliRunner().invoke(daemons.main, ["coordinator", "--cluster", "t@127.0.0.1:1", "--id", "c0", "--tls-dir",
+                                          str(tmp_path)])
+    assert r.exit_code == 1 and "c0.crt has role worker, not coordinator" in r.output, r.output
