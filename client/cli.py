@@ -101,7 +101,7 @@ def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str) -> No
                       cluster=cluster_name)
     click.echo(f"CA: {out / 'ca.crt'} (its key {out / 'ca.key'} signs new certificates: keep it private)")
     for name, tls in made.items():
-        click.echo(f"  {name}: {tls.cert} {tls.key}")
+        click.echo(f"  {name} (role {tls.role()}): {tls.cert} {tls.key}")
     click.echo(f"daemons: --tls-dir {out} (each loads ca.crt and <id>.crt/<id>.key); CLI: --tls-dir {out}")
 
 

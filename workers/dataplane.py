@@ -33,6 +33,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,8 +188,9 @@ class DataPlaneServer:
         self.log.warning("dataplane.role_refused", error=why)
         data = why.encode()[:4096]
         conn.sendall(bytes([Status.REFUSED]) + _U32.pack(len(data)) + data)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S  # a bound on what a refused peer costs
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        while conn.recv(1 << 16):
+        while time.monotonic() < deadline and conn.recv(1 << 16):
             pass
 
     def _serve(self, raw: socket.socket) -> None:

@@ -22,6 +22,7 @@ def test_certs_command_makes_a_ca_and_per_process_certificates(tmp_path: Path) -
     r = CliRunner().invoke(cli, ["certs", "--out", str(out), "--names", "c0,w0,client,gpu7:worker,admin:operator",
                                  "--hosts", "10.1.2.3,db.lan"])
     assert r.exit_code == 0, r.output
+    assert "gpu7 (role worker)" in r.output and "admin (role operator)" in r.output
     ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
     roles = {"c0": "coordinator", "w0": "worker", "client": "client", "gpu7": "worker", "admin": "operator"}
     for name, role in roles.items():
