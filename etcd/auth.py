@@ -11,15 +11,18 @@ listed there, then ``auth enable``. Key ranges are under the cluster's
 coordinator    read-write on the whole prefix (it leads: jobs, leases, leader, lost, ...)
 operator       read-write on the whole prefix (cordon, drain, repairs of a cluster's keys)
 worker         read on the prefix; read-write on ``workers/``, ``devices/`` (its registration),
-               ``cordon/``, ``drain/`` (a preemption notice) and ``jobs/`` (checkpoint commits)
+               ``leases/`` (the device leases on its etcd lease), ``cordon/``, ``drain/`` (a
+               preemption notice) and ``jobs/`` (checkpoint commits)
 client         read on the prefix; nothing written (it submits and watches through gRPC)
 =============  ==============================================================================
 
 etcd's RBAC grants key ranges only, with no wildcard inside a key and no per-user key: so
-a worker's user may write every worker's registration (not only its own; the incarnation
-guard of each commit and the lease of each registration still fence it), and
-commits ``jobs/JOB/checkpoints/...`` share the range of the job records ``jobs/JOB``, so
-the worker user may also write job records. docs/security.md states these limits.
+a worker's user may write every worker's registration (not only its own); commits
+``jobs/JOB/checkpoints/...`` share the range of the job records ``jobs/JOB``, so the worker
+user may also write job records; and since etcd lets a put with a lease (and a lease's
+revoke) through only to a user who may write every key attached to the lease, and the
+leader attaches a worker's device leases to that worker's etcd lease, the worker user may
+write ``leases/`` too. docs/security.md states these limits.
 
 Rallypoint's processes never send a password: etcd takes the user from the common name
 of their client certificate, so there is no auth token to expire and renew. The root
@@ -50,8 +53,10 @@ GRANTS: dict[str, tuple[tuple[int, str], ...]] = {
     # role: (permission, key prefix under the cluster's prefix), ...
     COORDINATOR: ((READWRITE, WHOLE),),
     OPERATOR: ((READWRITE, WHOLE),),
-    WORKER: ((READ, WHOLE), (READWRITE, "workers/"), (READWRITE, "devices/"), (READWRITE, "cordon/"),
-             (READWRITE, "drain/"), (READWRITE, "jobs/")),
+    # leases/: the leader attaches a worker's device leases to that worker's etcd lease, and etcd lets
+    # a put with a lease (and a revoke) through only to a user who may write every key on the lease.
+    WORKER: ((READ, WHOLE), (READWRITE, "workers/"), (READWRITE, "devices/"), (READWRITE, "leases/"),
+             (READWRITE, "cordon/"), (READWRITE, "drain/"), (READWRITE, "jobs/")),
     CLIENT: ((READ, WHOLE),),
 }
 ROOT_PASSWORD_FILE = "root.password"

@@ -32,6 +32,7 @@ from rallypoint.basics.tls import TlsConfig, channel
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.dataplane import MAGIC, DataPlaneClient, DataPlaneError, Status
+from tests.conftest import wait_until
 
 WORKER_METHODS = ["/rallypoint.v1.Worker/Ping", "/rallypoint.v1.WorkerRuntime/LoadJob",
                   "/rallypoint.v1.WorkerRuntime/RunSteps", "/rallypoint.v1.WorkerRuntime/UnloadJob",
@@ -46,6 +47,11 @@ def lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
                              coordinators=2, lease_ttl_s=2)
     cluster = LocalCluster.start(cfg)
     try:
+        store = cluster.store()  # every test reads the leader's term: wait for the first election
+        try:
+            wait_until(lambda: store.get(cluster.keys.leader), 30, "a leader elected")
+        finally:
+            store.close()
         yield cluster
     finally:
         cluster.stop()
@@ -270,14 +276,23 @@ def test_etcd_users_per_role_write_only_what_the_role_needs(lc: LocalCluster, ro
         for key in (k.worker("w9"), k.device("w9", 0), k.leader, commit, k.job("evil"), k.coordinator("c9")):
             with pytest.raises(StoreError, match="PERMISSION_DENIED"):
                 client.put(key, "{}")  # a client registers no worker and writes no leader or commit key
-        for key in (k.leader, k.coordinator("c9"), k.lease("w0", 0), k.lost("w0"), k.prefix + "drained/w0/j"):
+        for key in (k.leader, k.coordinator("c9"), k.lost("w0"), k.prefix + "drained/w0/j", k.job_yields("j") + "s"):
             with pytest.raises(StoreError, match="PERMISSION_DENIED"):
-                worker.put(key, "{}")  # a worker certificate cannot lead, lease devices or mark peers lost
+                worker.put(key, "{}")  # a worker certificate cannot lead, mark peers lost or end a drain
         with pytest.raises(StoreError, match="PERMISSION_DENIED"):
             worker.delete(k.leader)
-        probe = k.worker("probe")  # what a worker needs: its registration (and commits, cordon, drain)
-        worker.put(probe, "{}")
-        assert worker.delete(probe) == 1
+        # What a worker needs: its registration, and its lease while the leader has attached device leases to it
+        # (etcd lets a put with a lease, and a revoke, through only to a user who may write every key on it).
+        leader = EtcdStore(lc.endpoints, tls=role["coordinator"], request_timeout_s=2)
+        try:
+            lease = worker.grant_lease(10).id
+            worker.put(k.worker("probe"), "{}", lease=lease)
+            leader.put(k.lease("probe", 0), "{}", lease=lease)
+            worker.put(k.device("probe", 0), "{}", lease=lease)
+            worker.revoke_lease(lease)
+            assert worker.get(k.worker("probe")) is None and worker.get(k.lease("probe", 0)) is None
+        finally:
+            leader.close()
     finally:
         client.close()
         worker.close()
