@@ -16,8 +16,9 @@ Layout of a certificate directory (``rallypoint certs``, :mod:`rallypoint.cluste
     ca.crt                the cluster CA (ca.key beside it signs new certificates)
     <name>.crt <name>.key one per process (c0, w1, client, etcd0, ...)
 
-Every certificate's common name is the etcd user it acts as (``rallypoint``): etcd started
-with ``--client-cert-auth`` takes the user from it, so no password crosses the wire.
+Every certificate carries a role (``rallypoint://role/ROLE``, :mod:`rallypoint.basics.authz`)
+and its common name is the etcd user of that role (``rallypoint-ROLE``): etcd started with
+``--client-cert-auth`` takes the user from it, so no password crosses the wire.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rallypoint.basics.errors import ConfigError
 
 CA_FILE = "ca.crt"
 CA_KEY_FILE = "ca.key"
-ETCD_USER = "rallypoint"  # the etcd user every Rallypoint certificate names (its CN)
+ETCD_USER = "rallypoint"  # the base of the etcd users Rallypoint's certificates name (CN rallypoint-ROLE)
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -79,6 +80,21 @@ class TlsConfig:
         except ssl.SSLError as exc:
             raise ConfigError(f"TLS key {self.key} does not match certificate {self.cert} ({exc.reason}); "
                               "make both again with `rallypoint certs`") from None
+        return self
+
+    def role(self) -> str | None:
+        """The role the certificate carries (:mod:`rallypoint.basics.authz`); None: it names none."""
+        from rallypoint.basics.authz import role_of_pem
+
+        return role_of_pem(self.pem()[1])
+
+    def check_role(self, role: str) -> TlsConfig:
+        """Raise ConfigError unless the certificate carries ``role`` (a process started with another's identity)."""
+        has = self.role()
+        if has != role:
+            name = self.cert.stem
+            raise ConfigError(f"TLS certificate {self.cert} has role {has or 'none'}, not {role}: make it with "
+                              f"`rallypoint certs --names {name}:{role}` (docs/security.md)")
         return self
 
     def pem(self) -> tuple[bytes, bytes, bytes]:
@@ -141,18 +157,27 @@ def tls_of(obj: Any) -> TlsConfig | None:
 
 # -- the identity of a cluster this process started (for in-process clients) -------------
 
-_known: dict[str, TlsConfig] = {}
+_PLAIN: Any = object()  # recorded for endpoints known to serve plain TCP (an --insecure cluster)
+_known: dict[str, Any] = {}
 _known_lock = threading.Lock()
 
 
 def remember(endpoints: Iterable[str], tls: TlsConfig | None) -> None:
-    """Record the client identity for a cluster by its etcd endpoints (a LocalCluster does it)."""
+    """Record the client identity for a cluster by its etcd endpoints; None records that it is plain.
+
+    A LocalCluster, an EtcdCluster started without TLS and the CLI's ``--cluster`` with
+    ``--tls-dir``/``--insecure`` do it, so :data:`AUTO` clients of those endpoints find it.
+    """
     with _known_lock:
         for e in endpoints:
-            if tls is None:
-                _known.pop(e, None)
-            else:
-                _known[e] = tls
+            _known[e] = _PLAIN if tls is None else tls
+
+
+def forget(endpoints: Iterable[str]) -> None:
+    """Drop what :func:`remember` recorded for ``endpoints`` (a stopped cluster's ports may be reused)."""
+    with _known_lock:
+        for e in endpoints:
+            _known.pop(e, None)
 
 
 class _Auto:
@@ -161,18 +186,34 @@ class _Auto:
 
 
 AUTO: Any = _Auto()
-"""``tls=AUTO``: the identity :func:`remember` recorded for the endpoints (plain if none was)."""
+"""``tls=AUTO``: the identity :func:`remember` recorded for the endpoints; an error when none was."""
 
 
 def resolve(tls: TlsConfig | None | _Auto, endpoints: Iterable[str]) -> TlsConfig | None:
-    """``tls`` itself, or for :data:`AUTO` the identity recorded for ``endpoints``."""
-    return for_endpoints(endpoints) if isinstance(tls, _Auto) else tls
+    """``tls`` itself, or for :data:`AUTO` the identity recorded for ``endpoints``.
 
-
-def for_endpoints(endpoints: Iterable[str]) -> TlsConfig | None:
-    """The identity :func:`remember` recorded for any of ``endpoints``; None when none was."""
+    Raises:
+        ConfigError: :data:`AUTO` and nothing was recorded for any of ``endpoints``. There is
+            no fall-back to plain TCP: a client must say which identity it uses, or ``None``
+            (plain) for an etcd started without TLS.
+    """
+    if not isinstance(tls, _Auto):
+        return tls
+    endpoints = list(endpoints)
     with _known_lock:
         for e in endpoints:
             if e in _known:
-                return _known[e]
+                found = _known[e]
+                return None if found is _PLAIN else found
+    raise ConfigError(f"no TLS identity for etcd at {','.join(endpoints)}: pass one (tls=TlsConfig.from_dir(DIR, "
+                      "NAME); the CLI's --tls-dir DIR), or tls=None (--insecure) for an etcd started without TLS. "
+                      "Rallypoint never falls back to plain TCP by itself")
+
+
+def for_endpoints(endpoints: Iterable[str]) -> TlsConfig | None:
+    """The identity :func:`remember` recorded for any of ``endpoints``; None when none was, or plain was."""
+    with _known_lock:
+        for e in endpoints:
+            if e in _known:
+                return None if _known[e] is _PLAIN else _known[e]
     return None

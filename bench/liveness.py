@@ -63,7 +63,7 @@ def child_main(args: argparse.Namespace) -> int:
 
     logs.configure(level="warning")
     keys = Keys(args.cluster)
-    store = EtcdStore([args.endpoint])
+    store = EtcdStore([args.endpoint], tls=None)  # the parent started this etcd without TLS
     keepers: list[LeaseKeeper] = []
     granted = 0
     for wid in args.worker_ids.split(","):

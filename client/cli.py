@@ -117,12 +117,15 @@ def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, et
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Directory for ca.crt/ca.key and NAME.crt/NAME.key (made if missing; an existing CA is kept).")
-@click.option("--names", default="etcd,c0,c1,w0,w1,w2,client", show_default=True, metavar="NAME[,NAME...]",
-              help="One certificate per process: the ids given to --id, plus `client` for the CLI and `etcd`.")
+@click.option("--names", default="etcd,c0,c1,w0,w1,w2,client", show_default=True, metavar="NAME[:ROLE][,...]",
+              help="One certificate per process: the ids given to --id, plus `client` for the CLI and `etcd`. Each "
+              "carries a role (client, operator, coordinator, worker, etcd): cN is a coordinator, wN a worker, a "
+              "role's own name that role; any other name needs :ROLE (docs/security.md).")
 @click.option("--hosts", default="127.0.0.1,localhost", show_default=True, metavar="HOST[,HOST...]",
               help="IPs and DNS names every certificate is valid for (where the processes are reached).")
 @click.option("--user", default="rallypoint", show_default=True,
-              help="The etcd user the certificates act as (their common name; etcd --client-cert-auth).")
+              help="Base of the etcd users the certificates act as: USER-ROLE (their common name; etcd "
+              "--client-cert-auth).")
 @click.option("--cluster", "cluster_name", default="local", show_default=True, help="Cluster name (in the CA's name).")
 def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str) -> None:
     """Make a CA and per-process certificates for mutual TLS (docs/security.md)."""
@@ -135,7 +138,7 @@ def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str) -> No
                       cluster=cluster_name)
     click.echo(f"CA: {out / 'ca.crt'} (its key {out / 'ca.key'} signs new certificates: keep it private)")
     for name, tls in made.items():
-        click.echo(f"  {name}: {tls.cert} {tls.key}")
+        click.echo(f"  {name} (role {tls.role()}): {tls.cert} {tls.key}")
     click.echo(f"daemons: --tls-dir {out} (each loads ca.crt and <id>.crt/<id>.key); CLI: --tls-dir {out}")
 
 

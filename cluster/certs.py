@@ -3,9 +3,11 @@
 EC P-256 keys (a certificate takes a few milliseconds), SHA-256 signatures. Each process
 certificate is good for both ends of a connection (server and client auth), names the
 process and the addresses it is reached at as subject-alternative names (so clients check
-the name they dialled), and carries the etcd user as its common name (see
-:mod:`rallypoint.basics.tls`). Keys are written mode 0600. An existing CA in the directory is
-kept and signs the new certificates; an existing certificate is replaced.
+the name they dialled), carries its role as the URI SAN ``rallypoint://role/ROLE``
+(:mod:`rallypoint.basics.authz`: what each server lets it call) and the role's etcd user
+``BASE-ROLE`` as its common name (see :mod:`rallypoint.basics.tls`). Keys are written mode
+0600. An existing CA in the directory is kept and signs the new certificates; an existing
+certificate is replaced.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from rallypoint.basics.authz import COORDINATOR, ROLES, WORKER, etcd_user, role_uri
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.basics.tls import CA_FILE, CA_KEY_FILE, ETCD_USER, TlsConfig
@@ -82,8 +86,38 @@ def ensure_ca(out: Path, *, cluster: str = "local") -> tuple[x509.Certificate, e
     return cert, key
 
 
-def _san(name: str, hosts: Iterable[str]) -> x509.SubjectAlternativeName:
-    entries: list[x509.GeneralName] = []
+def role_for(name: str) -> str:
+    """The role a certificate named ``name`` gets when none is given: ``NAME`` for a role's own
+    name (``client``, ``operator``, ``etcd``, ...), coordinator for ``cN``, worker for ``wN``.
+
+    Raises ConfigError for any other name: give it with its role, ``NAME:ROLE``.
+    """
+    if name in ROLES:
+        return name
+    if re.fullmatch(r"c\d+", name):
+        return COORDINATOR
+    if re.fullmatch(r"w\d+", name):
+        return WORKER
+    raise ConfigError(f"no role for certificate {name!r}: name it NAME:ROLE (one of {', '.join(ROLES)}), e.g. "
+                      f"{name}:worker; only cN, wN and the roles' own names get one by themselves")
+
+
+def parse_names(names: Sequence[str]) -> dict[str, str]:
+    """``NAME[:ROLE]`` entries to ``{name: role}``; ConfigError naming a bad role or a missing one."""
+    out: dict[str, str] = {}
+    for entry in names:
+        name, sep, role = entry.partition(":")
+        check_name("certificate", name)
+        if not sep:
+            role = role_for(name)
+        elif role not in ROLES:
+            raise ConfigError(f"certificate {entry!r}: unknown role {role!r}; one of {', '.join(ROLES)}")
+        out[name] = role
+    return out
+
+
+def _san(name: str, hosts: Iterable[str], role: str) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = [x509.UniformResourceIdentifier(role_uri(role))]
     for h in dict.fromkeys([name, *hosts]):
         try:
             entries.append(x509.IPAddress(ipaddress.ip_address(h)))
@@ -92,24 +126,29 @@ def _san(name: str, hosts: Iterable[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(entries)
 
 
-def issue(out: Path, name: str, *, hosts: Sequence[str] = DEFAULT_HOSTS, user: str = ETCD_USER,
-          cluster: str = "local") -> TlsConfig:
+def issue(out: Path, name: str, *, role: str | None = None, hosts: Sequence[str] = DEFAULT_HOSTS,
+          user: str = ETCD_USER, cluster: str = "local") -> TlsConfig:
     """Make ``out/NAME.crt`` and ``out/NAME.key`` signed by the CA of ``out``; return their TlsConfig.
 
-    ``hosts``: the IPs and DNS names the process is reached at (subject-alternative names,
-    beside ``name`` itself); ``user``: the common name, the etcd user the process acts as.
+    ``role``: what the certificate may do (default :func:`role_for` ``name``); ``hosts``: the
+    IPs and DNS names the process is reached at (subject-alternative names, beside ``name``
+    itself); ``user``: the base of the etcd user the process acts as, the common name
+    ``USER-ROLE``.
     """
     check_name("certificate", name)
+    role = role_for(name) if role is None else role
+    if role not in ROLES:
+        raise ConfigError(f"certificate {name!r}: unknown role {role!r}; one of {', '.join(ROLES)}")
     ca_cert, ca_key = ensure_ca(out, cluster=cluster)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Rallypoint"),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, name),
-                         x509.NameAttribute(NameOID.COMMON_NAME, user)])
+                         x509.NameAttribute(NameOID.COMMON_NAME, etcd_user(user, role))])
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(_now()).not_valid_after(_now() + datetime.timedelta(days=CERT_DAYS))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(name, hosts), critical=False)
+            .add_extension(_san(name, hosts, role), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -121,5 +160,6 @@ def issue(out: Path, name: str, *, hosts: Sequence[str] = DEFAULT_HOSTS, user: s
 
 def make_certs(out: Path, names: Sequence[str], *, hosts: Sequence[str] = DEFAULT_HOSTS, user: str = ETCD_USER,
                cluster: str = "local") -> dict[str, TlsConfig]:
-    """A CA (kept if present) and one certificate per name in ``out``."""
-    return {n: issue(out, n, hosts=hosts, user=user, cluster=cluster) for n in names}
+    """A CA (kept if present) and one certificate per ``NAME[:ROLE]`` in ``out`` (:func:`parse_names`)."""
+    roles = parse_names(names)  # every name checked before anything is written
+    return {n: issue(out, n, role=r, hosts=hosts, user=user, cluster=cluster) for n, r in roles.items()}

@@ -47,8 +47,9 @@ def _daemon_options(f: F) -> F:
     return f
 
 
-def tls_from_options(tls_dir: str, insecure: bool, ident: str) -> TlsConfig | None:
-    """The daemon's identity from ``--tls-dir``/``--insecure``: one of the two is required."""
+def tls_from_options(tls_dir: str, insecure: bool, ident: str, role: str) -> TlsConfig | None:
+    """The daemon's identity from ``--tls-dir``/``--insecure``: one of the two is required, and the
+    certificate must carry the daemon's ``role``."""
     if tls_dir and insecure:
         raise ConfigError("--tls-dir and --insecure exclude each other: pass one")
     if insecure:
@@ -56,7 +57,7 @@ def tls_from_options(tls_dir: str, insecure: bool, ident: str) -> TlsConfig | No
     if not tls_dir:
         raise ConfigError(f"no TLS identity: pass --tls-dir DIR holding ca.crt, {ident}.crt and {ident}.key (make them "
                           f"with `rallypoint certs --out DIR --names {ident}`), or --insecure for plain TCP")
-    return TlsConfig.from_dir(tls_dir, ident)
+    return TlsConfig.from_dir(tls_dir, ident).check_role(role)
 
 
 def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop: Callable[[], None],
@@ -106,7 +107,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     name, endpoints = parse_cluster(cluster)
-    tls = tls_from_options(tls_dir, insecure, ident)
+    tls = tls_from_options(tls_dir, insecure, ident, "worker")
     cfg = WorkerConfig(tls=tls, cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
                        lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
@@ -149,7 +150,7 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     hooks = ExecutorHooks(skip_replay=test_skip_replay)
-    tls = tls_from_options(tls_dir, insecure, ident)
+    tls = tls_from_options(tls_dir, insecure, ident, "coordinator")
     c = Coordinator(CoordinatorConfig(tls=tls, cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, keep_runs=keep_runs,
                                       host=host, hooks=hooks,

@@ -78,8 +78,8 @@ class LocalCluster:
         self.keys = Keys(config.cluster)
         self.etcd: EtcdCluster | None = None
         self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
-        if config.tls:  # in-process clients (EtcdStore(endpoints), submit) find the identity by the endpoints
-            security.remember_client(endpoints, self.tls_dir)
+        # in-process clients (EtcdStore(endpoints), submit) find the identity (or plain) by the endpoints
+        security.remember_client(endpoints, self.tls_dir if config.tls else None)
 
     @property
     def processes(self) -> list[ProcessRecord]:
@@ -206,7 +206,8 @@ class LocalCluster:
         log_path = self.config.state_dir / "logs" / f"{name}.log"
         net = self._place(name) if role == "worker" else None
         if self.config.tls:
-            security.issue_process(self.tls_dir, name, host=self.config.host, cluster=self.config.cluster, net=net)
+            security.issue_process(self.tls_dir, name, role=role, host=self.config.host, cluster=self.config.cluster,
+                                   net=net)
         rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
         self.save()
         self.log.info("process.started", role=role, name=name, pid=rec.pid)

@@ -2,12 +2,13 @@
 
 A local cluster with ``tls`` on (the default; ``docs/security.md``) keeps a CA in
 ``<state-dir>/tls`` (:mod:`rallypoint.cluster.certs`) and gives every process its own
-certificate, made afresh at each start of the process and naming the addresses it
-binds and advertises. etcd gets the ``etcd`` certificate, runs with client-certificate
-auth, and has a ``rallypoint`` user that may only touch this cluster's prefix
-(:func:`rallypoint.etcd.auth.enable_auth`). Clients (the CLI, tests) use the ``client``
-certificate, which in-process clients find by the cluster's endpoints
-(:func:`rallypoint.basics.tls.remember`).
+certificate with its role (coordinator or worker), made afresh at each start of the
+process and naming the addresses it binds and advertises. etcd gets the ``etcd``
+certificate, runs with client-certificate auth, and has a user per role that may only
+touch what that role needs of this cluster's prefix (:func:`rallypoint.etcd.auth.enable_auth`).
+Clients (the CLI, tests) use the ``client`` certificate, which in-process clients find by
+the cluster's endpoints (:func:`rallypoint.basics.tls.remember`). Its role is operator:
+whoever starts an embedded cluster administers it (cordon, drain) as well as submitting.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rallypoint.basics import tls as tls_registry
+from rallypoint.basics.authz import ETCD, OPERATOR
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
 from rallypoint.cluster.local_config import WorkerNetwork
@@ -24,7 +26,7 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.server import EtcdCluster
 
 TLS_DIR = "tls"
-CLIENT_CERT = "client"  # the identity the CLI and in-process clients use
+CLIENT_CERT = "client"  # the identity the CLI and in-process clients use (role operator)
 ETCD_CERT = "etcd"
 
 
@@ -38,28 +40,29 @@ def client_tls(tls_dir: Path) -> TlsConfig:
     return TlsConfig.from_dir(tls_dir, CLIENT_CERT)
 
 
-def remember_client(endpoints: Sequence[str], tls_dir: Path) -> None:
-    """Let in-process clients of ``endpoints`` (``EtcdStore(endpoints)``, submit) find the client identity."""
-    tls_registry.remember(endpoints, TlsConfig(tls_dir / "ca.crt", tls_dir / f"{CLIENT_CERT}.crt",
-                                               tls_dir / f"{CLIENT_CERT}.key"))
+def remember_client(endpoints: Sequence[str], tls_dir: Path | None) -> None:
+    """Let in-process clients of ``endpoints`` (``EtcdStore(endpoints)``, submit) find the client identity
+    (``tls_dir`` None: an ``--insecure`` cluster, recorded as plain)."""
+    tls_registry.remember(endpoints, None if tls_dir is None else TlsConfig(
+        tls_dir / "ca.crt", tls_dir / f"{CLIENT_CERT}.crt", tls_dir / f"{CLIENT_CERT}.key"))
 
 
 def forget_client(endpoints: Sequence[str]) -> None:
     """Undo :func:`remember_client` (a stopped cluster's endpoints may be reused)."""
-    tls_registry.remember(endpoints, None)
+    tls_registry.forget(endpoints)
 
 
 def issue_etcd_and_client(state_dir: Path, *, host: str, cluster: str) -> tuple[TlsConfig, TlsConfig]:
     """The certificates of etcd and of the cluster's clients, naming ``host`` and the loopback names."""
     tls_dir = state_dir / TLS_DIR
     hosts = list(dict.fromkeys([host, *DEFAULT_HOSTS]))
-    etcd_tls = issue(tls_dir, ETCD_CERT, hosts=hosts, cluster=cluster)
-    client = issue(tls_dir, CLIENT_CERT, hosts=hosts, cluster=cluster)
+    etcd_tls = issue(tls_dir, ETCD_CERT, role=ETCD, hosts=hosts, cluster=cluster)
+    client = issue(tls_dir, CLIENT_CERT, role=OPERATOR, hosts=hosts, cluster=cluster)
     return etcd_tls, client
 
 
 def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secrets_dir: Path) -> None:
-    """etcd's users (root, and ``rallypoint`` on the cluster's prefix only), then auth on; stops etcd on failure."""
+    """etcd's users (root, and one per role on the cluster's prefix only), then auth on; stops etcd on failure."""
     try:
         enable_auth(etcd.endpoints, client, Keys(cluster).prefix, secrets_dir=secrets_dir)
     except BaseException:
@@ -67,10 +70,10 @@ def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secr
         raise
 
 
-def issue_process(tls_dir: Path, name: str, *, host: str, cluster: str, net: WorkerNetwork | None) -> None:
-    """A fresh certificate for process ``name``, naming every address it binds or is reached at."""
+def issue_process(tls_dir: Path, name: str, *, role: str, host: str, cluster: str, net: WorkerNetwork | None) -> None:
+    """A fresh certificate of ``role`` for process ``name``, naming every address it binds or is reached at."""
     hosts = [host, *DEFAULT_HOSTS]
     if net is not None:
         advertised = (net.advertise_address, net.advertise_data_address)
         hosts += [net.host] + [a.rpartition(":")[0] for a in advertised if a]
-    issue(tls_dir, name, hosts=list(dict.fromkeys(hosts)), cluster=cluster)
+    issue(tls_dir, name, role=role, hosts=list(dict.fromkeys(hosts)), cluster=cluster)

@@ -48,6 +48,7 @@ from types import TracebackType
 import structlog
 
 from rallypoint.basics.errors import ConfigError, EtcdBinaryNotFound, EtcdStartError
+from rallypoint.basics import tls as tls_registry
 from rallypoint.basics.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
@@ -242,6 +243,8 @@ class EtcdCluster:
                 for i in range(members):
                     cluster._spawn(i, "new")
                 cluster._wait(list(range(members)), ready_timeout_s)
+                if tls is None:  # in-process AUTO clients may use plain TCP with these endpoints, and only these
+                    tls_registry.remember(cluster.endpoints, None)
                 return cluster
             except _PortInUse as exc:
                 cluster.stop()
@@ -366,6 +369,7 @@ class EtcdCluster:
     def stop(self) -> None:
         """Stop and reap every member (idempotent)."""
         _reap_all(self._members)
+        tls_registry.forget(self.endpoints)
 
     def detach(self) -> None:
         """Leave the members running after this object goes away (``rallypoint up``).

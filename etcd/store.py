@@ -274,8 +274,9 @@ class EtcdStore:
         tls: mutual TLS to etcd (:class:`~rallypoint.basics.tls.TlsConfig`); etcd started with
             ``--client-cert-auth`` takes the user from the certificate's common name. The
             members' certificates must name the first endpoint's host (the name checked).
-            None: plain; ``AUTO`` (the default): the identity a local cluster of this process
-            recorded for these endpoints, plain if none did.
+            None: plain; ``AUTO`` (the default): the identity (or plain) a local cluster or
+            etcd of this process recorded for these endpoints, and a ConfigError naming the
+            endpoints when none did: never a silent fall-back to plain TCP.
     """
 
     def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 2.0, tls: Any = AUTO) -> None:

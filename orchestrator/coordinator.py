@@ -45,6 +45,7 @@ from rallypoint.orchestrator.membership import MembershipChange, MembershipMonit
 from rallypoint.orchestrator.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import EtcdStore, Put, Store
+from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -225,7 +226,8 @@ class Coordinator:
         # for the other calls; past the pool, a call is refused (RESOURCE_EXHAUSTED) instead of queued.
         threads = config.max_watchers + RPC_THREADS_RESERVED
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coordinator-rpc"),
-                                  maximum_concurrent_rpcs=threads)
+                                  maximum_concurrent_rpcs=threads,
+                                  interceptors=authz.interceptors(config.tls))  # each method checks the caller's role
         port = add_port(self.server, f"{config.host}:{config.port}", config.tls)
         if port == 0:
             raise ConfigError(f"cannot bind the coordinator gRPC server to {config.host}:{config.port}")

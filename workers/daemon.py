@@ -43,6 +43,7 @@ from rallypoint.etcd.lease import LeaseKeeper
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import EtcdStore, Store, created_at
+from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -211,7 +212,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             self.log.info("worker.compile_cache", directory=str(cache))
         if self.config.faults.any:
             self.log.warning("worker.faults_injected", **dataclasses.asdict(self.config.faults))
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="worker-rpc"))
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="worker-rpc"),
+                                   interceptors=authz.interceptors(self.config.tls))  # each method checks the role
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
                                             incarnation=lambda: self.incarnation, commit_factory=self._commit_factory,

@@ -33,6 +33,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
+from rallypoint.basics import authz
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import HANDSHAKE_TIMEOUT_S, TlsConfig
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -175,15 +177,35 @@ class DataPlaneServer:
             self._conns.add(tconn)
         return tconn
 
+    def _refusal(self, conn: socket.socket) -> str | None:
+        """Why the peer's role may not send here (None: it may, or plain TCP has no certificate to check)."""
+        if self._tls is None or not isinstance(conn, ssl.SSLSocket):
+            return None
+        return authz.refusal(authz.DATA_PLANE, authz.role_of_peercert(conn.getpeercert()))
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Answer REFUSED before reading a frame, then discard what the peer still sends (no RST eats the answer)."""
+        self.log.warning("dataplane.role_refused", error=why)
+        data = why.encode()[:4096]
+        conn.sendall(bytes([Status.REFUSED]) + _U32.pack(len(data)) + data)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S  # a bound on what a refused peer costs
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        while time.monotonic() < deadline and conn.recv(1 << 16):
+            pass
+
     def _serve(self, raw: socket.socket) -> None:
         conn = self._handshake(raw)
         if conn is None:
             return
         try:
+            refused = self._refusal(conn)
             while not self._stop.is_set():
                 first = conn.recv(1)
                 if not first:
                     return  # the peer closed an idle connection
+                if refused is not None:
+                    self._refuse(conn, refused)
+                    return
                 magic = first + _recv_exact(conn, len(MAGIC) - 1)
                 if magic != MAGIC:
                     raise FrameError(f"not a data-plane frame: {magic!r}")

@@ -1,8 +1,9 @@
-"""mTLS and etcd auth on a real local cluster: who is refused, and what malformed or stale requests change.
+"""mTLS, roles and etcd auth on a real local cluster: who is refused, and what malformed or stale requests change.
 
-One cluster (real etcd with TLS and auth, a leading and a standby coordinator, one worker) serves every test
-of this module; each test ends by checking the cluster is as it found it (same processes, same worker
-incarnation, no job) and still serves a valid peer.
+One cluster (real etcd with TLS and a user per role, a leading and a standby coordinator, one worker) serves
+every test of this module; each test ends by checking the cluster is as it found it (same processes, same
+worker incarnation, no job) and still serves a valid peer. Certificates of each role, signed by the cluster's
+CA, stand in for a stolen worker certificate, a client's and a coordinator's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rallypoint.cluster.certs import make_certs
+from rallypoint.basics.errors import ConfigError
+from rallypoint.cluster.certs import issue, make_certs
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.keys import Keys
@@ -30,6 +32,7 @@ from rallypoint.basics.tls import TlsConfig, channel
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.dataplane import MAGIC, DataPlaneClient, DataPlaneError, Status
+from tests.conftest import wait_until
 
 WORKER_METHODS = ["/rallypoint.v1.Worker/Ping", "/rallypoint.v1.WorkerRuntime/LoadJob",
                   "/rallypoint.v1.WorkerRuntime/RunSteps", "/rallypoint.v1.WorkerRuntime/UnloadJob",
@@ -44,10 +47,21 @@ def lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
                              coordinators=2, lease_ttl_s=2)
     cluster = LocalCluster.start(cfg)
     try:
+        store = cluster.store()  # every test reads the leader's term: wait for the first election
+        try:
+            wait_until(lambda: store.get(cluster.keys.leader), 30, "a leader elected")
+        finally:
+            store.close()
         yield cluster
     finally:
         cluster.stop()
         assert not [p for p in cluster.processes if is_running(p)]
+
+
+@pytest.fixture(scope="module")
+def role(lc: LocalCluster) -> dict[str, TlsConfig]:
+    """A certificate of each role from the cluster's own CA (what a thief of one would hold)."""
+    return {r: issue(lc.tls_dir, f"probe-{r}", role=r) for r in ("client", "worker", "coordinator", "operator")}
 
 
 @pytest.fixture(scope="module")
@@ -176,17 +190,134 @@ def test_etcd_refuses_clients_without_a_certificate_and_confines_rallypoint_to_i
     assert_unchanged(lc, before)
 
 
+# -- roles: each certificate may do what its role needs, nothing more ----------------------------------------
+
+
+def _denied(call: Any, method: str, role: str) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+    assert f"{method} is refused to role '{role}'" in (refused.value.details() or "")
+
+
+def test_a_worker_or_client_certificate_is_refused_what_its_role_may_not_call(
+        lc: LocalCluster, role: dict[str, TlsConfig]) -> None:
+    before = state(lc)
+    to = pb.Identity(cluster=lc.keys.cluster, worker_id="w0", incarnation=before["incarnation"], term=before["term"])
+    stolen = channel(before["leader"], role["worker"])  # a stolen worker certificate at the leader ...
+    try:
+        _denied(lambda: next(pb_grpc.CoordinatorStub(stolen).SubmitJob(pb.JobSpec(job="evil"), timeout=5)),
+                "/rallypoint.v1.Coordinator/SubmitJob", "worker")
+        _denied(lambda: next(pb_grpc.CoordinatorStub(stolen).WatchJob(pb.WatchJobRequest(job="x"), timeout=5)),
+                "/rallypoint.v1.Coordinator/WatchJob", "worker")
+    finally:
+        stolen.close()
+    stolen = channel(before["address"], role["worker"])  # ... and at another worker
+    try:
+        runtime = pb_grpc.WorkerRuntimeStub(stolen)
+        _denied(lambda: runtime.LoadJob(pb.LoadJobRequest(to=to, job="evil"), timeout=5),
+                "/rallypoint.v1.WorkerRuntime/LoadJob", "worker")
+        _denied(lambda: runtime.UnloadJob(pb.UnloadJobRequest(to=to, job="evil"), timeout=5),
+                "/rallypoint.v1.WorkerRuntime/UnloadJob", "worker")
+        _denied(lambda: next(runtime.FetchState(pb.FetchStateRequest(to=to, job="evil"), timeout=5)),
+                "/rallypoint.v1.WorkerRuntime/FetchState", "worker")
+        _denied(lambda: pb_grpc.WorkerStub(stolen).Ping(pb.PingRequest(to=to), timeout=5),
+                "/rallypoint.v1.Worker/Ping", "worker")
+    finally:
+        stolen.close()
+    client = channel(before["address"], role["client"])  # a client cannot drive a worker or raise its term
+    try:
+        _denied(lambda: pb_grpc.WorkerStub(client).Ping(pb.PingRequest(to=pb.Identity(term=10**9)), timeout=5),
+                "/rallypoint.v1.Worker/Ping", "client")
+        _denied(lambda: pb_grpc.WorkerRuntimeStub(client).RunSteps(pb.RunStepsRequest(to=to, job="x"), timeout=5),
+                "/rallypoint.v1.WorkerRuntime/RunSteps", "client")
+    finally:
+        client.close()
+    client = channel(before["leader"], role["client"])  # what a client may do, it can (the leader answers)
+    try:
+        with pytest.raises(grpc.RpcError) as answered:
+            next(pb_grpc.CoordinatorStub(client).WatchJob(pb.WatchJobRequest(job="nope"), timeout=5))
+        assert answered.value.code() is grpc.StatusCode.NOT_FOUND
+    finally:
+        client.close()
+    assert_unchanged(lc, before)
+
+
+def test_the_data_plane_takes_frames_from_workers_only(lc: LocalCluster, role: dict[str, TlsConfig]) -> None:
+    before = state(lc)
+    to = pb.Identity(worker_id="w0", incarnation=before["incarnation"])
+    for who in ("client", "coordinator", "operator"):
+        sender = DataPlaneClient(timeout_s=5, tls=role[who])
+        try:
+            with pytest.raises(DataPlaneError) as refused:
+                sender.send(before["data"], pb.TransferHeader(job="j", to=to), [np.ones(1 << 16)])
+            assert refused.value.status is Status.REFUSED
+            assert f"dataplane is refused to role '{who}'" in str(refused.value)
+        finally:
+            sender.close()
+    sender = DataPlaneClient(timeout_s=5, tls=role["worker"])  # a worker passes the role check (and finds no job)
+    try:
+        with pytest.raises(DataPlaneError) as no_job:
+            sender.send(before["data"], pb.TransferHeader(job="j", to=to), [np.ones(2)])
+        assert no_job.value.status is Status.NO_JOB
+    finally:
+        sender.close()
+    assert_unchanged(lc, before)
+
+
+def test_etcd_users_per_role_write_only_what_the_role_needs(lc: LocalCluster, role: dict[str, TlsConfig]) -> None:
+    before = state(lc)
+    k = lc.keys
+    commit = k.checkpoint("j", "s0", 1)
+    client = EtcdStore(lc.endpoints, tls=role["client"], request_timeout_s=2)
+    worker = EtcdStore(lc.endpoints, tls=role["worker"], request_timeout_s=2)
+    try:
+        assert client.get(k.leader) is not None and worker.get(k.leader) is not None  # both read the cluster
+        for key in (k.worker("w9"), k.device("w9", 0), k.leader, commit, k.job("evil"), k.coordinator("c9")):
+            with pytest.raises(StoreError, match="PERMISSION_DENIED"):
+                client.put(key, "{}")  # a client registers no worker and writes no leader or commit key
+        for key in (k.leader, k.coordinator("c9"), k.lost("w0"), k.prefix + "drained/w0/j", k.job_yields("j") + "s"):
+            with pytest.raises(StoreError, match="PERMISSION_DENIED"):
+                worker.put(key, "{}")  # a worker certificate cannot lead, mark peers lost or end a drain
+        with pytest.raises(StoreError, match="PERMISSION_DENIED"):
+            worker.delete(k.leader)
+        # What a worker needs: its registration, and its lease while the leader has attached device leases to it
+        # (etcd lets a put with a lease, and a revoke, through only to a user who may write every key on it).
+        leader = EtcdStore(lc.endpoints, tls=role["coordinator"], request_timeout_s=2)
+        try:
+            lease = worker.grant_lease(10).id
+            worker.put(k.worker("probe"), "{}", lease=lease)
+            leader.put(k.lease("probe", 0), "{}", lease=lease)
+            worker.put(k.device("probe", 0), "{}", lease=lease)
+            worker.revoke_lease(lease)
+            assert worker.get(k.worker("probe")) is None and worker.get(k.lease("probe", 0)) is None
+        finally:
+            leader.close()
+    finally:
+        client.close()
+        worker.close()
+    assert_unchanged(lc, before)
+
+
+def test_a_store_without_an_identity_for_a_tls_etcd_is_a_clear_error_not_plaintext(lc: LocalCluster) -> None:
+    port = lc.endpoints[0].rpartition(":")[2]
+    other_name = [f"localhost:{port}"]  # the same etcd by a name no in-process cluster recorded an identity for
+    with pytest.raises(ConfigError, match=f"no TLS identity for etcd at localhost:{port}.*never falls back"):
+        EtcdStore(other_name)
+
+
 # -- stale identities, over the wire -----------------------------------------------------------------------
 
 
-def test_a_request_or_frame_for_a_stale_incarnation_or_term_is_refused(lc: LocalCluster) -> None:
+def test_a_request_or_frame_for_a_stale_incarnation_or_term_is_refused(
+        lc: LocalCluster, role: dict[str, TlsConfig]) -> None:
     before = state(lc)
     for to in ({"incarnation": before["incarnation"] - 1}, {"incarnation": before["incarnation"] + 1},
                {"incarnation": before["incarnation"], "term": before["term"] - 1}):
         with pytest.raises(grpc.RpcError) as refused:
             ping(lc, lc.client_tls, **to)
         assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, to
-    client = DataPlaneClient(timeout_s=5, tls=lc.client_tls)
+    client = DataPlaneClient(timeout_s=5, tls=role["worker"])  # the data plane is the workers' alone
     try:
         for to in (pb.Identity(worker_id="w0", incarnation=before["incarnation"] - 1),
                    pb.Identity(worker_id="w0", incarnation=before["incarnation"], term=before["term"] - 1)):
@@ -221,11 +352,13 @@ def _parses(method: str, body: bytes) -> bool:
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
 @given(method=st.sampled_from(WORKER_METHODS + COORDINATOR_METHODS), body=st.binary(min_size=1, max_size=512))
-def test_malformed_grpc_requests_get_an_error_and_change_nothing(lc: LocalCluster, method: str, body: bytes) -> None:
+def test_malformed_grpc_requests_get_an_error_and_change_nothing(lc: LocalCluster, role: dict[str, TlsConfig],
+                                                                 method: str, body: bytes) -> None:
     assume(not _parses(method, body))  # a well-formed request is the service's business, not the wire's
     before = state(lc)
-    coordinator = method.startswith("/rallypoint.v1.Coordinator/")
-    ch = channel(before["leader"] if coordinator else before["address"], lc.client_tls)
+    coordinator = method.startswith("/rallypoint.v1.Coordinator/")  # each service called by a role it serves
+    ch = channel(before["leader"] if coordinator else before["address"],
+                 role["client"] if coordinator else role["coordinator"])
     try:
         try:
             if coordinator:

@@ -28,7 +28,7 @@ U32 = struct.Struct("!I")
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
-    return make_certs(tmp_path_factory.mktemp("tls"), ["server", "client"])
+    return make_certs(tmp_path_factory.mktemp("tls"), ["server:worker", "client:worker"])  # the data plane: workers
 
 
 @pytest.fixture(scope="module")
