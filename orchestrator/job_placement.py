@@ -174,8 +174,12 @@ class JobPlacement:
                                        else "drained onto fewer devices"})
         self._places.update(places)
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
         """Lease spare devices for each lost slice per the job's policy (waits, or fails the job).
+
+        ``exclude``: workers not used whatever their incarnation; ``lost``: worker -> the incarnation
+        a recovery lost (a newer one of the same worker is a spare like any other).
 
         Returns the places leased; :meth:`apply` makes them the job's.
         """
@@ -194,7 +198,7 @@ class JobPlacement:
                 return placed
             snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
             decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
-                                  allowed=self.device_counts)
+                                  allowed=self.device_counts, lost_incarnations=lost)
             if isinstance(decision, Remap | Shrink):
                 for a in decision.assignments:
                     if self._lease(snap, a, leases, placed) and a.shrunk:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from rallypoint.basics.errors import NotLeader, StoreError
@@ -109,8 +110,9 @@ class JobRecoveryPort(RecoveryPort):
 
     # -- placement and runtimes ------------------------------------------------------------------
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
-        return self.places.remap(need, exclude, record)
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
+        return self.places.remap(need, exclude, record, lost=lost)
 
     def place(self, places: Mapping[str, SlicePlace]) -> None:
         self.places.apply(places)
