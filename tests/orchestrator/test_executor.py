@@ -278,6 +278,18 @@ def test_an_adopted_slice_without_room_fails_after_wait_timeout_or_at_once_with_
     assert "on_no_spare='fail'" in h.record()["reason"] and h.clock.monotonic() - start < 1
 
 
+def test_an_adopting_load_refused_by_the_old_leaders_runtime_unloads_it_and_asks_again(tmp_path: Path) -> None:
+    # The lost leader's load was still on its way to w1 when the stale runtimes were unloaded: w1 refuses twice.
+    h = adopt_after_losing_two_of_three(tmp_path)
+    register_worker(h.store, h.keys, "w1", 1)
+    busy = call_failed("w1", grpc.StatusCode.FAILED_PRECONDITION, "job 'pipe' is already loaded on worker w1")
+    h.workers.load_failures = [{"w1": busy}, {"w1": busy}]
+    start = h.clock.monotonic()
+    assert h.x.run() is JobState.SUCCEEDED, h.record().get("reason")
+    assert h.workers.unloaded.count("w1") >= 3 and h.clock.monotonic() - start >= 2  # once, then before each retry
+    assert sorted(w for w, _ in h.workers.loads) == ["w0", "w1"] and h.workers.load_failures == []
+
+
 def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     h.x._prepare()
