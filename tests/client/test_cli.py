@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.cluster.local import STATE_FILE, LocalCluster, is_running
+from rallypoint.etcd.cluster_view import read_cluster
 from tests.conftest import read_events, wait_until
 
 pytestmark = pytest.mark.processes  # every test here starts processes
@@ -95,13 +96,17 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
 
     # Supervised (`up`'s default): a worker killed by a real signal is started again by the supervise daemon and
     # registers as a new incarnation, a spare; the state file records the new process, so `down` stops it.
-    old = rows("--state-dir", str(state_dir))["w1"]
-    os.kill(lc.process("w1").pid, signal.SIGKILL)
-    new = wait_until(lambda: (r := rows("--state-dir", str(state_dir)).get("w1")) and r["alive"]
-                     and r["incarnation"] > old["incarnation"] and r, 60, "w1 registered again")
-    assert new["pid"] != old["pid"] and new["state"] == "spare"
+    old = table["w1"]
+    os.kill(old["pid"], signal.SIGKILL)
+    store = lc.store()
+    try:
+        new = wait_until(lambda: (w := read_cluster(store, lc.keys).workers.get("w1")) and
+                         w.info.incarnation > old["incarnation"] and w, 60, "w1 registered again", interval_s=0.2)
+    finally:
+        store.close()
+    assert new.info.pid != old["pid"] and new.state == "spare"
     restarted = LocalCluster.load(state_dir)
-    assert restarted.process("w1").pid == new["pid"]
+    assert restarted.process("w1").pid == new.info.pid
 
     assert "stopped" in rp("down", "--state-dir", str(state_dir)).stdout
     assert not any(is_running(p) for p in [*lc.processes, *restarted.processes]), "down left processes running"
