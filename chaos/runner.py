@@ -278,7 +278,7 @@ class ScenarioRun:
             compile_cache_dir=self.compile_cache_dir if s.compile_cache else "",
             # a storage flag, without root; damaged in-memory checkpoint copies, when the scenario asks
             worker_faults=replace(storage.faults if storage else NO_FAULTS, corrupt_replicas=s.corrupt_replicas),
-            coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay))
+            coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay), supervise=s.supervise)
         if "partition" in s.kinds:
             from rallypoint.chaos.network import start_partitionable_cluster
 

@@ -21,6 +21,7 @@ etcd_members = 1                    # 3 for the etcd faults
 lease_ttl_s = 2
 compile_cache = true                # the workers' shared compilation cache (false: every load compiles)
 corrupt_replicas = false            # every in-memory checkpoint copy is damaged (a restore must read the disk)
+supervise = false                   # true: killed workers and coordinators are started again (a new incarnation)
 
 [second_job]                        # optional: another job on the same cluster, submitted mid-run
 file = "examples/urgent.py"
@@ -134,6 +135,7 @@ class Scenario:
     lease_ttl_s: int = 2
     compile_cache: bool = True
     corrupt_replicas: bool = False
+    supervise: bool = False
     expect_outcome: str = "finished"
     expect_reason: str = ""
     time_bound_s: float = 300.0
@@ -239,7 +241,7 @@ def load_scenario(path: Path) -> Scenario:
         raise ConfigError(f"{w} [job].policy: {policy!r} is not 'partial' or 'restart-all'")
     cluster = _get(data, "cluster", dict, w, {})
     _unknown(cluster, {"workers", "spares", "devices_per_worker", "coordinators", "etcd_members", "lease_ttl_s",
-                       "compile_cache", "corrupt_replicas"},
+                       "compile_cache", "corrupt_replicas", "supervise"},
              f"{w} [cluster]")
     expect = _get(data, "expect", dict, w, {})
     _unknown(expect, {"outcome", "reason", "time_bound_s"}, f"{w} [expect]")
@@ -308,6 +310,7 @@ def load_scenario(path: Path) -> Scenario:
         lease_ttl_s=_get(cluster, "lease_ttl_s", int, f"{w} [cluster]", 2),
         compile_cache=_get(cluster, "compile_cache", bool, f"{w} [cluster]", True),
         corrupt_replicas=_get(cluster, "corrupt_replicas", bool, f"{w} [cluster]", False),
+        supervise=_get(cluster, "supervise", bool, f"{w} [cluster]", False),
         expect_outcome=outcome, expect_reason=_get(expect, "reason", str, f"{w} [expect]", ""),
         time_bound_s=float(_get(expect, "time_bound_s", (int, float), f"{w} [expect]", 300.0)),
         faults=tuple(faults), random=rnd, priority=_get(job, "priority", int, f"{w} [job]", 0), second_job=second,

@@ -82,18 +82,21 @@ def main() -> None:
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_STATE_DIR,
               envvar="RALLYPOINT_STATE_DIR", show_default=True)
 @click.option("--insecure", is_flag=True, help="No TLS and no etcd auth: plain TCP everywhere (docs/security.md).")
+@click.option("--no-supervise", is_flag=True, help="Do not restart coordinators and workers that die (by default a "
+              "supervise daemon restarts them with backoff, as systemd or Kubernetes would; docs/operations.md).")
 def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, etcd_members: str,
-       lease_ttl_s: int, cluster_name: str, state_dir: Path, insecure: bool) -> None:
+       lease_ttl_s: int, cluster_name: str, state_dir: Path, insecure: bool, no_supervise: bool) -> None:
     """Start a local cluster in the background (etcd, coordinators, workers)."""
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 
     config = LocalClusterConfig(
         state_dir=state_dir.resolve(), workers=workers, spares=spares, devices_per_worker=devices_per_worker,
         coordinators=coordinators, etcd_members=int(etcd_members), lease_ttl_s=lease_ttl_s, cluster=cluster_name,
-        tls=not insecure,
+        tls=not insecure, supervise=not no_supervise,
     )
     configure_logs(level="warning")
     lc = LocalCluster.start(config)
+    lc.detach_supervision()  # the supervise daemon outlives this command
     n = workers + spares
     click.echo(f"cluster {config.cluster!r} is up: etcd {','.join(lc.endpoints)}, "
                f"{coordinators} coordinators, {n} workers x {devices_per_worker} devices")

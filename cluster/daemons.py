@@ -4,6 +4,8 @@ The local cluster launcher (:mod:`rallypoint.cluster.local`) starts every proces
 with these; on real hosts a service manager does (``docs/operations.md``). Each
 daemon stops cleanly on SIGINT; a worker takes SIGTERM as a preemption notice (it asks to
 be drained, then leaves: :mod:`rallypoint.workers.preemption`), the others stop on it.
+``supervise`` restarts the local cluster's coordinators and workers that die (what a
+service manager does on real hosts).
 """
 
 from __future__ import annotations
@@ -166,6 +168,21 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
             dashboard.stop()
 
     _run_daemon(lambda: None, c.run, c.stop, stopped)
+
+
+@main.command()
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="The local cluster's state dir (its cluster.json names the processes to supervise).")
+def supervise(state_dir: str) -> None:
+    """Restart the local cluster's coordinators and workers that die, with backoff (`rallypoint up` starts it)."""
+    from pathlib import Path
+
+    from rallypoint.cluster.local import LocalCluster
+
+    configure_logs()
+    lc = LocalCluster.load(Path(state_dir))
+    stop = threading.Event()
+    _run_daemon(lambda: None, lambda: lc.run_supervision(stop), stop.set, lambda: None)
 
 
 if __name__ == "__main__":

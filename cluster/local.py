@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,8 @@ from rallypoint.cluster import local_security as security
 from rallypoint.cluster.local_config import (DEFAULT_HOST, NETWORKS, LocalClusterConfig, WorkerNetwork,
                                             WorkerNetworkHook)
 from rallypoint.cluster.local_state import STATE_FILE, read_state, state_file, write_state
-from rallypoint.cluster.processes import (ProcessRecord, Supervisor, is_running, log_tail, process_start_time,
-                                          stop_process)
+from rallypoint.cluster.processes import (ProcessRecord, RestartPolicy, Supervisor, is_running, log_tail,
+                                          process_start_time, stop_process)
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.metrics_targets import read_metrics_targets
@@ -78,6 +79,10 @@ class LocalCluster:
         self.keys = Keys(config.cluster)
         self.etcd: EtcdCluster | None = None
         self.log = get_logger("rallypoint.local_cluster", cluster=config.cluster)
+        self.restart_policy = RestartPolicy()
+        self._supervising: tuple[threading.Thread, threading.Event] | None = None
+        self._spawn_lock = threading.Lock()
+        self._reported: set[str] = set()  # processes past their restart limit, logged once
         # in-process clients (EtcdStore(endpoints), submit) find the identity (or plain) by the endpoints
         security.remember_client(endpoints, self.tls_dir if config.tls else None)
 
@@ -140,6 +145,8 @@ class LocalCluster:
         except BaseException:
             cluster.stop()
             raise
+        if config.supervise:
+            cluster.supervise()
         return cluster
 
     def argv(self, role: str, name: str, net: WorkerNetwork | None = None) -> list[str]:
@@ -208,10 +215,60 @@ class LocalCluster:
         if self.config.tls:
             security.issue_process(self.tls_dir, name, role=role, host=self.config.host, cluster=self.config.cluster,
                                    net=net)
-        rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
-        self.save()
+        with self._spawn_lock:
+            rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
+            self.save()
         self.log.info("process.started", role=role, name=name, pid=rec.pid)
         return rec
+
+    # -- supervision (LocalClusterConfig.supervise) -----------------------------------------------
+
+    def supervise(self, *, poll_s: float = 0.2) -> None:
+        """Restart coordinators and workers that die, from a thread of this process, until :meth:`stop`."""
+        if self._supervising is not None:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self.run_supervision, args=(stop,), kwargs={"poll_s": poll_s},
+                                  name=f"supervise-{self.config.cluster}", daemon=True)
+        self._supervising = (thread, stop)
+        thread.start()
+
+    def run_supervision(self, stop: threading.Event, *, poll_s: float = 0.2) -> None:
+        """The supervision loop (a thread here, or the ``supervise`` daemon after ``rallypoint up``)."""
+        while not stop.wait(poll_s):
+            try:
+                restarted = self.supervisor.restart_exited(
+                    time.monotonic(), lambda r: self.spawn(r.role, r.name), self.restart_policy)
+            except Exception as exc:  # a failed start is tried again on the next pass, after its backoff
+                self.log.warning("process.restart_failed", error=repr(exc))
+                continue
+            for dead, new in restarted:
+                self.log.warning("process.restarted", role=new.role, name=new.name, old_pid=dead.pid, pid=new.pid,
+                                 restarts=len(self.supervisor.restarts.get(new.name, [])))
+            for name, why in self.supervisor.given_up.items():
+                if name not in self._reported:
+                    self._reported.add(name)
+                    self.log.error("process.restart_limit", name=name, reason=why)
+
+    def detach_supervision(self) -> ProcessRecord | None:
+        """Hand supervision to a ``supervise`` daemon that outlives this process (``rallypoint up``)."""
+        if not self.config.supervise:
+            return None
+        self._end_supervision()
+        argv = [sys.executable, "-m", "rallypoint.cluster.daemons", "supervise",
+                "--state-dir", str(self.config.state_dir.absolute())]
+        with self._spawn_lock:
+            rec = self.supervisor.launch("supervisor", "supervisor", argv,
+                                         self.config.state_dir / "logs" / "supervisor.log")
+            self.save()
+        return rec
+
+    def _end_supervision(self) -> None:
+        if self._supervising is not None:
+            thread, stop = self._supervising
+            stop.set()
+            thread.join(timeout=30)
+            self._supervising = None
 
     def wait_for_workers(self, count: int, *, timeout_s: float = 60.0) -> ClusterSnapshot:
         """Wait until ``count`` workers are registered; fail with their logs' tails if not."""
@@ -289,7 +346,13 @@ class LocalCluster:
         self.supervisor.reap(name, timeout_s)
 
     def stop(self) -> None:
-        """Stop every recorded process: workers, then coordinators, then etcd. Idempotent."""
+        """Stop every recorded process: the supervision first, then workers, coordinators, etcd. Idempotent."""
+        self._end_supervision()
+        daemons = [p for p in self.processes if p.role == "supervisor"]
+        for p in daemons:
+            stop_process(p)
+        if daemons and state_file(self.config.state_dir).exists():  # what the daemon restarted, it recorded
+            self.supervisor.records = read_state(self.config.state_dir)[2]
         self.supervisor.stop_all()
         if self.etcd is not None:
             self.etcd.stop()

@@ -58,6 +58,12 @@ class LocalClusterConfig:
             (``--metrics-port 0``); each publishes the address in its etcd record, where
             :meth:`~rallypoint.cluster.local.LocalCluster.metrics_targets` and ``rallypoint metrics``
             find it (docs/metrics.md).
+        supervise: coordinators and workers that die are started again, with backoff and
+            a restart limit (:class:`~rallypoint.cluster.processes.RestartPolicy`), as a
+            service manager would on real hosts: by a thread of the process that started
+            the cluster, or by a ``supervise`` daemon after ``rallypoint up`` (which turns
+            it on). Off by default here: a test or chaos scenario that kills a process
+            expects it to stay dead unless it asks for supervision.
     """
 
     state_dir: Path
@@ -77,6 +83,7 @@ class LocalClusterConfig:
     coordinator_hooks: ExecutorHooks = ExecutorHooks()
     tls: bool = True
     metrics: bool = True
+    supervise: bool = False
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)

@@ -6,6 +6,12 @@ taken for it: :func:`is_running` says no and :func:`stop_process` leaves it alon
 :class:`Supervisor` holds the records of one local cluster (:mod:`rallypoint.cluster.local`):
 it starts a process into its log file, finds one by name, signals it, reaps it, and
 stops them all in order. It knows nothing of certificates, etcd or the state file.
+
+It also restarts coordinators and workers that die (:meth:`Supervisor.restart_exited`, under a
+:class:`RestartPolicy`), as systemd or Kubernetes would on real hosts: with exponential backoff,
+and not past a limit of restarts in a window (a process that keeps dying stays down and is
+reported). A restarted worker registers as a new incarnation (a spare), a restarted
+coordinator campaigns again (a standby).
 """
 
 from __future__ import annotations
@@ -14,13 +20,43 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rallypoint.basics.errors import RallypointError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-STOP_ORDER = {"worker": 0, "coordinator": 1, "etcd": 2}  # others after these
+STOP_ORDER = {"supervisor": -1, "worker": 0, "coordinator": 1, "etcd": 2}  # others after these
+SUPERVISED = ("coordinator", "worker")  # the roles restarted when they die (etcd members are the operator's)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How a process that died is started again.
+
+    The n-th restart within ``window_s`` waits ``backoff_s * 2**(n-1)`` seconds (at most
+    ``max_backoff_s``); past ``limit`` restarts within ``window_s`` the process stays down.
+    systemd: ``Restart=always``, ``RestartSec``, ``StartLimitBurst``, ``StartLimitIntervalSec``;
+    Kubernetes: ``restartPolicy: Always`` and its crash-loop backoff (docs/operations.md).
+    """
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    limit: int = 5
+    window_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("backoff_s", "max_backoff_s", "window_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"restart {name} must be a number of seconds >= 0, got {v!r}")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0:
+            raise ValueError(f"restart limit must be a whole number >= 0, got {self.limit!r}")
+
+    def delay(self, recent: int) -> float:
+        """The wait before a restart that follows ``recent`` restarts within the window."""
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** recent))
 
 
 @dataclass
@@ -108,6 +144,9 @@ class Supervisor:
     def __init__(self, records: list[ProcessRecord]) -> None:
         self.records = records
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
+        self.restarts: dict[str, list[float]] = {}  # name -> when it was restarted (monotonic)
+        self.given_up: dict[str, str] = {}  # name -> why it stays down
+        self._due: dict[str, float] = {}  # name -> when its restart is due
 
     def launch(self, role: str, name: str, argv: list[str], log_path: Path, *,
                extra_env: dict[str, str] | None = None) -> ProcessRecord:
@@ -142,6 +181,37 @@ class Supervisor:
         os.kill(rec.pid, sig)
         if sig == signal.SIGKILL:
             self.reap(name)
+
+    def restart_exited(self, now: float, relaunch: Callable[[ProcessRecord], ProcessRecord],
+                       policy: RestartPolicy) -> list[tuple[ProcessRecord, ProcessRecord]]:
+        """One pass of supervision at monotonic time ``now``: each coordinator or worker that died is
+        restarted through ``relaunch`` once its backoff has passed. Returns ``(dead, new)`` pairs."""
+        out = []
+        for rec in list(self.records):
+            if rec.role not in SUPERVISED or rec.name in self.given_up:
+                continue
+            if is_running(rec):
+                self._due.pop(rec.name, None)
+                continue
+            self._reap_child(rec)
+            recent = [t for t in self.restarts.get(rec.name, []) if now - t < policy.window_s]
+            if len(recent) >= policy.limit:
+                self.given_up[rec.name] = (f"died {len(recent) + 1} times within {policy.window_s:g} s (restart limit "
+                                           f"{policy.limit}); it stays down: see its log {rec.log}")
+                continue
+            due = self._due.setdefault(rec.name, now + policy.delay(len(recent)))
+            if now >= due:
+                del self._due[rec.name]
+                self.restarts[rec.name] = [*recent, now]
+                out.append((rec, relaunch(rec)))
+        return out
+
+    def _reap_child(self, rec: ProcessRecord) -> None:
+        proc = self._popen.get(rec.name)
+        if proc is not None and proc.pid == rec.pid:
+            proc.poll()
+        else:
+            _reap(rec.pid)
 
     def reap(self, name: str, timeout_s: float = 5.0) -> None:
         proc = self._popen.get(name)

@@ -493,7 +493,7 @@ class JobExecutor:
             self._grant()
 
     def _place(self) -> None:
-        self.places.place(lambda: read_cluster(self.store, self.keys))
+        self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted)
 
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""

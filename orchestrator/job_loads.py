@@ -150,9 +150,12 @@ class JobLoads:
         self.workers.unload(worker, flush_s=FLUSH_S)
         self.forget(worker)
 
-    def unload_everywhere(self, snap: ClusterSnapshot) -> None:
-        """Resume or adopt: unload the job from every registered worker (a lost leader's runtimes); best effort."""
+    def unload_everywhere(self, snap: ClusterSnapshot, only: set[str] | None = None) -> None:
+        """Resume or adopt: unload the job from every registered worker (a lost leader's runtimes), or from those
+        of ``only``; best effort."""
         for w, ws in snap.workers.items():
+            if only is not None and w not in only:
+                continue
             self.workers.unload_stale(w, ws.info.address, pb.Identity(cluster=self.term.keys.cluster, worker_id=w,
                                                                       incarnation=ws.info.incarnation,
                                                                       term=self.term.term))

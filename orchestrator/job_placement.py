@@ -96,14 +96,24 @@ class JobPlacement:
 
     # -- placing the job ---------------------------------------------------------------------------
 
-    def place(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
-        """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be."""
+    def place(self, snapshot: Callable[[], ClusterSnapshot], *, adopting: bool = False) -> None:
+        """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be.
+
+        ``adopting``: a new leader places a job that was running (its workers may have been lost with the old
+        leader); a slice that finds no room then waits, shrinks or fails as the job's ``on_no_spare`` says, like
+        a recovery's remap (:meth:`_no_room_adopting`). A new job that finds no room fails at once.
+        """
         leases = self.term.leases()
         for s in sorted(self.spec.slices, key=lambda s: -self.devices_of(s.slice)):
             try:
                 p = leases.allocate(self.spec.job, s.slice, self.devices_of(s.slice))
             except NoSpareDevices:
-                p = self._take_from_lower_priority(s.slice)
+                try:
+                    p = self._take_from_lower_priority(s.slice)
+                except NoSpareDevices as exc:
+                    if not adopting:
+                        raise
+                    p = self._no_room_adopting(s.slice, exc)
             self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
         snap = snapshot()
         for name, p in self._places.items():
@@ -112,6 +122,43 @@ class JobPlacement:
                 raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
             self._places[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
         self.event("job.placed", **self.to_json())
+
+    def _no_room_adopting(self, slice_name: str, none: NoSpareDevices) -> Placement:
+        """Adopting, ``slice_name`` finds no room: wait for a worker (up to ``wait_timeout_s``), shrink or fail."""
+        assert self.settings is not None
+        leases, need, on = self.term.leases(), self.devices_of(slice_name), self.settings.on_no_spare
+        if on == "shrink":
+            counts = self.device_counts.get(slice_name) or [d for d in range(1, need + 1) if need % d == 0]
+            for count in sorted((c for c in counts if c < need), reverse=True):
+                try:
+                    p = leases.allocate(self.spec.job, slice_name, count)
+                except NoSpareDevices:
+                    continue
+                self.resharded.append({"slice": slice_name, "from": need, "to": count, "at": time.time(),
+                                       "why": f"adopted with no worker with {need} free devices (on_no_spare='shrink')"})
+                self.log.warning("job.shrunk", slice=slice_name, devices=count, had=need)
+                return p
+            raise JobFailed(f"{none}; on_no_spare='shrink' found no worker with room for any of its device counts "
+                            f"{sorted(counts)} either") from None
+        if on == "fail":
+            raise JobFailed(f"{none} (on_no_spare='fail')") from None
+        timeout = self.settings.wait_timeout_s
+        self.log.warning("job.waiting", missing={slice_name: need}, timeout_s=timeout, adopted=True)
+        self.event("job.waiting", missing={slice_name: need}, timeout_s=timeout,
+                   reason=f"no spare for ['{slice_name}'] on adoption: waiting up to {timeout:g}s for a worker "
+                          "with room to join")
+        t0 = self.clock.monotonic()
+        while True:
+            self.term.hold()
+            waited = self.clock.monotonic() - t0
+            if waited >= timeout:
+                raise JobFailed(f"{none}; waited {waited:.0f} s of wait_timeout_s={timeout:g}: add a worker with "
+                                f"{need} free devices, or raise wait_timeout_s") from None
+            self.clock.sleep(REMAP_POLL_S)
+            try:
+                return leases.allocate(self.spec.job, slice_name, need)
+            except NoSpareDevices:
+                continue
 
     def _take_from_lower_priority(self, slice_name: str) -> Placement:
         """No free room for the slice: ask lower-priority jobs to yield slices (``recovery.fairness``), then lease.
@@ -174,8 +221,12 @@ class JobPlacement:
                                        else "drained onto fewer devices"})
         self._places.update(places)
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
         """Lease spare devices for each lost slice per the job's policy (waits, or fails the job).
+
+        ``exclude``: workers not used whatever their incarnation; ``lost``: worker -> the incarnation
+        a recovery lost (a newer one of the same worker is a spare like any other).
 
         Returns the places leased; :meth:`apply` makes them the job's.
         """
@@ -194,7 +245,7 @@ class JobPlacement:
                 return placed
             snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
             decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
-                                  allowed=self.device_counts)
+                                  allowed=self.device_counts, lost_incarnations=lost)
             if isinstance(decision, Remap | Shrink):
                 for a in decision.assignments:
                     if self._lease(snap, a, leases, placed) and a.shrunk:

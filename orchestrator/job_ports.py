@@ -20,6 +20,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from rallypoint.basics.errors import NotLeader, StoreError
@@ -39,7 +40,7 @@ from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.job_state import JobFailed
 from rallypoint.orchestrator.recovery_machine import Recovery, RecoveryPort, classify_setback
 from rallypoint.orchestrator.stragglers import CORDON_BY
-from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Source, decide
+from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Retry, Source, decide
 from rallypoint.recovery.replay import Graph, ReplayPlan
 from rallypoint.recovery.stragglers import Probation
 
@@ -111,8 +112,9 @@ class JobRecoveryPort(RecoveryPort):
 
     # -- placement and runtimes ------------------------------------------------------------------
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
-        return self.places.remap(need, exclude, record)
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
+        return self.places.remap(need, exclude, record, lost=lost)
 
     def place(self, places: Mapping[str, SlicePlace]) -> None:
         self.places.apply(places)
@@ -148,7 +150,7 @@ class JobRecoveryPort(RecoveryPort):
         commits, before, corrupt_count = self.term.commits(), None, 0
         while True:
             c = self.cut_step(commits, before)
-            failed = self.loads.load(None, c, commits)
+            failed = self._reload_refused(self.loads.load(None, c, commits), c, commits, budget)
             if not any(f.verdict is Verdict.CORRUPT for f in failed.values()):
                 return c, {s: [x.step for x in cs if before is None or x.step < before]
                            for s, cs in commits.items()}, failed
@@ -162,6 +164,26 @@ class JobRecoveryPort(RecoveryPort):
             if decision.drop is not None:
                 self.drop_commit(*decision.drop, setback.detail)
             commits, before = self.term.commits(), c
+
+    def _reload_refused(self, failed: dict[str, WorkerCallFailed], cut: int, commits: Commits,
+                        budget: Budget) -> dict[str, WorkerCallFailed]:
+        """Resume or adopt: a live worker that refused the load (the lost leader's load of the job was still on its
+        way there when the stale runtimes were unloaded, so the job is loaded there under the old term) is unloaded
+        again and asked again after a pause, within the budget of refusals; what still fails is returned."""
+        count = 0
+        while True:
+            refused = {w: f for w, f in failed.items() if f.verdict is Verdict.REFUSED and self.registered(w)}
+            if not refused:
+                return failed
+            count += 1
+            decision = decide(classify_setback(refused, cut, {w: True for w in refused}), count, budget)
+            if not isinstance(decision, Retry):
+                return failed
+            self.loads.log.warning("resume.load_refused", workers=sorted(refused), attempt=count,
+                                   reason=decision.reason)
+            self.loads.clock.sleep(decision.after_s)
+            self.loads.unload_everywhere(read_cluster(self.term.store, self.term.keys), only=set(refused))
+            failed = {w: f for w, f in failed.items() if w not in refused} | self.loads.load(set(refused), cut, commits)
 
     def lost_at_load(self, budget: Budget, failed: Mapping[str, WorkerCallFailed], cut: int) -> dict[str, str]:
         """The workers lost while the job was loading (a recovery moves them); any other failure fails the job."""

@@ -187,8 +187,12 @@ class RecoveryPort(abc.ABC):
         """How many devices the slice needs."""
 
     @abc.abstractmethod
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
-        """Lease spare devices for each slice of ``need`` (waits per policy; raises :class:`JobFailed`)."""
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
+        """Lease spare devices for each slice of ``need`` (waits per policy; raises :class:`JobFailed`).
+
+        ``exclude``: workers not to use whatever their incarnation; ``lost``: worker -> the incarnation
+        lost (that one and older are not used; a newer one, the worker registered again, is)."""
 
     @abc.abstractmethod
     def place(self, places: Mapping[str, SlicePlace]) -> None:
@@ -239,6 +243,7 @@ class RecoveryData:
     lost_slices: set[str] = field(default_factory=set)  # every slice it moves
     unplaced: set[str] = field(default_factory=set)  # of those, the ones without devices now
     lost_workers: dict[str, str] = field(default_factory=dict)  # every worker it fenced, with why
+    lost_incarnations: dict[str, int] = field(default_factory=dict)  # of those, the incarnation lost (newest)
     bad_cut: int | None = None  # restore only from cuts below this one
     policy: str = "partial"
     setbacks: Counter[Source] = field(default_factory=Counter)
@@ -315,6 +320,7 @@ class Recovery:
             slices = sorted(n for n, p in port.placement.items() if p.worker == w)
             if slices:
                 inc = port.placement[slices[0]].incarnation
+                d.lost_incarnations[w] = max(inc, d.lost_incarnations.get(w, inc))
                 self.record.lost.setdefault(w, slices)
                 port.fence(w, inc)
                 port.record_failure(w, inc, slices, why)
@@ -341,8 +347,12 @@ class Recovery:
     def _remap(self, s: Remapping) -> RecoveryState:
         port, d = self.port, self.data
         need = {sl: port.devices_of(sl) for sl in sorted(d.unplaced)}
-        exclude = frozenset(set(port.loaded_workers()) | set(d.lost_workers))
-        placed = port.remap(need, exclude, self.record) if need else {}
+        # A lost worker is excluded by the incarnation lost: the same worker registered again (restarted, or back
+        # from a partition) is a spare like any other, for this recovery too. One lost without a slice of the job
+        # (its incarnation unknown here) is excluded whatever its incarnation.
+        unknown = set(d.lost_workers) - set(d.lost_incarnations)
+        exclude = frozenset(set(port.loaded_workers()) | unknown)
+        placed = port.remap(need, exclude, self.record, lost=dict(d.lost_incarnations)) if need else {}
         port.place(placed)
         d.unplaced -= set(placed)
         self.record.moved.update({sl: p.worker for sl, p in placed.items()})

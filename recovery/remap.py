@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # plain data only; recovery/ does no I/O
@@ -125,9 +126,17 @@ RemapDecision = Remap | Wait | Shrink | Fail
 
 def eligible(
     name: str, worker: WorkerSnapshot, snapshot: ClusterSnapshot, exclude: frozenset[str] = frozenset(),
+    lost: Mapping[str, int] = MappingProxyType({}),
 ) -> bool:
-    """Whether ``worker`` may take a lost slice: live, uncordoned, not leaving, not this incarnation lost."""
+    """Whether ``worker`` may take a lost slice: live, uncordoned, not leaving, not this incarnation lost.
+
+    ``exclude`` names workers unusable whatever their incarnation; ``lost`` maps a worker to the
+    incarnation a recovery lost: that one and any older are unusable, a newer one (the worker
+    registered again: restarted, or back from a partition) is a worker like any other.
+    """
     if name in exclude or worker.cordoned or name in snapshot.cordoned or worker.info.state == "leaving":
+        return False
+    if name in lost and worker.info.incarnation <= lost[name]:
         return False
     loss = snapshot.lost.get(name)
     # A lost record names the incarnation it is about; a worker that registered again since is a new one.
@@ -137,6 +146,7 @@ def eligible(
 def plan_remap(
     snapshot: ClusterSnapshot, lost: Mapping[str, int], policy: RemapPolicy, *,
     exclude: frozenset[str] = frozenset(), waited_s: float = 0.0, allowed: Mapping[str, Sequence[int]] | None = None,
+    lost_incarnations: Mapping[str, int] = MappingProxyType({}),
 ) -> RemapDecision:
     """Choose devices for each lost slice, or decide per ``policy`` what to do without them.
 
@@ -161,7 +171,9 @@ def plan_remap(
         snapshot: workers, devices, leases, cordons and losses at one revision.
         lost: lost slice -> devices it needs.
         policy: what to do when a slice finds no room.
-        exclude: workers known lost or unusable that ``snapshot`` does not show yet.
+        exclude: workers unusable whatever their incarnation (the job's own runtimes).
+        lost_incarnations: worker -> the incarnation a recovery lost and fenced, which ``snapshot`` may
+            not show as gone yet; a newer incarnation of that worker is eligible (see :func:`eligible`).
         waited_s: how long recovery has already waited for room (policy ``"wait"``).
         allowed: slice -> the device counts it can run on (its programs were exported for
             them, ``devices=(min, max)``); a slice missing here shrinks to any divisor of its count.
@@ -172,7 +184,7 @@ def plan_remap(
     for name, need in lost.items():
         if isinstance(need, bool) or not isinstance(need, int) or need < 1:
             raise ValueError(f"lost slice {name!r} needs a positive device count, got {need!r}")
-    workers = {w: s for w, s in snapshot.workers.items() if eligible(w, s, snapshot, exclude)}
+    workers = {w: s for w, s in snapshot.workers.items() if eligible(w, s, snapshot, exclude, lost_incarnations)}
     free = {w: sorted(s.free) for w, s in workers.items()}
     spare = {w for w, s in workers.items() if not s.holders}
     placed: list[Assignment] = []

@@ -33,6 +33,13 @@ def test_the_same_seed_gives_the_same_random_schedule_and_another_seed_another()
     assert all(f.origin == "random" and f.at_s is not None and 0 <= f.at_s < 150 for f in first)
 
 
+def test_only_the_storm_asks_for_a_supervised_cluster() -> None:
+    supervised = {p.stem for p in SCENARIOS if load_scenario(p).supervise}
+    assert supervised == {"campaign-storm"}  # elsewhere a killed process stays dead, as the scenarios expect
+    storm = load_scenario(ROOT / "scenarios" / "campaign-storm.toml")
+    assert (storm.workers, storm.spares) == (4, 2) and storm.random is not None
+
+
 def write(tmp_path: Path, body: str) -> Path:
     p = tmp_path / "s.toml"
     p.write_text('[job]\nfile = "examples/pipeline_mlp.py"\n' + body)
@@ -46,6 +53,7 @@ def write(tmp_path: Path, body: str) -> Path:
     ('[[faults]]\nkind = "etcd_kill"\nat_step = 3\n', r"need \[cluster\]\.etcd_members = 3"),
     ('[cluster]\nworkers = "four"\n', r"\[cluster\]\.workers: expected int, got 'four'"),
     ('[cluster]\ncompile_cache = "yes"\n', r"\[cluster\]\.compile_cache: expected bool, got 'yes'"),
+    ('[cluster]\nsupervise = 1\n', r"\[cluster\]\.supervise: expected bool, got 1"),
     ('[expect]\noutcome = "maybe"\n', r"\[expect\]\.outcome: 'maybe'"),
     ('[jobb]\n', r"unknown keys \['jobb'\]"),
     ('[random]\nkinds = []\n', r"\[random\]\.kinds"),

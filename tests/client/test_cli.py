@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.cluster.local import STATE_FILE, LocalCluster, is_running
+from rallypoint.etcd.cluster_view import read_cluster
 from tests.conftest import read_events, wait_until
 
 pytestmark = pytest.mark.processes  # every test here starts processes
@@ -44,7 +46,7 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_up_workers_cordon_uncordon_down_and_down_stops_only_what_up_started(state_dir: Path) -> None:
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])  # killed below
     try:
         up_workers_cordon_uncordon_down(state_dir)
         assert bystander.poll() is None, "down killed a process it did not start"
@@ -58,7 +60,7 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
              "--coordinators", "2").stdout
     assert "rallypoint workers" in out and "rallypoint down" in out
     lc = LocalCluster.load(state_dir)
-    assert {p.role for p in lc.processes} == {"etcd", "coordinator", "worker"}
+    assert {p.role for p in lc.processes} == {"etcd", "coordinator", "worker", "supervisor"}
     assert all(is_running(p) for p in lc.processes)
     # `up` prints the leader's dashboard (the page itself: tests/integration/test_dashboard.py), and it answers.
     m = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)", out)
@@ -92,12 +94,26 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
     assert "uncordoned" in rp("uncordon", "w1", "--state-dir", str(state_dir)).stdout
     assert rows("--state-dir", str(state_dir))["w1"]["state"] == "spare"
 
+    # Supervised (`up`'s default): a worker killed by a real signal is started again by the supervise daemon and
+    # registers as a new incarnation, a spare; the state file records the new process, so `down` stops it.
+    old = table["w1"]
+    os.kill(old["pid"], signal.SIGKILL)
+    store = lc.store()
+    try:
+        new = wait_until(lambda: (w := read_cluster(store, lc.keys).workers.get("w1")) and
+                         w.info.incarnation > old["incarnation"] and w, 60, "w1 registered again", interval_s=0.2)
+    finally:
+        store.close()
+    assert new.info.pid != old["pid"] and new.state == "spare"
+    restarted = LocalCluster.load(state_dir)
+    assert restarted.process("w1").pid == new.info.pid
+
     assert "stopped" in rp("down", "--state-dir", str(state_dir)).stdout
-    assert not any(is_running(p) for p in lc.processes), "down left processes running"
+    assert not any(is_running(p) for p in [*lc.processes, *restarted.processes]), "down left processes running"
     assert not (state_dir / STATE_FILE).exists()
-    # Workers left cleanly (said so before their leases went), so nobody was declared lost.
+    # Workers left cleanly (said so before their leases went), so nobody but the killed incarnation was lost.
     coord_logs = [p.log for p in lc.processes if p.role == "coordinator"]
-    assert not any(read_events(log, "worker.lost") for log in coord_logs)
+    assert {e["worker"] for log in coord_logs for e in read_events(log, "worker.lost")} <= {"w1"}
     assert {e["worker"] for log in coord_logs for e in read_events(log, "worker.left")} == {"w0", "w1"}
     r = rp("down", "--state-dir", str(state_dir), check=False)
     assert r.returncode == 1 and "rallypoint up" in r.stderr
@@ -119,7 +135,7 @@ def test_bad_arguments_get_a_clear_message_a_nonzero_exit_and_change_nothing_and
     assert r.returncode == 1 and "HOST:PORT" in r.stderr
 
     rp("up", "--state-dir", str(state_dir), "--workers", "1", "--spares", "0", "--devices-per-worker", "1",
-       "--coordinators", "1", "--lease-ttl-s", "1")
+       "--coordinators", "1", "--lease-ttl-s", "1", "--no-supervise")  # the worker killed below stays dead
     lc = LocalCluster.load(state_dir)
     before = rows("--state-dir", str(state_dir))
     r = rp("cordon", "nope", "--state-dir", str(state_dir), check=False)

@@ -262,6 +262,62 @@ def test_an_adopting_leader_carries_the_recoveries_on_and_finishes_the_one_it_ad
     assert own["lost"] == {lost: ["s0"]} and "adopted_by_term" not in own
     assert [r["recovery"] for r in h.record()["recoveries"]] == [1, 2]  # the job record keeps them too
 
+def adopt_after_losing_two_of_three(tmp_path: Path, **spec: Any) -> Harness:
+    """A leader ran the job to step 12 (cut 10) and is gone, with two of the three workers: one is left."""
+    first = Harness(tmp_path, spec=pipeline_spec(**spec))
+    first.x.begin()
+    first.steps_until(12)
+    for s in ("s0", "s1"):
+        c = CheckpointCommit("pipe", s, 10, f"/ck/{s}/10", "x")
+        first.store.put(first.keys.checkpoint("pipe", s, 10), json.dumps(c.to_json()))
+    first.election.depose()
+    for w in ("w1", "w2"):
+        first.store.revoke_lease(first.store.get(first.keys.worker(w)).lease)
+    return Harness(tmp_path, adopted=True, store=first.store, spec=pipeline_spec(**spec))
+
+
+def test_an_adopted_slice_without_room_waits_for_a_worker_as_on_no_spare_wait_says(tmp_path: Path) -> None:
+    h = adopt_after_losing_two_of_three(tmp_path, wait_timeout_s=30)
+    sleep, joined = h.clock.sleep, []
+
+    def sleep_then_join(seconds: float) -> None:  # 5 s into the wait, a worker registers
+        sleep(seconds)
+        if not joined and h.clock.monotonic() - start >= 5:
+            joined.append(register_worker(h.store, h.keys, "w9", 1))
+
+    h.clock.sleep = sleep_then_join  # type: ignore[method-assign]
+    start = h.clock.monotonic()
+    assert h.x.run() is JobState.SUCCEEDED, h.record().get("reason")
+    assert joined and {h.worker_of("s0"), h.worker_of("s1")} == {"w0", "w9"}
+    waiting = [json.loads(e.detail) for e in h.events if e.event == "job.waiting"]
+    assert len(waiting) == 1 and waiting[0]["timeout_s"] == 30 and list(waiting[0]["missing"]) in (["s0"], ["s1"])
+    assert h.names().index("job.waiting") < h.names().index("job.adopted")
+
+
+def test_an_adopted_slice_without_room_fails_after_wait_timeout_or_at_once_with_on_no_spare_fail(
+        tmp_path: Path) -> None:
+    h = adopt_after_losing_two_of_three(tmp_path / "a", wait_timeout_s=30)
+    start = h.clock.monotonic()
+    assert h.x.run() is JobState.FAILED
+    assert "waited 30 s of wait_timeout_s=30" in h.record()["reason"] and h.clock.monotonic() - start >= 30
+    assert h.leases() == []
+    h = adopt_after_losing_two_of_three(tmp_path / "b", on_no_spare="fail")
+    start = h.clock.monotonic()
+    assert h.x.run() is JobState.FAILED
+    assert "on_no_spare='fail'" in h.record()["reason"] and h.clock.monotonic() - start < 1
+
+
+def test_an_adopting_load_refused_by_the_old_leaders_runtime_unloads_it_and_asks_again(tmp_path: Path) -> None:
+    # The lost leader's load was still on its way to w1 when the stale runtimes were unloaded: w1 refuses twice.
+    h = adopt_after_losing_two_of_three(tmp_path)
+    register_worker(h.store, h.keys, "w1", 1)
+    busy = call_failed("w1", grpc.StatusCode.FAILED_PRECONDITION, "job 'pipe' is already loaded on worker w1")
+    h.workers.load_failures = [{"w1": busy}, {"w1": busy}]
+    start = h.clock.monotonic()
+    assert h.x.run() is JobState.SUCCEEDED, h.record().get("reason")
+    assert h.workers.unloaded.count("w1") >= 3 and h.clock.monotonic() - start >= 2  # once, then before each retry
+    assert sorted(w for w, _ in h.workers.loads) == ["w0", "w1"] and h.workers.load_failures == []
+
 
 def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path) -> None:
     h = Harness(tmp_path)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from rallypoint.basics.clock import FakeClock
-from rallypoint.basics.errors import StoreUnavailable
+from rallypoint.basics.errors import NoSpareDevices, StoreUnavailable
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
@@ -160,6 +160,21 @@ def test_a_remap_with_no_spare_and_on_no_spare_fail_fails_the_job_naming_the_sli
     with pytest.raises(JobFailed, match="s1"):
         p.places.remap({"s1": 1}, frozenset({"w0", "w1"}),
                        record())
+
+
+def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewer_devices() -> None:
+    p = Parts(workers=2)  # one device each; s1 needs two, and runs on one too
+    spec = pipeline_spec(on_no_spare="shrink")
+    spec.slices[1].mesh_shape[:] = [2]
+    spec.nodes[1].variants.add(devices=1)
+    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event)
+    p.places.settings = RecoverySettings.from_spec(spec)
+    with pytest.raises(NoSpareDevices):  # a new job: no waiting, no shrinking
+        p.places.place(lambda: read_cluster(p.store, p.keys))
+    p.places.release_all()
+    p.places.place(lambda: read_cluster(p.store, p.keys), adopting=True)
+    assert len(p.places.slices["s1"].devices) == 1 and len(p.places.slices["s0"].devices) == 1
+    assert [(r["slice"], r["from"], r["to"]) for r in p.places.resharded] == [("s1", 2, 1)]
 
 
 # -- JobDrains ----------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class FakeJob(RecoveryPort):
     def __init__(self, *, spares: list[str], commits: list[dict[str, list[CheckpointCommit]]],
                  load_failures: list[dict[str, WorkerCallFailed]] | None = None,
                  rewire_failures: list[dict[str, WorkerCallFailed]] | None = None,
-                 registered: Mapping[str, bool] | None = None) -> None:
+                 registered: Mapping[str, bool] | None = None, incarnations: Mapping[str, int] | None = None) -> None:
         self.graph = Graph(nodes=(Node("fwd0", "s0"), Node("fwd1", "s1")),
                            edges=(Edge("fwd0", "fwd1"), Edge("fwd0", "fwd0", "state", "p0"),
                                   Edge("fwd1", "fwd1", "state", "p1")),
@@ -63,6 +63,7 @@ class FakeJob(RecoveryPort):
         self.progress = {"fwd0": 14, "fwd1": 13}
         self.loaded = {"w0", "w1"}
         self.spares = list(spares)
+        self.incarnations = {w: 1000 for w in self.spares} | dict(incarnations or {})  # the registered incarnation
         self._commits = list(commits)
         self.load_failures = list(load_failures or [])
         self.rewire_failures = list(rewire_failures or [])
@@ -94,14 +95,15 @@ class FakeJob(RecoveryPort):
     def devices_of(self, slice_name: str) -> int:
         return 1
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord) -> dict[str, SlicePlace]:
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
+              lost: Mapping[str, int] = {}) -> dict[str, SlicePlace]:
         placed = {}
         for s in sorted(need):
-            free = [w for w in self.spares if w not in exclude]
+            free = [w for w in self.spares if w not in exclude and self.incarnations[w] > lost.get(w, -1)]
             if not free:
                 raise JobFailed(f"no spare for {s}")
             self.spares.remove(free[0])
-            placed[s] = SlicePlace(free[0], f"{free[0]}:1", 200 + len(self.calls), (0,))
+            placed[s] = SlicePlace(free[0], f"{free[0]}:1", self.incarnations[free[0]], (0,))
         self.calls.append(("remap", tuple(sorted(placed.items()))))
         return placed
 
@@ -279,6 +281,33 @@ def test_no_spare_fails_the_recovery_from_remapping() -> None:
     with pytest.raises(JobFailed, match="no spare for s1"):
         r.run_to_replay()
     assert r.phase is P.FAILED
+
+
+def test_the_lost_worker_back_as_a_new_incarnation_takes_its_own_slice_back() -> None:
+    # w1 (incarnation 101) is lost; it registers again (incarnation 300) before the remap, and no other spare exists.
+    job = FakeJob(spares=["w1"], commits=[commits_at(10)], incarnations={"w1": 300})
+    r, _, _ = recovery(job, {"w1": "partitioned"})
+    r.run_to_replay()
+    assert job.placement["s1"] == SlicePlace("w1", "w1:1", 300, (0,)) and r.record.moved == {"s1": "w1"}
+    assert ("load", ("w1",), 10, None) in job.calls and ("fence", "w1", 101) in job.calls
+
+
+def test_the_lost_incarnation_itself_is_never_taken_back() -> None:
+    # The registration of the lost incarnation is still visible (the fence has not landed in the snapshot yet).
+    job = FakeJob(spares=["w1"], commits=[commits_at(10)], incarnations={"w1": 101})
+    r, _, _ = recovery(job, {"w1": "hung"})
+    with pytest.raises(JobFailed, match="no spare for s1"):
+        r.run_to_replay()
+
+
+def test_a_worker_lost_twice_in_one_recovery_is_excluded_up_to_its_newest_lost_incarnation() -> None:
+    # w1 is lost (101), comes back (300) and takes s1, is lost again while loading; w2 is the next spare.
+    job = FakeJob(spares=["w1", "w2"], commits=[commits_at(10)], incarnations={"w1": 300},
+                  load_failures=[{"w1": lost("w1")}])
+    r, _, _ = recovery(job, {"w1": "gone"})
+    r.run_to_replay()
+    assert [c[1:] for c in job.calls if c[0] == "fence"] == [("w1", 101), ("w1", 300)]
+    assert job.placement["s1"].worker == "w2" and r.data.lost_incarnations == {"w1": 300}
 
 
 def test_a_newer_loss_supersedes_a_recovery_still_replaying() -> None:

@@ -70,6 +70,16 @@ def test_cordoned_leaving_and_lost_workers_are_never_used() -> None:
         assert isinstance(plan_remap(snap, {"s": 1}, FAIL), Fail)
 
 
+def test_a_lost_incarnation_is_excluded_and_a_newer_one_of_the_same_worker_is_not() -> None:
+    snap = cluster(worker("w1", 4, incarnation=300))
+    assert plan_remap(snap, {"s": 4}, FAIL, lost_incarnations={"w1": 300}) == Fail(
+        missing={"s": 4}, reason=plan_remap(cluster(), {"s": 4}, FAIL).reason)
+    assert plan_remap(snap, {"s": 4}, FAIL, lost_incarnations={"w1": 101}) == Remap(
+        assignments=(Assignment("s", "w1", (0, 1, 2, 3), 4),))
+    assert not eligible("w1", snap.workers["w1"], snap, lost={"w1": 301})
+    assert eligible("w1", snap.workers["w1"], snap, lost={"w1": 299})
+
+
 def test_no_lost_slices_is_an_empty_remap() -> None:
     assert plan_remap(cluster(), {}, FAIL) == Remap(assignments=())
 
