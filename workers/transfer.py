@@ -18,7 +18,6 @@ transient is logged and dropped.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
