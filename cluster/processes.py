@@ -37,6 +37,10 @@ class RestartPolicy:
 
     The n-th restart within ``window_s`` waits ``backoff_s * 2**(n-1)`` seconds (at most
     ``max_backoff_s``); past ``limit`` restarts within ``window_s`` the process stays down.
+    A process that ran ``healthy_after_s`` or longer before it died was not crash-looping
+    (it was killed, preempted, partitioned): its restarts so far no longer count, and its
+    backoff starts over (Kubernetes resets a container's backoff after it ran for a while),
+    so a long storm of faults does not use up a healthy process's restarts.
     systemd: ``Restart=always``, ``RestartSec``, ``StartLimitBurst``, ``StartLimitIntervalSec``;
     Kubernetes: ``restartPolicy: Always`` and its crash-loop backoff (docs/operations.md).
     """
@@ -45,9 +49,10 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
     limit: int = 5
     window_s: float = 300.0
+    healthy_after_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("backoff_s", "max_backoff_s", "window_s"):
+        for name in ("backoff_s", "max_backoff_s", "window_s", "healthy_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"restart {name} must be a number of seconds >= 0, got {v!r}")
@@ -194,7 +199,10 @@ class Supervisor:
                 self._due.pop(rec.name, None)
                 continue
             self._reap_child(rec)
-            recent = [t for t in self.restarts.get(rec.name, []) if now - t < policy.window_s]
+            history = self.restarts.get(rec.name, [])
+            if rec.name not in self._due and history and now - history[-1] >= policy.healthy_after_s:
+                self.restarts[rec.name] = history = []  # it ran a while before it died: not a crash loop
+            recent = [t for t in history if now - t < policy.window_s]
             if len(recent) >= policy.limit:
                 self.given_up[rec.name] = (f"died {len(recent) + 1} times within {policy.window_s:g} s (restart limit "
                                            f"{policy.limit}); it stays down: see its log {rec.log}")

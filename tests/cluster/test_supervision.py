@@ -73,6 +73,30 @@ def test_restarts_older_than_the_window_do_not_count(sup: Supervisor, tmp_path: 
     assert sup.restart_exited(12.0, relaunch, policy) == [] and "c0" in sup.given_up
 
 
+def test_a_process_that_ran_a_while_before_it_died_is_not_crash_looping_and_is_always_restarted(
+        sup: Supervisor, tmp_path: Path) -> None:
+    start(sup, tmp_path, "coordinator", "c0")
+    policy = RestartPolicy(backoff_s=1.0, limit=2, window_s=1000.0, healthy_after_s=30.0)
+    relaunch = lambda r: start(sup, tmp_path, r.role, r.name)  # noqa: E731
+    t, delays = 0.0, []
+    for _ in range(6):  # a storm kills the leader every 40 s: more deaths in the window than the limit
+        kill(sup, "c0")
+        died = t
+        while not sup.restart_exited(t, relaunch, policy):
+            t += 0.5
+        delays.append(t - died)
+        t += 40.0
+    assert not sup.given_up and is_running(sup.find("c0"))
+    assert delays[1:] == [1.0] * 5  # each death after 40 s of running: the backoff starts over
+    kill(sup, "c0")  # then a crash loop: dying within seconds of each start
+    for _ in range(40):
+        sup.restart_exited(t, relaunch, policy)
+        if is_running(sup.find("c0")):
+            kill(sup, "c0")
+        t += 0.5
+    assert "restart limit 2" in sup.given_up["c0"]
+
+
 def test_only_coordinators_and_workers_are_restarted(sup: Supervisor, tmp_path: Path) -> None:
     start(sup, tmp_path, "etcd", "etcd0")
     kill(sup, "etcd0")
