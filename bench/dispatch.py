@@ -100,10 +100,11 @@ def instance_ms(compiled: CompiledProgram) -> float:
     return statistics.median(samples)
 
 
-def run_both(lc: LocalCluster, compiled: CompiledProgram, window: int) -> dict[str, float]:
+def run_both(lc: LocalCluster, compiled: CompiledProgram, window: int, *, new_run: bool = False) -> dict[str, float]:
+    """The reference and the cluster on ``compiled``, one after the other (``new_run``: the job ran here before)."""
     ref_times, _ = timed(lambda cb: ReferenceExecutor(compiled, on_step=cb).run())
     cl_times, _ = timed(lambda cb: submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, window=window,
-                                           on_step=cb))
+                                           on_step=cb, new_run=new_run))
     return {"reference_steps_per_s": steady_rate(ref_times), "cluster_steps_per_s": steady_rate(cl_times),
             "reference_wall_s": ref_times[-1] - ref_times[0], "cluster_wall_s": cl_times[-1] - cl_times[0]}
 
@@ -168,8 +169,9 @@ def main() -> None:
     lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=4, spares=0, devices_per_worker=1,
                                                coordinators=1))
     try:
-        heavy_runs = [run_both(lc, heavy, args.window) for _ in range(args.repeats)]
-        tiny_runs = [run_both(lc, tiny, args.window) for _ in range(args.repeats)]
+        # one job name for all runs: every run after the first is a new run of it (the earlier ones' commits kept)
+        heavy_runs = [run_both(lc, heavy, args.window, new_run=r > 0) for r in range(args.repeats)]
+        tiny_runs = [run_both(lc, tiny, args.window, new_run=True) for _ in range(args.repeats)]
     finally:
         lc.stop()
     ref = statistics.median(r["reference_steps_per_s"] for r in heavy_runs)

@@ -23,7 +23,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.workers import meter
 from rallypoint.workers.checkpoint import CheckpointCorrupt, SliceCheckpointer, States, restore_commit
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
+from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.runtime_state import LoadError, RestoreError
 
 CommitFn = Callable[[CheckpointCommit], None]
@@ -105,13 +106,16 @@ class JobCheckpoints:
         faults: test fault hooks (a commit delay, failing saves); none in production.
         replicate: called with each commit and its states once it counts (the
             in-memory tier's :meth:`rallypoint.workers.replicas.Replicator.submit`).
+        copies: where the states' copies off the device are counted (``checkpoint``).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, commit_factory: Callable[[], CommitFn] | None,
                  on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any],
                  faults: WorkerFaults = NO_FAULTS,
-                 replicate: Callable[[CheckpointCommit, States], None] | None = None) -> None:
+                 replicate: Callable[[CheckpointCommit, States], None] | None = None,
+                 copies: Copies | None = None) -> None:
         self.job = req.job
+        self.copies = copies
         self._replicate = replicate
         self.faults = faults
         self.steps = int(req.steps)
@@ -221,14 +225,16 @@ class JobCheckpoints:
         regular = (step // self.every + 1) * self.every
         return min([regular, *(e for e in self._extra if e > step)])
 
-    def save(self, slice_name: str, step: int, states: States) -> None:
-        """Save ``states`` as the slice's checkpoint at ``step`` (asynchronous past the host copy)."""
+    def save(self, slice_name: str, step: int, states: Mapping[str, Sequence[Any]]) -> None:
+        """Save ``states`` as the slice's checkpoint at ``step``: returns once they are copied off the
+        device (the one copy, counted as ``checkpoint``); Orbax writes them in the background."""
         self.next[slice_name] = self._after(step)
         self.faults.check_storage(str(self.root))  # fault injection: the disk is full or read-only
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)
             return
-        self._checkpointer(slice_name).save(step, states)
+        self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
+                                                   for name, leaves in states.items()})
 
     def set_cut(self, cut: int) -> None:
         """The newest consistent cut: checkpoints from it on are kept, older ones may go."""

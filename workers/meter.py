@@ -5,7 +5,7 @@ A worker process has one :class:`WorkerMeter` (its own registry, made and instal
 to it, and do nothing while none is installed (a worker without ``--metrics-port``, unit
 tests). They are called from the places that measure: the instance records
 (instances, compute seconds), the checkpointer (blocking, save and commit seconds), the
-checkpoint restore, and the transfers (bytes sent and received). ``docs/metrics.md`` lists
+checkpoint restore, the transfers (bytes sent and received) and the host-device copies. ``docs/metrics.md`` lists
 the metrics.
 """
 
@@ -45,6 +45,9 @@ class WorkerMeter:
                                   buckets=CHECKPOINT_BOUNDS, registry=registry)
         self.transfer = Counter("rallypoint_worker_transfer_bytes", "Tensor bytes pushed to and received from other "
                                 "workers (data plane and gRPC Push)", ["direction"], registry=registry)
+        self.copies = Counter("rallypoint_worker_copy_bytes", "Tensor bytes copied between host and device, by "
+                              "direction (d2h, h2d) and purpose (workers/residency.py)",
+                              [*L, "direction", "purpose"], registry=registry)
 
 
 _meter: WorkerMeter | None = None
@@ -90,6 +93,13 @@ def checkpoint_restored(job: str, tier: str, seconds: float) -> None:
     m = _meter
     if m is not None:
         m.restored.labels(job, tier).observe(seconds)
+
+
+def copied(job: str, direction: str, purpose: str, nbytes: int) -> None:
+    """``nbytes`` of ``job`` copied ``d2h`` or ``h2d`` for ``purpose`` (:mod:`rallypoint.workers.residency`)."""
+    m = _meter
+    if m is not None:
+        m.copies.labels(job, direction, purpose).inc(nbytes)
 
 
 def payload_bytes(leaves: Sequence[Any]) -> int:

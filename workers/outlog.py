@@ -12,6 +12,13 @@ Memory is bounded: past ``limit_bytes`` the oldest values spill to files in
 ``spill_dir`` (``numpy.save`` of each leaf, read back on resend). Nothing is ever
 dropped that a recovery could need; the counters say where the bytes are.
 
+Where a logged value lives (:mod:`rallypoint.workers.residency`): it is logged as the
+:class:`~rallypoint.workers.residency.HostCopy` its pushes share, so it stays on the
+device only until its first push copied it off (from then on the log holds the host
+copy, and the device buffers are let go); the device bytes held are bounded by the
+job's push backlog (back-pressure). A value spilled before its push copied it off is
+copied then (counted as ``log_spill``).
+
 No file-system work happens under the log's lock, so a slow or stuck disk holds up
 no thread that only logs, trims or counts: :meth:`OutputLog.put` only records (it may
 leave the log over its limit), and whoever logged calls :meth:`OutputLog.spill`
@@ -33,13 +40,14 @@ from pathlib import Path
 import numpy as np
 
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.residency import Copies, HostCopy, host_copy
 from rallypoint.workers.runtime_state import Key, Leaves
 
 
 @dataclass
 class _Entry:
     header: pb.TransferHeader
-    leaves: Leaves | None  # None: spilled to ``path``
+    leaves: HostCopy | None  # None: spilled to ``path``
     nbytes: int
     path: Path | None = None
     spilling: bool = False  # a spill is writing it out (still in memory until it is written)
@@ -57,13 +65,15 @@ class OutputLog:
         limit_bytes: bytes held in memory before :meth:`spill` moves the oldest entries to disk.
         spill_dir: where spilled entries go (a private temporary directory if None);
             removed by :meth:`close`.
+        copies: where the job's host-device copies are counted (None: not counted).
     """
 
-    def __init__(self, limit_bytes: int, *, spill_dir: Path | None = None) -> None:
+    def __init__(self, limit_bytes: int, *, spill_dir: Path | None = None, copies: Copies | None = None) -> None:
         if limit_bytes < 0:
             raise ValueError(f"the output log limit must be >= 0 bytes, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self._spill_root = spill_dir
+        self.copies = copies
         self._spill_dir: Path | None = None
         self._lock = threading.Lock()
         self._entries: dict[Key, _Entry] = {}
@@ -84,7 +94,13 @@ class OutputLog:
         """Whether more bytes are in memory (and not already being spilled) than the limit allows."""
         return self.memory_bytes - self._spilling_bytes > self.limit_bytes
 
-    def put(self, header: pb.TransferHeader, leaves: Leaves) -> None:
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of logged values still on the device (their pushes have not copied them off yet)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values() if e.leaves is not None and e.leaves.on_device)
+
+    def put(self, header: pb.TransferHeader, leaves: Leaves | HostCopy) -> None:
         """Log one value sent to ``header.consumer_node``; a value already logged is replaced.
 
         Only records: when this takes the log over its limit, the caller calls :meth:`spill`
@@ -95,13 +111,14 @@ class OutputLog:
             return  # below the cut: no recovery can ask for it
         h = pb.TransferHeader()
         h.CopyFrom(header)
-        nbytes = sum(int(np.asarray(x).nbytes) for x in leaves)
+        value = host_copy(leaves, self.copies)
+        nbytes = value.nbytes
         with self._lock:
             if self._closed:
                 return
             old = self._entries.pop(key, None)
             gone = self._forget(old) if old is not None else None
-            self._entries[key] = _Entry(h, list(leaves), nbytes)
+            self._entries[key] = _Entry(h, value, nbytes)
             self.memory_bytes += nbytes
             self.peak_memory_bytes = max(self.peak_memory_bytes, self.memory_bytes)
         if gone is not None:
@@ -128,13 +145,13 @@ class OutputLog:
                 e = self._entries[key]
                 e.spilling = True
                 self._spilling_bytes += e.nbytes
-                leaves = e.leaves
-                assert leaves is not None
+                value = e.leaves
+                assert value is not None
             path: Path | None = None
             try:
                 path = self._new_path()
-                for i, leaf in enumerate(leaves):
-                    np.save(path / f"{i}.npy", np.asarray(leaf), allow_pickle=False)
+                for i, leaf in enumerate(value.get("log_spill")):
+                    np.save(path / f"{i}.npy", leaf, allow_pickle=False)
             except BaseException:
                 with self._lock:
                     e.spilling = False
@@ -179,8 +196,10 @@ class OutputLog:
             picked = sorted(((k, e) for k, e in self._entries.items() if k[0] in wanted and k[2] >= from_step),
                             key=lambda ke: (ke[0][2], ke[0][3], ke[0][0], ke[0][1]))
             snapshot = [(k, e.header, e.leaves, e.path) for k, e in picked]
-        for key, header, leaves, path in snapshot:
-            if leaves is None:
+        for key, header, value, path in snapshot:
+            if value is not None:
+                leaves = value.get("transfer")  # read to be pushed again
+            else:
                 try:
                     leaves = self._read(path, int(header.leaves))
                 except OSError:

@@ -15,7 +15,7 @@ data-plane front is :mod:`rallypoint.workers.runtime_service`. The semantics are
 * a state read at step ``s`` is the value its producer made at the last step before
   ``s`` (the init before that); resident states are read in place, others arrive by
   push, once per step;
-* a gather stacks the step's microbatch values on a new axis 0 with numpy;
+* a gather stacks the step's microbatch values on a new axis 0 (on the devices);
 * delivery is idempotent per ``(consumer, arg, step, microbatch)``.
 
 Instances of one slice run one at a time, lowest step first, then topological
@@ -63,6 +63,7 @@ from rallypoint.workers.job_checkpoints import CommitFn, restore_for_load
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.records import InstanceRecords
 from rallypoint.workers.replicas import Replicator, ReplicaTier
+from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.runtime_control import Admit, JobControl
 from rallypoint.workers.runtime_handoff import CheckpointHandoff
 from rallypoint.workers.runtime_inputs import Inputs
@@ -110,13 +111,14 @@ class JobRuntime:
         self.start_step = start = int(req.start_step)
         self.m = max(int(req.microbatches), 1)
         self.worker_id = worker_id
-        self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT)
+        self.copies = Copies(self.job)  # every copy between host and device, by purpose (residency.py)
+        self.outlog = OutputLog(int(req.log_limit_bytes) or DEFAULT_LOG_LIMIT, copies=self.copies)
         self.outlog.low = start  # a runtime started at a checkpoint made nothing before it
         self.control = JobControl(self.job, cluster=req.to.cluster, worker_id=worker_id, admit=admit,
                                   incarnation=incarnation, outlog=self.outlog)
         self.incarnation = self.control.incarnation
         self.log = self.control.log
-        self.outbox = Outbox(self.control, self.outlog, peers, push_threads)
+        self.outbox = Outbox(self.control, self.outlog, peers, push_threads, copies=self.copies)
         self.restore_tiers: dict[str, str] = {}  # slice -> "memory" (a peer's copy) or "disk", when restored
 
         mesh_of = slice_meshes(req, devices, worker_id)
@@ -124,22 +126,24 @@ class JobRuntime:
                                 worker_id=worker_id)
         self._slice_nodes = nodes_by_slice(req, self.nodes)
         self.states: dict[str, StateVersions] = {}  # filled below, once the routes say where each is pushed
-        self.inputs = Inputs(self.control, self.nodes, self.states, steps=self.steps, microbatches=self.m)
+        self.inputs = Inputs(self.control, self.nodes, self.states, steps=self.steps, microbatches=self.m,
+                             copies=self.copies)
         self.router = Router(self.control, self.nodes, {st.name for st in req.states}, self.states, self.inputs,
-                             self.outbox, steps=self.steps, start_step=start)
+                             self.outbox, steps=self.steps, start_step=start, copies=self.copies)
         self.router.set_routes(req.routes)
         fetch = (lambda ref: replicas.fetch(req, ref, self.log)) if replicas is not None else None
         restored = restore_for_load(req, fetch, self.restore_tiers) if start > 0 else {}
-        self.states.update(load_states(req, mesh_of, self.nodes, self.router.push_everies, restored, worker_id))
+        self.states.update(load_states(req, mesh_of, self.nodes, self.router.push_everies, restored, worker_id,
+                                       copies=self.copies))
 
         self.handoff = CheckpointHandoff(req, self.control, self.states, commit_factory=commit_factory, faults=faults,
-                                         replicas=replicas)
+                                         replicas=replicas, copies=self.copies)
         self.records = InstanceRecords(self.handoff.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
                                        slices=list(self._slice_nodes), start_step=start, job=self.job,
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
         self.scheduler = SliceScheduler(self.control, self._slice_nodes, inputs=self.inputs, router=self.router,
                                         handoff=self.handoff, records=self.records, states=self.states,
-                                        steps=self.steps, start_step=start)
+                                        steps=self.steps, start_step=start, copies=self.copies)
         self.load_s = time.perf_counter() - t0
         self.log.info("job.loaded", slices=list(self._slice_nodes), nodes=len(self.nodes), states=list(self.states),
                       steps=self.steps, start_step=start, load_s=round(self.load_s, 3))
@@ -231,11 +235,14 @@ class JobRuntime:
         return resent
 
     def deliver(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
-        """A value for a consumer on this worker; returns True for a duplicate (dropped).
+        """A value pushed for a consumer on this worker; returns True for a duplicate (dropped).
+
+        The value goes onto the consumer's devices here, before the job's lock is taken.
 
         Raises:
             DeliveryError: the value matches no input of this job here.
         """
+        leaves = self.inputs.placed(header, leaves)
         with self.control.cv:
             duplicate = self.inputs.deliver(header, leaves)
             self.control.cv.notify_all()
@@ -256,10 +263,11 @@ class JobRuntime:
             return scheduler.finished
 
     def final_states(self) -> list[pb.StateValue]:
-        """Every resident state as it is at step ``steps`` (call once finished)."""
+        """Every resident state as it is at step ``steps`` (call once finished), copied off the device (``fetch``)."""
         with self.control.cv:
-            return [pb.StateValue(state=name, leaves=[codec.to_tensor(a) for a in sv.at(self.steps) or []])
-                    for name, sv in self.states.items()]
+            final = {name: list(sv.at(self.steps) or []) for name, sv in self.states.items()}
+        return [pb.StateValue(state=name, leaves=[codec.to_tensor(a) for a in to_host(leaves, self.copies, "fetch")])
+                for name, leaves in final.items()]
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every push submitted so far has ended (a drain, before unloading); whether they all did."""

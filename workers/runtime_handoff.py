@@ -21,6 +21,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.job_checkpoints import CommitFn, JobCheckpoints
 from rallypoint.workers.faults import WorkerFaults
 from rallypoint.workers.replicas import Replicator, ReplicaTier
+from rallypoint.workers.residency import Copies
 from rallypoint.workers.runtime_control import JobControl
 from rallypoint.workers.runtime_state import Leaves, StateVersions
 
@@ -40,11 +41,12 @@ class CheckpointHandoff:
         commit_factory: makes this incarnation's checkpoint commit (None: no checkpoints).
         faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
         replicas: the worker's in-memory checkpoint tier (None: disk only).
+        copies: where the states' copies off the device are counted (``checkpoint``).
     """
 
     def __init__(self, req: pb.LoadJobRequest, control: JobControl, states: Mapping[str, StateVersions], *,
                  commit_factory: Callable[[], CommitFn] | None, faults: WorkerFaults,
-                 replicas: ReplicaTier | None) -> None:
+                 replicas: ReplicaTier | None, copies: Copies | None = None) -> None:
         self._control = control
         self._states = states
         self._steps = int(req.steps)
@@ -54,7 +56,8 @@ class CheckpointHandoff:
                                               if replicas else None)
         self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed, faults=faults,
                                           log_fields={"worker": control.worker_id, "incarnation": control.incarnation},
-                                          replicate=self.replicator.submit if self.replicator else None)
+                                          replicate=self.replicator.submit if self.replicator else None,
+                                          copies=copies)
         for name, sv in states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self._steps)))
 

@@ -7,6 +7,12 @@ the :class:`~rallypoint.workers.runtime_state.Inbox` until the consumer instance
 it. Delivery is idempotent per ``(consumer, arg, step, microbatch)``: a value already
 held, or one whose instance has started, is a duplicate. Resident states are read in
 place: step ``s`` reads the version its producer made before ``s`` (the init before that).
+
+Values are kept on the consumer's devices (:mod:`rallypoint.workers.residency`): one
+pushed from another worker is put there once, on the receiving thread, before the
+job's lock is taken (:meth:`Inputs.placed`); one handed over from another slice of this
+worker moves device to device; the arguments of an instance are laid out as the
+node's exported program takes them, so the call copies nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.residency import Copies, is_device_array, place, unstacked
 from rallypoint.workers.runtime_control import JobControl
 from rallypoint.workers.runtime_load import LoadedNode
 from rallypoint.workers.runtime_state import DeliveryError, Inbox, Key, Leaves, StateVersions, runs_at
@@ -33,16 +40,47 @@ class Inputs:
         states: the job's resident states (read in place; each read counts against the version's uses).
         steps: the job's step count.
         microbatches: microbatches per step.
+        copies: where the job's host-device copies are counted (None: not counted).
     """
 
     def __init__(self, control: JobControl, nodes: Mapping[str, LoadedNode], states: Mapping[str, StateVersions], *,
-                 steps: int, microbatches: int) -> None:
+                 steps: int, microbatches: int, copies: Copies | None = None) -> None:
         self._control = control
         self._nodes = nodes
         self._states = states
         self._steps = steps
         self._m = microbatches
+        self._copies = copies
         self._inbox = Inbox()
+        self._layout: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}  # (node, arg) -> (whole, delivered)
+
+    def _shardings(self, n: LoadedNode, arg: str) -> tuple[list[Any], list[Any]] | None:
+        """How input ``arg`` of ``n`` is laid out: as the call takes it, and as one delivered value of it
+        (a gathered input arrives one microbatch at a time); None when the program does not say."""
+        key = (n.prog.name, arg)
+        if key not in self._layout:
+            shardings = getattr(n.call, "in_shardings", None)
+            if shardings is None:
+                return None
+            i = 0
+            for b in n.prog.inputs:
+                whole = list(shardings[i : i + b.leaves])
+                i += b.leaves
+                delivered = [unstacked(s, n.call.mesh) for s in whole] if b.kind == B.GATHER else whole
+                self._layout[(n.prog.name, b.arg)] = (whole, delivered)
+        return self._layout.get(key)
+
+    def placed(self, header: pb.TransferHeader, leaves: Leaves) -> Leaves:
+        """``leaves`` of a value pushed here, on its consumer's devices (counted: ``transfer``).
+
+        Called before the job's lock is taken; a value that matches no input comes back
+        as it is (:meth:`deliver` refuses it).
+        """
+        n = self._nodes.get(header.consumer_node)
+        layout = self._shardings(n, header.arg) if n is not None else None
+        if layout is None or len(layout[1]) != len(leaves):
+            return leaves
+        return place(leaves, layout[1], self._copies, "transfer")
 
     def deliver(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
         """Keep a value for its consumer instance(s); returns True for a duplicate (dropped). Under the lock.
@@ -99,24 +137,43 @@ class Inputs:
     def take(self, n: LoadedNode, step: int, mb: int) -> list[Any]:
         """The arguments of a ready instance, in binding order; each value taken counts against its uses.
 
-        A gather stacks the step's microbatch values on a new axis 0 with numpy.
+        A gather stacks the step's microbatch values on a new axis 0 (on their devices).
+        Every argument is laid out as the node's program takes it: a state read from
+        another slice of this worker moves device to device, the step and microbatch
+        numbers are copied on (``step``).
         """
         name = n.prog.name
         args: list[Any] = []
+        numbers: list[int] = []  # positions of the step and microbatch numbers
         for b in n.prog.inputs:
-            if b.kind == B.STEP:
-                args.append(np.int32(step))
-            elif b.kind == B.MICROBATCH:
-                args.append(np.int32(mb if mb >= 0 else 0))
+            if b.kind in (B.STEP, B.MICROBATCH):
+                numbers.append(len(args))
+                args.append(np.int32(step if b.kind == B.STEP else (mb if mb >= 0 else 0)))
             elif b.kind == B.STATE and b.state in self._states:
                 args += self._states[b.state].use(step)
             elif b.kind == B.GATHER:
                 parts = [self._inbox.take((name, b.arg, step, i)) for i in range(self._m)]
-                args += [np.stack(xs) for xs in zip(*parts, strict=True)]
+                args += [_stack(xs) for xs in zip(*parts, strict=True)]
             else:
                 args += self._inbox.take((name, b.arg, step, self._arrival_mb(b, mb)))
-        return args
+        shardings = getattr(n.call, "in_shardings", None)
+        if shardings is None or len(shardings) != len(args):
+            return args
+        if numbers:
+            for i, x in zip(numbers, place([args[i] for i in numbers], [shardings[i] for i in numbers],
+                                           self._copies, "step"), strict=True):
+                args[i] = x
+        return place(args, shardings, self._copies, "transfer")
 
     def clear(self) -> None:
         """Drop every value held (the job was unloaded)."""
         self._inbox.clear()
+
+
+def _stack(parts: tuple[Any, ...]) -> Any:
+    """The microbatch values of one leaf stacked on a new axis 0: on their devices, or with numpy on the host."""
+    if any(is_device_array(x) for x in parts):
+        import jax.numpy as jnp
+
+        return jnp.stack(parts)
+    return np.stack(parts)

@@ -21,13 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.runtime_state import Leaves, LoadError, NodeProgress, RestoreError, StateVersions
-from rallypoint.workers.warm import NodeExecutable, WarmCache, program_key
+from rallypoint.workers.residency import Copies, place
+from rallypoint.workers.warm import NodeExecutable, WarmCache, arg_shardings, program_key
 
 B = pb.InputBinding
 MeshOf = Callable[[str, str], Any]
@@ -132,6 +131,13 @@ def load_nodes(req: pb.LoadJobRequest, mesh_of: MeshOf, *, microbatches: int, wa
     return nodes
 
 
+def init_shardings(blob: bytes, mesh: Any) -> list[Any]:
+    """How a state's exported init lays its leaves out on ``mesh`` (a restored value is put the same way)."""
+    import jax
+
+    return arg_shardings(jax.export.deserialize(bytearray(blob)).out_shardings_jax(mesh), mesh)
+
+
 def nodes_by_slice(req: pb.LoadJobRequest, nodes: Mapping[str, LoadedNode]) -> dict[str, list[LoadedNode]]:
     """Each assigned slice's nodes, in topological order (a slice may have none)."""
     return {sa.slice: [n for n in nodes.values() if n.prog.slice == sa.slice] for sa in req.slices}
@@ -139,10 +145,13 @@ def nodes_by_slice(req: pb.LoadJobRequest, nodes: Mapping[str, LoadedNode]) -> d
 
 def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, LoadedNode],
                 push_everies: Callable[[str], list[int]],
-                restored: Mapping[str, Mapping[str, Leaves]], worker_id: str = "") -> dict[str, StateVersions]:
-    """Each resident state with its first version: the init's value, or at a start step > 0 the
-    checkpoint's (``restored``: slice -> state -> leaves). ``push_everies(state)``: the ``every``
-    of each remote consumer the state is pushed to (the router's state routes).
+                restored: Mapping[str, Mapping[str, Leaves]], worker_id: str = "",
+                copies: Copies | None = None) -> dict[str, StateVersions]:
+    """Each resident state with its first version, on its slice's devices laid out as its init lays
+    it out: the init's value (made there), or at a start step > 0 the checkpoint's (``restored``:
+    slice -> state -> host leaves, copied on and counted in ``copies`` as ``checkpoint``).
+    ``push_everies(state)``: the ``every`` of each remote consumer the state is pushed to (the
+    router's state routes).
 
     Raises:
         RestoreError: a checkpoint lacks one of its slice's states.
@@ -164,9 +173,14 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
         else:
             mesh = mesh_of(f"state {st.name!r}", st.slice)
             leaves = _program_part(f"state {st.name!r} init", worker_id,
-                                   lambda: [np.asarray(x) for x in load_exported(st.exported_init, mesh)()])
+                                   lambda: list(load_exported(st.exported_init, mesh)()))
         if len(leaves) != st.leaves:
             raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
+        if start > 0:
+            mesh = mesh_of(f"state {st.name!r}", st.slice)
+            shardings = _program_part(f"state {st.name!r} init", worker_id,
+                                      lambda: init_shardings(st.exported_init, mesh))
+            leaves = place(leaves, shardings, copies, "checkpoint")
         sv.add(sv.key(start), leaves)
         states[st.name] = sv
     return states

@@ -13,18 +13,20 @@ Nothing here grows without bound when a consumer is slow or stops reading: a pus
 waiting for its turn keeps its value alive even after the log spilled it, so the
 outbox counts the bytes of pushes not yet ended (``backlog_bytes``) and the producer
 starts no new instance while they exceed the log's limit (:attr:`Outbox.backlogged`,
-back-pressure; the slice scheduler waits on it). The log's spills write files, so
+back-pressure; the slice scheduler waits on it). A value is logged and pushed as one
+:class:`~rallypoint.workers.residency.HostCopy`: the first push copies it off the device
+on its own thread (the slice's loop goes on with its next instance meanwhile), the
+other pushes and the log share that copy. The log's spills write files, so
 they happen outside the job's lock, on the producer's own device thread after each
 instance (:meth:`Outbox.relieve`): a slow disk slows the producer, not the job's calls.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.outlog import OutputLog
+from rallypoint.workers.residency import Copies, HostCopy, host_copy
 from rallypoint.workers.runtime_control import JobControl
 from rallypoint.workers.runtime_state import Leaves
 from rallypoint.workers.transfer import NotAllowed, PeerChannels, PushPools
@@ -42,10 +44,13 @@ class Outbox:
         outlog: the job's output log, owned from here on.
         peers: the worker's channels to its peers.
         push_threads: threads per consumer worker incarnation.
+        copies: where the job's host-device copies are counted (None: not counted).
     """
 
-    def __init__(self, control: JobControl, outlog: OutputLog, peers: PeerChannels, push_threads: int) -> None:
+    def __init__(self, control: JobControl, outlog: OutputLog, peers: PeerChannels, push_threads: int,
+                 copies: Copies | None = None) -> None:
         self._control = control
+        self.copies = copies
         self.outlog = outlog
         self._peers = peers
         self._pools = PushPools(control.job, push_threads)
@@ -64,15 +69,16 @@ class Outbox:
         self.targets = targets
         self._pools.keep_only(targets)
 
-    def send(self, r: pb.Route, header: pb.TransferHeader, value: Leaves, *, log: bool = True) -> None:
+    def send(self, r: pb.Route, header: pb.TransferHeader, value: Leaves | HostCopy, *, log: bool = True) -> None:
         """Log ``value`` and push it to the consumer ``r`` names on another worker (in the background). Under the lock.
 
         ``log=False``: the value is in the log already (a resend). The log may go over its
         limit here; :meth:`relieve` spills it once no lock is held.
         """
+        value = host_copy(value, self.copies)
         if log:
             self.outlog.put(header, value)
-        nbytes = sum(int(np.asarray(x).nbytes) for x in value)
+        nbytes = value.nbytes
         self.backlog_bytes += nbytes
         self.peak_backlog_bytes = max(self.peak_backlog_bytes, self.backlog_bytes)
         future = self._pools.submit((r.worker_id, int(r.incarnation)), self._push, r.data_address or r.address,
@@ -105,8 +111,9 @@ class Outbox:
         """End every push (the job was unloaded)."""
         self._pools.shutdown()
 
-    def _push(self, address: str, header: pb.TransferHeader, value: Leaves, data_plane: bool) -> None:
+    def _push(self, address: str, header: pb.TransferHeader, value: HostCopy, data_plane: bool) -> None:
         control = self._control
+        leaves: Leaves = value.get("transfer")  # off the device here, on the push's thread (once for all its pushes)
 
         def may_act() -> None:
             try:
@@ -119,5 +126,5 @@ class Outbox:
         def cancelled() -> bool:  # unloaded, or recovery moved the consumer (the log holds the value)
             return control.stopped or target not in self.targets
 
-        self._peers.push(address, header, value, may_act=may_act, cancelled=cancelled, log=control.log,
+        self._peers.push(address, header, leaves, may_act=may_act, cancelled=cancelled, log=control.log,
                          data_plane=data_plane)

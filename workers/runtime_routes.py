@@ -10,6 +10,10 @@ pushed to each remote consumer once per step the consumer runs at, as soon as th
 version that step reads exists and the step is granted (:meth:`Router.pump_state_pushes`).
 ``rewire`` installs a new table after recovery moved consumers, and sends the moved
 ones their logged values again (:meth:`Router.resend`).
+
+A value sent to consumers on other workers leaves the device once: every push of it
+(and its entry in the output log) shares one :class:`~rallypoint.workers.residency.HostCopy`,
+made by the first push on its own thread; a value for a consumer here stays on the devices.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.residency import Copies, HostCopy
 from rallypoint.workers.runtime_control import JobControl
 from rallypoint.workers.runtime_inputs import Inputs
 from rallypoint.workers.runtime_load import LoadedNode
@@ -48,11 +53,12 @@ class Router:
         outbox: where values for consumers on other workers go.
         steps: the job's step count.
         start_step: the first step this runtime runs (state pushes start there).
+        copies: where the job's host-device copies are counted (None: not counted).
     """
 
     def __init__(self, control: JobControl, nodes: Mapping[str, LoadedNode], resident: set[str],
                  states: Mapping[str, StateVersions], inputs: Inputs, outbox: Outbox, *, steps: int,
-                 start_step: int) -> None:
+                 start_step: int, copies: Copies | None = None) -> None:
         self._control = control
         self._nodes = nodes
         self._resident = resident
@@ -61,6 +67,7 @@ class Router:
         self._outbox = outbox
         self._steps = steps
         self._start_step = start_step
+        self._copies = copies
         self._outputs: dict[str, dict[str, list[pb.Route]]] = {}  # node -> output -> its routes
         self._state_routes: list[StateRoute] = []
 
@@ -96,11 +103,14 @@ class Router:
         return [sr.route.consumer_every for sr in self._state_routes if sr.route.state == state]
 
     def send_output(self, node: str, output: str, step: int, mb: int, value: Leaves) -> None:
-        """Send an instance's output to every consumer its routes name."""
+        """Send an instance's output to every consumer its routes name (one host copy for all remote ones)."""
+        shared: HostCopy | None = None
         for r in self._outputs.get(node, {}).get(output, ()):
             header = pb.TransferHeader(job=self._control.job, node=node, output=output, step=step,
                                        microbatch=mb, consumer_node=r.consumer_node, arg=r.arg)
-            self.route(r, header, value)
+            if r.worker_id != self._control.worker_id and shared is None:
+                shared = HostCopy(value, self._copies)
+            self.route(r, header, value if r.worker_id == self._control.worker_id else shared)
 
     def pump_state_pushes(self) -> None:
         """Push each remote consumer every granted step's version of a state once it exists."""
@@ -115,7 +125,8 @@ class Router:
                     break
                 header = pb.TransferHeader(job=self._control.job, state=sr.route.state, step=sr.next_step,
                                            microbatch=-1, consumer_node=sr.route.consumer_node, arg=sr.route.arg)
-                self.route(sr.route, header, sv.use(sr.next_step))
+                sv.use(sr.next_step)
+                self.route(sr.route, header, sv.host_copy(sr.next_step, self._copies))
                 sr.next_step += 1
 
     def resend(self, routes: Sequence[pb.Route], logged: Iterable[tuple[pb.TransferHeader, Leaves]]) -> int:
@@ -139,13 +150,16 @@ class Router:
         """Spill the output log back within its limit; holding no lock."""
         self._outbox.relieve()
 
-    def route(self, r: pb.Route, header: pb.TransferHeader, value: Leaves, *, log: bool = True) -> None:
-        """Hand ``value`` to the consumer ``r`` names: in memory here, else logged (unless ``log`` is False) and pushed."""
+    def route(self, r: pb.Route, header: pb.TransferHeader, value: Leaves | HostCopy, *, log: bool = True) -> None:
+        """Hand ``value`` to the consumer ``r`` names: in memory here (on its devices), else logged
+        (unless ``log`` is False) and pushed."""
         control = self._control
-        header.leaves = len(value)
         header.to.CopyFrom(pb.Identity(cluster=control.cluster, worker_id=r.worker_id, incarnation=r.incarnation))
         header.from_worker, header.from_incarnation = control.worker_id, control.incarnation
         if r.worker_id == control.worker_id:
-            self._inputs.deliver(header, value)
+            leaves = value.leaves() if isinstance(value, HostCopy) else value
+            header.leaves = len(leaves)
+            self._inputs.deliver(header, self._inputs.placed(header, leaves))
         elif not control.stopped:
+            header.leaves = value.count if isinstance(value, HostCopy) else len(value)
             self._outbox.send(r, header, value, log=log)

@@ -15,6 +15,11 @@ When a checkpoint is due the slice saves before anything later runs
 outputs go to the router, its state updates become new versions, and an
 ``InstanceDone`` (compute time, metrics, the loop's own work on it) goes to the job's
 event stream. An instance that raises fails the job.
+
+Outputs stay on the slice's devices (:mod:`rallypoint.workers.residency`): the loop
+waits until an instance's outputs are computed (its compute time, and an error is
+the instance's), then hands the arrays on as they are; only the metric scalars are
+copied off, all of an instance's together.
 """
 
 from __future__ import annotations
@@ -24,17 +29,24 @@ import threading
 import time
 from collections.abc import Mapping
 
-import numpy as np
-
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.records import InstanceRecords
+from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.runtime_control import JobControl
 from rallypoint.workers.runtime_handoff import CheckpointHandoff
 from rallypoint.workers.runtime_inputs import Inputs
 from rallypoint.workers.runtime_load import LoadedNode
 from rallypoint.workers.runtime_routes import Router
 from rallypoint.workers.runtime_state import Leaves, StateVersions, runs_at, running_steps
+
+
+def _computed(leaves: Leaves) -> None:
+    """Wait until every device array of ``leaves`` is computed (raises the computation's error)."""
+    for x in leaves:
+        wait = getattr(x, "block_until_ready", None)
+        if wait is not None:
+            wait()
 
 
 class SliceScheduler:
@@ -53,12 +65,15 @@ class SliceScheduler:
         states: the resident states (a state update adds a version).
         steps: the job's step count.
         start_step: the first step this runtime runs.
+        copies: where the job's host-device copies are counted (None: not counted).
     """
 
     def __init__(self, control: JobControl, slice_nodes: Mapping[str, list[LoadedNode]], *, inputs: Inputs,
                  router: Router, handoff: CheckpointHandoff, records: InstanceRecords,
-                 states: Mapping[str, StateVersions], steps: int, start_step: int) -> None:
+                 states: Mapping[str, StateVersions], steps: int, start_step: int,
+                 copies: Copies | None = None) -> None:
         self._control = control
+        self._copies = copies
         self._slice_nodes = slice_nodes
         self._inputs = inputs
         self._router = router
@@ -129,10 +144,12 @@ class SliceScheduler:
                 continue
             t0 = time.perf_counter()
             try:
-                leaves = [np.asarray(x) for x in node.call(*args)]
+                leaves = list(node.call(*args))
                 want = sum(o.leaves for o in node.prog.outputs)
                 if len(leaves) != want:
                     raise ValueError(f"the program returned {len(leaves)} leaves, its outputs declare {want}")
+                _computed(leaves)  # on the devices, done: its compute time, and its error is the instance's
+                metrics = self._metrics(node, leaves)
             except Exception as exc:  # user code or XLA: the job fails with it
                 with cv:
                     control.fail_instance(node.prog.name, step, mb, time.perf_counter() - t0,
@@ -145,7 +162,7 @@ class SliceScheduler:
                 if control.stopped:
                     return
                 try:
-                    self._complete(node, step, mb, leaves, compute_s, picked)
+                    self._complete(node, step, mb, leaves, compute_s, picked, metrics)
                 except Exception as exc:  # a routing bug: fail the job loudly, not hang
                     control.fail_instance(node.prog.name, step, mb, compute_s,
                                           f"delivering outputs: {type(exc).__name__}: {exc}")
@@ -179,7 +196,20 @@ class SliceScheduler:
                                       f"incarnation {control.incarnation} of worker {control.worker_id} ended: {exc}")
             return False
 
-    def _complete(self, n: LoadedNode, step: int, mb: int, leaves: Leaves, compute_s: float, picked: float) -> None:
+    def _metrics(self, n: LoadedNode, leaves: Leaves) -> dict[str, float]:
+        """The instance's metric scalars, copied off the device together (``metric``)."""
+        wanted: list[tuple[str, int]] = []
+        i = 0
+        for out in n.prog.outputs:
+            wanted += [(metric, i) for metric in out.metrics]
+            i += out.leaves
+        if not wanted:
+            return {}
+        host = to_host([leaves[i] for _, i in wanted], self._copies, "metric")
+        return {metric: float(x) for (metric, _), x in zip(wanted, host, strict=True)}
+
+    def _complete(self, n: LoadedNode, step: int, mb: int, leaves: Leaves, compute_s: float, picked: float,
+                  metrics: Mapping[str, float]) -> None:
         self.completed += 1
         done = pb.InstanceDone(node=n.prog.name, step=step, microbatch=mb, compute_s=compute_s,
                                saving_s=self._handoff.take_saving_s(n.prog.slice))
@@ -190,7 +220,7 @@ class SliceScheduler:
         for out in n.prog.outputs:
             value, i = leaves[i : i + out.leaves], i + out.leaves
             for metric in out.metrics:
-                done.metrics[metric] = float(value[0])
+                done.metrics[metric] = metrics[metric]
             self._router.send_output(n.prog.name, out.name, step, mb, value)
             if out.updates_state:
                 self._states[out.updates_state].add(step + 1, value)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rallypoint.basics.errors import RallypointError
+from rallypoint.workers.residency import Copies, HostCopy
 
 
 class LoadError(RallypointError):
@@ -33,7 +34,8 @@ class RestoreError(LoadError):
         self.slice_name, self.step = slice_name, step
 
 Leaves = list[Any]
-"""One value as its flat leaves (host numpy arrays)."""
+"""One value as its flat leaves: ``jax.Array``s on the slice's devices, or host numpy arrays
+(a value that arrived from another worker and is not placed yet, or one read back from disk)."""
 
 Key = tuple[str, str, int, int]
 """Where a delivered value goes: (consumer node, input arg, step, microbatch; -1: per step)."""
@@ -113,6 +115,7 @@ class StateVersions:
         self.push_everies = list(push_everies)
         self._values: dict[int, Leaves] = {}
         self._uses: dict[int, int] = {}
+        self._host: dict[int, HostCopy] = {}  # version -> its one host copy, made for pushes to other workers
         self.newest = -1
 
     def key(self, step: int) -> int:
@@ -156,10 +159,19 @@ class StateVersions:
             self._collect()
         return leaves
 
+    def host_copy(self, step: int, copies: Copies | None) -> HostCopy:
+        """The value step ``step`` reads, as the one host copy every push of that version shares."""
+        v = self.key(step)
+        hc = self._host.get(v)
+        if hc is None:
+            hc = self._host[v] = HostCopy(self._values[v], copies)
+        return hc
+
     def _collect(self) -> None:
         for v in [v for v, n in self._uses.items() if n <= 0 and v != self.newest and v != self.pinned]:
             del self._uses[v]
             self._values.pop(v, None)
+            self._host.pop(v, None)
 
     def __len__(self) -> int:
         return len(self._values)
@@ -167,6 +179,7 @@ class StateVersions:
     def clear(self) -> None:
         self._values.clear()
         self._uses.clear()
+        self._host.clear()
 
 
 class Inbox:

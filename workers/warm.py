@@ -53,6 +53,14 @@ def compile_exported(exp: Any, mesh: Any) -> Any:
     return jitted.lower(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]).compile()
 
 
+def arg_shardings(shardings: Iterable[Any], mesh: Any) -> list[Any]:
+    """An exported program's shardings on ``mesh``, an unspecified one (None) as replicated on the mesh."""
+    import jax
+
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [whole if s is None else s for s in shardings]
+
+
 def _deserialize(blob: bytes) -> Any:
     import jax
 
@@ -80,9 +88,16 @@ class NodeExecutable:
     def __init__(self, blob: bytes, mesh: Any, warm: WarmEntry | None = None) -> None:
         self._exp = _deserialize(blob)  # a bad program fails the load, not the first call
         self._mesh, self._warm = mesh, warm
+        # where each flat argument must be when the program is called (the runtime puts it there)
+        self.in_shardings = tuple(arg_shardings(self._exp.in_shardings_jax(mesh), mesh))
         self._compiled: Any = None
         self.source, self.compile_s = "", 0.0
         self._reported = False
+
+    @property
+    def mesh(self) -> Any:
+        """The slice's mesh the program runs on."""
+        return self._mesh
 
     @property
     def expected(self) -> str:
