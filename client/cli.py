@@ -20,7 +20,7 @@ import click
 
 from rallypoint.client import jobs_cli
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, insecure, resolve_cluster, store_and_keys
-from rallypoint.client.clusters import tls_options
+from rallypoint.client.clusters import export_platforms_for, tls_options
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.cluster.group import RallypointGroup
@@ -455,7 +455,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                 "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
                 "warm_spares": warm_spares, "max_faults": max_faults, "max_preemptions": max_preemptions,
                 "failure_window_s": failure_window_s, "compile_timeout_s": compile_timeout_s}
-    compiled = compile_program(program, platforms=_export_platforms(platforms, reference=reference, cluster=cluster))
+    compiled = compile_program(program, platforms=export_platforms_for(platforms, reference=reference,
+                                                                          cluster=cluster))
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
     if reference:
@@ -524,26 +525,6 @@ def _describe(d: dict[str, Any]) -> str:
         return f"[yellow]straggler[/yellow] {d.get('slice')} on {d.get('worker')}{numbers}: {d.get('decision')}: " \
                f"{d.get('reason')}"
     return json.dumps(d)
-
-
-def _export_platforms(given: str | None, *, reference: bool, cluster: str | None) -> tuple[str, ...] | None:
-    """What `rallypoint run` exports for: ``--platform``, else the pool's platforms (``--cluster``), else cpu (the
-    embedded cluster's workers); None (this process's platform) for ``--reference``."""
-    if given:
-        return tuple(p for p in given.split(",") if p.strip())
-    if reference:
-        return None
-    if not cluster:
-        return ("cpu",)  # the embedded cluster's workers run K CPU devices, whatever this host has
-    from rallypoint.etcd.cluster_view import read_cluster
-    from rallypoint.orchestrator.platforms import pool_platforms
-
-    store, keys = store_and_keys(Path(DEFAULT_STATE_DIR), cluster)
-    try:
-        offered = pool_platforms(read_cluster(store, keys))
-    finally:
-        store.close()
-    return tuple(sorted(offered)) or None  # no worker yet: this process's platform
 
 
 def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spares: int,

@@ -82,7 +82,7 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 @click.option("--devices", type=int, default=2, show_default=True,
               help="Local JAX devices (K): on a CPU host JAX is asked for K CPU devices; on a GPU or TPU host, the "
               "first K accelerators.")
-@click.option("--platform", type=click.Choice(PLATFORM_CHOICES, case_sensitive=False), default="",
+@click.option("--platform", type=click.Choice(PLATFORM_CHOICES, case_sensitive=False), default=None,
               help="Pin JAX to this platform (default: what JAX finds). docs/platforms.md")
 @click.option("--nondeterministic", is_flag=True,
               help="On GPU, do not turn on XLA's deterministic kernels (--xla_gpu_deterministic_ops=true): faster, "
@@ -110,7 +110,7 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
 @click.option("--fault-corrupt-replicas", is_flag=True, hidden=True,
               help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
-def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, platform: str,
+def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, platform: str | None,
            nondeterministic: bool, host: str,
            port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, fault_commit_delay_s: float,
@@ -120,7 +120,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
     name, endpoints = parse_cluster(cluster)
     tls = tls_from_options(tls_dir, insecure, ident, "worker")
     cfg = WorkerConfig(tls=tls, cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
-                       platform=platform, deterministic=not nondeterministic, lease_ttl_s=lease_ttl_s, host=host,
+                       platform=platform or "", deterministic=not nondeterministic, lease_ttl_s=lease_ttl_s, host=host,
                        port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,

@@ -88,3 +88,12 @@ def test_a_worker_asked_to_load_a_tpu_only_job_fails_the_job_not_itself_and_serv
     assert worker.service.loaded("tpu-only") is None
     resp = worker.stub.LoadJob(request(compile_program(sharded("both"), platforms=("cuda", "cpu"))), timeout=60)
     assert resp.load_s > 0 and worker.service.loaded("both") is not None
+
+
+def test_rallypoint_run_exports_for_what_it_is_told_cpu_for_the_embedded_cluster_and_its_own_for_the_reference(
+) -> None:
+    from rallypoint.client.clusters import export_platforms_for
+
+    assert export_platforms_for("cuda,cpu", reference=False, cluster="c@127.0.0.1:1") == ("cuda", "cpu")
+    assert export_platforms_for(None, reference=False, cluster=None) == ("cpu",)
+    assert export_platforms_for(None, reference=True, cluster=None) is None
