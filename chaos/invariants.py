@@ -66,19 +66,23 @@ class Check:
 def check_digest(got: str | None, expected: str, *, resharded: Sequence[Mapping[str, Any]] = (),
                  got_states: Mapping[str, Sequence[Any]] | None = None,
                  want_states: Mapping[str, Sequence[Any]] | None = None,
-                 tolerance: Mapping[str, float] | None = None) -> Check:
+                 tolerance: Mapping[str, float] | None = None,
+                 nondeterministic: Sequence[str] = ()) -> Check:
     """1. The final state is bitwise the fault-free run's; or, when the job changed a slice's
-    device count (``resharded``, from ``job.finished``), within the tolerance it reports."""
+    device count (``resharded``, from ``job.finished``) or ran on workers without deterministic
+    kernels (``nondeterministic_workers``: a GPU worker started ``--nondeterministic``,
+    docs/platforms.md), within the tolerance it reports."""
     if not got:
         return Check("final-state-digest", False, f"the job produced no final state; fault-free digest {expected}")
-    if resharded:
-        changes = ", ".join(f"{r['slice']} {r['from']}->{r['to']}" for r in resharded)
+    if resharded or nondeterministic:
+        changes = ", ".join([*(f"{r['slice']} {r['from']}->{r['to']}" for r in resharded),
+                             *(f"{w} without deterministic kernels" for w in nondeterministic)])
         if got_states is None or want_states is None or not tolerance:
-            return Check("final-state-digest", False, f"device counts changed ({changes}) but the job reported no "
+            return Check("final-state-digest", False, f"not bitwise ({changes}) but the job reported no "
                          "final states or tolerance to compare with")
         ok, evidence = states_close(got_states, want_states, rtol=tolerance["rtol"], atol=tolerance["atol"])
-        return Check("final-state-digest", ok, f"device counts changed ({changes}): compared to the fault-free run "
-                     f"within a tolerance, not bitwise: {evidence}")
+        return Check("final-state-digest", ok, f"device counts changed or kernels nondeterministic ({changes}): "
+                     f"compared to the fault-free run within a tolerance, not bitwise: {evidence}")
     return Check("final-state-digest", got == expected,
                  f"digest {got} {'==' if got == expected else '!='} fault-free {expected} (bitwise: no slice changed "
                  "its device count)")

@@ -322,7 +322,8 @@ class ScenarioRun:
             check_digest(self.detail.get("state_digest") if self.outcome["state"] == "finished" else None,
                          reference.state_digest, resharded=self.detail.get("resharded") or (),
                          got_states=getattr(self, "final_states", None), tolerance=self.detail.get("tolerance"),
-                         want_states=_flat_states(reference.states)),
+                         want_states=_flat_states(reference.states),
+                         nondeterministic=self.detail.get("nondeterministic_workers") or ()),
             check_applied_once(evidence["runtimes"], {n: NodeInfo(sp.slice, sp.every, sp.per == "microbatch")
                                                       for n, sp in program.nodes.items()},
                                microbatches=program.microbatches, steps=program.steps),

@@ -20,7 +20,7 @@ import click
 
 from rallypoint.client import jobs_cli
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, insecure, resolve_cluster, store_and_keys
-from rallypoint.client.clusters import tls_options
+from rallypoint.client.clusters import export_platforms_for, tls_options
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.cluster.group import RallypointGroup
@@ -170,22 +170,44 @@ def worker_rows(snapshot: Any) -> list[dict[str, Any]]:
         rows.append({
             "worker": w, "pid": s.info.pid, "incarnation": s.info.incarnation, "state": s.state, "alive": True,
             "devices": len(s.devices), "free": len(s.free), "leased_to": holders, "address": s.info.address,
+            "platform": s.info.platform, "device_kind": s.info.device_kind,
+            "device_memory_bytes": s.info.device_memory_bytes, "deterministic": s.info.deterministic,
         })
     for w, rec in sorted(snapshot.lost.items()):
         if w not in snapshot.workers:
             rows.append({
                 "worker": w, "pid": rec.get("pid", 0), "incarnation": rec.get("incarnation", 0), "state": "lost",
                 "alive": False, "devices": 0, "free": 0, "leased_to": [], "address": rec.get("address", ""),
-                "lost_reason": rec.get("reason", ""),
+                "lost_reason": rec.get("reason", ""), "platform": "", "device_kind": "", "device_memory_bytes": 0,
+                "deterministic": True,
             })
     return rows
+
+
+def device_cell(row: dict[str, Any]) -> str:
+    """The devices column of `rallypoint workers`: platform, kind and memory of each device.
+
+    ``cpu x2 (host memory)``, ``cuda x8 NVIDIA H100 80GB HBM3, 79.1 GiB each``; a GPU without
+    deterministic kernels is marked ``nondeterministic`` (docs/platforms.md)."""
+    if not row["alive"]:
+        return "-"
+    platform = row.get("platform") or "?"
+    kind = row.get("device_kind") or ""
+    text = f"{platform} x{row['devices']}"
+    if kind and kind.lower() != platform:
+        text += f" {kind}"
+    mem = int(row.get("device_memory_bytes") or 0)
+    text += f", {mem / 2**30:.1f} GiB each" if mem else " (host memory)"
+    if not row.get("deterministic", True):
+        text += ", nondeterministic"
+    return text
 
 
 @main.command()
 @cluster_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
-    """List workers: id, pid, incarnation, state, devices, lease holders."""
+    """List workers: id, pid, incarnation, state, devices (platform, kind, memory), lease holders."""
     from rallypoint.etcd.cluster_view import read_cluster
 
     store, keys = store_and_keys(state_dir, cluster)
@@ -209,9 +231,9 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     for col in ("worker", "pid", "incarnation", "state", "devices", "free", "leased to"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["worker"], str(r["pid"]), str(r["incarnation"]), r["state"], str(r["devices"]),
+        table.add_row(r["worker"], str(r["pid"]), str(r["incarnation"]), r["state"], device_cell(r),
                       str(r["free"]), ", ".join(r["leased_to"]) or "-")
-    Console(width=120).print(table)
+    Console(width=160).print(table)
 
 
 @main.command()
@@ -354,6 +376,9 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--devices-per-worker", type=int, default=None,
               help="Embedded cluster: devices per worker (default: the largest slice).")
 @click.option("--window", type=int, default=2, show_default=True, help="Steps in flight.")
+@click.option("--platform", "platforms", default=None, metavar="P[,P...]",
+              help="Export the job's programs for these platforms (cpu, cuda, rocm, tpu). Default: with --cluster, "
+              "the platforms of the pool's workers; on an embedded cluster, cpu; with --reference, this process's.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
 @click.option("--fail", "fail", multiple=True, metavar="ACTION:NAME@STEP",
               help="Once the job reaches STEP, act on the worker holding slice or node NAME (repeatable): kill "
@@ -395,7 +420,7 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               "and commits stay under its run id, `rallypoint status NAME`). Without it such a run is refused; "
               "`rallypoint resume NAME` continues the old run.")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
-        devices_per_worker: int | None, window: int, as_json: bool, fail: tuple[str, ...], policy: str | None,
+        devices_per_worker: int | None, window: int, platforms: str | None, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
         straggler_factor: float | None, warm_spares: int | None, max_faults: int | None,
@@ -430,7 +455,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                 "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
                 "warm_spares": warm_spares, "max_faults": max_faults, "max_preemptions": max_preemptions,
                 "failure_window_s": failure_window_s, "compile_timeout_s": compile_timeout_s}
-    compiled = compile_program(program)
+    compiled = compile_program(program, platforms=export_platforms_for(platforms, reference=reference,
+                                                                          cluster=cluster))
     where = "reference"
     say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
     if reference:

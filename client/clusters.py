@@ -121,3 +121,24 @@ def store_and_keys(state_dir: Path, cluster: str | None) -> tuple[Any, Keys]:
 
     addr = resolve_cluster(state_dir, cluster)
     return EtcdStore(addr.endpoints), Keys(addr.name)
+
+
+def export_platforms_for(given: str | None, *, reference: bool, cluster: str | None) -> tuple[str, ...] | None:
+    """What `rallypoint run` exports a job for (docs/platforms.md): ``given`` (``--platform P[,P...]``), else the
+    platforms of the pool's live workers (``--cluster``; none yet: this process's), else cpu (the embedded
+    cluster's workers); None (this process's platform) for ``--reference``."""
+    if given:
+        return tuple(p for p in given.split(",") if p.strip())
+    if reference:
+        return None
+    if not cluster:
+        return ("cpu",)  # the embedded cluster's workers run K CPU devices, whatever this host has
+    from rallypoint.etcd.cluster_view import read_cluster
+    from rallypoint.orchestrator.platforms import pool_platforms
+
+    store, keys = store_and_keys(Path(DEFAULT_STATE_DIR), cluster)
+    try:
+        offered = pool_platforms(read_cluster(store, keys))
+    finally:
+        store.close()
+    return tuple(sorted(offered)) or None  # no worker yet: this process's platform

@@ -4,7 +4,9 @@ Every node (and every state's ``init``) is traced with :func:`jax.eval_shape` in
 topological order, so a shape or dtype mismatch is found before anything runs and
 reported naming the node. Each is then jitted with the shardings of its slice's
 mesh and exported with :mod:`jax.export`: programs cross the wire as serialized
-StableHLO bytes, never as pickle.
+StableHLO bytes, never as pickle. Each is lowered for the platforms of the pool the job
+goes to (``platforms``: ``jax.export`` cross-platform lowering, so a CPU-only client exports
+for CUDA or TPU workers), and records them (:attr:`CompiledNode.platforms`).
 
 Calling convention of an exported node: positional arguments in the order of
 ``input_names`` (sources: ``step``, ``microbatch`` as int32 scalars), each a
@@ -63,6 +65,7 @@ class CompiledNode:
     in_trees: tuple[Any, ...]  # treedef of each input, in input_names order
     out_trees: tuple[Any, ...]  # treedef of each output, in outputs order
     variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported
+    platforms: tuple[str, ...] = ()  # what it was lowered for (jax.export names: cpu, cuda, rocm, tpu)
 
     def flatten_inputs(self, args: Sequence[Any]) -> list[Any]:
         """Input pytrees (in ``input_names`` order) -> the flat leaves the exported program takes."""
@@ -92,6 +95,7 @@ class CompiledState:
     tree: Any
     producer: tuple[str, str] | None
     variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported init
+    platforms: tuple[str, ...] = ()  # what its init was lowered for
 
 
 def _unflatten_all(trees: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
@@ -113,10 +117,36 @@ class CompiledProgram:
     order: tuple[str, ...]
     nodes: dict[str, CompiledNode]
     states: dict[str, CompiledState]
+    platforms: tuple[str, ...] = ()  # every program was lowered for these
 
     @property
     def name(self) -> str:
         return self.program.name
+
+
+EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+"""The platforms :func:`compile_program` can lower for (``jax.export``'s names; ``gpu`` means ``cuda``)."""
+
+
+def export_platforms(platforms: Sequence[str] | None) -> tuple[str, ...]:
+    """``platforms`` checked and without repeats, in order (``gpu`` -> ``cuda``); None or empty:
+    this process's own platform (``jax.export.default_export_platform()``).
+
+    Raises:
+        ProgramError: an unknown platform, naming the known ones.
+    """
+    if not platforms:
+        import jax
+
+        return (jax.export.default_export_platform(),)
+    out: list[str] = []
+    for p in platforms:
+        name = {"gpu": "cuda"}.get(p.strip().lower(), p.strip().lower())
+        if name not in EXPORT_PLATFORMS:
+            raise ProgramError(f"cannot export for platform {p!r}: give some of {', '.join(EXPORT_PLATFORMS)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
 
 
 def slice_mesh(program: Program, slice_name: str, devices: Sequence[Any] | None = None) -> Any:
@@ -198,13 +228,17 @@ def _same_avals(a: Any, b: Any) -> bool:
     return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb, strict=True))
 
 
-def compile_program(program: Program) -> CompiledProgram:
+def compile_program(program: Program, *, platforms: Sequence[str] | None = None) -> CompiledProgram:
     """Validate, trace and export every node and state init of ``program``.
 
+    ``platforms``: lower every program for these (e.g. ``("cuda", "cpu")``: the platforms of
+    the pool the job goes to; :func:`export_platforms`); None: this process's own platform.
+
     Raises:
-        ProgramError: naming the node, edge or state at fault.
+        ProgramError: naming the node, edge or state at fault, or an unknown platform.
     """
     program.validate()
+    targets = export_platforms(platforms)
     ensure_host_devices(max(s.devices for s in program.slices.values()))
     import jax
     import jax.numpy as jnp
@@ -220,11 +254,13 @@ def compile_program(program: Program) -> CompiledProgram:
         state_avals[st.name] = aval
         tree = jax.tree_util.tree_structure(aval)
         init_flat = flat_callable(lambda init=st.init: (init(),), [])
-        exported = jax.export.export(jax.jit(init_flat, out_shardings=_sharding(mesh, None)))()
-        variants = {c: bytes(jax.export.export(jax.jit(init_flat, out_shardings=_sharding(other, None)))().serialize())
+        exported = jax.export.export(jax.jit(init_flat, out_shardings=_sharding(mesh, None)), platforms=targets)()
+        variants = {c: bytes(jax.export.export(jax.jit(init_flat, out_shardings=_sharding(other, None)),
+                                               platforms=targets)().serialize())
                     for c, other in _other_meshes(program, st.slice).items()}
         states[st.name] = CompiledState(
-            st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name), variants
+            st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name), variants,
+            tuple(exported.platforms),
         )
 
     out_avals: dict[str, dict[str, Any]] = {}
@@ -275,7 +311,7 @@ def compile_program(program: Program) -> CompiledProgram:
         )
         flat_avals = [leaf for a in in_avals for leaf in jax.tree_util.tree_leaves(a)]
         exported = jax.export.export(
-            jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh)
+            jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh), platforms=targets
         )(*flat_avals)
         variants: dict[int, bytes] = {}
         for c, other in _other_meshes(program, node.slice).items():  # the same program on fewer devices
@@ -285,7 +321,8 @@ def compile_program(program: Program) -> CompiledProgram:
                            for _ in range(t.num_leaves))
             try:
                 variants[c] = bytes(jax.export.export(jax.jit(flat_callable(fn, in_trees), in_shardings=sh_in,
-                                                              out_shardings=sh_out))(*flat_avals).serialize())
+                                                              out_shardings=sh_out),
+                                                      platforms=targets)(*flat_avals).serialize())
             except Exception as exc:  # e.g. a dimension the smaller mesh does not divide
                 raise ProgramError(f"node {name!r} cannot run on {c} devices of slice {node.slice!r} (declared "
                                    f"devices=(min, max)): {type(exc).__name__}: {exc}; raise the minimum") from exc
@@ -293,10 +330,10 @@ def compile_program(program: Program) -> CompiledProgram:
             name=name, slice=node.slice, per=node.per, every=node.every, input_names=names,
             inputs=dict(node.inputs), outputs=node.outputs, updates=dict(node.updates), is_source=node.is_source,
             exported=bytes(exported.serialize()), out_avals=out_avals[name], in_trees=in_trees, out_trees=out_trees,
-            variants=variants,
+            variants=variants, platforms=tuple(exported.platforms),
         )
     for mname, ref in program.metrics.items():
         aval = out_avals[ref.node][ref.output]
         if getattr(aval, "shape", None) != ():
             raise ProgramError(f"metric {mname!r} reads {ref}, which is {_describe(aval)}; a metric must be a scalar")
-    return CompiledProgram(program=program, order=tuple(order), nodes=nodes, states=states)
+    return CompiledProgram(program=program, order=tuple(order), nodes=nodes, states=states, platforms=targets)

@@ -45,12 +45,13 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> 
         spec.states.append(pb.StateProgram(
             name=st.name, slice=st.slice, exported_init=st.exported_init, leaves=st.tree.num_leaves,
             producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
-            treedef=str(st.tree), init_variants=_variants(program, st.slice, st.variants),
+            treedef=str(st.tree), init_variants=_variants(program, st.slice, st.variants), platforms=st.platforms,
         ))
     for name in compiled.order:
         node = compiled.nodes[name]
         msg = pb.NodeProgram(name=name, slice=node.slice, per_microbatch=node.per == "microbatch", every=node.every,
-                             exported=node.exported, variants=_variants(program, node.slice, node.variants))
+                             exported=node.exported, variants=_variants(program, node.slice, node.variants),
+                             platforms=node.platforms)
         for arg, tree in zip(node.input_names, node.in_trees, strict=True):
             b = pb.InputBinding(arg=arg, leaves=tree.num_leaves)
             if node.is_source:

@@ -46,7 +46,7 @@ SILENT_SWITCH_S = 1.0
 
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
                     "corrupt_checkpoints", "stalls", "drains", "resharded", "exact", "tolerance",
-                    "stragglers")
+                    "nondeterministic_workers", "stragglers")
 
 
 def submit(

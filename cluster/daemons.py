@@ -28,6 +28,7 @@ from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.service import serve_jobs
 from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
 from rallypoint.workers.faults import WorkerFaults
+from rallypoint.workers.platform import PLATFORM_CHOICES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,7 +79,14 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 
 @main.command()
 @_daemon_options
-@click.option("--devices", type=int, default=2, show_default=True, help="Local JAX devices (K).")
+@click.option("--devices", type=int, default=2, show_default=True,
+              help="Local JAX devices (K): on a CPU host JAX is asked for K CPU devices; on a GPU or TPU host, the "
+              "first K accelerators.")
+@click.option("--platform", type=click.Choice(PLATFORM_CHOICES, case_sensitive=False), default=None,
+              help="Pin JAX to this platform (default: what JAX finds). docs/platforms.md")
+@click.option("--nondeterministic", is_flag=True,
+              help="On GPU, do not turn on XLA's deterministic kernels (--xla_gpu_deterministic_ops=true): faster, "
+              "but a replay may differ from the first run in its last bits (docs/platforms.md).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=0, help="gRPC port (0: a free one).")
 @click.option("--register-timeout-s", type=float, default=30.0, show_default=True,
@@ -102,7 +110,8 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
 @click.option("--fault-corrupt-replicas", is_flag=True, hidden=True,
               help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
-def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, host: str,
+def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, platform: str | None,
+           nondeterministic: bool, host: str,
            port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, fault_commit_delay_s: float,
            fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
@@ -111,7 +120,8 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
     name, endpoints = parse_cluster(cluster)
     tls = tls_from_options(tls_dir, insecure, ident, "worker")
     cfg = WorkerConfig(tls=tls, cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
-                       lease_ttl_s=lease_ttl_s, host=host, port=port, register_timeout_s=register_timeout_s,
+                       platform=platform or "", deterministic=not nondeterministic, lease_ttl_s=lease_ttl_s, host=host,
+                       port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
                        preempt_deadline_s=preempt_deadline_s, metrics_port=metrics_port,

@@ -158,7 +158,7 @@ class LocalCluster:
         base += ["--tls-dir", str(self.tls_dir)] if self.config.tls else ["--insecure"]
         base += ["--metrics-port", "0"] if self.config.metrics else []  # docs/metrics.md
         if role == "worker":
-            base += ["--devices", str(self.config.devices_per_worker),
+            base += ["--devices", str(self.config.devices_per_worker), "--platform", "cpu",  # K CPU devices
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
             base += net.args() if net is not None else []
             if self.compile_cache_dir is not None:

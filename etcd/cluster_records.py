@@ -36,6 +36,10 @@ class WorkerInfo:
     state: str
     record: dict[str, Any]
     data_address: str = ""
+    platform: str = ""  # as jax.export names it (cpu, cuda, rocm, tpu); "" from a worker that did not say
+    device_kind: str = ""
+    device_memory_bytes: int = 0  # each device's memory limit; 0: none reported (CPU: host memory)
+    deterministic: bool = True  # its kernels are deterministic (docs/platforms.md)
 
     @classmethod
     def from_kv(cls, worker: str, kv: _Record) -> WorkerInfo:
@@ -50,6 +54,10 @@ class WorkerInfo:
             devices=int(rec.get("devices", 0)),
             state=rec.get("state", "serving"),
             record=rec,
+            platform=str(rec.get("platform", "")),
+            device_kind=str(rec.get("device_kind", "")),
+            device_memory_bytes=int(rec.get("device_memory_bytes", 0) or 0),
+            deterministic=bool(rec.get("deterministic", True)),
         )
 
 

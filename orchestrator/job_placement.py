@@ -63,6 +63,7 @@ class JobPlacement:
         self.settings: RecoverySettings | None = None  # set once the job's settings are checked
         self._places: dict[str, SlicePlace] = {}
         self.resharded: list[dict[str, Any]] = []  # each change of a slice's device count (shrink, grow)
+        self.nondeterministic: set[str] = set()  # workers it placed on that run nondeterministic kernels
         self.device_counts = device_counts(spec)  # slice -> the device counts its programs were exported for
         self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
         self._asked: list[str] = []  # yield requests this job put (while it places itself)
@@ -87,8 +88,10 @@ class JobPlacement:
 
     def summary(self) -> dict[str, Any]:
         """The device-count changes, as ``job.finished`` reports them: a run with any is exact no more."""
-        return {"resharded": self.resharded, "exact": not self.resharded,
-                **({"tolerance": RESHARD_TOLERANCE} if self.resharded else {})}
+        inexact = bool(self.resharded or self.nondeterministic)  # docs/platforms.md
+        return {"resharded": self.resharded, "exact": not inexact,
+                **({"nondeterministic_workers": sorted(self.nondeterministic)} if self.nondeterministic else {}),
+                **({"tolerance": RESHARD_TOLERANCE} if inexact else {})}
 
     def to_json(self) -> dict[str, Any]:
         return {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
@@ -121,6 +124,8 @@ class JobPlacement:
             if w is None or w.info.incarnation != p.incarnation:
                 raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
             self._places[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
+            if not w.info.deterministic:
+                self.nondeterministic.add(p.worker)
         self.event("job.placed", **self.to_json())
 
     def _no_room_adopting(self, slice_name: str, none: NoSpareDevices) -> Placement:
@@ -302,6 +307,8 @@ class JobPlacement:
             return False
         info = snap.workers[a.worker].info
         placed[a.slice] = SlicePlace(a.worker, info.address, p.incarnation, p.devices, info.data_address)
+        if not info.deterministic:
+            self.nondeterministic.add(a.worker)
         return True
 
     # -- releasing -------------------------------------------------------------------------------------

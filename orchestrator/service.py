@@ -7,7 +7,8 @@ number of ``WatchJob`` calls.
 
 ``SubmitJob`` checks the request's names and checkpoint directory first, and refuses a job
 name whose run has commits unless the request asks for a new run (``new_run``;
-:mod:`~rallypoint.orchestrator.runs`): nothing is written for a refused request.
+:mod:`~rallypoint.orchestrator.runs`), and a job with a slice whose programs no worker of the
+pool can run (:mod:`~rallypoint.orchestrator.platforms`): nothing is written for a refused request.
 
 It listens to the coordinator's leadership (:meth:`Coordinator.add_leadership_listener`):
 
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rallypoint.etcd.cluster_view import parse_job_records
+from rallypoint.etcd.cluster_view import parse_job_records, read_cluster
 from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
@@ -48,6 +49,7 @@ from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
+from rallypoint.orchestrator.platforms import platform_refusal, pool_platforms
 from rallypoint.orchestrator.runs import adoptable_run_dir, check_spec_names, previous_run, refusal
 from rallypoint.orchestrator.runs import request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -158,6 +160,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except RallypointError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
         self._refuse_a_resubmit(request, context)
+        self._refuse_other_platforms(request, context)
         try:
             run = self._start(request, resume=False, adopted=False)
         except (RallypointError, ValueError) as exc:
@@ -190,6 +193,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"cannot resume job {request.job!r}: {exc}")
         if request.checkpoint_dir:
             spec.checkpoint_dir = root
+        self._refuse_other_platforms(spec, context)
         run = self._start(spec, resume=True, adopted=False)
         if run is None:  # it runs here already (this leader adopted it): follow it
             yield from self._watch(request.job, context)
@@ -227,6 +231,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _root(self) -> str:
         return self.c.config.checkpoint_dir
+
+    def _refuse_other_platforms(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> None:
+        """A job with a slice whose programs were lowered for no platform the pool's workers have is
+        refused (FAILED_PRECONDITION), naming the slice, its platforms and those on offer."""
+        try:
+            offered = pool_platforms(read_cluster(self.c.store, self.c.keys))
+        except StoreError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the workers of the pool: {exc}")
+        why = platform_refusal(spec, offered)
+        if why is not None:
+            self.log.warning("job.refused_platform", job=spec.job, reason=why)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {spec.job!r}: {why}")
 
     def _refuse_a_resubmit(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> None:
         """A job name whose run has commits is not started over unless the submit asks for a new run

@@ -124,7 +124,7 @@ class OutputSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., leaves: _Optional[int] = ..., updates_state: _Optional[str] = ..., metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeProgram(_message.Message):
-    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported", "variants")
+    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported", "variants", "platforms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class NodeProgram(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     per_microbatch: bool
@@ -141,7 +142,8 @@ class NodeProgram(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[OutputSpec]
     exported: bytes
     variants: _containers.RepeatedCompositeFieldContainer[ExportedVariant]
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ..., variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ...) -> None: ...
+    platforms: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ..., variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExportedVariant(_message.Message):
     __slots__ = ("devices", "mesh_shape", "exported")
@@ -154,7 +156,7 @@ class ExportedVariant(_message.Message):
     def __init__(self, devices: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., exported: _Optional[bytes] = ...) -> None: ...
 
 class StateProgram(_message.Message):
-    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef", "init_variants")
+    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef", "init_variants", "platforms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_INIT_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class StateProgram(_message.Message):
     PRODUCER_EVERY_FIELD_NUMBER: _ClassVar[int]
     TREEDEF_FIELD_NUMBER: _ClassVar[int]
     INIT_VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     exported_init: bytes
@@ -171,7 +174,8 @@ class StateProgram(_message.Message):
     producer_every: int
     treedef: str
     init_variants: _containers.RepeatedCompositeFieldContainer[ExportedVariant]
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ..., init_variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ...) -> None: ...
+    platforms: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ..., init_variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("node", "output", "state", "consumer_node", "arg", "worker_id", "address", "incarnation", "consumer_every", "data_address")

@@ -52,6 +52,8 @@ from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
 from rallypoint.workers.metrics import WorkerMetrics
+from rallypoint.workers.platform import PlatformInfo, check_platform, device_record, pin_jax_platform, platform_info
+from rallypoint.workers.platform import prepare_environment
 from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
@@ -85,7 +87,13 @@ class WorkerConfig:
         cluster: cluster name (key prefix in etcd).
         worker_id: stable id of this host's worker.
         endpoints: etcd client endpoints ``host:port``.
-        devices: number of local devices K (JAX CPU devices here).
+        devices: number of local devices K (on a CPU host, JAX is asked for K CPU devices; on an
+            accelerator host, the first K of the accelerators JAX finds).
+        platform: pin JAX to this platform (``cpu``, ``cuda``, ``rocm``, ``tpu``, ``gpu``); "" uses
+            what JAX finds (docs/platforms.md).
+        deterministic: on GPU, append ``--xla_gpu_deterministic_ops=true`` to ``XLA_FLAGS`` before
+            JAX starts (bitwise recovery rests on it; docs/platforms.md). False leaves XLA_FLAGS as
+            the operator set it; the registration says whether the kernels are deterministic.
         lease_ttl_s: etcd lease TTL; a hung worker is declared lost about this long
             after its last keepalive. etcd raises values below its minimum.
         host: address the gRPC server and the data plane bind (and advertise, unless
@@ -115,6 +123,8 @@ class WorkerConfig:
     worker_id: str
     endpoints: tuple[str, ...]
     devices: int = 2
+    platform: str = ""
+    deterministic: bool = True
     lease_ttl_s: int = 2
     host: str = "127.0.0.1"
     port: int = 0
@@ -137,11 +147,20 @@ class WorkerConfig:
             raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
         if not self.endpoints:
             raise ConfigError("no etcd endpoints: pass --cluster HOST:PORT")
+        object.__setattr__(self, "platform", check_platform(self.platform))
 
 
-def discover_local_devices(count: int) -> list[dict[str, Any]]:
-    """The K local JAX devices (on a CPU host, JAX is asked for ``count`` CPU devices)."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def discover_local_devices(count: int, platform: str = "") -> list[dict[str, Any]]:
+    """The records of the first ``count`` local JAX devices (docs/keys.md ``devices/``).
+
+    ``platform`` pins JAX to it; "" takes what JAX finds (its default backend). On a CPU host
+    JAX is asked for ``count`` CPU devices. Call :func:`~rallypoint.workers.platform.prepare_environment`
+    first (memory preallocation, deterministic kernels): JAX reads it when a backend starts.
+
+    Raises:
+        ConfigError: JAX sees fewer devices than ``count``, or cannot pin ``platform``.
+    """
+    pin_jax_platform(platform)
     import jax
 
     if jax.config.jax_num_cpu_devices < count:
@@ -149,10 +168,13 @@ def discover_local_devices(count: int) -> list[dict[str, Any]]:
             jax.config.update("jax_num_cpu_devices", count)
         except RuntimeError:
             pass  # JAX already started in this process: take what it has (checked below)
-    devs = jax.local_devices()
+    try:
+        devs = jax.local_devices()
+    except RuntimeError as exc:  # e.g. --platform cuda on a host without a CUDA jaxlib or GPU
+        raise ConfigError(f"JAX found no devices of platform {platform or 'any'!r}: {exc}") from exc
     if len(devs) < count:
-        raise ConfigError(f"asked for {count} devices but JAX sees {len(devs)}: {devs}")
-    return [{"index": i, "platform": d.platform, "kind": d.device_kind} for i, d in enumerate(devs[:count])]
+        raise ConfigError(f"asked for {count} devices but JAX sees {len(devs)}: {devs}; lower --devices")
+    return [device_record(i, d) for i, d in enumerate(devs[:count])]
 
 
 @dataclass
@@ -175,6 +197,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.state = WorkerState.STARTING
         self.registration: Registration | None = None
         self.devices: list[dict[str, Any]] = []
+        self.platform = PlatformInfo(platform="cpu", device_kind="cpu", memory_bytes=0, deterministic=True)
         self._server: grpc.Server | None = None
         self.runtime: WorkerRuntimeService | None = None
         self.dataplane: DataPlaneServer | None = None
@@ -204,9 +227,16 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
     def start(self) -> None:
         """Find devices, start the gRPC server, register. Returns once registered."""
         if self.config.discover_devices:
-            self.devices = discover_local_devices(self.config.devices)
+            set_env = prepare_environment(self.config.platform, deterministic=self.config.deterministic)
+            self.devices = discover_local_devices(self.config.devices, self.config.platform)
+            self.platform = platform_info(self._jax_devices())
+            self.log.info("worker.platform", **self.platform.to_record(), environment=set_env)
+            if not self.platform.deterministic:
+                self.log.warning("worker.nondeterministic_kernels", platform=self.platform.platform,
+                                 reason="--xla_gpu_deterministic_ops is off: a replay may not be bitwise")
         else:
-            self.devices = [{"index": i, "platform": "cpu", "kind": "cpu"} for i in range(self.config.devices)]
+            self.devices = [{"index": i, "platform": "cpu", "kind": "cpu", "memory_bytes": 0}
+                            for i in range(self.config.devices)]
         cache = configure_compile_cache(self.config.compile_cache_dir)  # before anything compiles
         if cache is not None:
             self.log.info("worker.compile_cache", directory=str(cache))
@@ -241,6 +271,10 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
 
         return list(jax.local_devices()[: self.config.devices])
 
+    def jax_devices(self) -> list[Any]:
+        """This worker's K local JAX devices (none when it does not list them through JAX: tests)."""
+        return self._jax_devices() if self.config.discover_devices else []
+
     def _record(self) -> dict[str, Any]:
         return {
             "worker": self.config.worker_id,
@@ -249,6 +283,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "devices": len(self.devices),
+            **self.platform.to_record(),
             "state": "serving",
             "registered_at": time.time(),
             **({"metrics_address": self.metrics.address} if self.metrics is not None else {}),
@@ -307,6 +342,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             incarnation=incarnation,
             lease=f"{keeper.lease_id:x}",
             devices=len(self.devices),
+            platform=self.platform.platform,
             address=self.address,
             pid=os.getpid(),
         )

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from rallypoint.basics.metrics_server import MetricsServer
 from rallypoint.workers import meter
 from rallypoint.workers.meter import JOB_LABEL, WorkerMeter
+from rallypoint.workers.platform import memory_stats
 
 STATES = ("starting", "registering", "serving", "fenced", "stopping", "stopped")  # workers.daemon.WorkerState
 
@@ -77,3 +78,22 @@ class _WorkerCollector(Collector):
                                   "in memory for other workers (the in-memory tier)")
             g.add_metric([], float(rt.replicas.store.nbytes))
             yield g
+        yield from device_memory_metrics(d)
+
+
+def device_memory_metrics(daemon: Any) -> Iterator[Metric]:
+    """Each local device's memory in use and its peak (``memory_stats()``; docs/metrics.md), and its limit.
+
+    Platforms that keep no such statistics (CPU) give no samples: nothing is made up."""
+    devices = daemon.jax_devices() if daemon.devices else []  # listed at start: JAX's backend is up
+    stats = [(i, memory_stats(dev)) for i, dev in enumerate(devices)]
+    for name, key, what in (("rallypoint_worker_device_memory_in_use_bytes", "bytes_in_use", "in use now"),
+                            ("rallypoint_worker_device_memory_peak_bytes", "peak_bytes_in_use",
+                             "at its peak since the worker started"),
+                            ("rallypoint_worker_device_memory_limit_bytes", "bytes_limit", "the allocator may use")):
+        g = GaugeMetricFamily(name, f"Bytes of each local device's memory {what} (absent where the platform "
+                              "reports none, as on CPU)", labels=["device"])
+        for i, st in stats:
+            if key in st:
+                g.add_metric([str(i)], float(st[key]))
+        yield g

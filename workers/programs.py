@@ -44,13 +44,37 @@ def slice_mesh(devices: Sequence[Any], mesh_shape: Sequence[int], mesh_axes: Seq
     return jax.sharding.Mesh(np.array(list(devices)[:n]).reshape(tuple(mesh_shape)), tuple(mesh_axes))
 
 
+class PlatformMismatch(ValueError):
+    """An exported program was not lowered for the platform of the devices it is to run on.
+
+    A ``ValueError``: the program's fault, not the worker's
+    (:func:`rallypoint.workers.runtime_load.program_fault`), so the job fails and no worker is blamed."""
+
+
+def check_exported_platform(exp: Any, mesh: Any) -> None:
+    """Raise :class:`PlatformMismatch` unless ``exp`` (a deserialized ``jax.export.Exported``) was
+    lowered for the platform of ``mesh``'s devices; checked at load, before anything compiles."""
+    from rallypoint.workers.platform import export_platform
+
+    here = export_platform(next(iter(mesh.devices.flat)))
+    lowered = tuple(getattr(exp, "platforms", ()) or ())
+    if lowered and here not in lowered:
+        raise PlatformMismatch(f"the program was exported for {', '.join(lowered)}, but this worker's devices are "
+                               f"{here}: export the job for the pool's platforms (`rallypoint run --platform "
+                               f"{here}`, or compile_program(..., platforms=[...]); docs/platforms.md)")
+
+
 def load_exported(blob: bytes, mesh: Any) -> Callable[..., Any]:
     """Deserialize an exported program (StableHLO) and bind it to ``mesh``.
 
     The same bytes run on any devices of the slice's shape: in one process for the
     reference, on a worker's devices on the cluster.
+
+    Raises:
+        PlatformMismatch: the program was not lowered for the platform of ``mesh``'s devices.
     """
     import jax
 
     exp = jax.export.deserialize(bytearray(blob))
+    check_exported_platform(exp, mesh)
     return jax.jit(exp.call, in_shardings=exp.in_shardings_jax(mesh), out_shardings=exp.out_shardings_jax(mesh))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.programs import slice_mesh
+from rallypoint.workers.programs import check_exported_platform, slice_mesh
 
 DEFAULT_MAX_PROGRAMS = 256  # executables one worker keeps warm, for all jobs together
 WARM_NICE = 10  # how much lower the CPU priority of a warm compile is than the worker's
@@ -87,6 +87,7 @@ class NodeExecutable:
 
     def __init__(self, blob: bytes, mesh: Any, warm: WarmEntry | None = None) -> None:
         self._exp = _deserialize(blob)  # a bad program fails the load, not the first call
+        check_exported_platform(self._exp, mesh)  # so does one lowered for another platform
         self._mesh, self._warm = mesh, warm
         # where each flat argument must be when the program is called (the runtime puts it there)
         self.in_shardings = tuple(arg_shardings(self._exp.in_shardings_jax(mesh), mesh))

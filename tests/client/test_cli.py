@@ -77,8 +77,10 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
     for w, row in table.items():
         assert row["state"] == "spare" and row["devices"] == 2 and row["alive"]
         assert row["pid"] == lc.process(w).pid and row["incarnation"] > 0
+        assert (row["platform"], row["device_kind"], row["device_memory_bytes"]) == ("cpu", "cpu", 0)
     human = rp("workers", "--state-dir", str(state_dir)).stdout
     assert "w0" in human and "spare" in human and "leader" in human and dashboard in human
+    assert "cpu x2 (host memory)" in human, human
 
     rp("cordon", "w1", "--state-dir", str(state_dir))
     assert rows("--state-dir", str(state_dir))["w1"]["state"] == "cordoned"

@@ -116,3 +116,26 @@ def test_a_job_whose_init_asks_for_a_tebibyte_fails_at_once_naming_it_and_the_wo
         assert not snap.cordoned and not snap.lost and all(not s.holders for s in snap.workers.values())
     finally:
         store.close()
+
+
+def test_a_pool_of_cpu_workers_refuses_a_job_exported_for_tpu_and_runs_one_exported_for_cuda_and_cpu(
+    one_worker: LocalCluster,
+) -> None:
+    lc = one_worker
+    store = lc.store()
+    try:
+        record = store.get(lc.keys.worker("w0")).json()  # what `rallypoint workers` shows
+        assert (record["platform"], record["device_kind"], record["deterministic"]) == ("cpu", "cpu", True)
+        with pytest.raises(JobError) as info:
+            submit(compile_program(tiny("tpu-only", 4), platforms=("tpu",)), endpoints=lc.endpoints,
+                   cluster=lc.keys.cluster)
+        message = str(info.value)
+        assert "FAILED_PRECONDITION" in message and "slice 's' has programs lowered for tpu" in message, message
+        assert "the pool offers cpu (w0)" in message, message
+        assert store.get(lc.keys.job("tpu-only")) is None  # refused before anything was written
+        compiled = compile_program(tiny("cuda-and-cpu", 4), platforms=("cuda", "cpu"))
+        result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster)
+        assert result.state_digest == ReferenceExecutor(compiled).run().state_digest
+        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values())
+    finally:
+        store.close()
