@@ -53,6 +53,7 @@ layers: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
+	$(PY) bench/device.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
 	$(PY) bench/elastic.py

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from rallypoint.client.compile import ensure_host_devices  # noqa: E402
 
-ensure_host_devices(4)
+ensure_host_devices(8)  # as bench/dispatch.py (imported below) asks
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -120,7 +120,7 @@ def worker_copies(lc: LocalCluster) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--width", type=int, default=1536, help="single slice: the weight is width x width float32")
+    ap.add_argument("--width", type=int, default=2048, help="single slice: the weight is width x width float32")
     ap.add_argument("--rows", type=int, default=256, help="single slice: rows per batch")
     ap.add_argument("--pipeline-steps", type=int, default=10)
     ap.add_argument("--pipeline-width", type=int, default=1024)

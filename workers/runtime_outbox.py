@@ -17,8 +17,11 @@ back-pressure; the slice scheduler waits on it). A value is logged and pushed as
 :class:`~rallypoint.workers.residency.HostCopy`: the first push copies it off the device
 on its own thread (the slice's loop goes on with its next instance meanwhile), the
 other pushes and the log share that copy. The log's spills write files, so
-they happen outside the job's lock, on the producer's own device thread after each
-instance (:meth:`Outbox.relieve`): a slow disk slows the producer, not the job's calls.
+they happen outside the job's lock: on the push threads after each push, and on the
+producer's own device thread after each instance (:meth:`Outbox.relieve`), which keeps
+the bound when the pushes have not spilled enough (a slow disk slows the producer, not
+the job's calls). In the steady state the push threads do the spilling, so the slice's
+loop does not wait for the disk.
 """
 
 from __future__ import annotations
@@ -128,3 +131,4 @@ class Outbox:
 
         self._peers.push(address, header, leaves, may_act=may_act, cancelled=cancelled, log=control.log,
                          data_plane=data_plane)
+        self.relieve()  # spill here, off the slice's loop: it then rarely finds the log over its limit
