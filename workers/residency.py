@@ -98,12 +98,24 @@ def to_host(leaves: Sequence[Any], copies: Copies | None, purpose: str) -> list[
     return out
 
 
-def place(leaves: Sequence[Any], shardings: Sequence[Any], copies: Copies | None, purpose: str) -> list[Any]:
+SMALL_VALUE_BYTES = 256 << 10
+"""A host value smaller than this is handed to the call as it is: XLA's dispatch copies it
+onto the devices in C++ within the call (microseconds), where an explicit ``jax.device_put``
+costs 40-80 us of Python; above it, the value is put on the devices once and kept there."""
+
+
+def place(leaves: Sequence[Any], shardings: Sequence[Any], copies: Copies | None, purpose: str, *,
+          small: str = "") -> list[Any]:
     """``leaves`` on the devices of ``shardings`` (one per leaf), each as that sharding lays it out.
 
     A device array already laid out so stays as it is; one on other devices or laid out
     otherwise is moved device to device; a host array is copied on (counted as
     ``purpose``). All moves go in one ``jax.device_put``.
+
+    ``small``: what becomes of a host leaf under :data:`SMALL_VALUE_BYTES`: ``""`` (put on the
+    devices like any other), ``"later"`` (left on the host and not counted: a value received
+    here, placed when an instance takes it) or ``"call"`` (left on the host for the call to
+    copy on, and counted now: an instance's arguments).
     """
     import jax
 
@@ -115,14 +127,17 @@ def place(leaves: Sequence[Any], shardings: Sequence[Any], copies: Copies | None
             if x.sharding is s or x.sharding.is_equivalent_to(s, x.ndim):
                 continue
         else:
-            host += int(np.asarray(x).nbytes)
+            n = int(np.asarray(x).nbytes)
+            host += n if small != "later" or n >= SMALL_VALUE_BYTES else 0
+            if small and n < SMALL_VALUE_BYTES:
+                continue
         todo.append(i)
     if todo:
         moved = jax.device_put([leaves[i] for i in todo], [shardings[i] for i in todo])
         for i, x in zip(todo, moved, strict=True):
             out[i] = x
-        if host and copies is not None:
-            copies.add("h2d", purpose, host)
+    if host and copies is not None:
+        copies.add("h2d", purpose, host)
     return out
 
 

@@ -80,7 +80,7 @@ class Inputs:
         layout = self._shardings(n, header.arg) if n is not None else None
         if layout is None or len(layout[1]) != len(leaves):
             return leaves
-        return place(leaves, layout[1], self._copies, "transfer")
+        return place(leaves, layout[1], self._copies, "transfer", small="later")
 
     def deliver(self, header: pb.TransferHeader, leaves: Leaves) -> bool:
         """Keep a value for its consumer instance(s); returns True for a duplicate (dropped). Under the lock.
@@ -139,8 +139,9 @@ class Inputs:
 
         A gather stacks the step's microbatch values on a new axis 0 (on their devices).
         Every argument is laid out as the node's program takes it: a state read from
-        another slice of this worker moves device to device, the step and microbatch
-        numbers are copied on (``step``).
+        another slice of this worker moves device to device; a small host value (the
+        step and microbatch numbers, a value under ``SMALL_VALUE_BYTES`` received from
+        another worker) is left for the call to copy on, and counted (``step``, ``transfer``).
         """
         name = n.prog.name
         args: list[Any] = []
@@ -159,11 +160,12 @@ class Inputs:
         shardings = getattr(n.call, "in_shardings", None)
         if shardings is None or len(shardings) != len(args):
             return args
-        if numbers:
-            for i, x in zip(numbers, place([args[i] for i in numbers], [shardings[i] for i in numbers],
-                                           self._copies, "step"), strict=True):
-                args[i] = x
-        return place(args, shardings, self._copies, "transfer")
+        for purpose, idx in (("step", numbers), ("transfer", [i for i in range(len(args)) if i not in numbers])):
+            if idx:
+                for i, x in zip(idx, place([args[i] for i in idx], [shardings[i] for i in idx], self._copies,
+                                           purpose, small="call"), strict=True):
+                    args[i] = x
+        return args
 
     def clear(self) -> None:
         """Drop every value held (the job was unloaded)."""

@@ -19,6 +19,8 @@ import pytest
 from rallypoint.client.reference import state_digest
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.placement import instances_per_step
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers import residency
 from rallypoint.workers.residency import Copies, HostCopy, place, to_host
 from rallypoint.workers.runtime import JobRuntime
 from tests.conftest import wait_until
@@ -66,14 +68,22 @@ def _expected_transfers(job: Job) -> tuple[int, int]:
     return d2h, h2d
 
 
-def test_states_outputs_and_delivered_values_stay_on_the_slices_devices_with_their_shardings() -> None:
-    # pipeline_mlp alternates its stages between wA and wB: every stage-to-stage value crosses workers.
+def test_states_outputs_and_delivered_values_stay_on_the_slices_devices_with_their_shardings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # pipeline_mlp alternates its stages between wA and wB: every stage-to-stage value crosses workers. Its values
+    # are small: with the threshold at 0 every received value is placed as a large one is (a small one is left for
+    # the call to copy on, residency.SMALL_VALUE_BYTES).
+    monkeypatch.setattr(residency, "SMALL_VALUE_BYTES", 0)
     with started_workers() as ws:
         job = load("pipeline_mlp", ws)
         job.grant(2)
         job.wait_instances(2)
+        # wA runs step 2 as far as it can while wB may not: wA's values for wB's step-2 instances wait in wB's inbox
+        wa = ws["wA"]
+        wa.stub.RunSteps(pb.RunStepsRequest(to=wa.to(), job=job.spec.job, until_step=3), timeout=10)
+        wait_until(lambda: len(_runtime(job, "wB").inputs._inbox) > 0, 30, "values waiting in wB's inbox")
         compiled = job.compiled
-        seen = 0
+        seen = waiting = 0
         for wid in job.requests:
             rt = _runtime(job, wid)
             with rt.control.cv:
@@ -93,17 +103,20 @@ def test_states_outputs_and_delivered_values_stay_on_the_slices_devices_with_the
                     whole, delivered = rt.inputs._shardings(n, arg)
                     for leaf, s in zip(leaves, delivered, strict=True):
                         assert isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(s, leaf.ndim)
+                        waiting += 1
                 # a logged value is held once: on the device until its push copied it off, then as that host copy
                 for e in rt.outlog._entries.values():
                     assert isinstance(e.leaves, HostCopy)
                     assert e.leaves.ready != e.leaves.on_device
-        assert seen == len(compiled.states)
+        assert seen == len(compiled.states) and waiting > 0
         job.grant(job.spec.steps)
         job.wait_instances(job.spec.steps)
         job.unload()
 
 
-def test_a_steady_state_copies_only_what_crosses_workers_and_each_value_once(tmp_path: Path) -> None:
+def test_a_steady_state_copies_only_what_crosses_workers_and_each_value_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(residency, "SMALL_VALUE_BYTES", 0)  # each received value placed on arrival, as a large one
     commits: list[CheckpointCommit] = []
     _, ref = compiled_and_reference("pipeline_mlp")
     _, dp_ref = compiled_and_reference("data_parallel")
@@ -154,9 +167,14 @@ def test_copies_are_counted_by_direction_and_purpose_and_a_host_copy_is_made_onc
     [y] = place([np.ones(4, np.int32)], [s], copies, "transfer")
     assert isinstance(y, jax.Array) and copies.bytes("h2d", "transfer") == 16
     [z] = place([y], [s], copies, "transfer")  # already there: the same array, no copy
-    assert z is y and copies.count("h2d") == 1
+    small = np.ones(4, np.int32)
+    assert place([small], [s], copies, "transfer", small="later")[0] is small  # left for the taker: not counted
+    assert copies.bytes("h2d") == 16
+    assert place([small], [s], copies, "transfer", small="call")[0] is small  # the call copies it on: counted
+    assert copies.bytes("h2d") == 32 and copies.count("h2d") == 2
+    assert z is y
     other = jax.sharding.SingleDeviceSharding(jax.devices()[1])
     [w] = place([y], [other], copies, "transfer")  # device to device: no host copy counted
-    assert w.sharding.device_set == {jax.devices()[1]} and copies.count("h2d") == 1
+    assert w.sharding.device_set == {jax.devices()[1]} and copies.count("h2d") == 2
     with pytest.raises(ValueError, match="lunch"):
         copies.add("d2h", "lunch", 1)
