@@ -22,13 +22,10 @@ from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import parse_cluster
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.basics.logs import configure as configure_logs
-from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
-from rallypoint.orchestrator.dashboard import start_dashboard
-from rallypoint.orchestrator.hooks import ExecutorHooks
-from rallypoint.orchestrator.service import serve_jobs
-from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
-from rallypoint.workers.faults import WorkerFaults
 from rallypoint.workers.platform import PLATFORM_CHOICES
+
+# Each command imports its own daemon: a coordinator never loads JAX and Orbax (a second of
+# CPU at every start), a worker never loads the coordinator's modules.
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -117,6 +114,9 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
            fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
+    from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
+    from rallypoint.workers.faults import WorkerFaults
+
     name, endpoints = parse_cluster(cluster)
     tls = tls_from_options(tls_dir, insecure, ident, "worker")
     cfg = WorkerConfig(tls=tls, cluster=name or "local", worker_id=ident, endpoints=endpoints, devices=devices,
@@ -159,6 +159,11 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
                 keep_runs: int, host: str, suspect_after_s: float, metrics_port: int | None, dashboard_host: str,
                 dashboard_port: int, max_watchers: int, test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
+    from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+    from rallypoint.orchestrator.dashboard import start_dashboard
+    from rallypoint.orchestrator.hooks import ExecutorHooks
+    from rallypoint.orchestrator.service import serve_jobs
+
     configure_logs()
     name, endpoints = parse_cluster(cluster)
     hooks = ExecutorHooks(skip_replay=test_skip_replay)
