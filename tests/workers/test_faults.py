@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from rallypoint.cluster import daemons
+from rallypoint.workers import daemon as worker_daemon
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.errors import ConfigError
@@ -131,7 +132,7 @@ def test_the_worker_command_hands_its_cache_and_hidden_fault_options_to_the_daem
             self.start = self.run = self.request_stop = self.stop = lambda: None
             self.request_preemption = lambda: None
 
-    monkeypatch.setattr(daemons, "WorkerDaemon", FakeDaemon)
+    monkeypatch.setattr(worker_daemon, "WorkerDaemon", FakeDaemon)  # the worker command imports it when it runs
     monkeypatch.setattr(daemons, "configure_logs", lambda: None)
     base = ["worker", "--cluster", "t@127.0.0.1:1", "--id", "w0", "--insecure"]
     r = CliRunner().invoke(daemons.main, [*base, "--fault-commit-delay-s", "2.5", "--fault-storage-flag", "/f",
