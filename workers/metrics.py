@@ -68,9 +68,10 @@ class _WorkerCollector(Collector):
         g.add_metric([], float(len(runtimes)))
         yield g
         g = GaugeMetricFamily("rallypoint_worker_output_log_bytes", "Bytes of each loaded job's output log, held in "
-                              "memory or spilled to disk", labels=[JOB_LABEL, "where"])
+                              "memory (device: the part not copied off the device yet) or spilled to disk", labels=[JOB_LABEL, "where"])
         for r in runtimes:
             g.add_metric([r.job, "memory"], float(r.outlog.memory_bytes))
+            g.add_metric([r.job, "device"], float(r.outlog.device_bytes))  # of memory: not copied off yet
             g.add_metric([r.job, "spilled"], float(r.outlog.spilled_bytes))
         yield g
         if rt is not None:

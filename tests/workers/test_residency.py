@@ -105,7 +105,9 @@ def test_states_outputs_and_delivered_values_stay_on_the_slices_devices_with_the
                         assert isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(s, leaf.ndim)
                         waiting += 1
                 # a logged value is held once: on the device until its push copied it off, then as that host copy
-                for e in rt.outlog._entries.values():
+                with rt.outlog._lock:
+                    logged = list(rt.outlog._entries.values())
+                for e in logged:
                     assert isinstance(e.leaves, HostCopy)
                     assert e.leaves.ready != e.leaves.on_device
         assert seen == len(compiled.states) and waiting > 0
