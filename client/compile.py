@@ -21,6 +21,7 @@ from typing import Any
 
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
 from rallypoint.workers.programs import slice_mesh as mesh_over
+from rallypoint.workers.platform import PLATFORMS
 
 def ensure_host_devices(count: int) -> None:
     """Make JAX see at least ``count`` CPU devices; possible until JAX runs its first operation.
@@ -124,8 +125,9 @@ class CompiledProgram:
         return self.program.name
 
 
-EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-"""The platforms :func:`compile_program` can lower for (``jax.export``'s names; ``gpu`` means ``cuda``)."""
+EXPORT_PLATFORMS = PLATFORMS
+"""The platforms :func:`compile_program` can lower for (``jax.export``'s names, as workers register them;
+``gpu`` means ``cuda``)."""
 
 
 def export_platforms(platforms: Sequence[str] | None) -> tuple[str, ...]:

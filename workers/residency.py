@@ -43,11 +43,6 @@ def is_device_array(x: Any) -> bool:
     return isinstance(x, jax.Array)
 
 
-def nbytes(leaves: Sequence[Any]) -> int:
-    """The tensor bytes of ``leaves`` (host or device), without copying anything."""
-    return meter.payload_bytes(leaves)
-
-
 class Copies:
     """Bytes one job copied between host and device on this worker, by direction and purpose.
 
@@ -94,7 +89,7 @@ def to_host(leaves: Sequence[Any], copies: Copies | None, purpose: str) -> list[
             pass
     out = [np.asarray(x) for x in leaves]
     if on_device and copies is not None:
-        copies.add("d2h", purpose, nbytes(on_device))
+        copies.add("d2h", purpose, meter.payload_bytes(on_device))
     return out
 
 
@@ -170,7 +165,7 @@ class HostCopy:
         self._host: list[np.ndarray] | None = None
         self._copies = copies
         self._lock = threading.Lock()
-        self.nbytes = nbytes(leaves)
+        self.nbytes = meter.payload_bytes(leaves)
         self.count = len(self._leaves)
         self.on_device = any(is_device_array(x) for x in leaves)
 
