@@ -82,6 +82,7 @@ __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 
 LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
+STEP_WAIT_S = 0.1  # the running loop's wait for an event: a drain under way advances at least this often
 DRAIN_POLL_S = 0.5  # how often drain and yield requests are read (three etcd reads each): a drain starts within 0.5 s
 RECORD_EVERY = 10  # steps between job records while the job runs
 
@@ -319,7 +320,7 @@ class JobExecutor:
                 self._recover(lost)
                 return
         try:
-            kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, DRAIN_POLL_S))
+            kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, STEP_WAIT_S))
         except queue.Empty:
             return
         self._handle(kind, worker, gen, item)
