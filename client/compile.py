@@ -67,6 +67,8 @@ class CompiledNode:
     out_trees: tuple[Any, ...]  # treedef of each output, in outputs order
     variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported
     platforms: tuple[str, ...] = ()  # what it was lowered for (jax.export names: cpu, cuda, rocm, tpu)
+    host: tuple[str, str] | None = None  # a host source: (its job file's path, the module-level name of fn)
+    prefetch: int = 0  # a host source: instances read ahead (0: the default)
 
     def flatten_inputs(self, args: Sequence[Any]) -> list[Any]:
         """Input pytrees (in ``input_names`` order) -> the flat leaves the exported program takes."""
@@ -230,6 +232,84 @@ def _same_avals(a: Any, b: Any) -> bool:
     return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb, strict=True))
 
 
+def host_entry(node: NodeSpec) -> tuple[str, str]:
+    """Where the worker finds a host source's ``fn``: (the declaring job file, a module-level name bound to it).
+
+    Raises:
+        ProgramError: ``fn`` is not bound to a module-level name of a job file.
+    """
+    g = node.origin or {}
+    file = g.get("__file__")
+    name = getattr(node.fn, "__name__", None)
+    if not (isinstance(name, str) and g.get(name) is node.fn):
+        name = next((k for k, v in g.items() if v is node.fn and not k.startswith("__")), None)
+    if not file or name is None:
+        raise ProgramError(
+            f"host source {node.name!r}: its function must be reachable by a module-level name of the job file "
+            f"that declares it{f' ({file})' if file else ''}: the worker imports it from the job's code bundle. "
+            "Define it (or assign it) at the top level of the file, not inside a function"
+        )
+    return str(file), name
+
+
+def host_sample(node: NodeSpec) -> tuple[Any, ...]:
+    """A host source's output shapes and dtypes, from calling it for step 0, microbatch 0 on the client."""
+    import jax
+
+    from rallypoint.workers.host_values import HostValueError, flat_leaves
+
+    what = f"host source {node.name!r}"
+    try:
+        result = node.fn(0, 0)
+    except Exception as exc:  # user code: report it against the source
+        raise ProgramError(f"{what} failed for step 0, microbatch 0: {type(exc).__name__}: {exc}") from exc
+    try:
+        leaves, trees = flat_leaves(node.outputs, result, what)
+    except HostValueError as exc:
+        raise ProgramError(str(exc)) from None
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+    return tuple(_unflatten_all(trees, avals))
+
+
+def _layout(node: NodeSpec, out_trees: Sequence[Any], outs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], list[Any]]:
+    """A host source's layout program (the identity over its outputs), its input trees and flat avals."""
+    import jax
+
+    return ((lambda *values: values), tuple(out_trees),
+            [leaf for o in node.outputs for leaf in jax.tree_util.tree_leaves(outs[o])])
+
+
+def _dependent_outputs(jaxpr: Any) -> list[bool]:
+    """Whether each output of ``jaxpr`` depends on any of its inputs (an equation with a dependent
+    input makes all its outputs dependent: conservative for control flow and calls)."""
+    dep = {v for v in jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        if any(not hasattr(v, "val") and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars]
+
+
+def check_depends_on_step(node: NodeSpec, fn: Callable[..., Any], in_avals: Sequence[Any]) -> None:
+    """Refuse a JAX source none of whose outputs depends on ``(step, microbatch)``: traced once at export,
+    it would give every step the same batch (NumPy's random generator, file reads and other Python run
+    only while tracing).
+
+    Raises:
+        ProgramError: naming the source and what to do.
+    """
+    import jax
+
+    closed = jax.make_jaxpr(fn)(*in_avals)
+    if not any(_dependent_outputs(closed.jaxpr)):
+        raise ProgramError(
+            f"source {node.name!r}: none of its outputs depends on (step, microbatch). A JAX source is traced "
+            "once, at export, so every step would get the same batch: NumPy's random generator, file reads "
+            "and any other Python in it run only then. Compute the batch from step and microbatch with JAX "
+            "(e.g. jax.random.fold_in(key, step)), or read real data in a host source: "
+            "prog.source(..., host=True) (docs/data.md)"
+        )
+
+
 def compile_program(program: Program, *, platforms: Sequence[str] | None = None) -> CompiledProgram:
     """Validate, trace and export every node and state init of ``program``.
 
@@ -290,7 +370,12 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
                     in_avals.append(out_avals[src.node][src.output])
         fn = node_callable(node, names)
         try:
-            result = jax.eval_shape(fn, *in_avals)
+            if node.host:
+                result = host_sample(node)
+            else:
+                result = jax.eval_shape(fn, *in_avals)
+                if node.is_source:
+                    check_depends_on_step(node, fn, in_avals)
         except ProgramError:
             raise
         except Exception as exc:  # user code: report it against the node, with what it was given
@@ -312,15 +397,18 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             _sharding(mesh, node.shardings.get(o)) for o, t in zip(node.outputs, out_trees) for _ in range(t.num_leaves)
         )
         flat_avals = [leaf for a in in_avals for leaf in jax.tree_util.tree_leaves(a)]
+        if node.host:  # what is exported is its layout: the identity over its outputs, as they lie on the slice
+            fn, in_trees, flat_avals = _layout(node, out_trees, out_avals[name])
+            in_sh = out_sh
         exported = jax.export.export(
             jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh), platforms=targets
         )(*flat_avals)
         variants: dict[int, bytes] = {}
         for c, other in _other_meshes(program, node.slice).items():  # the same program on fewer devices
-            sh_in = tuple(_sharding(other, node.shardings.get(a)) for a, t in zip(names, in_trees)
-                          for _ in range(t.num_leaves))
             sh_out = tuple(_sharding(other, node.shardings.get(o)) for o, t in zip(node.outputs, out_trees)
                            for _ in range(t.num_leaves))
+            sh_in = sh_out if node.host else tuple(_sharding(other, node.shardings.get(a))
+                                                   for a, t in zip(names, in_trees) for _ in range(t.num_leaves))
             try:
                 variants[c] = bytes(jax.export.export(jax.jit(flat_callable(fn, in_trees), in_shardings=sh_in,
                                                               out_shardings=sh_out),
@@ -328,11 +416,14 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             except Exception as exc:  # e.g. a dimension the smaller mesh does not divide
                 raise ProgramError(f"node {name!r} cannot run on {c} devices of slice {node.slice!r} (declared "
                                    f"devices=(min, max)): {type(exc).__name__}: {exc}; raise the minimum") from exc
+        if node.host:  # the calling convention the runtime sees is still fn(step, microbatch)
+            in_trees = tuple(jax.tree_util.tree_structure(a) for a in in_avals)
         nodes[name] = CompiledNode(
             name=name, slice=node.slice, per=node.per, every=node.every, input_names=names,
             inputs=dict(node.inputs), outputs=node.outputs, updates=dict(node.updates), is_source=node.is_source,
             exported=bytes(exported.serialize()), out_avals=out_avals[name], in_trees=in_trees, out_trees=out_trees,
             variants=variants, platforms=tuple(exported.platforms),
+            host=host_entry(node) if node.host else None, prefetch=node.prefetch,
         )
     for mname, ref in program.metrics.items():
         aval = out_avals[ref.node][ref.output]

@@ -31,6 +31,7 @@ shape and dtype checks by tracing are in :mod:`rallypoint.client.compile`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -99,6 +100,14 @@ def _as_ref(x: Any) -> Ref:
     raise ProgramError(f"expected a node output, got {x!r}")
 
 
+def _job_module_globals() -> Mapping[str, Any]:
+    """The globals of the nearest caller outside Rallypoint: the job's module declaring a source."""
+    frame = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("rallypoint."):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame.f_globals if frame is not None else {}
+
+
 # ---------------------------------------------------------------------------
 # Declarations
 
@@ -159,6 +168,10 @@ class NodeSpec:
     every: int
     shardings: Mapping[str, PartitionSpec]
     is_source: bool = False
+    host: bool = False  # a host source: plain Python run on the worker (docs/data.md)
+    prefetch: int = 0  # a host source: instances read ahead (0: the default)
+    origin: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)  # a host source: the
+    # globals of the job's module that declared it (the worker imports ``fn`` from there by name)
 
 
 class NodeHandle:
@@ -269,10 +282,36 @@ class Program:
 
     def source(
         self, name: str, fn: Callable[[Any, Any], Any], *, slice: str, outputs: Sequence[str] = ("out",),
-        per: Per = "microbatch", shardings: Mapping[str, PartitionSpec] | None = None,
+        per: Per = "microbatch", shardings: Mapping[str, PartitionSpec] | None = None, host: bool = False,
+        prefetch: int = 0,
     ) -> NodeHandle:
-        """Declare a deterministic data node: ``fn(step, microbatch)`` (int32 scalars) -> outputs."""
-        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, 1, dict(shardings or {}), True))
+        """Declare a deterministic data node: ``fn(step, microbatch)`` -> outputs.
+
+        ``host=False``: ``fn`` is JAX, traced with the step and microbatch as int32 scalars and
+        exported like any node; its outputs must depend on them (a NumPy random call runs once,
+        at export).
+
+        ``host=True``: ``fn`` is plain Python run on the worker that holds the slice, in a child
+        process, ``prefetch`` instances ahead (0: 4), with the step and microbatch as ints; it
+        returns NumPy arrays (a dict with ``outputs`` as keys, or one array) and may read files,
+        shuffle with a seed, tokenize. It must be reachable by a module-level name of a file in
+        the job's code bundle (the job file's directory), and deterministic in its arguments:
+        its outputs' checksums are kept and a replay that reads different bytes fails the job.
+        ``shardings`` lay its outputs out on the slice (default: replicated). See docs/data.md.
+        """
+        if not isinstance(host, bool):
+            raise ProgramError(f"source {name!r}: host must be True or False, got {host!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ProgramError(f"source {name!r}: prefetch must be an integer >= 0 (0: the default), got {prefetch!r}")
+        if not callable(fn):
+            raise ProgramError(f"source {name!r}: fn must be callable as fn(step, microbatch), got {fn!r}")
+        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, 1, dict(shardings or {}), True,
+                                  host, prefetch, _job_module_globals() if host else None))
+
+    @property
+    def host_sources(self) -> list[str]:
+        """The names of the program's host sources (it needs a code bundle if any)."""
+        return [n.name for n in self.nodes.values() if n.host]
 
     def node(
         self, name: str, fn: Callable[..., Any], *, slice: str, inputs: Mapping[str, Input | NodeHandle],

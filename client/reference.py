@@ -19,6 +19,7 @@ from typing import Any
 
 from rallypoint.client.compile import CompiledProgram, compile_program, slice_mesh
 from rallypoint.client.program import Gathered, Program, Ref, StateRef
+from rallypoint.workers.host_values import flat_leaves
 from rallypoint.workers.programs import load_exported
 
 
@@ -117,6 +118,12 @@ class ReferenceExecutor:
                 mbs = range(m) if node.per == "microbatch" else [None]
                 results = []
                 for mb in mbs:
+                    if node.host:  # plain Python, here as on a worker: the same leaves
+                        outs, _ = flat_leaves(node.outputs, program.nodes[name].fn(step, mb or 0),
+                                              f"host source {name!r}")
+                        results.append(list(node.unflatten_outputs(outs).values()))
+                        instances[name] += 1
+                        continue
                     if node.is_source:
                         args = [np.int32(step), np.int32(mb or 0)]
                     else:

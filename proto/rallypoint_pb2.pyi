@@ -124,7 +124,7 @@ class OutputSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., leaves: _Optional[int] = ..., updates_state: _Optional[str] = ..., metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeProgram(_message.Message):
-    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported", "variants", "platforms")
+    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported", "variants", "platforms", "host_source")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class NodeProgram(_message.Message):
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     per_microbatch: bool
@@ -143,7 +144,30 @@ class NodeProgram(_message.Message):
     exported: bytes
     variants: _containers.RepeatedCompositeFieldContainer[ExportedVariant]
     platforms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ..., variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_source: HostSource
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ..., variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ..., host_source: _Optional[_Union[HostSource, _Mapping]] = ...) -> None: ...
+
+class HostSource(_message.Message):
+    __slots__ = ("file", "name", "prefetch")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    name: str
+    prefetch: int
+    def __init__(self, file: _Optional[str] = ..., name: _Optional[str] = ..., prefetch: _Optional[int] = ...) -> None: ...
+
+class CodeBundle(_message.Message):
+    __slots__ = ("sha256", "zip", "size", "files")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ZIP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    zip: bytes
+    size: int
+    files: int
+    def __init__(self, sha256: _Optional[str] = ..., zip: _Optional[bytes] = ..., size: _Optional[int] = ..., files: _Optional[int] = ...) -> None: ...
 
 class ExportedVariant(_message.Message):
     __slots__ = ("devices", "mesh_shape", "exported")
@@ -202,7 +226,7 @@ class Route(_message.Message):
     def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class LoadJobRequest(_message.Message):
-    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources")
+    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources", "code_sha256")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +244,7 @@ class LoadJobRequest(_message.Message):
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REPLICA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     steps: int
@@ -237,7 +262,8 @@ class LoadJobRequest(_message.Message):
     committed: _containers.RepeatedCompositeFieldContainer[CheckpointRef]
     replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
     replica_sources: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ...) -> None: ...
+    code_sha256: str
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., code_sha256: _Optional[str] = ...) -> None: ...
 
 class ReplicaPeer(_message.Message):
     __slots__ = ("slice", "worker_id", "address", "incarnation")
@@ -543,7 +569,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "new_run")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "new_run", "code")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -572,6 +598,7 @@ class JobSpec(_message.Message):
     FAILURE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     COMPILE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     NEW_RUN_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -600,7 +627,8 @@ class JobSpec(_message.Message):
     failure_window_s: float
     compile_timeout_s: float
     new_run: bool
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., new_run: _Optional[bool] = ...) -> None: ...
+    code: CodeBundle
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("job", "checkpoint_dir")
