@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from rallypoint.client.bundle import IGNORE_FILE, bundle_files, pack, relative_to_bundle
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.program import Gathered, ProgramError, Ref, StateRef
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -15,11 +17,18 @@ RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every"
                    "warm_spares", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s")
 
 
-def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> pb.JobSpec:
-    """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits.
+def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path | None = None,
+             **recovery: Any) -> pb.JobSpec:
+    """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits, and the
+    job's code bundle when it has host sources (or ``code_dir`` is given).
 
+    ``code_dir``: the directory shipped as the code bundle (default: the directory of the job
+    file that declares the first host source; docs/data.md).
     ``recovery``: any of :data:`RECOVERY_FIELDS` (``JobSpec`` fields; None: the
     default; ``checkpoint_every`` defaults to the program's).
+
+    Raises:
+        ProgramError: a bad setting, a bundle over its limit, a host source outside the bundle.
     """
     if window < 1:
         raise ProgramError(f"the window of steps in flight must be at least 1, got {window}")
@@ -47,11 +56,25 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, **recovery: Any) -> 
             producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
             treedef=str(st.tree), init_variants=_variants(program, st.slice, st.variants), platforms=st.platforms,
         ))
+    hosts = [compiled.nodes[n] for n in compiled.order if compiled.nodes[n].host is not None]
+    bundle = None
+    if hosts or code_dir is not None:
+        bundle = pack(code_dir if code_dir is not None else Path(hosts[0].host[0]).parent)  # type: ignore[index]
+        spec.code.CopyFrom(pb.CodeBundle(sha256=bundle.sha256, zip=bundle.zip, size=len(bundle.zip),
+                                         files=bundle.files))
     for name in compiled.order:
         node = compiled.nodes[name]
         msg = pb.NodeProgram(name=name, slice=node.slice, per_microbatch=node.per == "microbatch", every=node.every,
                              exported=node.exported, variants=_variants(program, node.slice, node.variants),
                              platforms=node.platforms)
+        if node.host is not None:
+            assert bundle is not None
+            what = f"host source {name!r} ({node.host[1]})"
+            rel = relative_to_bundle(bundle.root, node.host[0], what)
+            if rel not in {r for r, _ in bundle_files(bundle.root)}:
+                raise ProgramError(f"{what}: its file {rel} is left out of the code bundle of {bundle.root} "
+                                   f"({IGNORE_FILE} or the default ignores); the worker could not import it")
+            msg.host_source.CopyFrom(pb.HostSource(file=rel, name=node.host[1], prefetch=node.prefetch))
         for arg, tree in zip(node.input_names, node.in_trees, strict=True):
             b = pb.InputBinding(arg=arg, leaves=tree.num_leaves)
             if node.is_source:

@@ -53,7 +53,7 @@ def submit(
     compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, new_run: bool = False,
-    **recovery: Any,
+    code_dir: str | None = None, **recovery: Any,
 ) -> RunResult:
     """Run ``compiled`` on the cluster; return its final state and digest.
 
@@ -62,11 +62,13 @@ def submit(
     ``recovery``: the job's recovery settings (:data:`rallypoint.client.jobspec.RECOVERY_FIELDS`).
     ``new_run``: the job name has a run with commits: start a new run (the old one is kept under
     its run id) instead of being refused (docs/operations.md, "Runs").
+    ``code_dir``: the directory shipped as the job's code bundle (default: the job file's, when
+    the program has host sources; docs/data.md).
 
     Raises:
         JobError: the job failed (the reason names what went wrong).
     """
-    spec = job_spec(compiled, window=window, **recovery)
+    spec = job_spec(compiled, window=window, code_dir=code_dir, **recovery)
     spec.new_run = new_run
     t0 = time.perf_counter()
     metrics_log: list[dict[str, float]] = []

@@ -209,6 +209,7 @@ LINK_BACKOFF_S = 0.1  # a broken Attach stream is opened again after 0.1 s, 0.2 
 LINK_BACKOFF_MAX_S = 1.0
 LINK_JITTER_S = 0.02
 RPC_THREADS_RESERVED = 32  # gRPC threads WatchJob streams never take: SubmitJob, ResumeJob, the other calls
+SUBMIT_MAX_BYTES = 256 * 2**20  # the largest request the coordinator takes: a JobSpec with its programs and code
 STEP_BACKOFF_S = 0.2  # etcd unreachable: the coordinator loop tries again after 0.2 s, 0.4 s, ... up to 1 s
 STEP_BACKOFF_MAX_S = 1.0
 
@@ -227,6 +228,8 @@ class Coordinator:
         threads = config.max_watchers + RPC_THREADS_RESERVED
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coordinator-rpc"),
                                   maximum_concurrent_rpcs=threads,
+                                  # a submit carries the exported programs and the code bundle (client/bundle.py)
+                                  options=[("grpc.max_receive_message_length", SUBMIT_MAX_BYTES)],
                                   interceptors=authz.interceptors(config.tls))  # each method checks the caller's role
         port = add_port(self.server, f"{config.host}:{config.port}", config.tls)
         if port == 0:

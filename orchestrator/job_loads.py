@@ -65,6 +65,7 @@ class JobLoads:
             req.keep_checkpoints = self.settings.keep_checkpoints
             req.log_limit_bytes = self.settings.log_limit_bytes
             req.start_step = start
+            req.code_sha256 = self.spec.code.sha256  # host sources: <checkpoint_dir>/code/<sha256>.zip
             for sa in req.slices:
                 for c in commits.get(sa.slice, ()):
                     ref = pb.CheckpointRef(slice=c.slice_name, step=c.step, path=c.path, checksum=c.checksum)

@@ -19,7 +19,9 @@ the root the coordinator was started with, no ``..``, no symlink out of it).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -270,6 +272,50 @@ def prune(store: Store, keys: Keys, txn: Any, job: str, root: str, keep: int) ->
     return gone
 
 
+CODE_DIR = "code"
+
+
+def code_path(run_directory: Path, sha256: str) -> Path:
+    """Where a run keeps its code bundle: ``<run>/code/<sha256>.zip``."""
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise ConfigError(f"code bundle hash {sha256!r} is not a sha256 in hex")
+    return run_directory / CODE_DIR / f"{sha256}.zip"
+
+
+def check_code(spec: Any) -> None:
+    """A submitted spec's code bundle: its bytes hash to its sha256, and a job with host sources has one.
+
+    Raises:
+        ConfigError: naming what is wrong.
+    """
+    hosts = [n.name for n in spec.nodes if n.HasField("host_source")]
+    if hosts and not spec.code.sha256:
+        raise ConfigError(f"host sources {hosts} need the job's code bundle, and the submit carries none")
+    if spec.code.zip:
+        got = hashlib.sha256(spec.code.zip).hexdigest()
+        if got != spec.code.sha256:
+            raise ConfigError(f"the code bundle's bytes hash to {got}, not to the {spec.code.sha256} it names: "
+                              "it was damaged on the way; submit again")
+    elif spec.code.sha256:
+        raise ConfigError("the submit names a code bundle but carries no bytes")
+    if spec.code.sha256:
+        code_path(Path("."), spec.code.sha256)  # a hash that is a file name
+
+
+def keep_code(rd: Path, spec: Any) -> None:
+    """Write a submitted spec's code bundle into its run directory (once per hash; a file written
+    whole or not at all) and drop its bytes from ``spec``: the spec recorded keeps the hash."""
+    if not spec.code.zip:
+        return
+    path = code_path(rd, spec.code.sha256)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(spec.code.zip)
+        os.replace(tmp, path)
+    spec.code.ClearField("zip")
+
+
 def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, keep_runs: int,
               log: Any) -> tuple[str, Path | None]:
     """A new run of ``spec.job`` (the executor's start when it neither resumes nor adopts): the previous
@@ -282,6 +328,7 @@ def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, 
     rd = None
     if root is not None:
         rd = run_dir(root, spec.job, create=True, run=run)
+        keep_code(rd, spec)
         saved = type(spec)()
         saved.CopyFrom(spec)
         saved.ClearField("new_run")  # resuming or adopting it continues this run

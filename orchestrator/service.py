@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rallypoint.etcd.cluster_view import parse_job_records, read_cluster
-from rallypoint.basics.errors import RallypointError, StoreError
+from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import check_name
@@ -51,7 +51,7 @@ from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
 from rallypoint.orchestrator.platforms import platform_refusal, pool_platforms
 from rallypoint.orchestrator.runs import adoptable_run_dir, check_spec_names, previous_run, refusal
-from rallypoint.orchestrator.runs import request_checkpoint_dir, within
+from rallypoint.orchestrator.runs import check_code, request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -157,6 +157,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             root = request.checkpoint_dir or self._root()
             if root:
                 within(Path(root), Path(root) / request.job, "the job's folder")
+            check_code(request)
+            if request.code.sha256 and not root:
+                raise ConfigError("its code bundle (host sources) is shared with the workers through the run "
+                                  "directory, and there is no checkpoint directory: give --checkpoint-dir")
         except RallypointError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
         self._refuse_a_resubmit(request, context)

@@ -16,7 +16,9 @@ job, which also feeds the worker's metrics (``rallypoint_worker_copy_bytes``):
 * ``log_spill``: a logged value written to disk before its push made a host copy;
 * ``metric``: an instance's metric scalars, fetched together;
 * ``fetch``: the final states the coordinator asks for;
-* ``step``: the step and microbatch numbers a source or node takes (4 bytes each).
+* ``step``: the step and microbatch numbers a source or node takes (4 bytes each);
+* ``source``: a host source's batch, put on the slice's devices as it arrives from the
+  source's process, ahead of the instance that hands it on (docs/data.md).
 
 Moving a value between two slices of one worker is a device-to-device copy
 (``jax.device_put``) and not counted: no host memory is touched.
@@ -32,7 +34,7 @@ import numpy as np
 
 from rallypoint.workers import meter
 
-PURPOSES = ("transfer", "checkpoint", "log_spill", "metric", "fetch", "step")
+PURPOSES = ("transfer", "checkpoint", "log_spill", "metric", "fetch", "step", "source")
 DIRECTIONS = ("d2h", "h2d")
 
 

@@ -60,6 +60,8 @@ from typing import Any
 from rallypoint.proto import codec, rallypoint_pb2 as pb
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn, restore_for_load
+from rallypoint.workers.code import CodeCache, CodeError
+from rallypoint.workers.host_source import start_host_sources
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.records import InstanceRecords
 from rallypoint.workers.replicas import Replicator, ReplicaTier
@@ -67,7 +69,7 @@ from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.runtime_control import Admit, JobControl
 from rallypoint.workers.runtime_handoff import CheckpointHandoff
 from rallypoint.workers.runtime_inputs import Inputs
-from rallypoint.workers.runtime_load import load_nodes, load_states, nodes_by_slice, slice_meshes
+from rallypoint.workers.runtime_load import ProgramFailed, load_nodes, load_states, nodes_by_slice, slice_meshes
 from rallypoint.workers.runtime_outbox import Outbox
 from rallypoint.workers.runtime_routes import Router
 from rallypoint.workers.runtime_scheduler import SliceScheduler
@@ -103,7 +105,8 @@ class JobRuntime:
     def __init__(self, req: pb.LoadJobRequest, *, worker_id: str, devices: Sequence[Any], admit: Admit,
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
                  commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
-                 replicas: ReplicaTier | None = None, warm: WarmCache | None = None) -> None:
+                 replicas: ReplicaTier | None = None, warm: WarmCache | None = None,
+                 code: CodeCache | None = None) -> None:
         t0 = time.perf_counter()
         self.program_sources: dict[str, str] = {}  # node -> "warm" (compiled ahead) or "cold" (at its first call)
         self.job = req.job
@@ -144,9 +147,20 @@ class JobRuntime:
         self.scheduler = SliceScheduler(self.control, self._slice_nodes, inputs=self.inputs, router=self.router,
                                         handoff=self.handoff, records=self.records, states=self.states,
                                         steps=self.steps, start_step=start, copies=self.copies)
+        self._own_code = code is None  # host sources' bundles: the worker's cache, or one of this runtime's
+        self._code = code if code is not None else CodeCache()
+        try:  # last: nothing after it can fail and leave their processes behind
+            self.host_sources = start_host_sources(req, self.nodes, self._code, self.copies)
+        except CodeError as exc:
+            self._close_code()
+            raise ProgramFailed("the job's code bundle", worker_id, exc) from exc
         self.load_s = time.perf_counter() - t0
         self.log.info("job.loaded", slices=list(self._slice_nodes), nodes=len(self.nodes), states=list(self.states),
                       steps=self.steps, start_step=start, load_s=round(self.load_s, 3))
+
+    def _close_code(self) -> None:
+        if self._own_code:
+            self._code.close()
 
     # -- what the others read --------------------------------------------------------------
 
@@ -286,6 +300,9 @@ class JobRuntime:
                 sv.clear()
             control.cv.notify_all()
         self.outbox.shutdown()
+        for source in self.host_sources:  # a slice waiting for a batch ends with it
+            source.close()
+        self._close_code()
         self.scheduler.join(5.0)
         replicator = self.handoff.replicator
         for part in (self.handoff.checkpoints, self.outlog, self.records, *([replicator] if replicator else [])):

@@ -26,6 +26,7 @@ from rallypoint.proto.errors import corrupt_checkpoint_metadata, program_failed_
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
+from rallypoint.workers.code import CodeCache
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
@@ -78,6 +79,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.replicas = ReplicaTier(worker_id, self.peers, ReplicaStore(
             corrupt=faults.corrupt_replicas, log=get_logger("rallypoint.replicas", worker=worker_id)))
         self.warm = WarmCache(log=get_logger("rallypoint.warm", worker=worker_id))
+        self.code = CodeCache()  # the jobs' code bundles, unpacked once per hash (host sources)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -136,6 +138,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         for rt in jobs:
             rt.stop()
         self.peers.close()
+        self.code.close()
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -168,7 +171,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
                             commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas,
-                            warm=self.warm)
+                            warm=self.warm, code=self.code)
         except RestoreError as exc:
             failure = (grpc.StatusCode.DATA_LOSS, str(exc))
             metadata = corrupt_checkpoint_metadata(exc.slice_name, exc.step)

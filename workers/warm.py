@@ -101,6 +101,11 @@ class NodeExecutable:
         return self._mesh
 
     @property
+    def exported(self) -> Any:
+        """The deserialized ``jax.export.Exported``."""
+        return self._exp
+
+    @property
     def expected(self) -> str:
         """What the load found: ``"warm"`` (an executable held, or compiling) or ``"cold"``."""
         return "warm" if self._warm is not None else "cold"
