@@ -43,7 +43,7 @@ def one_slice(**kw: Any) -> tuple[Program, str]:
 
 
 def ones3(step: Any, microbatch: Any) -> Any:
-    return jnp.ones((3,), jnp.float32)
+    return jnp.ones((3,), jnp.float32) + 0 * step  # a source's batch depends on its step (compile refuses it else)
 
 
 # ---------------------------------------------------------------------------
@@ -439,7 +439,7 @@ def test_state_carries_a_value_around_a_loop_without_a_cycle() -> None:
 def test_compile_shape_mismatch_names_consumer_and_input_shapes() -> None:
     prog, s = one_slice()
     w = prog.state("w", slice=s, init=lambda: jnp.ones((4, 5), jnp.float32))
-    x = prog.source("data", lambda step, mb: jnp.ones((2, 3), jnp.float32), slice=s, per="step")
+    x = prog.source("data", lambda step, mb: jnp.ones((2, 3), jnp.float32) * step, slice=s, per="step")
     prog.node("matmul", lambda x, w: x @ w, slice=s, inputs={"x": x, "w": w})
     with pytest.raises(ProgramError, match=_m(
         "node 'matmul' failed to trace with inputs (x=float32[2, 3], w=float32[4, 5]): TypeError"
@@ -450,7 +450,7 @@ def test_compile_shape_mismatch_names_consumer_and_input_shapes() -> None:
 def test_compile_shape_mismatch_shows_pytree_inputs() -> None:
     prog, s = one_slice()
     w = prog.state("w", slice=s, init=lambda: {"k": jnp.ones((4, 5), jnp.float32)})
-    x = prog.source("data", lambda step, mb: jnp.ones((2, 3), jnp.float32), slice=s, per="step")
+    x = prog.source("data", lambda step, mb: jnp.ones((2, 3), jnp.float32) * step, slice=s, per="step")
     prog.node("matmul", lambda x, w: x @ w["k"], slice=s, inputs={"x": x, "w": w})
     with pytest.raises(ProgramError, match=_m("node 'matmul' failed to trace with inputs (x=float32[2, 3], w=")) as info:
         compile_program(prog)
@@ -504,7 +504,7 @@ def test_compile_multi_output_node_returning_a_bare_array() -> None:
 
 def test_compile_source_with_wrong_keys() -> None:
     prog, s = one_slice()
-    prog.source("data", lambda step, mb: {"x": jnp.ones(3)}, slice=s, outputs=("x", "y"))
+    prog.source("data", lambda step, mb: {"x": jnp.ones(3) * step}, slice=s, outputs=("x", "y"))
     with pytest.raises(ProgramError, match=_m("node 'data' returned outputs ['x'], but declares ['x', 'y']")):
         compile_program(prog)
 
@@ -521,7 +521,7 @@ def test_compile_metric_not_a_scalar() -> None:
 
 def test_compile_metric_pytree_not_a_scalar() -> None:
     prog, s = one_slice()
-    src = prog.source("data", lambda step, mb: {"v": jnp.zeros(())}, slice=s, per="step")
+    src = prog.source("data", lambda step, mb: {"v": jnp.zeros(()) + step}, slice=s, per="step")
     prog.metric("loss", src)
     with pytest.raises(ProgramError, match=_m("metric 'loss' reads data.out, which is {'v': 'float32[]'}")):
         compile_program(prog)
