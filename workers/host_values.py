@@ -37,7 +37,9 @@ def split_outputs(outputs: Sequence[str], result: Any, what: str) -> list[Any]:
 
 def as_leaf(x: Any, what: str) -> np.ndarray:
     """One leaf as a C-contiguous NumPy array of a numeric or boolean dtype."""
-    a = np.ascontiguousarray(np.asarray(x))
+    a = np.asarray(x)
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
     if a.dtype.kind not in "biufc":
         raise HostValueError(f"{what} returned a leaf of dtype {a.dtype}: host sources return numeric or "
                              "boolean arrays (tokenize strings in the source)")
@@ -64,5 +66,5 @@ def leaves_checksum(leaves: Sequence[np.ndarray]) -> str:
     h = hashlib.sha256()
     for a in leaves:
         h.update(f"{a.dtype.str}{a.shape}".encode())
-        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+        h.update(a.tobytes() if not a.flags.c_contiguous else memoryview(a).cast("B") if a.ndim else a.tobytes())
     return h.hexdigest()

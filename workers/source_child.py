@@ -51,7 +51,7 @@ def _load(bundle: str, file: str, name: str) -> Any:
 def _send(out: BinaryIO, header: dict[str, Any], payload: list[Any] = ()) -> None:  # type: ignore[assignment]
     out.write((json.dumps(header) + "\n").encode())
     for a in payload:
-        out.write(memoryview(a).cast("B"))
+        out.write(memoryview(a).cast("B") if a.ndim else a.tobytes())
     out.flush()
 
 

@@ -1,0 +1,91 @@
+"""A host source's process on its own: read ahead in order, checksums kept, a crash is the job's error.
+
+Real child processes (``rallypoint.workers.source_child``) over a real unpacked bundle
+directory; no cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from rallypoint.workers.host_source import HostSource, SourceError, SourceLedger, instance_order
+from rallypoint.workers.residency import Copies
+
+pytestmark = pytest.mark.processes
+
+SOURCE = '''
+import os
+import numpy as np
+
+def batches(step, microbatch):
+    if step == {crash_at}:
+        os._exit(3)  # a loader that dies (a segfault in a C library, an OOM kill)
+    return {{"x": np.full((2, 3), step * 10 + microbatch, np.float32), "n": np.int32(step)}}
+'''
+
+
+def source(tmp_path: Path, *, crash_at: int = -1, run_dir: Path | None = None, start: int = 0) -> HostSource:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(exist_ok=True)
+    (bundle / "job.py").write_text(textwrap.dedent(SOURCE).format(crash_at=crash_at))
+    dev = jax.devices()[0]
+    whole = jax.sharding.SingleDeviceSharding(dev)
+    return HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
+                      shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
+                      order=instance_order(6, start, 1, (0, 1)), ledger=SourceLedger(run_dir, "batch"),
+                      prefetch=3, copies=Copies("j"), job="j")
+
+
+def test_batches_come_in_order_on_the_device_with_their_checksums_kept_and_a_replay_checked(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    src = source(tmp_path, run_dir=run)
+    try:
+        x, n = src(np.int32(2), np.int32(1))  # out of order: read at once
+        assert isinstance(x, jax.Array) and float(x[0, 0]) == 21.0 and int(n) == 2
+        for step in range(3):
+            for mb in range(2):
+                if (step, mb) != (2, 1):
+                    x, n = src(step, mb)
+                    assert float(x[0, 0]) == step * 10 + mb
+    finally:
+        src.close()
+    lines = [json.loads(line) for line in (run / "sources" / "batch.jsonl").read_text().splitlines()]
+    assert {(r["s"], r["m"]) for r in lines} >= {(s, m) for s in range(3) for m in range(2)}
+    placed = src._copies.bytes("h2d", "source")  # each batch put on the device once, at most 3 read ahead
+    assert placed % 28 == 0 and 6 * 28 <= placed <= 9 * 28, placed
+    # The same source run again from step 2 (a replay) reads the same bytes: accepted.
+    again = source(tmp_path, run_dir=run, start=2)
+    try:
+        assert float(again(2, 0)[0][0, 0]) == 20.0
+    finally:
+        again.close()
+    # A run directory whose sum for (5, 1) differs (never read above): the source read other bytes there.
+    with open(run / "sources" / "batch.jsonl", "a") as f:
+        f.write(json.dumps({"s": 5, "m": 1, "h": "0" * 64}) + "\n")
+    changed = source(tmp_path, run_dir=run, start=5)
+    try:
+        with pytest.raises(SourceError, match=r"read different bytes at step 5 microbatch 1 than when it first ran "
+                                              r"\(sha256 0000"):
+            changed(5, 1)
+    finally:
+        changed.close()
+
+
+def test_a_loader_that_dies_fails_its_instance_naming_the_exit_code_and_leaves_no_process(tmp_path: Path) -> None:
+    src = source(tmp_path, crash_at=1)
+    try:
+        assert float(src(0, 0)[0][0, 0]) == 0.0
+        with pytest.raises(SourceError, match=r"host source 'batch' \(job.py: batches\): its process \(pid \d+\) "
+                                              r"exited with code 3"):
+            src(1, 0)
+    finally:
+        src.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(src.pid, 0)
