@@ -16,6 +16,7 @@ filesystem every worker mounts. On real worker processes, with real SIGKILLs:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import textwrap
@@ -106,6 +107,14 @@ def ledger(lc: LocalCluster, job_name: str) -> dict[tuple[int, int], set[str]]:
     return sums
 
 
+def record(lc: LocalCluster, job_name: str) -> dict[str, Any]:
+    store = lc.store()
+    try:
+        return json.loads(store.get(lc.keys.job(job_name)).value)
+    finally:
+        store.close()
+
+
 def alive(lc: LocalCluster) -> dict[str, int]:
     store = lc.store()
     try:
@@ -129,6 +138,8 @@ def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_rai
     result, injector = run(lc, killed, [Fault("dp", "dp", 9)], checkpoint_every=4)
     assert result.state_digest == reference.state_digest
     assert result.recovery["replayed_instances"].get("batch", 0) > 0, result.recovery
+    (bundle,) = Path(lc.config.state_dir).rglob("hs-kill/*/code/*.zip")  # the code the run used, by its hash
+    assert hashlib.sha256(bundle.read_bytes()).hexdigest() == bundle.stem == record(lc, "hs-kill")["code_sha256"]
     sums = ledger(lc, "hs-kill")
     assert set(sums) == {(s, m) for s in range(STEPS) for m in range(2)}
     assert all(len(h) == 1 for h in sums.values()), sums
