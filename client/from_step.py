@@ -126,7 +126,8 @@ def _trace(where: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return jax.eval_shape(fn, *args)
     except Exception as exc:  # user code: report it against what failed
-        given = f" with {', '.join(_describe(a) for a in args)}" if args else ""
+        given = ", ".join(d if len(d := _describe(a)) <= 200 else f"{d[:200]}..." for a in args)
+        given = f" with {given}" if args else ""
         raise ProgramError(f"{where}: {what} failed to trace{given}: {type(exc).__name__}: {exc}") from exc
 
 
