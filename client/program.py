@@ -39,13 +39,10 @@ from typing import Any, Literal
 from jax.sharding import PartitionSpec
 
 from rallypoint.basics.errors import RallypointError
+from rallypoint.client.errors import ProgramError  # raised here, and imported from here by callers
 from rallypoint.etcd.keys import check_name
 
 Per = Literal["step", "microbatch"]
-
-
-class ProgramError(RallypointError):
-    """A program is invalid; the message names the node, edge, slice or state."""
 
 
 # ---------------------------------------------------------------------------
@@ -226,6 +223,17 @@ class Program:
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ProgramError(f"Program {self.name!r}: {attr} must be a positive integer, got {getattr(self, attr)!r}")
+
+    @classmethod
+    def from_step(cls, name: str, **options: Any) -> Program:
+        """The one-slice program of the user's own ``train_step(state, batch) -> (state, metrics)``,
+        called unchanged. Options (keyword-only): ``init``, ``train_step``, ``source``, ``steps``,
+        ``devices``, ``mesh_axes``, ``mesh_shape``, ``batch_sharding``, ``host_source``, ``prefetch``,
+        ``checkpoint_every``: see :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
+        """
+        from rallypoint.client.from_step import from_step
+
+        return from_step(cls, name, **options)
 
     # -- declarations ---------------------------------------------------------------
 
