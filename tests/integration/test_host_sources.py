@@ -11,7 +11,9 @@ filesystem every worker mounts. On real worker processes, with real SIGKILLs:
 * a source that raises fails the job with the user's traceback and the step, and no
   worker is fenced;
 * a source that is not deterministic (it draws from an unseeded generator) is caught
-  when the kill replays it, and the job fails naming the source and the step.
+  when the kill replays it, and the job fails naming the source and the step;
+* the user's own train step (``Program.from_step``, examples/flax_step.py: Flax NNX and
+  Optax, its data a host source) survives a kill bitwise.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.proto.digest import RESHARD_TOLERANCE, states_close
+from tests.examples import example
 from tests.integration.test_recovery import run
 
 pytestmark = pytest.mark.processes
@@ -130,7 +133,7 @@ def leaves(result: Any) -> dict[str, list[np.ndarray]]:
 def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_raise_and_a_nondeterministic_replay(
     local_cluster: Callable[..., LocalCluster], tmp_path: Path,
 ) -> None:
-    lc = local_cluster(workers=1, spares=3, devices_per_worker=4, coordinators=1)
+    lc = local_cluster(workers=1, spares=4, devices_per_worker=4, coordinators=1)  # each kill takes one
 
     # A kill: the slice moves to a spare of 4 devices, replays from the cut, reads the same bytes.
     killed = job(tmp_path, "hs-kill", "file")
@@ -163,15 +166,17 @@ def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_rai
 
     # A shrink: with no spare of 4 devices left, the slice goes onto 2 devices and reads the same examples.
     up = sorted(alive(lc))
-    assert len(up) == 2, up
+    assert len(up) == 3, up
     store = lc.store()
     leases = DeviceLeases(store, lc.keys)
     try:
         assert leases.lease("blocker", "b", up[1], [0, 1]) is not None  # up[1]: 2 of its 4 devices free
+        assert leases.lease("other", "b", up[2], [0, 1, 2, 3]) is not None  # up[2]: none free
         shrunk = job(tmp_path, "hs-shrink", "file")
         result, injector = run(lc, shrunk, [Fault("dp", "dp", 9)], checkpoint_every=4, on_no_spare="shrink")
     finally:
         leases.release("blocker")
+        leases.release("other")
         store.close()
     assert injector.fired[0]["worker"] == up[0]
     (change,) = result.recovery["resharded"]
@@ -179,3 +184,9 @@ def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_rai
     assert ledger(lc, "hs-shrink") == sums  # the same examples, bytes for bytes, as the first job read
     ok, evidence = states_close(leaves(result), leaves(ReferenceExecutor(shrunk).run()), **RESHARD_TOLERANCE)
     assert ok, evidence
+
+    # The user's own train step (Program.from_step, a Flax NNX model, a host source): a kill, bitwise.
+    own = compile_program(example("flax_step").build(steps=20))
+    result, injector = run(lc, own, [Fault("main", "main", 12)], checkpoint_every=5)
+    assert injector.fired and result.recovery["recoveries"], result.recovery
+    assert result.state_digest == ReferenceExecutor(own).run().state_digest
