@@ -137,7 +137,7 @@ def build_dp(cfg: LMConfig) -> Program:
     devices = (2, cfg.devices) if cfg.devices > 2 else cfg.devices
     dp = prog.slice("dp", devices=devices, mesh_axes=("data",))
     params = prog.state("params", slice=dp, init=init_params)
-    opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(init_params()))
+    opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(jax.eval_shape(init_params)))  # zeros: no weights made
     batch = prog.source("batch", lm_batch, slice=dp, per="step", outputs=("inputs", "targets"), host=True,
                         shardings={"inputs": DATA, "targets": DATA})
     step = prog.node("train", train_step, slice=dp,
@@ -189,9 +189,9 @@ def build_pipeline(cfg: LMConfig) -> Program:
     s0 = prog.slice("stage0", devices=2, mesh_axes=("data",))
     s1 = prog.slice("stage1", devices=2, mesh_axes=("data",))
     p0 = prog.state("params0", slice=s0, init=init0)
-    o0 = prog.state("opt0", slice=s0, init=lambda: opt.init(init0()))
+    o0 = prog.state("opt0", slice=s0, init=lambda: opt.init(jax.eval_shape(init0)))
     p1 = prog.state("params1", slice=s1, init=init1)
-    o1 = prog.state("opt1", slice=s1, init=lambda: opt.init(init1()))
+    o1 = prog.state("opt1", slice=s1, init=lambda: opt.init(jax.eval_shape(init1)))
     batch = prog.source("batch", lm_batch, slice=s0, outputs=("inputs", "targets"), host=True,
                         shardings={"inputs": DATA, "targets": DATA})
     fwd = prog.node("fwd0", forward0, slice=s0, per="microbatch", inputs={"params": p0, "inputs": batch["inputs"]},

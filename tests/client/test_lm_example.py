@@ -78,3 +78,19 @@ def test_a_bad_setting_names_its_variable(env: dict[str, str], message: str, tin
         monkeypatch.setenv(k, v)
     with pytest.raises(ProgramError, match=message):
         load_program(TRAIN)
+
+
+def test_the_benchmarks_plain_loop_trains_like_the_reference(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/lm.py's plain jitted loop runs the same step on the same data as the program."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_lm_test", TRAIN.parents[2] / "bench" / "lm.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    program = bench.lm_program(3, "dp")
+    plain = bench.plain_loop(program, 3)
+    assert plain["tokens"] == 8 * 16 and len(plain["source_s"]) == 3 and len(plain["times"]) == 3
+    reference = [m["loss"] for m in run_reference(program).metrics]
+    assert plain["losses"] == pytest.approx(reference, rel=1e-4)
+    assert plain["losses"][2] < plain["losses"][0]
