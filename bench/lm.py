@@ -178,7 +178,8 @@ def main() -> None:
                   ("  host source (Grain)", f"{src_ms:.2f} ms/step, read while the device computes")]
     ref = statistics.median(steady(run_reference(compiled), args.skip) for _ in range(args.repeats)) * tokens_per_step
     out["reference_tokens_per_s"] = round(ref, 1)
-    table.append(("reference (in process)", f"{ref:,.0f} tokens/s" + (f"  ({ref / plain:.2f} x plain)" if plain else "")))
+    vs_plain = f"  ({ref / plain:.2f} x plain)" if plain else ""
+    table.append(("reference (in process)", f"{ref:,.0f} tokens/s{vs_plain}"))
 
     if args.no_cluster:
         out["cluster"] = "not run (--no-cluster)"
@@ -191,12 +192,13 @@ def main() -> None:
         else:
             rate = statistics.median(cl["steps_per_s"]) * tokens_per_step
             base = plain or ref
-            out |= {"cluster_tokens_per_s": round(rate, 1), "cluster_over_plain" if plain else "cluster_over_reference":
-                    round(rate / base, 3), "cluster_source_wait": cl["source_wait"] or "not reported by the workers"}
-            table.append(("cluster (embedded)", f"{rate:,.0f} tokens/s  ({rate / base:.2f} x "
-                                                f"{'plain' if plain else 'reference'})"))
-            table.append(("  slice waiting for its batch", ", ".join(f"{k} {v:.3f}" for k, v in cl["source_wait"].items())
-                          or "not reported by the workers (no *source*wait* metric)"))
+            against = "plain" if plain else "reference"
+            waits = ", ".join(f"{k} {v:.3f}" for k, v in cl["source_wait"].items())
+            out |= {"cluster_tokens_per_s": round(rate, 1), f"cluster_over_{against}": round(rate / base, 3),
+                    "cluster_source_wait": cl["source_wait"] or "not reported by the workers"}
+            table.append(("cluster (embedded)", f"{rate:,.0f} tokens/s  ({rate / base:.2f} x {against})"))
+            table.append(("  slice waiting for its batch",
+                          waits or "not reported by the workers (no *source*wait* metric)"))
     for k, v in table:
         print(f"{k:>30}  {v}", file=sys.stderr)
     print(json.dumps(out))

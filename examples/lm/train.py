@@ -137,7 +137,8 @@ def build_dp(cfg: LMConfig) -> Program:
     devices = (2, cfg.devices) if cfg.devices > 2 else cfg.devices
     dp = prog.slice("dp", devices=devices, mesh_axes=("data",))
     params = prog.state("params", slice=dp, init=init_params)
-    opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(jax.eval_shape(init_params)))  # zeros: no weights made
+    # Adam's moments are zeros of the weights' shapes: eval_shape makes no weights (one init less to compile)
+    opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(jax.eval_shape(init_params)))
     batch = prog.source("batch", lm_batch, slice=dp, per="step", outputs=("inputs", "targets"), host=True,
                         shardings={"inputs": DATA, "targets": DATA})
     step = prog.node("train", train_step, slice=dp,
