@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
 	$(PY) bench/device.py
+	$(PY) bench/lm.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
 	$(PY) bench/elastic.py
