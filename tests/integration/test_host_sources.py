@@ -13,7 +13,8 @@ filesystem every worker mounts. On real worker processes, with real SIGKILLs:
 * a source that is not deterministic (it draws from an unseeded generator) is caught
   when the kill replays it, and the job fails naming the source and the step;
 * the user's own train step (``Program.from_step``, examples/flax_step.py: Flax NNX and
-  Optax, its data a host source) survives a kill bitwise.
+  Optax, its data a host source) survives a kill bitwise;
+* so does the LM example (examples/lm, tiny), its loss falling.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ from tests.examples import example
 from tests.integration.test_recovery import run
 
 pytestmark = pytest.mark.processes
+
+LM_TRAIN = Path(__file__).resolve().parents[2] / "examples" / "lm" / "train.py"
+TINY_LM = {"LM_D_MODEL": "32", "LM_HEADS": "2", "LM_CONTEXT": "16", "LM_BATCH": "8", "LM_LR": "0.01",
+           "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2", "LM_VARIANT": "dp"}
 
 STEPS = 16
 JOB = '''
@@ -131,9 +136,11 @@ def leaves(result: Any) -> dict[str, list[np.ndarray]]:
 
 
 def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_raise_and_a_nondeterministic_replay(
-    local_cluster: Callable[..., LocalCluster], tmp_path: Path,
+    local_cluster: Callable[..., LocalCluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    lc = local_cluster(workers=1, spares=4, devices_per_worker=4, coordinators=1)  # each kill takes one
+    for k, v in {**TINY_LM, "LM_DATA_DIR": str(tmp_path / "lm-data")}.items():  # the workers see them too
+        monkeypatch.setenv(k, v)
+    lc = local_cluster(workers=1, spares=5, devices_per_worker=4, coordinators=1)  # each kill takes one
 
     # A kill: the slice moves to a spare of 4 devices, replays from the cut, reads the same bytes.
     killed = job(tmp_path, "hs-kill", "file")
@@ -166,17 +173,19 @@ def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_rai
 
     # A shrink: with no spare of 4 devices left, the slice goes onto 2 devices and reads the same examples.
     up = sorted(alive(lc))
-    assert len(up) == 3, up
+    assert len(up) == 4, up
     store = lc.store()
     leases = DeviceLeases(store, lc.keys)
     try:
         assert leases.lease("blocker", "b", up[1], [0, 1]) is not None  # up[1]: 2 of its 4 devices free
-        assert leases.lease("other", "b", up[2], [0, 1, 2, 3]) is not None  # up[2]: none free
+        for other in up[2:]:  # the others: none free
+            assert leases.lease(f"other-{other}", "b", other, [0, 1, 2, 3]) is not None
         shrunk = job(tmp_path, "hs-shrink", "file")
         result, injector = run(lc, shrunk, [Fault("dp", "dp", 9)], checkpoint_every=4, on_no_spare="shrink")
     finally:
         leases.release("blocker")
-        leases.release("other")
+        for other in up[2:]:
+            leases.release(f"other-{other}")
         store.close()
     assert injector.fired[0]["worker"] == up[0]
     (change,) = result.recovery["resharded"]
@@ -190,3 +199,12 @@ def test_a_host_source_reads_a_file_on_the_workers_through_a_kill_a_shrink_a_rai
     result, injector = run(lc, own, [Fault("main", "main", 12)], checkpoint_every=5)
     assert injector.fired and result.recovery["recoveries"], result.recovery
     assert result.state_digest == ReferenceExecutor(own).run().state_digest
+
+    # The LM example (a Flax NNX GPT reading the standard library's source through Grain), tiny: a kill, bitwise,
+    # the loss falling.
+    lm = compile_program(load_program(LM_TRAIN, steps=16))
+    result, injector = run(lc, lm, [Fault("dp", "dp", 11)], checkpoint_every=5)
+    assert injector.fired and result.recovery["recoveries"], result.recovery
+    assert result.state_digest == ReferenceExecutor(lm).run().state_digest
+    loss = [m["loss"] for m in result.metrics]
+    assert abs(loss[0] - np.log(256)) < 0.1 and max(loss[-3:]) < loss[0] - 1.0, loss
