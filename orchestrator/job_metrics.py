@@ -7,7 +7,7 @@ object a line (docs/metrics.md, "Per-step metrics"):
 * ``{"step": 12, "t": 1796354594.4, "metrics": {"loss": 0.53}}``: a completed step and its
   metrics (the mean over microbatches, as ``step.done`` carries them); a value that is not
   finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers);
-* ``{"event": "fault", "t", "step", "recovery", "cause"}``: workers lost at ``step`` (``job.recovering``);
+* ``{"event": "fault", "t", "step", "recovery", "workers", "cause"}``: workers lost at ``step`` (``job.recovering``);
 * ``{"event": "recovery", "recovery", "t", "ended_t", "step", "from_step", "cause", "replayed"}``:
   the lost slices run again (``job.recovered``): hit at ``step``, restored from the cut at
   ``from_step``, ``replayed`` instances planned to run again, detected at ``t``, running at ``ended_t``;
@@ -141,6 +141,27 @@ class MetricsRun:
                 by_number[m.get("recovery", len(by_number))] = m
         return list(by_number.values())
 
+    def plot_marks(self) -> list[dict[str, Any]]:
+        """What a plot marks, oldest first, each ``{kind, step, label}`` (``kind`` "recovery" also has
+        ``from_step``: a band from the cut it restored to the step it was hit at): the shape
+        :func:`rallypoint.orchestrator.metrics_svg.metrics_svg` draws."""
+        out: list[dict[str, Any]] = []
+        for m in self.marks:
+            kind, step = str(m.get("event", "")), m.get("step")
+            if not isinstance(step, int):
+                continue
+            if kind == "fault":
+                workers = ", ".join(map(str, m.get("workers") or []))
+                out.append({"kind": "fault", "step": step, "label": f"lost {workers}".strip()})
+            elif kind == "recovery":
+                out.append({"kind": "recovery", "step": step, "from_step": int(m.get("from_step") or 0),
+                            "label": f"recovery {m.get('recovery', '')}".strip()})
+            elif kind == "nonfinite":
+                out.append({"kind": "nonfinite", "step": step, "label": f"{m.get('metric', '')} {m.get('value', '')}"})
+            elif kind in ("stall", "resumed", "adopted"):
+                out.append({"kind": kind, "step": step, "label": kind})
+        return out
+
 
 def parse_metrics(lines: Iterable[str]) -> MetricsRun:
     """The records of ``metrics.jsonl`` lines (see the module doc); unreadable lines are counted, not raised."""
@@ -257,7 +278,7 @@ class JobMetrics:
             n = int(d.get("recovery", 0))
             self._hit[n] = step
             self.file.write({"event": "fault", "t": round(now, 3), "step": step, "recovery": n,
-                             "cause": _cause(d.get("lost") or {})})
+                             "workers": sorted(d.get("lost") or {}), "cause": _cause(d.get("lost") or {})})
         elif name == "job.recovered":
             n = int(d.get("recovery", 0))
             self.file.write({"event": "recovery", "recovery": n, "t": round(float(d.get("detected_at") or now), 3),
@@ -315,7 +336,7 @@ class JobMetrics:
 
     def _drop_commits_past(self, step: int) -> int | None:
         """Drop every commit past ``step`` (etcd and the copies beside the checkpoints); the newest consistent
-        cut left at or before it (None: none), which the progress's cut becomes if it was past it."""
+        cut left at or before it (None: none), which the progress's cut becomes (the job record's ``cut``)."""
         slices = sorted({st.slice for st in self.spec.states})
         if not slices:
             return None
@@ -327,7 +348,9 @@ class JobMetrics:
                     self.term.drop_commit(slice_name, c.step)
             kept[slice_name] = [c for c in cs if c.step <= step]
         cut = consistent_cut(kept, slices)
-        if self.progress.cut > (cut or 0):  # (a cut can pass the step only when the metric's slice keeps no states)
+        # The job's cut is the one kept: up to it when its commit landed while the workers unloaded, down to it
+        # when the cut had passed the step (only possible when the metric's slice keeps no states).
+        if (cut if cut is not None else min(self.progress.cut, step)) != self.progress.cut:
             self.progress.restored(cut or 0, {sl: [c.step for c in cs] for sl, cs in kept.items()})
         return cut
 

@@ -113,7 +113,7 @@ def test_events_become_step_lines_and_marks(tmp_path: Path) -> None:
     assert emitted == ["step.done", "job.recovering", "job.recovered", "step.done", "job.finished"]
     lines = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert lines[0] == {"step": 0, "t": 100.0, "metrics": {"loss": 1.0}}
-    assert lines[1] == {"event": "fault", "t": 100.0, "step": 3, "recovery": 1, "cause": "w1: x"}
+    assert lines[1] == {"event": "fault", "t": 100.0, "step": 3, "recovery": 1, "workers": ["w1"], "cause": "w1: x"}
     assert lines[2] == {"event": "recovery", "recovery": 1, "t": 99.0, "ended_t": 100.0, "step": 3, "from_step": 2,
                         "cause": "w1: x", "replayed": 3, "policy": ""}
     assert lines[3]["metrics"] == {"loss": "inf"}
