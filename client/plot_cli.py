@@ -49,7 +49,8 @@ def on_nonfinite_option(f: F) -> F:
     return click.option(
         "--on-nonfinite", type=click.Choice(["stop", "warn"]), default=None,
         help="A metric value that is not finite (nan, inf): stop the job at that step (default), keeping the last "
-        "committed cut before it and no checkpoint past it, or warn (a job.nonfinite event per metric) and go on.")(f)
+        "committed cut at or before it and no checkpoint past it, or warn (a job.nonfinite event per metric) and go "
+        "on (docs/metrics.md).")(f)
 
 
 def describe_nonfinite(d: dict[str, Any]) -> str:
