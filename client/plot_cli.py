@@ -87,7 +87,7 @@ def _under_root(root: Path, job: str, run: str) -> FoundRun | None:
 
 def _from_record(state_dir: Path, cluster: str | None, job: str, run: str) -> FoundRun | None:
     """The run directory the job's etcd record names (the current run; ``run``: an earlier one kept in etcd)."""
-    from rallypoint.orchestrator.runs import old_runs, run_of
+    from rallypoint.orchestrator.runs import RUN_ID, old_runs, run_of
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
@@ -97,8 +97,10 @@ def _from_record(state_dir: Path, cluster: str | None, job: str, run: str) -> Fo
     finally:
         store.close()
     for r in records:
-        if r.get("run_dir") and (not run or run_of(r) == run):
-            rd = Path(str(r["run_dir"]))
+        rd = Path(str(r.get("run_dir") or ""))
+        # A path read from etcd: only <...>/<job>/<run id>, absolute, without '..', is read.
+        if (r.get("run_dir") and (not run or run_of(r) == run) and rd.is_absolute() and ".." not in rd.parts
+                and rd.parent.name == job and RUN_ID.match(rd.name)):
             return FoundRun(job, rd.name, rd / METRICS_FILE)
     return None
 
