@@ -14,7 +14,8 @@ from rallypoint.proto import rallypoint_pb2 as pb
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
                    "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor",
                    "straggler_window", "straggler_persist", "straggler_probation_s", "straggler_repeat_window_s",
-                   "warm_spares", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s")
+                   "warm_spares", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s",
+                   "on_nonfinite")
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path | None = None,

@@ -15,6 +15,7 @@ import click
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.basics.logs import configure as configure_logs
+from rallypoint.client import plot_cli
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, export_platforms_for, insecure, resolve_cluster, tls_options
 
 # -- running jobs ---------------------------------------------------------------------------
@@ -73,6 +74,7 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--warm-spares", type=int, default=None,
               help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
               "compilation (default 2; 0: off).")
+@plot_cli.on_nonfinite_option
 @click.option("--new-run", is_flag=True,
               help="The job name already has a run with checkpoints: start a new run anyway (the old run's files "
               "and commits stay under its run id, `rallypoint status NAME`). Without it such a run is refused; "
@@ -84,7 +86,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         devices_per_worker: int | None, window: int, platforms: str | None, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
-        straggler_factor: float | None, warm_spares: int | None, max_faults: int | None,
+        straggler_factor: float | None, warm_spares: int | None, max_faults: int | None, on_nonfinite: str | None,
         max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None, new_run: bool,
         code_dir: Path | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
@@ -117,7 +119,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                 "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
                 "warm_spares": warm_spares, "max_faults": max_faults, "max_preemptions": max_preemptions,
                 "failure_window_s": failure_window_s, "compile_timeout_s": compile_timeout_s,
-                "code_dir": str(code_dir) if code_dir else None}  # a submit setting, beside the recovery ones
+                "on_nonfinite": on_nonfinite, "code_dir": str(code_dir) if code_dir else None}  # a submit setting, beside the recovery ones
     compiled = compile_program(program, platforms=export_platforms_for(platforms, reference=reference,
                                                                           cluster=cluster))
     if not reference and (program.host_sources or code_dir):  # the bundle's errors before any cluster starts
@@ -183,6 +185,8 @@ def _describe(d: dict[str, Any]) -> str:
         return (f"[green]recovered[/green] ({d.get('policy')}): {moved}; restored the cut at step "
                 f"{d.get('checkpoint_step')}, replaying {sum(d.get('planned_instances', {}).values())} instances of "
                 f"{', '.join(d.get('planned_instances', {})) or 'no node'}")
+    if ev == "job.nonfinite":
+        return plot_cli.describe_nonfinite(d)
     if ev == "job.waiting":
         return f"[yellow]waiting[/yellow] {d.get('reason')}"
     if ev == "job.straggler":
@@ -215,7 +219,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 
         def on_event(ev: pb.JobEvent) -> None:
             injector.on_event(ev)
-            if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler"):
+            if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler", "job.nonfinite"):
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
@@ -243,6 +247,9 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
         return result
     finally:
         lc.stop()
+        kept = plot_cli.keep_run_metrics(lc.checkpoint_dir, program.name)  # for `rallypoint plot` once it is gone
+        if kept is not None and not quiet:
+            click.echo(f"metrics: {kept} (`rallypoint plot {program.name}` draws them)")
         if ok:
             import shutil
 

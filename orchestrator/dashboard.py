@@ -8,7 +8,8 @@ default). Routes:
 * ``/api/cluster``: JSON (:func:`cluster_json`): this coordinator, the leader and its
   dashboard address, the workers (from etcd), the jobs (the leader's
   :class:`~rallypoint.orchestrator.job_timeline.TimelineRecorder`, then the job records in
-  etcd) each with its timeline as an inline SVG (:func:`timeline_svg`).
+  etcd) each with its timeline and its metric curves as inline SVGs (:func:`timeline_svg`,
+  :func:`metrics_svg`).
 
 Other endpoints mount with :meth:`DashboardServer.mount` (a path and a handler returning
 ``(status, content type, body)``). The server only answers GET and HEAD; on a loopback
@@ -30,6 +31,7 @@ from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_clus
 from rallypoint.basics.errors import ConfigError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.orchestrator.dashboard_page import PAGE
+from rallypoint.orchestrator.metrics_svg import metrics_svg
 from rallypoint.orchestrator.timeline_svg import timeline_svg
 
 if TYPE_CHECKING:
@@ -176,6 +178,7 @@ def jobs_json(recorded: list[dict[str, Any]], records: dict[str, dict[str, Any]]
     for j in recorded:
         j = dict(j)
         j["timeline_svg"] = timeline_svg(j["timeline"])
+        j["metrics_svg"] = metrics_svg(j.get("metrics") or {}, j.get("marks") or [], int(j.get("steps") or 0))
         out.append(j)
     seen = {j["job"] for j in out}
     for name, r in sorted(records.items()):
@@ -186,7 +189,7 @@ def jobs_json(recorded: list[dict[str, Any]], records: dict[str, dict[str, Any]]
                     "devices_held": sum(len(p.get("devices", ())) for p in (r.get("placement") or {}).values()),
                     "placement": r.get("placement") or {}, "recoveries": r.get("recoveries") or [],
                     "drains": r.get("drains") or [], "failures": r.get("failures") or [],
-                    "reason": str(r.get("reason", "")), "term": r.get("term"), "timeline_svg": "",
+                    "reason": str(r.get("reason", "")), "term": r.get("term"), "timeline_svg": "", "metrics_svg": "",
                     "from_record": True})
     return out
 

@@ -1,10 +1,10 @@
 """The dashboard's one page: HTML with inline CSS and JS, no build step, no external assets.
 
 It polls ``/api/cluster`` every 0.5 s and renders the workers, the jobs with a progress bar,
-their recoveries, and each job's timeline (the SVG the server drew). Text from the cluster
+their recoveries, each job's timeline and its metric curves (the SVGs the server drew). Text from the cluster
 goes into the page only through ``textContent`` and ``setAttribute`` (never as markup); the
-one exception is the timeline SVG, which :func:`rallypoint.orchestrator.timeline_svg.timeline_svg`
-builds with every text escaped. Elements carry stable ids and ``data-*`` attributes
+exceptions are the timeline and metric SVGs, which :func:`rallypoint.orchestrator.timeline_svg.timeline_svg`
+and :func:`rallypoint.orchestrator.metrics_svg.metrics_svg` build with every text escaped. Elements carry stable ids and ``data-*`` attributes
 (``data-worker``, ``data-state``, ``data-job``, ``data-step``, ``data-steps``,
 ``data-recoveries``, ``data-recovery``) for tests and scripts.
 """
@@ -30,7 +30,7 @@ th{background:#f3f3f3}
 #banner{padding:.4em .8em;background:#fff4d6;border:1px solid #e0c070;margin:.5em 0}
 #banner:empty{display:none}
 #status{color:#777;font-size:.85em}
-.timeline svg{max-width:100%;height:auto;border:1px solid #eee}
+.timeline svg,.metrics svg{max-width:100%;height:auto;border:1px solid #eee}
 .recovery{font-size:.85em;margin:.1em 0}
 </style></head>
 <body data-polls="0">
@@ -47,6 +47,8 @@ th{background:#f3f3f3}
 <div id="recoveries"></div>
 <h2>Timeline</h2>
 <div id="timelines"></div>
+<h2>Metrics</h2>
+<div id="metrics"></div>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -104,6 +106,7 @@ function renderJobs(jobs) {
   const body = el("tbody", {"id": "jobs"});
   const recs = el("div", {"id": "recoveries"});
   const timelines = el("div", {"id": "timelines"});
+  const metrics = el("div", {"id": "metrics"});
   for (const j of jobs) {
     const pct = j.steps ? Math.min(100, 100 * j.step_done / j.steps) : 0;
     const bar = el("td", {"class": "progress"});
@@ -134,10 +137,21 @@ function renderJobs(jobs) {
       box.appendChild(svg);
       timelines.appendChild(box);
     }
+    if (j.metrics_svg) {
+      const names = Object.keys(j.metrics || {});
+      const box = el("div", {"class": "metrics", "data-job": j.job, "data-metrics": names.join(","),
+                             "data-points": names.length ? (j.metrics[names[0]] || []).length : 0});
+      box.appendChild(el("h3", {}, j.job));
+      const svg = el("div", {});
+      svg.innerHTML = j.metrics_svg;  /* drawn by the server, every text escaped (metrics_svg.py) */
+      box.appendChild(svg);
+      metrics.appendChild(box);
+    }
   }
   $("jobs").replaceWith(body);
   $("recoveries").replaceWith(recs);
   $("timelines").replaceWith(timelines);
+  $("metrics").replaceWith(metrics);
 }
 
 let polls = 0;

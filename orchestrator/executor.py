@@ -58,6 +58,7 @@ from rallypoint.orchestrator.goodput import StepTimes
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_drains import JobDrains
 from rallypoint.orchestrator.job_loads import JobLoads
+from rallypoint.orchestrator.job_metrics import JobMetrics
 from rallypoint.orchestrator.job_placement import JobPlacement
 from rallypoint.orchestrator.job_progress import JobProgress
 from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
@@ -144,6 +145,9 @@ class JobExecutor:
             spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
+        self.job_metrics = JobMetrics(spec, progress=self.progress, workers=self.workers, term=self.term, log=self.log,
+                                      event=self.event)  # <run dir>/metrics.jsonl, and non-finite metrics
+        self.emit = self.job_metrics.tee(emit)
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
@@ -256,6 +260,7 @@ class JobExecutor:
             self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
                                                   self.keep_runs, self.log)
         self.term.run_dir = self.loads.run_dir = self.run_dir
+        self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
         for c in (self.places, self.loads, self.drains):
             c.settings = self.settings
         keeps = self.run_dir is not None and self.settings.checkpoint_every > 0
@@ -361,6 +366,7 @@ class JobExecutor:
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
+        self.job_metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
         self._count(worker, gen, item)
         self._advance()
 

@@ -15,7 +15,10 @@ its log and the application only reads ``Storage``:
 * ``log_floor``: node -> the first step its output log holds, where that is past the
   cut (a drained slice's spare logs from the drain step only);
 * the per-step bookkeeping of instances heard, their metrics, and what re-ran
-  (``replayed``, ``redone_s``) or ran first (``compute_s``).
+  (``replayed``, ``redone_s``) or ran first (``compute_s``);
+* ``halted``: the step a metric was not finite at (``on_nonfinite = "stop"``,
+  :mod:`~rallypoint.orchestrator.job_metrics`): from then on no grant widens and no commit
+  past it moves the cut, whatever arrives after.
 
 It does no I/O: the executor feeds it what the workers report and carries out what it
 returns (grant the new window, tell the workers the new cut).
@@ -52,6 +55,7 @@ class JobProgress:
         self._ckpt_slices = sorted({s.slice for s in spec.states})
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self._completed = self._granted = self._start = self._cut = 0
+        self._halted: int | None = None
         self._committed: dict[str, set[int]] = {s: set() for s in self._ckpt_slices}  # commit steps heard, >= cut
         self._saved: set[tuple[str, int]] = set()  # (slice, step) commits heard (a drain waits for its own)
         self._floor: dict[str, int] = {}
@@ -79,6 +83,10 @@ class JobProgress:
     @property
     def cut(self) -> int:
         return self._cut
+
+    @property
+    def halted(self) -> int | None:
+        return self._halted
 
     @property
     def log_floor(self) -> Mapping[str, int]:
@@ -149,15 +157,26 @@ class JobProgress:
 
     def widen(self, window: int) -> bool:
         """Move the grant to ``completed + window`` when it fell short of that. True: workers are to be granted."""
+        if self._halted is not None:
+            return False
         if self._completed + max(1, window) > self._granted and self._granted < self.spec.steps:
             self._granted = min(self._completed + max(1, window), self.spec.steps)
             return True
         return False
 
+    def halt(self, step: int) -> None:
+        """A metric of ``step`` is not finite and the job stops there: no grant widens from now on and no
+        commit past ``step`` counts (one racing in is ignored); the job's commits past it are dropped by
+        the caller (:meth:`JobMetrics.stop <rallypoint.orchestrator.job_metrics.JobMetrics.stop>`)."""
+        self._halted = step if self._halted is None else min(self._halted, step)
+
     # -- the cut ----------------------------------------------------------------------------------
 
     def commit(self, slice_name: str, step: int) -> int | None:
-        """A slice's checkpoint commit was heard. Returns the new cut when it moved (None: it did not)."""
+        """A slice's checkpoint commit was heard. Returns the new cut when it moved (None: it did not).
+        Once halted, a commit past the halting step does not count."""
+        if self._halted is not None and step > self._halted:
+            return None
         self._saved.add((slice_name, step))
         if slice_name in self._committed and step >= self._cut:
             self._committed[slice_name].add(step)

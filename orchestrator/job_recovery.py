@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.orchestrator.job_metrics import nonfinite_mode
 from rallypoint.orchestrator.watchdog import DEFAULT_COMPILE_TIMEOUT_S
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.decide import (DEFAULT_FAILURE_WINDOW_S, DEFAULT_MAX_FAULTS, DEFAULT_MAX_PREEMPTIONS,
@@ -61,6 +62,7 @@ class RecoverySettings:
     warm_spares: int = DEFAULT_WARM_SPARES  # spares that compile the job's programs ahead (0: off)
     failure_policy: FailurePolicy = FailurePolicy()  # at most so many recoveries per window (docs/recovery.md)
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # no stall before this while the nodes waited on compile
+    on_nonfinite: str = "stop"  # a metric that is not finite: stop the job there, or warn (job_metrics.py)
 
     @classmethod
     def from_spec(cls, spec: pb.JobSpec) -> RecoverySettings:
@@ -103,7 +105,7 @@ class RecoverySettings:
                    FailurePolicy(int(spec.max_faults or DEFAULT_MAX_FAULTS),
                                  int(spec.max_preemptions or DEFAULT_MAX_PREEMPTIONS),
                                  float(spec.failure_window_s or DEFAULT_FAILURE_WINDOW_S)),
-                   float(spec.compile_timeout_s or DEFAULT_COMPILE_TIMEOUT_S))
+                   float(spec.compile_timeout_s or DEFAULT_COMPILE_TIMEOUT_S), nonfinite_mode(spec))
 
 
 @dataclass

@@ -5,10 +5,14 @@ The job service (``service.py``) passes every :class:`pb.JobEvent` an executor e
 The recorder keeps, per job: its state and progress, the steps per second, the devices it
 holds, its recoveries (with phases and MTTR), drains, failures and stalls, and a timeline
 in the shape of a chaos report's summary (``progress`` points per node, ``faults``,
-``recoveries``) that :func:`rallypoint.orchestrator.timeline_svg.timeline_svg` draws.
+``recoveries``) that :func:`rallypoint.orchestrator.timeline_svg.timeline_svg` draws, and the
+curve of each metric against the step (``step.done``'s metrics, what ``metrics.jsonl`` keeps too)
+with the faults and recoveries marked at their steps, which
+:func:`rallypoint.orchestrator.metrics_svg.metrics_svg` draws.
 
-Everything is bounded: at most ``max_points`` progress points per job (when full, every
-other point is dropped, so the whole run stays visible at a coarser grain), the last
+Everything is bounded: at most ``max_points`` progress points per job and as many points
+per metric (when full, every other point is dropped, so the whole run stays visible at a
+coarser grain), the last ``MAX_MARKS`` marks, the last
 ``max_events`` events, and the ``keep_ended`` most recent ended jobs. Reading
 (:meth:`TimelineRecorder.jobs`) takes a lock and copies; it may run on any thread.
 """
@@ -16,6 +20,7 @@ other point is dropped, so the whole run stays visible at a coarser grain), the 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -28,6 +33,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 MAX_POINTS = 600  # progress points kept per job (all nodes together)
 MAX_EVENTS = 40  # recent events kept per job
+MAX_MARKS = 40  # faults, stalls and non-finite values marked on the metric curves, per job
 KEEP_ENDED = 8  # ended jobs kept
 SAMPLE_S = 0.1  # per-node progress is sampled at most this often on step.done (always on other events)
 RATE_WINDOW_S = 5.0  # steps/s is measured over the steps done in the last this many seconds
@@ -57,6 +63,8 @@ class JobTimeline:
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     done_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=512))
     sampled_at: float = float("-inf")
+    curves: dict[str, list[tuple[int, float | None]]] = field(default_factory=dict)  # metric -> (step, value)
+    marks: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_MARKS))
 
     def progress(self) -> list[dict[str, Any]]:
         """The samples as a chaos report's ``progress`` points: ``{t, node, step}``."""
@@ -79,6 +87,11 @@ class JobTimeline:
             "drains": list(self.drains), "failures": list(self.failures), "stalls": self.stalls,
             "reason": self.reason, "started_at": self.started_at, "ended_at": self.ended_at,
             "events": list(self.events),
+            # The metric curves by step (None: not finite) and what is marked on them (metrics_svg draws them).
+            "metrics": {n: [[s, v] for s, v in points] for n, points in sorted(self.curves.items())},
+            "marks": [*self.marks, *({"kind": "recovery", "step": r["at_step"], "from_step": r["checkpoint_step"],
+                                      "label": f"recovery {r['recovery']}"} for r in recoveries
+                                     if "at_step" in r and "restore" in (r.get("phases") or {}))],
             # The timeline, in the shape of a chaos report's summary (timeline_svg draws it).
             "timeline": {"started_at": self.started_at, "ended_at": self.ended_at or now,
                          "job": {"name": self.job, "steps": self.steps}, "progress": self.progress(),
@@ -125,19 +138,29 @@ class TimelineRecorder:
         name = ev.event
         if name == "step.done":
             t.done_times.append((now, int(ev.step) + 1))
+            self._curves(t, int(ev.step), ev.metrics)
         else:
             t.events.append({"t": now, "event": name, "step": int(ev.step)})
         if name == "job.recovering":
             n = int(detail.get("recovery", len(t.recoveries) + 1))
             t.recoveries[n] = {"recovery": n, "detected_at": now, "lost": detail.get("lost", {}), "mttr_s": None,
-                               "phases": {}}
+                               "phases": {}, "at_step": int(ev.step)}
             for worker, why in (detail.get("lost") or {}).items():
                 t.faults.append({"kind": "lost", "target": worker, "at": now, "healed_at": None, "reason": str(why)})
+            lost = ", ".join(detail.get("lost") or ())
+            t.marks.append({"kind": "fault", "step": int(ev.step), "label": f"lost {lost}"})
         elif name == "job.recovered":
             n = int(detail.get("recovery", 0))
             t.recoveries[n] = {**t.recoveries.get(n, {}), **{k: v for k, v in detail.items() if k != "placement"}}
         elif name == "job.stalled":
             t.faults.append({"kind": "stall", "target": f"step {ev.step}", "at": now, "healed_at": None})
+            t.marks.append({"kind": "stall", "step": int(ev.step), "label": "stall"})
+        elif name == "job.nonfinite":
+            t.marks.append({"kind": "nonfinite", "step": int(ev.step),
+                            "label": f"{detail.get('metric', '')} {detail.get('value', '')}"})
+        elif name in ("job.resumed", "job.adopted"):
+            kind = name.removeprefix("job.")
+            t.marks.append({"kind": kind, "step": int(ev.step), "label": kind})
         elif name in ("job.drained", "job.drain_cancelled"):
             t.drains.append(detail)
         elif name in END_EVENTS:
@@ -172,6 +195,16 @@ class TimelineRecorder:
         if sum(len(steps) for _, steps in t.samples) > self.max_points:
             # every other sample, the first and the newest kept: coarser, never shorter
             t.samples = [t.samples[0], *t.samples[1:-1][1::2], t.samples[-1]]
+
+    def _curves(self, t: JobTimeline, step: int, metrics: Any) -> None:
+        """A completed step's metrics on the curves; a step completed again (a replay) replaces its value."""
+        for name, v in metrics.items():
+            points = t.curves.setdefault(name, [])
+            while points and points[-1][0] >= step:
+                points.pop()
+            points.append((step, float(v) if math.isfinite(v) else None))
+            if len(points) > self.max_points:  # every other point, the first and the newest kept
+                t.curves[name] = [points[0], *points[1:-1][1::2], points[-1]]
 
     def _trim(self) -> None:
         ended = [j for j, t in self._jobs.items() if t.ended_at is not None]

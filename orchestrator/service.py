@@ -5,7 +5,8 @@ The service keeps a registry of the jobs this coordinator runs (one
 stream that follows it: the ``SubmitJob`` or ``ResumeJob`` call that started it and any
 number of ``WatchJob`` calls.
 
-``SubmitJob`` checks the request's names and checkpoint directory first, and refuses a job
+``SubmitJob`` checks the request's names, its checkpoint directory and its ``on_nonfinite``
+(:mod:`~rallypoint.orchestrator.job_metrics`) first, and refuses a job
 name whose run has commits unless the request asks for a new run (``new_run``;
 :mod:`~rallypoint.orchestrator.runs`), and a job with a slice whose programs no worker of the
 pool can run (:mod:`~rallypoint.orchestrator.platforms`): nothing is written for a refused request.
@@ -47,6 +48,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
+from rallypoint.orchestrator.job_metrics import nonfinite_mode
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
 from rallypoint.orchestrator.platforms import platform_refusal, pool_platforms
@@ -152,6 +154,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._check_leader(context)
         try:  # names and the checkpoint directory reach the file system: checked before anything is written
             check_spec_names(request)
+            nonfinite_mode(request)  # "stop", "warn" or "" (stop): anything else is refused here
             if request.checkpoint_dir:
                 request.checkpoint_dir = request_checkpoint_dir(request.checkpoint_dir, self._root())
             root = request.checkpoint_dir or self._root()
@@ -161,7 +164,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if request.code.sha256 and not root:
                 raise ConfigError("its code bundle (host sources) is shared with the workers through the run "
                                   "directory, and there is no checkpoint directory: give --checkpoint-dir")
-        except RallypointError as exc:
+        except (RallypointError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
         self._refuse_a_resubmit(request, context)
         self._refuse_other_platforms(request, context)

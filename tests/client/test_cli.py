@@ -23,9 +23,10 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def rp(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def rp(*args: str, check: bool = True, timeout: float = 120,
+       env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     r = subprocess.run([sys.executable, "-m", "rallypoint.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, env={**os.environ, **env} if env else None)
     if check and r.returncode != 0:
         raise AssertionError(f"rallypoint {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r

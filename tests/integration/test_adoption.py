@@ -37,6 +37,7 @@ from rallypoint.orchestrator import service as service_mod
 from rallypoint.orchestrator.devices import DeviceLeases
 from rallypoint.orchestrator.executor import JOBSPEC_FILE
 from rallypoint.orchestrator.hooks import ExecutorHooks
+from rallypoint.orchestrator.job_metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until
@@ -129,6 +130,11 @@ def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_
     rec = _record(lc, job)
     assert rec["state"] == "succeeded" and rec["term"] == new_term and rec["step_done"] == STEPS
     _assert_settled(lc)
+    # Both leaders wrote the run's metrics.jsonl: every step (those after the cut again), the adoption marked.
+    kept = read_metrics(Path(rec["run_dir"]) / METRICS_FILE)
+    assert kept.steps == list(range(STEPS)) and len(kept.curve("loss")) == STEPS
+    adopted = [m for m in kept.marks if m["event"] == "adopted"]
+    assert len(adopted) == 1 and adopted[0]["step"] <= 12 < STEPS, kept.marks
     # Whoever asks the new leader after the end still gets it; an unknown job or a standby says so.
     address = _address(lc, new)
     seen = _watch(lc, address, job)

@@ -61,6 +61,7 @@ class Dom(HTMLParser):
         self.workers: dict[str, dict[str, str]] = {}
         self.jobs: dict[str, dict[str, str]] = {}
         self.recoveries: list[dict[str, str]] = []
+        self.metrics: dict[str, dict[str, str]] = {}  # job -> its div.metrics (the metric curves)
         self.text = text
         self.feed(text)
 
@@ -74,6 +75,8 @@ class Dom(HTMLParser):
             self.jobs[a["data-job"]] = a
         if "data-recovery" in a:
             self.recoveries.append(a)
+        if tag == "div" and "metrics" in a.get("class", "").split() and "data-job" in a:
+            self.metrics[a["data-job"]] = a
 
 
 def dump(url: str) -> Dom:
@@ -147,6 +150,10 @@ def test_the_page_shows_the_workers_a_job_moving_and_a_recovery_after_a_kill(
     assert dom.workers[victim]["data-state"] == "lost"
     assert re.search(r'<text[^>]*fill="#1e6e1e"[^>]*>recovery 1</text>', dom.text), "no recovery band in the SVG"
     assert f">lost {victim}</text>" in dom.text, "no fault line for the lost worker in the SVG"
+    # The loss curve by step, the recovery marked on it (a band from the cut restored to the step hit).
+    curve = dom.metrics[job]
+    assert curve["data-metrics"] == "loss" and 100 <= int(curve["data-points"]) <= STEPS, curve
+    assert '<rect class="mark" data-kind="recovery"' in dom.text, "no recovery band on the metric curve"
     assert_settled(lc)
 
     # (4) A screenshot, its path printed in the session summary.

@@ -15,6 +15,7 @@ from rallypoint.basics.errors import ConfigError
 from rallypoint.orchestrator.dashboard import DashboardServer, cluster_json, jobs_json, json_response, workers_json
 from rallypoint.orchestrator.dashboard_page import PAGE
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
+from rallypoint.orchestrator.metrics_svg import metrics_svg
 from rallypoint.orchestrator.timeline_svg import timeline_svg
 from rallypoint.proto import rallypoint_pb2 as pb
 
@@ -91,7 +92,8 @@ def test_every_text_from_the_cluster_is_escaped_in_the_svg() -> None:
 def test_the_page_is_self_contained_and_inserts_markup_only_for_the_svg() -> None:
     assert "<script src" not in PAGE and "<link" not in PAGE and "@import" not in PAGE and "url(" not in PAGE
     assert not re.search(r"""(src|href)=["']?https?:""", PAGE)
-    assert PAGE.count("innerHTML") == 1 and "svg.innerHTML = j.timeline_svg" in PAGE
+    assert PAGE.count("innerHTML") == 2 and "svg.innerHTML = j.timeline_svg" in PAGE
+    assert "svg.innerHTML = j.metrics_svg" in PAGE
     assert "eval(" not in PAGE and "document.write" not in PAGE
     assert "/api/cluster" in PAGE and "data-recoveries" in PAGE and "data-step" in PAGE
 
@@ -143,7 +145,7 @@ def test_the_recorder_keeps_progress_recoveries_and_rates_bounded() -> None:
     emit("job.recovered", step=60, recovery=1, mttr_s=0.8, phases={"detection": 0.1}, placement={})
     (j,) = rec.jobs()
     assert j["recoveries"] == [{"recovery": 1, "detected_at": 1013.0, "mttr_s": 0.8, "phases": {"detection": 0.1},
-                                "lost": {"w0": "event stream ended"}}]
+                                "lost": {"w0": "event stream ended"}, "at_step": 60}]
     assert "recovery 1" in timeline_svg(j["timeline"])
     x.completed = 100
     emit("job.finished", step=100)
@@ -154,6 +156,39 @@ def test_the_recorder_keeps_progress_recoveries_and_rates_bounded() -> None:
     assert [(j["job"], j["state"], j["reason"]) for j in rec.jobs()] == [("k", "failed", "no room")]
     rec.observe(FakeExecutor(), pb.JobEvent(job="k", event="job.placed"))
     assert rec.jobs()[0]["ended_at"] is None and rec.jobs()[0]["recoveries"] == []
+
+
+def test_the_recorder_keeps_each_metric_by_step_with_recoveries_marked_and_jobs_json_draws_it() -> None:
+    rec = TimelineRecorder(max_points=40)
+    x = FakeExecutor()
+
+    def emit(event: str, step: int = 0, metrics: dict[str, float] | None = None, **detail: Any) -> None:
+        rec.observe(x, pb.JobEvent(job="j", event=event, step=step, metrics=metrics or {}, detail=json.dumps(detail)))
+
+    for s in range(30):
+        emit("step.done", step=s, metrics={"loss": 1.0 / (s + 1)})
+    emit("job.recovering", step=30, recovery=1, lost={"w0": "event stream ended"})
+    x.recoveries = [SimpleNamespace(to_json=lambda: {"recovery": 1, "checkpoint_step": 20, "mttr_s": None,
+                                                     "phases": {"detection": 0.1, "restore": 0.2}})]
+    emit("job.recovered", step=20, recovery=1)
+    for s in range(25, 60):  # steps 25..29 complete again after the recovery: their values are replaced
+        emit("step.done", step=s, metrics={"loss": float("nan") if s == 59 else 2.0 / (s + 1)})
+    emit("job.nonfinite", step=59, metric="loss", value="nan", action="warn")
+    (j,) = rec.jobs()
+    points = j["metrics"]["loss"]
+    assert len(points) <= 40 and points[0] == [0, 1.0] and points[-1] == [59, None]  # bounded, ends kept
+    assert [s for s, _ in points] == sorted({s for s, _ in points})  # one point per step, in order
+    assert dict(map(tuple, points)).get(26, 2.0 / 27) == pytest.approx(2.0 / 27)  # the replayed value
+    assert {"kind": "recovery", "step": 30, "from_step": 20, "label": "recovery 1"} in j["marks"]
+    assert {"kind": "fault", "step": 30, "label": "lost w0"} in j["marks"]
+    assert {"kind": "nonfinite", "step": 59, "label": "loss nan"} in j["marks"]
+    (out,) = jobs_json([j], {})
+    svg = out["metrics_svg"]
+    assert svg.startswith("<svg") and 'data-metric="loss"' in svg and "recovery 1" in svg and "lost w0" in svg
+    assert 'data-kind="recovery"' in svg and 'data-kind="nonfinite"' in svg and "<polyline" in svg
+    assert metrics_svg({}, []) == "" and jobs_json([], {"k": {"state": "running"}})[0]["metrics_svg"] == ""
+    evil = metrics_svg({EVIL: [[0, 1.0], [1, 2.0]]}, [{"kind": EVIL, "step": 1, "label": EVIL}])
+    assert "<script" not in evil and "<img" not in evil and "&lt;script&gt;" in evil
 
 
 def test_the_recorder_never_breaks_a_job() -> None:

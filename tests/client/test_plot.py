@@ -1,0 +1,118 @@
+"""`rallypoint plot`'s pure parts: what it draws of a metrics.jsonl, where it finds the run, the PNG, and
+`rallypoint run --on-nonfinite`. (As a subprocess on real runs: tests/integration/test_nonfinite.py, and after
+an embedded `rallypoint run`: tests/integration/test_recovery.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rallypoint.basics.errors import ConfigError
+from rallypoint.client.cli import main
+from rallypoint.client.run_cli import _describe
+from rallypoint.client.plot_cli import draw, find_run, keep_run_metrics, plot_data
+from rallypoint.orchestrator.job_metrics import parse_metrics
+from tests.client.test_cli import ROOT
+
+RUN = "run-20260101T000000-abcdef"
+LINES = [
+    {"step": 0, "t": 1.0, "metrics": {"loss": 3.0, "acc": 0.1}},
+    {"step": 1, "t": 2.0, "metrics": {"loss": 2.0, "acc": 0.2}},
+    {"step": 2, "t": 3.0, "metrics": {"loss": 1.5, "acc": 0.3}},
+    {"event": "fault", "t": 3.5, "step": 3, "recovery": 1, "workers": ["w2"], "cause": "w2: event stream ended"},
+    {"event": "recovery", "recovery": 1, "t": 3.5, "ended_t": 4.0, "step": 3, "from_step": 2, "cause": "w2",
+     "replayed": 2},
+    {"step": 2, "t": 4.5, "metrics": {"loss": 1.25, "acc": 0.3}},  # step 2 again after the recovery
+    {"step": 3, "t": 5.0, "metrics": {"loss": 1.0, "acc": 0.4}},
+    {"event": "nonfinite", "t": 5.5, "step": 4, "metric": "loss", "value": "nan", "action": "stop"},
+]
+
+
+def write_run(root: Path, job: str = "j", run: str = RUN, lines: list[dict] = LINES) -> Path:
+    rd = root / job / run
+    rd.mkdir(parents=True)
+    (root / job / "LATEST").write_text(run + "\n")
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return rd / "metrics.jsonl"
+
+
+def test_the_plot_takes_the_last_value_per_step_loss_first_and_marks_recoveries_and_nonfinite_steps() -> None:
+    data = parse_metrics(json.dumps(x) for x in LINES)
+    pd = plot_data(data, job="j", run=RUN)
+    assert list(pd.curves) == ["loss", "acc"]
+    assert pd.curves["loss"] == ([0, 1, 2, 3], [3.0, 2.0, 1.25, 1.0])
+    assert pd.marks == [{"kind": "fault", "step": 3, "label": "lost w2"},
+                        {"kind": "recovery", "step": 3, "from_step": 2, "label": "recovery 1"},
+                        {"kind": "nonfinite", "step": 4, "label": "loss nan"}]
+    assert pd.summary == "4 steps (0..3), loss 3 -> 1, 1 recovery, non-finite: loss nan"
+    only = plot_data(data, job="j", run=RUN, metric="acc")
+    assert list(only.curves) == ["acc"] and only.summary.startswith("4 steps (0..3), acc 0.1 -> 0.4")
+    with pytest.raises(ConfigError, match="run .* of job 'j' has no metric 'lr'; its metrics are acc, loss: pass one"):
+        plot_data(data, job="j", run=RUN, metric="lr")
+    with pytest.raises(ConfigError, match="no completed step with metrics yet"):
+        plot_data(parse_metrics([]), job="j", run=RUN)
+
+
+def test_the_run_is_found_under_a_checkpoint_root_or_the_state_dir_the_newest_first(tmp_path: Path) -> None:
+    path = write_run(tmp_path / "ck")
+    assert find_run("j", checkpoint_dir=tmp_path / "ck").path == path
+    with pytest.raises(ConfigError, match="no run of job 'k' under the checkpoint root"):
+        find_run("k", checkpoint_dir=tmp_path / "ck")
+    with pytest.raises(ConfigError, match="is not a run id"):
+        find_run("j", run="../../etc", checkpoint_dir=tmp_path / "ck")
+    with pytest.raises(ConfigError):
+        find_run("../j", checkpoint_dir=tmp_path / "ck")
+    state = tmp_path / "state"
+    kept = keep_run_metrics(tmp_path / "ck", "j", state)  # what an embedded `rallypoint run` keeps
+    assert kept == state / "runs" / "j" / RUN / "metrics.jsonl" and kept.read_text() == path.read_text()
+    assert find_run("j", state_dir=state).path == kept
+    newer = write_run(state / "checkpoints", run="run-20260102T000000-abcdef")  # a `rallypoint up` cluster's run
+    assert find_run("j", state_dir=state).path == newer
+    with pytest.raises(ConfigError, match=r"no run of job 'x' in .*checkpoints or .*runs: check the job name"):
+        find_run("x", state_dir=state)
+    assert keep_run_metrics(tmp_path / "nothing", "j", state) is None
+
+
+def test_draw_writes_a_png_matplotlib_reads_back(tmp_path: Path) -> None:
+    from matplotlib import image
+
+    data = parse_metrics(json.dumps(x) for x in LINES)
+    out = tmp_path / "p.png"
+    draw(plot_data(data, job="j", run=RUN), out, "j")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    h, w = image.imread(out).shape[:2]
+    assert w == 1000 and h > 400
+
+
+def test_the_plot_command_writes_the_png_and_one_line_or_says_what_is_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_run(tmp_path / "ck")
+    (tmp_path / "ck" / "empty" / RUN).mkdir(parents=True)
+    (tmp_path / "ck" / "empty" / "LATEST").write_text(RUN)
+    runner = CliRunner()
+    monkeypatch.chdir(tmp_path)  # the PNG goes to the current directory by default
+    r = runner.invoke(main, ["plot", "j", "--checkpoint-dir", str(tmp_path / "ck")])
+    assert r.exit_code == 0, r.output
+    assert r.output == f"j-{RUN}.png: 4 steps (0..3), loss 3 -> 1, 1 recovery, non-finite: loss nan\n"
+    assert (tmp_path / f"j-{RUN}.png").read_bytes()[:4] == b"\x89PNG"
+    r = runner.invoke(main, ["plot", "empty", "--checkpoint-dir", str(tmp_path / "ck")])
+    assert r.exit_code == 1 and "has no metrics.jsonl yet" in r.output and "wait for its first step" in r.output
+
+
+def test_on_nonfinite_is_a_choice_of_rallypoint_run_and_reaches_the_job_spec() -> None:
+    from rallypoint.client.compile import compile_program
+    from rallypoint.client.jobspec import job_spec
+    from tests.examples import example
+
+    r = CliRunner().invoke(main, ["run", "--reference", "--on-nonfinite", "ignore", str(ROOT / "examples" / "x.py")])
+    assert r.exit_code == 2 and "'ignore' is not one of 'stop', 'warn'" in r.output, r.output
+    assert "--on-nonfinite [stop|warn]" in CliRunner().invoke(main, ["run", "--help"]).output
+    spec = job_spec(compile_program(example("rl_loop").build(steps=2)), on_nonfinite="warn")
+    assert spec.on_nonfinite == "warn"
+    line = _describe({"event": "job.nonfinite", "step": 7, "metric": "loss", "value": "nan", "node": "train",
+                      "action": "warn"})
+    assert line == ("[red]non-finite[/red] metric 'loss' is nan at step 7 (node train): the job goes on "
+                    "(--on-nonfinite warn)")
