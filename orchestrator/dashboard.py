@@ -68,7 +68,8 @@ class DashboardServer:
         self._httpd.daemon_threads = True
         self.host, self.port = host, int(self._httpd.server_address[1])
         self.loopback = _is_loopback(host)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="dashboard", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="dashboard", daemon=True)
 
     @property
     def url(self) -> str:
