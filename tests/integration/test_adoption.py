@@ -130,11 +130,17 @@ def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_
     rec = _record(lc, job)
     assert rec["state"] == "succeeded" and rec["term"] == new_term and rec["step_done"] == STEPS
     _assert_settled(lc)
-    # Both leaders wrote the run's metrics.jsonl: every step (those after the cut again), the adoption marked.
+    # Both leaders wrote the run's metrics.jsonl, the adoption marked. The steps whose instances completed while
+    # no leader listened (after the old one's last line, before the adopting one heard the workers) reached no
+    # coordinator and have no line: one run of steps at most, after the adoption's step (docs/metrics.md).
     kept = read_metrics(Path(rec["run_dir"]) / METRICS_FILE)
-    assert kept.steps == list(range(STEPS)) and len(kept.curve("loss")) == STEPS
     adopted = [m for m in kept.marks if m["event"] == "adopted"]
     assert len(adopted) == 1 and adopted[0]["step"] <= 12 < STEPS, kept.marks
+    missing = sorted(set(range(STEPS)) - set(kept.steps))
+    assert not missing or (missing == list(range(missing[0], missing[-1] + 1)) and missing[0] >= adopted[0]["step"]
+                           and len(missing) <= 4), (missing, kept.marks)
+    assert set(kept.steps) <= set(range(STEPS)) and len(kept.curve("loss")) == len(kept.steps)
+    assert {0, 1, STEPS - 1} <= set(kept.steps)
     # Whoever asks the new leader after the end still gets it; an unknown job or a standby says so.
     address = _address(lc, new)
     seen = _watch(lc, address, job)
