@@ -5,8 +5,10 @@ The service keeps a registry of the jobs this coordinator runs (one
 stream that follows it: the ``SubmitJob`` or ``ResumeJob`` call that started it and any
 number of ``WatchJob`` calls.
 
-``SubmitJob`` checks the request's names, its checkpoint directory and its ``on_nonfinite``
-(:mod:`~rallypoint.orchestrator.job_metrics`) first, and refuses a job
+``SubmitJob`` checks the request's names, its checkpoint directory, its ``on_nonfinite``
+(:mod:`~rallypoint.orchestrator.job_metrics`) and its code bundle (the bytes against their
+sha256, one present for host sources: :func:`~rallypoint.orchestrator.runs.check_code`) first,
+and refuses a job
 name whose run has commits unless the request asks for a new run (``new_run``;
 :mod:`~rallypoint.orchestrator.runs`), and a job with a slice whose programs no worker of the
 pool can run (:mod:`~rallypoint.orchestrator.platforms`): nothing is written for a refused request.
