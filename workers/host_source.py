@@ -118,8 +118,6 @@ class HostSource:
         self.node, self.file, self.name = node, file, name
         self.mesh = mesh
         self.in_shardings = None  # the step and microbatch stay Python numbers (runtime_inputs.take)
-        self.expected = "host"
-        self.waited_s = 0.0  # how long the slice waited for batches not read yet
         self._shardings = list(shardings)
         self._avals = [(np.dtype(d), tuple(sh)) for d, sh in avals]  # (dtype, shape) of each leaf, as at submit
         self._ledger, self._copies = ledger, copies
@@ -147,10 +145,7 @@ class HostSource:
     # -- the slice's side ---------------------------------------------------------------
 
     def __call__(self, step: Any, microbatch: Any) -> list[Any]:
-        import time
-
         key = (int(step), int(microbatch))
-        t0 = time.perf_counter()
         with self._cv:
             if key not in self._ready and key not in self._asked:
                 self._ask(key)  # out of the expected order: read it now, and not again when the order gets there
@@ -163,7 +158,6 @@ class HostSource:
                 self._cv.wait(1.0)
             value = self._ready.pop(key)
             self._top_up()
-        self.waited_s += time.perf_counter() - t0
         if isinstance(value, SourceError):
             raise value
         return value

@@ -61,10 +61,15 @@ def flat_leaves(outputs: Sequence[str], result: Any, what: str) -> tuple[list[np
     return leaves, trees
 
 
+def leaf_bytes(a: np.ndarray) -> memoryview:
+    """A leaf's bytes in C order, without a copy for a contiguous leaf (a 0-d one included)."""
+    return memoryview(a.reshape(-1)).cast("B")
+
+
 def leaves_checksum(leaves: Sequence[np.ndarray]) -> str:
     """sha256 over every leaf's dtype, shape and bytes, in order."""
     h = hashlib.sha256()
     for a in leaves:
         h.update(f"{a.dtype.str}{a.shape}".encode())
-        h.update(a.tobytes() if not a.flags.c_contiguous else memoryview(a).cast("B") if a.ndim else a.tobytes())
+        h.update(leaf_bytes(a))
     return h.hexdigest()

@@ -22,6 +22,8 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from rallypoint.workers.host_values import flat_leaves, leaf_bytes, leaves_checksum
+
 
 def _die_with_parent() -> None:
     try:
@@ -51,7 +53,7 @@ def _load(bundle: str, file: str, name: str) -> Any:
 def _send(out: BinaryIO, header: dict[str, Any], payload: list[Any] = ()) -> None:  # type: ignore[assignment]
     out.write((json.dumps(header) + "\n").encode())
     for a in payload:
-        out.write(memoryview(a).cast("B") if a.ndim else a.tobytes())
+        out.write(leaf_bytes(a))
     out.flush()
 
 
@@ -61,8 +63,6 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(os.dup(1), "wb")  # the protocol; fd 1 itself now goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    from rallypoint.workers.host_values import flat_leaves, leaves_checksum
-
     fn: Any = None
     failed = ""
     try:
