@@ -1,0 +1,240 @@
+"""One member process of a multi-host slice's JAX distributed group (docs/multihost.md).
+
+A slice larger than one worker runs multi-controller: one process per member worker,
+joined by ``jax.distributed`` into one set of global devices, each running the same
+programs on its addressable shards. JAX's coordination service aborts every member when
+one dies (SIGABRT after the heartbeat timeout), so a member cannot be the long-lived
+worker daemon: the daemon starts this process and supervises it
+(:class:`rallypoint.workers.slice_group.MemberProcess`), and the group is lost and formed
+anew as a unit.
+
+Started as ``python -m rallypoint.workers.group_member`` with the group's settings as
+JSON in ``argv[1]`` (``coordinator``, ``processes``, ``process``, ``local_devices``,
+``platform``, ``init_timeout_s``, ``heartbeat_s``). It joins the group, answers
+``{"ready": ...}`` and then serves requests on stdin, one at a time, in order: a JSON
+header line, then the payloads whose byte sizes the header lists in ``sizes``; each
+answer has the same form, or ``{"error": ...}`` for a request it refuses (a bad program,
+a shard that does not fit): a user error, the group stays. Nothing is pickled.
+
+Requests (``op``):
+
+* ``mesh`` ``{name, shape, axes}``: a mesh over the global devices in process order.
+* ``load`` ``{prog, mesh}`` + the exported program's bytes (``jax.export``).
+* ``where`` ``{mesh, spec, shape}``: the indices of the shards this process holds.
+* ``put`` ``{value, mesh, spec, shape, dtype, shards}`` + one payload per shard: a global
+  array made of this process's shards only.
+* ``call`` ``{prog, args, outs}``: run a loaded program; the outputs stay here.
+* ``get`` ``{value}``: this process's shards (each index once) and their bytes.
+* ``save`` / ``restore`` ``{dir, values}``: an Orbax multi-process checkpoint of named values
+  (each process writes and reads its own shards; process 0 finalizes).
+* ``free`` ``{values}``; ``exit``.
+
+The user's prints and JAX's logs go to stderr, never into the protocol; the process
+ends when stdin closes and with its daemon (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, BinaryIO
+
+Index = list[list[int | None]]
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the closed stdin still ends it
+
+
+def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], list[bytes]] | None:
+    """One header line and its payloads, or None at the end of the stream."""
+    line = stream.readline()
+    if not line:
+        return None
+    header = json.loads(line)
+    payloads = []
+    for n in header.get("sizes", ()):
+        data = stream.read(int(n))
+        if len(data) != int(n):
+            return None
+        payloads.append(data)
+    return header, payloads
+
+
+def write_frame(stream: BinaryIO, header: dict[str, Any], payloads: list[Any] = ()) -> None:  # type: ignore[assignment]
+    views = [memoryview(p).cast("B") for p in payloads]
+    stream.write((json.dumps(dict(header, sizes=[v.nbytes for v in views])) + "\n").encode())
+    stream.writelines(views)
+    stream.flush()
+
+
+def index_of(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """A shard's index as ``[[start, stop], ...]`` per axis (JSON), full axes spelled out."""
+    out = []
+    for s, n in zip(slices, shape, strict=False):
+        start, stop, _ = s.indices(n)
+        out.append([start, stop])
+    return out + [[0, n] for n in shape[len(out):]]
+
+
+class Member:
+    """The JAX side of one member: meshes, programs and values by name."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        platform = str(settings.get("platform") or "cpu")
+        local = int(settings["local_devices"])
+        os.environ["JAX_PLATFORMS"] = platform
+        if platform == "cpu":
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
+        import jax
+
+        if platform == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        t0 = time.monotonic()
+        jax.distributed.initialize(
+            coordinator_address=str(settings["coordinator"]), num_processes=int(settings["processes"]),
+            process_id=int(settings["process"]), initialization_timeout=int(settings.get("init_timeout_s", 60)),
+            heartbeat_timeout_seconds=int(settings.get("heartbeat_s", 10)))
+        self.init_s = time.monotonic() - t0
+        self.jax = jax
+        self.meshes: dict[str, Any] = {}
+        self.programs: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
+
+    def ready(self) -> dict[str, Any]:
+        jax = self.jax
+        return {"ready": True, "process": jax.process_index(), "processes": jax.process_count(),
+                "devices": jax.device_count(), "local": [d.id for d in jax.local_devices()],
+                "init_s": round(self.init_s, 4)}
+
+    def _sharding(self, mesh: str, spec: list[Any]) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        parts = [tuple(p) if isinstance(p, list) else p for p in spec]
+        return NamedSharding(self.meshes[mesh], PartitionSpec(*parts))
+
+    def serve(self, header: dict[str, Any], payloads: list[bytes]) -> tuple[dict[str, Any], list[Any]]:
+        import numpy as np
+
+        op = header["op"]
+        if op == "mesh":
+            devices = sorted(self.jax.devices(), key=lambda d: (d.process_index, d.id))
+            n = int(np.prod(header["shape"])) if header["shape"] else 1
+            if n != len(devices):
+                raise ValueError(f"a mesh of shape {tuple(header['shape'])} needs {n} devices; the group has "
+                                 f"{len(devices)}")
+            self.meshes[header["name"]] = self.jax.sharding.Mesh(
+                np.array(devices).reshape(tuple(header["shape"])), tuple(header["axes"]))
+            return {}, []
+        if op == "load":
+            from rallypoint.workers.programs import load_exported
+
+            self.programs[header["prog"]] = load_exported(payloads[0], self.meshes[header["mesh"]])
+            return {}, []
+        if op == "where":
+            shape = tuple(header["shape"])
+            found = self._sharding(header["mesh"], header["spec"]).addressable_devices_indices_map(shape)
+            return {"shards": _unique(index_of(s, shape) for s in found.values())}, []
+        if op == "put":
+            shape, dtype = tuple(header["shape"]), np.dtype(header["dtype"])
+            given = {json.dumps(ix): np.frombuffer(p, dtype=dtype).reshape([b - a for a, b in ix])
+                     for ix, p in zip(header["shards"], payloads, strict=True)}
+            sharding = self._sharding(header["mesh"], header["spec"])
+
+            def shard(slices: tuple[slice, ...]) -> Any:
+                key = json.dumps(index_of(slices, shape))
+                if key not in given:
+                    raise ValueError(f"value {header['value']!r}: no shard {key} was given to process "
+                                     f"{self.jax.process_index()}")
+                return given[key]
+
+            self.values[header["value"]] = self.jax.make_array_from_callback(shape, sharding, shard)
+            return {"bytes": sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in payloads)}, []
+        if op == "call":
+            outs = self.programs[header["prog"]](*[self.values[a] for a in header["args"]])
+            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            if len(outs) != len(header["outs"]):
+                raise ValueError(f"program {header['prog']!r} returned {len(outs)} values, "
+                                 f"{len(header['outs'])} were named")
+            for name, v in zip(header["outs"], outs, strict=True):
+                self.values[name] = v
+            return {"avals": [[str(v.dtype), list(v.shape)] for v in outs]}, []
+        if op == "get":
+            v = self.values[header["value"]]
+            seen: dict[str, Any] = {}
+            for s in v.addressable_shards:
+                seen.setdefault(json.dumps(index_of(s.index, v.shape)), s.data)
+            arrays = [np.ascontiguousarray(np.asarray(d)) for d in seen.values()]
+            return {"dtype": str(v.dtype), "shape": list(v.shape),
+                    "shards": [json.loads(k) for k in seen]}, [a.reshape(-1).view(np.uint8) for a in arrays]
+        if op == "save":
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as ck:
+                ck.save(header["dir"], {n: self.values[n] for n in header["values"]})
+                ck.wait_until_finished()
+            return {}, []
+        if op == "restore":
+            import orbax.checkpoint as ocp
+
+            target = {n: self.jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self._sharding(mesh, spec))
+                      for n, (mesh, spec, shape, dtype) in header["values"].items()}
+            with ocp.StandardCheckpointer() as ck:
+                self.values.update(ck.restore(header["dir"], target))
+            return {}, []
+        if op == "free":
+            for n in header["values"]:
+                self.values.pop(n, None)
+            return {}, []
+        raise ValueError(f"unknown request {op!r}")
+
+
+def _unique(indices: Any) -> list[Index]:
+    out: list[Index] = []
+    for ix in indices:
+        if ix not in out:
+            out.append(ix)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "wb")  # the protocol; fd 1 itself now goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    settings = json.loads(argv[0])
+    try:
+        member = Member(settings)
+    except BaseException:  # noqa: BLE001 - reported to the daemon, which fails the formation
+        write_frame(out, {"ready": False, "error": traceback.format_exc()})
+        return 1
+    write_frame(out, member.ready())
+    stdin = sys.stdin.buffer
+    while (frame := read_frame(stdin)) is not None:
+        header, payloads = frame
+        if header["op"] == "exit":
+            write_frame(out, {})
+            break
+        try:
+            answer, data = member.serve(header, payloads)
+        except Exception as exc:  # noqa: BLE001 - a refused request, the group stays
+            write_frame(out, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+            continue
+        write_frame(out, answer, data)
+    out.close()
+    member.jax.distributed.shutdown()  # a barrier: the group's driver asks every member to exit together
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
