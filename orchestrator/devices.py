@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, read_cluster
@@ -44,6 +45,36 @@ def choose_devices(snapshot: ClusterSnapshot, count: int, *, exclude: frozenset[
         return None
     best = min(candidates, key=lambda s: (not s.holders, len(s.free), s.info.worker))
     return best.info.worker, best.free[:count]
+
+
+def choose_gang(snapshot: ClusterSnapshot, count: int, *, exclude: frozenset[str] = frozenset(),
+                max_members: int = 64) -> list[tuple[str, list[int]]] | None:
+    """Placement policy for a multi-host slice: ``count`` devices as a gang of workers (docs/multihost.md).
+
+    A gang has the fewest members that can hold the slice, each giving the same number of
+    devices (``count / members``: the global mesh is a regular grid of hosts), all of one
+    platform and device kind. Within that, workers are taken as :func:`choose_devices`
+    ranks them (partly leased first, then the tightest fit, then the name), and the gang is
+    listed by worker name: that order is the members' process ids. None when no gang fits.
+    """
+    candidates = [
+        s for w, s in snapshot.workers.items()
+        if w not in exclude and not s.cordoned and s.info.state != "leaving" and s.free
+    ]
+    for members in range(2, min(count, max_members) + 1):
+        if count % members:
+            continue
+        each = count // members
+        kinds: dict[tuple[str, str], list[Any]] = {}
+        for s in candidates:
+            if len(s.free) >= each:
+                kinds.setdefault((s.info.platform, s.info.device_kind), []).append(s)
+        fits = [sorted(group, key=lambda s: (not s.holders, len(s.free), s.info.worker))[:members]
+                for group in kinds.values() if len(group) >= members]
+        if fits:
+            best = min(fits, key=lambda g: [(not s.holders, len(s.free), s.info.worker) for s in g])
+            return sorted(((s.info.worker, s.free[:each]) for s in best), key=lambda m: m[0])
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +131,57 @@ class DeviceLeases:
             f"could not lease {count} devices for slice {slice_name!r} of job {job!r} after "
             f"{max_attempts} attempts: other allocators kept winning; retry later"
         )
+
+    def allocate_gang(self, job: str, slice_name: str, count: int, *, exclude: frozenset[str] = frozenset(),
+                      max_attempts: int = 16) -> tuple[Placement, ...]:
+        """Lease ``count`` devices on several workers to ``(job, slice_name)`` as one gang, all or nothing.
+
+        Every member's devices are leased by **one** etcd transaction, which checks every
+        member (its incarnation, not cordoned, each device free): never half a slice. The
+        members come back in process-id order (:func:`choose_gang`).
+
+        Raises:
+            NoSpareDevices: no gang of live, uncordoned workers has ``count`` free devices.
+            AllocationError: every attempt lost its race (heavy contention).
+        """
+        check_name("job", job)
+        check_name("slice", slice_name)
+        holder = Holder(job=job, slice=slice_name, nonce=uuid.uuid4().hex, term=self.term)
+        for _ in range(max_attempts):
+            snap = read_cluster(self.store, self.keys)
+            gang = choose_gang(snap, count, exclude=exclude)
+            if gang is None:
+                free = sum(len(s.free) for s in snap.workers.values() if not s.cordoned)
+                raise NoSpareDevices(job, slice_name, count, free)
+            placed = self.lease_gang(snap, holder, gang)
+            if placed is not None:
+                return placed
+        raise AllocationError(
+            f"could not lease a gang of {count} devices for slice {slice_name!r} of job {job!r} after "
+            f"{max_attempts} attempts: other allocators kept winning; retry later")
+
+    def lease_gang(self, snap: ClusterSnapshot, holder: Holder,
+                   gang: Sequence[tuple[str, Sequence[int]]]) -> tuple[Placement, ...] | None:
+        """One transaction for every member of ``gang`` (as ``snap`` saw them); None if it lost (nothing leased)."""
+        compares: list[Compare] = []
+        puts: list[Op] = []
+        for worker, devices in gang:
+            info = snap.workers[worker].info
+            compares += [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
+            compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
+            puts += [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
+        try:
+            r = self._txn(compares, puts, [])
+            applied, revision = r.succeeded, r.revision
+        except WriteIndeterminate:
+            applied, revision = True, 0
+            for worker, devices in gang:
+                mine, revision = self._ours(worker, list(devices), holder)
+                applied = applied and mine
+        if not applied:
+            return None
+        return tuple(Placement(holder.job, holder.slice, w, snap.workers[w].info.incarnation, tuple(d), revision)
+                     for w, d in gang)
 
     def lease(self, job: str, slice_name: str, worker: str, devices: Sequence[int]) -> Placement | None:
         """Lease exactly ``devices`` of ``worker`` to ``(job, slice_name)`` (a remap decision).

@@ -205,3 +205,51 @@ def test_unknown_worker_and_bad_requests_are_refused_clearly(store: EtcdStore) -
         leases.allocate("j", "s", 2)
     assert store.get_prefix(KEYS.leases)[0] == []
     assert store.get(KEYS.cordon("nope")) is None
+
+
+# -- gangs: a multi-host slice's devices on several workers, in one transaction ---------------------------------------
+
+
+def test_a_slice_larger_than_any_worker_is_leased_as_a_gang_in_one_transaction(store: EtcdStore) -> None:
+    for w in ("w0", "w1", "w2"):
+        register(store, w, 4)
+    leases = DeviceLeases(store, KEYS)
+    leases.allocate("other", "s", 2)  # w0 (by name) is now partly leased: a gang packs onto it first
+    gang = leases.allocate_gang("big", "stage0", 4)
+    # The fewest members that fit, each giving as many devices, listed by name (their process ids).
+    assert [(p.worker, p.devices) for p in gang] == [("w0", (2, 3)), ("w1", (0, 1))]
+    kvs, _ = store.get_prefix(KEYS.leases)
+    mine = [kv for kv in kvs if Holder.from_json(kv.value).job == "big"]
+    assert len(mine) == 4 and len({kv.mod_revision for kv in mine}) == 1, "the gang took more than one transaction"
+    assert len({Holder.from_json(kv.value).nonce for kv in mine}) == 1
+    # Eight devices on workers of 4: two whole workers. Nothing is left for another 8.
+    register(store, "w3", 4)
+    eight = leases.allocate_gang("huge", "s", 6)
+    assert sorted(p.worker for p in eight) == ["w2", "w3"] and all(len(p.devices) == 3 for p in eight)
+    with pytest.raises(NoSpareDevices) as err:
+        leases.allocate_gang("none", "s", 8)
+    assert "slice 's' of job 'none'" in str(err.value)
+
+
+def test_a_gang_whose_member_lost_a_device_meanwhile_leases_nothing_at_all(store: EtcdStore) -> None:
+    for w in ("w0", "w1"):
+        register(store, w, 2)
+    leases = DeviceLeases(store, KEYS)
+    snap = read_cluster(store, KEYS)  # the allocator decided on this view...
+    leases.lease("racer", "s", "w1", [1])  # ...then another allocator took one device of the second member
+    holder = Holder(job="big", slice="s", nonce="n", term=0)
+    assert leases.lease_gang(snap, holder, [("w0", [0, 1]), ("w1", [0, 1])]) is None
+    kvs, _ = store.get_prefix(KEYS.leases)
+    assert [Holder.from_json(kv.value).job for kv in kvs] == ["racer"], "half a gang was leased"
+
+
+def test_choose_gang_keeps_one_platform_and_equal_shares(store: EtcdStore) -> None:
+    from rallypoint.orchestrator.devices import choose_gang
+
+    for w in ("a", "b", "c"):
+        register(store, w, 3)
+    snap = read_cluster(store, KEYS)
+    assert choose_gang(snap, 5) is None  # 5 devices split into equal shares only as 5 x 1: fewer workers here
+    assert [len(d) for _, d in choose_gang(snap, 6) or []] == [3, 3]
+    assert [len(d) for _, d in choose_gang(snap, 9) or []] == [3, 3, 3]
+    assert choose_gang(snap, 6, exclude=frozenset({"a", "b"})) is None
