@@ -10,7 +10,8 @@ anew as a unit.
 
 Started as ``python -m rallypoint.workers.group_member`` with the group's settings as
 JSON in ``argv[1]`` (``coordinator``, ``processes``, ``process``, ``local_devices``,
-``platform``, ``init_timeout_s``, ``heartbeat_s``). It joins the group, answers
+``platform``, ``init_timeout_s``, ``heartbeat_s``, ``address``: its own host's address, where
+its gloo transport listens). It joins the group, answers
 ``{"ready": ...}`` and then serves requests on stdin, one at a time, in order: a JSON
 header line, then the payloads whose byte sizes the header lists in ``sizes``; each
 answer has the same form, or ``{"error": ...}`` for a request it refuses (a bad program,
@@ -86,6 +87,22 @@ def index_of(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
     return out + [[0, n] for n in shape[len(out):]]
 
 
+def _gloo_on(address: str) -> None:
+    """Make gloo listen on, and tell its peers, this member's own address.
+
+    JAX makes gloo's TCP transport without a hostname, so gloo takes the address the host
+    name resolves to: 127.0.0.1 here (``/etc/hosts``), 127.0.1.1 on a stock Debian host,
+    useless to the other members either way. The transport accepts a hostname; JAX does not
+    pass one, so the one call is wrapped before the backend starts."""
+    import functools
+
+    from jax._src import xla_bridge
+
+    make = xla_bridge._jax.make_gloo_tcp_collectives
+    if not isinstance(make, functools.partial):
+        xla_bridge._jax.make_gloo_tcp_collectives = functools.partial(make, hostname=address)
+
+
 class Member:
     """The JAX side of one member: meshes, programs and values by name."""
 
@@ -100,6 +117,8 @@ class Member:
 
         if platform == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            if settings.get("address"):
+                _gloo_on(str(settings["address"]))
         t0 = time.monotonic()
         jax.distributed.initialize(
             coordinator_address=str(settings["coordinator"]), num_processes=int(settings["processes"]),

@@ -71,6 +71,7 @@ class MemberSettings:
     platform: str = "cpu"
     init_timeout_s: int = INIT_TIMEOUT_S
     heartbeat_s: int = HEARTBEAT_S
+    address: str = ""  # this member's host address, where its collectives listen ("": the host name's)
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "rallypoint.workers.group_member",
@@ -88,10 +89,10 @@ class MemberProcess:
     """One member process, started and supervised by its worker's daemon."""
 
     def __init__(self, settings: MemberSettings, *, env: dict[str, str] | None = None,
-                 stderr: Any = None) -> None:
+                 stderr: Any = None, prefix: Sequence[str] = ()) -> None:
         self.settings = settings
         self.index = settings.process
-        self._proc = subprocess.Popen(settings.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self._proc = subprocess.Popen([*prefix, *settings.argv()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=stderr, env=dict(os.environ if env is None else env))
         self.pid = self._proc.pid
         self.ready: dict[str, Any] = {}
@@ -173,15 +174,22 @@ class SliceGroup:
         self.formed_s = 0.0
 
     @classmethod
-    def form(cls, processes: int, local_devices: int, *, host: str = "127.0.0.1", platform: str = "cpu",
-             init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
-             request_timeout_s: float = REQUEST_TIMEOUT_S, stderr: Any = None) -> SliceGroup:
-        """Start ``processes`` members here and wait until they have joined (one host: tests and benches;
-        on a cluster each member worker's daemon starts its own)."""
+    def form(cls, processes: int, local_devices: int, *, host: str = "127.0.0.1", port: int = 0,
+             platform: str = "cpu", init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
+             request_timeout_s: float = REQUEST_TIMEOUT_S, stderr: Any = None,
+             prefixes: Sequence[Sequence[str]] | None = None, addresses: Sequence[str] | None = None) -> SliceGroup:
+        """Start ``processes`` members from here and wait until they have joined.
+
+        ``host`` is member 0's address, where the group's coordinator listens (``port``, or one free here);
+        ``prefixes[i]`` runs member ``i`` elsewhere (``ip netns exec NS``: another host's network), whose
+        address is ``addresses[i]`` (else ``host``).
+        On a cluster each member worker's daemon starts its own member the same way."""
         t0 = time.monotonic()
-        coordinator = f"{host}:{free_port(host)}"
+        coordinator = f"{host}:{port or free_port(host)}"
         members = [MemberProcess(MemberSettings(coordinator, processes, i, local_devices, platform, init_timeout_s,
-                                                heartbeat_s), stderr=stderr) for i in range(processes)]
+                                                heartbeat_s, addresses[i] if addresses is not None else host),
+                                 stderr=stderr,
+                                 prefix=prefixes[i] if prefixes is not None else ()) for i in range(processes)]
         group = cls(members, request_timeout_s=request_timeout_s)
         try:
             group.join(init_timeout_s + 30.0)

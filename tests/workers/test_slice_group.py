@@ -180,3 +180,56 @@ def test_a_bad_request_is_the_users_error_and_the_group_stays(program: bytes, gr
         group.mesh("big", [8], ["d"])
     group.put("w", W0, "m", [])
     _run(group, 0, 1, [])  # the group still runs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+def test_members_on_hosts_of_their_own_train_lose_a_partitioned_member_and_a_new_gang_ends_bitwise_equal(
+    program: bytes, tmp_path: Path,
+) -> None:
+    from rallypoint.chaos.netns import NetnsNetwork
+
+    with NetnsNetwork() as net:
+        net.setup()
+        hosts = {w: net.add_worker(w) for w in ("a", "b", "c", "d")}
+
+        def gang(first: str, second: str, port: int, timeout_s: float = 30.0) -> SliceGroup:
+            # Each member in its own network namespace with its own address; the group's coordinator on the first.
+            g = SliceGroup.form(2, 2, host=hosts[first][1], port=port, request_timeout_s=timeout_s, heartbeat_s=30,
+                                prefixes=[("ip", "netns", "exec", hosts[w][0]) for w in (first, second)],
+                                addresses=[hosts[w][1] for w in (first, second)])
+            _setup(g, program)
+            return g
+
+        one = gang("a", "b", 23001)
+        try:
+            assert not any(m.settings.coordinator.startswith("127.") or m.settings.address.startswith("127.")
+                           for m in one.members)
+            one.put("w", W0, "m", [])
+            losses: list[float] = []
+            _run(one, 0, 3, losses)
+            one.save(str(tmp_path / "cut3"), ["w"])
+            _run(one, 3, STEPS, losses)
+            final = one.fetch("w")
+        finally:
+            one.close()
+        cut = {"w": ("m", [], [WIDTH, WIDTH], "float32")}
+        two = gang("a", "b", 23002, timeout_s=3.0)
+        try:
+            two.restore(str(tmp_path / "cut3"), cut)
+            _run(two, 3, 4, [])
+            net.partition("b")  # the cable of the second member's host pulled: its collectives hang
+            with pytest.raises(GroupLost) as lost:
+                _run(two, 4, 5, [])
+            assert "hung or partitioned" in str(lost.value), str(lost.value)
+        finally:
+            pids = two.pids()
+            two.abort()
+        assert _gone(pids, 5.0)
+        three = gang("c", "d", 23003)  # spares for the whole gang, the group formed anew
+        try:
+            three.restore(str(tmp_path / "cut3"), cut)
+            replayed: list[float] = []
+            _run(three, 3, STEPS, replayed)
+            assert replayed == losses[3:] and np.array_equal(three.fetch("w"), final)
+        finally:
+            three.close()
