@@ -68,6 +68,12 @@ CompareTarget = Literal["version", "create", "mod", "value", "lease"]
 CompareOp = Literal["==", "!=", "<", ">"]
 
 
+MAX_TXN_OPS = 128
+"""etcd refuses a transaction with more compares, or more operations, than this (its default ``--max-txn-ops``)."""
+TXN_OPS = 100
+"""How many a transaction of ours that may be split carries: room for the guards a fenced write adds."""
+
+
 @dataclass(frozen=True, slots=True)
 class Compare:
     """A transaction guard: ``target(key) op value``."""

@@ -25,7 +25,8 @@ from typing import Any
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, read_cluster
 from rallypoint.etcd.keys import Keys, check_name
-from rallypoint.etcd.store import Compare, Delete, Get, Op, Put, Store, TxnResult, created_at, key_missing, unchanged_since
+from rallypoint.etcd.store import (MAX_TXN_OPS, TXN_OPS, Compare, Delete, Get, Op, Put, Store, TxnResult, created_at,
+                                   key_missing, unchanged_since)
 
 FencedTxn = Callable[[Sequence[Compare], Sequence[Op], Sequence[Op]], TxnResult]
 
@@ -163,6 +164,12 @@ class DeviceLeases:
     def lease_gang(self, snap: ClusterSnapshot, holder: Holder,
                    gang: Sequence[tuple[str, Sequence[int]]]) -> tuple[Placement, ...] | None:
         """One transaction for every member of ``gang`` (as ``snap`` saw them); None if it lost (nothing leased)."""
+        need = sum(2 + len(d) for _, d in gang) + 1  # each member's guards and devices, and the leader's term
+        if need > MAX_TXN_OPS:
+            raise AllocationError(
+                f"a gang of {len(gang)} workers and {sum(len(d) for _, d in gang)} devices for slice "
+                f"{holder.slice!r} needs {need} compares in its one etcd transaction; etcd allows {MAX_TXN_OPS} "
+                "(--max-txn-ops): ask for fewer devices per slice (docs/multihost.md)")
         compares: list[Compare] = []
         puts: list[Op] = []
         for worker, devices in gang:
@@ -219,6 +226,7 @@ class DeviceLeases:
 
     def release(self, job: str, slice_name: str | None = None, *, worker: str | None = None) -> int:
         """Release every device held by ``job`` (or only by its ``slice_name``, only on ``worker``). Returns how many."""
+        total = 0
         for _ in range(16):
             kvs, _rev = self.store.get_prefix(self.keys.worker_leases(worker) if worker else self.keys.leases)
             mine = [
@@ -226,10 +234,18 @@ class DeviceLeases:
                 if (h := Holder.from_json(kv.value)).job == job and (slice_name is None or h.slice == slice_name)
             ]
             if not mine:
-                return 0
-            r = self._txn([unchanged_since(kv.key, kv.mod_revision) for kv in mine], [Delete(kv.key) for kv in mine], [])
-            if r.succeeded:
-                return len(mine)
+                return total
+            # In transactions of at most TXN_OPS deletes (etcd refuses more than 128 compares in one): a job
+            # of many hosts holds more devices than that. A chunk that lost its race is read again.
+            done = 0
+            for i in range(0, len(mine), TXN_OPS):
+                chunk = mine[i:i + TXN_OPS]
+                r = self._txn([unchanged_since(kv.key, kv.mod_revision) for kv in chunk],
+                              [Delete(kv.key) for kv in chunk], [])
+                done += len(chunk) if r.succeeded else 0
+            if done == len(mine):
+                return total + done
+            total += done
         raise AllocationError(f"could not release the devices of job {job!r}: they kept changing; retry")
 
     def cordon(self, worker: str, *, by: str = "operator") -> None:

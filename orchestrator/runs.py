@@ -34,13 +34,12 @@ from typing import Any
 from rallypoint.basics.errors import ConfigError, RallypointError
 from rallypoint.etcd.commits import read_commit_records
 from rallypoint.etcd.keys import Keys, check_name
-from rallypoint.etcd.store import Delete, KeyValue, Put, Store
+from rallypoint.etcd.store import TXN_OPS, Delete, KeyValue, Put, Store
 from rallypoint.orchestrator.job_state import JobFailed
 
 JOBSPEC_FILE = "jobspec.pb"
 LATEST_FILE = "LATEST"
 RUN_ID = re.compile(r"^run-\d{8}T\d{6}-[0-9a-f]{6}$")
-TXN_OPS = 100  # etcd refuses a transaction of more than 128 operations (its default --max-txn-ops)
 
 
 def valid_name(name: str) -> bool:

@@ -253,3 +253,25 @@ def test_choose_gang_keeps_one_platform_and_equal_shares(store: EtcdStore) -> No
     assert [len(d) for _, d in choose_gang(snap, 6) or []] == [3, 3]
     assert [len(d) for _, d in choose_gang(snap, 9) or []] == [3, 3, 3]
     assert choose_gang(snap, 6, exclude=frozenset({"a", "b"})) is None
+
+
+def test_a_job_holding_more_devices_than_one_etcd_transaction_allows_is_released_whole(store: EtcdStore) -> None:
+    # etcd refuses a transaction of more than 128 compares: release goes in chunks.
+    for w in ("w0", "w1"):
+        register(store, w, 70)
+    leases = DeviceLeases(store, KEYS)
+    leases.allocate("big", "a", 70)
+    leases.allocate("big", "b", 70)
+    assert leases.release("big") == 140
+    kvs, _ = store.get_prefix(KEYS.leases)
+    assert kvs == []
+
+
+def test_a_gang_past_etcds_transaction_limit_is_refused_by_name_and_leases_nothing(store: EtcdStore) -> None:
+    for w in range(14):
+        register(store, f"w{w:02d}", 8)
+    with pytest.raises(AllocationError) as err:
+        DeviceLeases(store, KEYS).allocate_gang("big", "stage0", 112)  # 14 x 8: 141 compares
+    assert "needs 141 compares" in str(err.value) and "--max-txn-ops" in str(err.value)
+    kvs, _ = store.get_prefix(KEYS.leases)
+    assert kvs == []
