@@ -58,6 +58,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     _RUNTIME + "Push": _PEERS,
     _RUNTIME + "PushReplica": _PEERS,
     _RUNTIME + "FetchReplica": _PEERS,
+    _RUNTIME + "Member": _PEERS,  # a multi-host slice's driver, a worker, starts its members on the others
     DATA_PLANE: _PEERS,
 }
 

@@ -482,6 +482,16 @@ class UnloadJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class MemberChunk(_message.Message):
+    __slots__ = ("to", "start", "data")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    to: Identity
+    start: str
+    data: bytes
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., start: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class WarmJobRequest(_message.Message):
     __slots__ = ("to", "job", "slices", "nodes")
     TO_FIELD_NUMBER: _ClassVar[int]

@@ -199,6 +199,11 @@ class WorkerRuntimeStub:
                 request_serializer=proto_dot_rallypoint__pb2.WarmJobRequest.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.WarmJobResponse.FromString,
                 _registered_method=True)
+        self.Member = channel.stream_stream(
+                '/rallypoint.v1.WorkerRuntime/Member',
+                request_serializer=proto_dot_rallypoint__pb2.MemberChunk.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.MemberChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerRuntimeServicer:
@@ -268,6 +273,13 @@ class WorkerRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Member(self, request_iterator, context):
+        """a multi-host slice's member process, relayed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -320,6 +332,11 @@ def add_WorkerRuntimeServicer_to_server(servicer, server):
                     servicer.WarmJob,
                     request_deserializer=proto_dot_rallypoint__pb2.WarmJobRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.WarmJobResponse.SerializeToString,
+            ),
+            'Member': grpc.stream_stream_rpc_method_handler(
+                    servicer.Member,
+                    request_deserializer=proto_dot_rallypoint__pb2.MemberChunk.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.MemberChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -592,6 +609,33 @@ class WorkerRuntime:
             '/rallypoint.v1.WorkerRuntime/WarmJob',
             proto_dot_rallypoint__pb2.WarmJobRequest.SerializeToString,
             proto_dot_rallypoint__pb2.WarmJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Member(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rallypoint.v1.WorkerRuntime/Member',
+            proto_dot_rallypoint__pb2.MemberChunk.SerializeToString,
+            proto_dot_rallypoint__pb2.MemberChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -256,6 +256,8 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         if port == 0:
             raise ConfigError(f"cannot bind the worker gRPC server to {self.config.host}:{self.config.port}")
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"
+        bound = self.config.host
+        self.runtime.member_host = bound if bound not in ("", "0.0.0.0", "::") else self.address.rsplit(":", 1)[0]
         self._server.start()
         if self.config.metrics_port is not None:
             self.metrics = WorkerMetrics(self, host=self.config.host, port=self.config.metrics_port)

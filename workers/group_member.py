@@ -41,6 +41,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 Index = list[list[int | None]]
@@ -71,10 +72,14 @@ def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], list[bytes]] | None:
     return header, payloads
 
 
-def write_frame(stream: BinaryIO, header: dict[str, Any], payloads: list[Any] = ()) -> None:  # type: ignore[assignment]
+def encode_frame(header: dict[str, Any], payloads: Sequence[Any] = ()) -> list[Any]:
+    """A frame's parts in order: the header line (with the payloads' ``sizes``), then each payload's bytes."""
     views = [memoryview(p).cast("B") for p in payloads]
-    stream.write((json.dumps(dict(header, sizes=[v.nbytes for v in views])) + "\n").encode())
-    stream.writelines(views)
+    return [(json.dumps(dict(header, sizes=[v.nbytes for v in views])) + "\n").encode(), *views]
+
+
+def write_frame(stream: BinaryIO, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None:
+    stream.writelines(encode_frame(header, payloads))
     stream.flush()
 
 
@@ -110,9 +115,10 @@ class Member:
         platform = str(settings.get("platform") or "cpu")
         local = int(settings["local_devices"])
         os.environ["JAX_PLATFORMS"] = platform
-        if platform == "cpu":
-            flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
+        if platform == "cpu":  # the worker's own count (its daemon's environment) is not the member's
+            flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count")]
+            os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={local}"])
         import jax
 
         if platform == "cpu":

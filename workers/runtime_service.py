@@ -26,6 +26,7 @@ from rallypoint.proto.errors import corrupt_checkpoint_metadata, program_failed_
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
+from rallypoint.workers.member_link import relay
 from rallypoint.workers.code import CodeCache
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
@@ -80,6 +81,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             corrupt=faults.corrupt_replicas, log=get_logger("rallypoint.replicas", worker=worker_id)))
         self.warm = WarmCache(log=get_logger("rallypoint.warm", worker=worker_id))
         self.code = CodeCache()  # the jobs' code bundles, unpacked once per hash (host sources)
+        self.member_host = "127.0.0.1"  # the host others reach this worker at (the daemon sets it): members listen there
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -302,3 +304,13 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             return self.warm.warm(request, self._device_list())
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def Member(self, request_iterator: Iterator[pb.MemberChunk],
+               context: grpc.ServicerContext) -> Iterator[pb.MemberChunk]:
+        """A multi-host slice's member process on this worker, relayed (:mod:`rallypoint.workers.member_link`)."""
+        first = next(request_iterator, None)
+        if first is None:
+            return
+        self._admit(first.to, context)
+        yield from relay(chain([first], request_iterator), context, host=self.member_host,
+                         worker=self.worker_id)

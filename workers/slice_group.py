@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from rallypoint.basics.errors import RallypointError
@@ -164,11 +164,25 @@ class MemberProcess:
                 pass
 
 
+class Member(Protocol):
+    """What :class:`SliceGroup` drives: a member process here (:class:`MemberProcess`) or on another worker
+    (:class:`rallypoint.workers.member_link.RemoteMember`)."""
+
+    index: int
+    pid: int
+    ready: dict[str, Any]
+
+    def send(self, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None: ...
+    def receive(self, deadline: float, what: str) -> tuple[dict[str, Any], list[bytes]]: ...
+    def kill(self) -> None: ...
+    def stop(self) -> None: ...
+
+
 class SliceGroup:
     """The members of one slice's group, driven in lockstep (member ``i`` is process ``i``)."""
 
-    def __init__(self, members: Sequence[MemberProcess], *, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.members = list(members)
+    def __init__(self, members: Sequence[Member], *, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.members: list[Member] = list(members)
         self.request_timeout_s = request_timeout_s
         self._where: dict[tuple[Any, ...], list[list[Any]]] = {}
         self.formed_s = 0.0

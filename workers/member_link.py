@@ -1,0 +1,248 @@
+"""A multi-host slice's members on their workers: the worker daemon's side and the driver's (docs/multihost.md).
+
+Each member of a slice's JAX distributed group runs on its own worker, as a process that
+worker's daemon starts and supervises. The slice's driver reaches it through the daemon's
+``WorkerRuntime.Member`` call, a gRPC stream both ways with the worker's mutual TLS:
+
+* :func:`relay` (the daemon): the call's first request carries the member's settings; the
+  daemon fills in its own host (where the member's collectives listen, and, for member 0,
+  the group's coordinator on a port free there), starts the member process
+  (:mod:`rallypoint.workers.group_member`), answers ``{"pid", "coordinator"}`` and then relays
+  the member's protocol byte for byte: requests to its stdin, its stdout back. The call's
+  end (the driver gone, cancelled, or its stream closed) ends the process; the process's
+  end ends the call, with ``UNAVAILABLE`` naming its exit code or signal unless it exited
+  cleanly. The daemon never parses a frame and holds no JAX state for the slice.
+* :class:`RemoteMember` (the driver): a member reached that way, with the interface
+  :class:`~rallypoint.workers.slice_group.SliceGroup` drives (``send``, ``receive``, ``kill``,
+  ``stop``); a broken call or a silent one past the request's deadline is a
+  :class:`~rallypoint.workers.slice_group.GroupLost` naming the member.
+* :func:`form_on_workers`: a group of members on the given workers, member 0 first (its
+  daemon picks the coordinator's port), then the others, joined.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from rallypoint.basics.logs import get_logger
+from rallypoint.proto import rallypoint_pb2 as pb, rallypoint_pb2_grpc as pb_grpc
+from rallypoint.workers.group_member import encode_frame
+from rallypoint.workers.slice_group import (HEARTBEAT_S, INIT_TIMEOUT_S, REQUEST_TIMEOUT_S, GroupLost, MemberSettings,
+                                            SliceGroup, free_port)
+
+CHUNK = 1 << 20  # bytes per message: under gRPC's 4 MiB default, whatever a value's size
+SETTINGS = {"processes": int, "process": int, "local_devices": int, "platform": str, "init_timeout_s": int,
+            "heartbeat_s": int, "coordinator": str}
+STOP_WAIT_S = 5.0
+
+
+class MemberRefused(ValueError):
+    """A ``Member`` call's settings are not a member's (named, with what to send instead)."""
+
+
+def member_settings(start: str, host: str) -> MemberSettings:
+    """The settings a driver sent, checked, completed with this worker's ``host``."""
+    try:
+        given = json.loads(start or "{}")
+    except json.JSONDecodeError as exc:
+        raise MemberRefused(f"the member's settings are not JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise MemberRefused("the member's settings must be a JSON object")
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise MemberRefused(f"unknown member settings {unknown}; known: {sorted(SETTINGS)}")
+    missing = sorted({"processes", "process", "local_devices"} - set(given))
+    if missing:
+        raise MemberRefused(f"member settings {missing} are missing")
+    for k, kind in SETTINGS.items():
+        if k in given and not isinstance(given[k], kind):
+            raise MemberRefused(f"member setting {k!r} must be {kind.__name__}, got {given[k]!r}")
+    if not 0 <= given["process"] < given["processes"]:
+        raise MemberRefused(f"member {given['process']} of a group of {given['processes']}")
+    if given["local_devices"] < 1:
+        raise MemberRefused("a member needs at least one local device")
+    coordinator = given.get("coordinator") or ""
+    if not coordinator:
+        if given["process"] != 0:
+            raise MemberRefused("members other than 0 must be told the group's coordinator (member 0 names it)")
+        coordinator = f"{host}:{free_port(host)}"
+    return MemberSettings(coordinator, given["processes"], given["process"], given["local_devices"],
+                          given.get("platform", "cpu"), given.get("init_timeout_s", INIT_TIMEOUT_S),
+                          given.get("heartbeat_s", HEARTBEAT_S), host)
+
+
+def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str,
+          worker: str) -> Iterator[pb.MemberChunk]:
+    """The daemon's side of one ``Member`` call (see the module doc); the caller checked ``to``."""
+    first = next(requests, None)
+    if first is None:
+        return
+    try:
+        settings = member_settings(first.start, host)
+    except MemberRefused as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return
+    log = get_logger("rallypoint.member", worker=worker, process=settings.process)
+    proc = subprocess.Popen(settings.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    ended = threading.Event()
+
+    def end() -> None:  # the call is over, however it ended: the member goes with it
+        ended.set()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+    context.add_callback(end)
+    log.info("member.started", pid=proc.pid, coordinator=settings.coordinator, processes=settings.processes)
+
+    def feed() -> None:
+        assert proc.stdin is not None
+        try:
+            for chunk in requests:
+                proc.stdin.write(chunk.data)
+                proc.stdin.flush()
+            proc.stdin.close()  # the driver closed its side: the member ends when it has read everything
+        except (OSError, ValueError, grpc.RpcError):
+            end()
+
+    threading.Thread(target=feed, name=f"member-{settings.process}-in", daemon=True).start()
+    yield pb.MemberChunk(start=json.dumps({"pid": proc.pid, "coordinator": settings.coordinator}))
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    while True:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ended.is_set():
+            return
+        if not ready:
+            continue
+        data = os.read(fd, CHUNK)
+        if not data:
+            break
+        yield pb.MemberChunk(data=data)
+    code = proc.wait()
+    log.info("member.ended", pid=proc.pid, code=code)
+    if code != 0:
+        why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"member {settings.process} on worker {worker} {why}")
+
+
+class FrameParser:
+    """Protocol frames (:func:`rallypoint.workers.group_member.read_frame`'s format) from chunks of bytes."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[dict[str, Any], list[bytes]]]:
+        self._buf += data
+        frames = []
+        while True:
+            end = self._buf.find(b"\n")
+            if end < 0:
+                return frames
+            header = json.loads(self._buf[:end])
+            need = end + 1 + sum(int(n) for n in header.get("sizes", ()))
+            if len(self._buf) < need:
+                return frames
+            payloads, at = [], end + 1
+            for n in header.get("sizes", ()):
+                payloads.append(bytes(self._buf[at:at + int(n)]))
+                at += int(n)
+            del self._buf[:need]
+            frames.append((header, payloads))
+
+
+class RemoteMember:
+    """A member process on another worker, reached through that worker's ``Member`` call."""
+
+    def __init__(self, stub: pb_grpc.WorkerRuntimeStub, to: pb.Identity, settings: dict[str, Any], *,
+                 timeout_s: float = INIT_TIMEOUT_S + 30.0) -> None:
+        self.index = int(settings["process"])
+        self.worker = to.worker_id
+        self.ready: dict[str, Any] = {}
+        self._requests: queue.Queue[pb.MemberChunk | None] = queue.Queue()
+        self._frames: queue.Queue[tuple[dict[str, Any], list[bytes]] | None] = queue.Queue()
+        self._ended = ""
+        self._requests.put(pb.MemberChunk(to=to, start=json.dumps(settings)))
+        self._call = stub.Member(iter(self._requests.get, None))
+        try:
+            first = next(self._call)
+        except grpc.RpcError as exc:
+            raise GroupLost(self.index, f"worker {self.worker} did not start it: {exc.details()}") from None
+        started = json.loads(first.start)
+        self.pid, self.coordinator = int(started["pid"]), str(started["coordinator"])
+        self._reader = threading.Thread(target=self._read, name=f"member-{self.index}-out", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        parser = FrameParser()
+        try:
+            for chunk in self._call:
+                for frame in parser.feed(chunk.data):
+                    self._frames.put(frame)
+            self._ended = "its call ended"
+        except grpc.RpcError as exc:
+            self._ended = exc.details() or str(exc.code())
+        self._frames.put(None)
+
+    def send(self, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None:
+        if self._ended:
+            raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}")
+
+        data = b"".join(encode_frame(header, payloads))
+        for i in range(0, len(data), CHUNK):
+            self._requests.put(pb.MemberChunk(data=data[i:i + CHUNK]))
+
+    def receive(self, deadline: float, what: str) -> tuple[dict[str, Any], list[bytes]]:
+        left = deadline - time.monotonic()
+        try:
+            frame = self._frames.get(timeout=max(left, 0.0))
+        except queue.Empty:
+            raise GroupLost(self.index, f"on worker {self.worker}: no answer to {what} within {max(left, 0):.0f} s "
+                                        "(hung or partitioned)") from None
+        if frame is None:
+            self._frames.put(None)
+            raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}")
+        return frame
+
+    def kill(self) -> None:
+        """End the call: the member's worker kills the process."""
+        self._call.cancel()
+        self._reader.join(STOP_WAIT_S)
+
+    def stop(self) -> None:
+        """Close the driver's side; the member ends when it has read everything (else the call is cancelled)."""
+        self._requests.put(None)
+        self._reader.join(STOP_WAIT_S)
+        if self._reader.is_alive():
+            self.kill()
+
+
+def form_on_workers(workers: Sequence[tuple[pb_grpc.WorkerRuntimeStub, pb.Identity]], local_devices: int, *,
+                    platform: str = "cpu", init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
+                    request_timeout_s: float = REQUEST_TIMEOUT_S) -> SliceGroup:
+    """A slice's group with member ``i`` on ``workers[i]``, formed and joined (GroupLost naming one that failed)."""
+    t0 = time.monotonic()
+    base = {"processes": len(workers), "local_devices": local_devices, "platform": platform,
+            "init_timeout_s": init_timeout_s, "heartbeat_s": heartbeat_s}
+    group = SliceGroup([], request_timeout_s=request_timeout_s)
+    try:
+        for i, (stub, to) in enumerate(workers):
+            coordinator = group.members[0].coordinator if group.members else ""
+            group.members.append(RemoteMember(stub, to, {**base, "process": i, "coordinator": coordinator}))
+        group.join(init_timeout_s + 30.0)
+    except BaseException:
+        group.abort()
+        raise
+    group.formed_s = time.monotonic() - t0
+    return group
