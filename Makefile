@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) bench/leader.py
 	$(PY) bench/elastic.py
 	$(PY) bench/mttr.py
+	$(PY) bench/multihost.py
 
 # Every scenario once (the campaign scenarios are for `make soak`: they vary by seed).
 chaos: $(STAMP)
