@@ -70,16 +70,30 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SliceAssignment(_message.Message):
-    __slots__ = ("slice", "devices", "mesh_shape", "mesh_axes")
+    __slots__ = ("slice", "devices", "mesh_shape", "mesh_axes", "members")
     SLICE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     MESH_SHAPE_FIELD_NUMBER: _ClassVar[int]
     MESH_AXES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     slice: str
     devices: _containers.RepeatedScalarFieldContainer[int]
     mesh_shape: _containers.RepeatedScalarFieldContainer[int]
     mesh_axes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, slice: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[GangMember]
+    def __init__(self, slice: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[GangMember, _Mapping]]] = ...) -> None: ...
+
+class GangMember(_message.Message):
+    __slots__ = ("worker_id", "address", "incarnation", "devices")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    incarnation: int
+    devices: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., devices: _Optional[int] = ...) -> None: ...
 
 class InputBinding(_message.Message):
     __slots__ = ("arg", "kind", "node", "output", "state", "leaves", "producer_per_microbatch")

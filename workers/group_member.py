@@ -134,6 +134,7 @@ class Member:
         self.jax = jax
         self.meshes: dict[str, Any] = {}
         self.programs: dict[str, Any] = {}
+        self.layouts: dict[str, tuple[list[Any], list[Any]]] = {}  # program -> its (in, out) shardings
         self.values: dict[str, Any] = {}
 
     def ready(self) -> dict[str, Any]:
@@ -148,10 +149,19 @@ class Member:
         parts = [tuple(p) if isinstance(p, list) else p for p in spec]
         return NamedSharding(self.meshes[mesh], PartitionSpec(*parts))
 
+    def _layout(self, header: dict[str, Any]) -> Any:
+        """Where a value goes: as a loaded program takes argument ``arg`` (or gives ``out``), or a mesh and spec."""
+        if "prog" in header:
+            ins, outs = self.layouts[header["prog"]]
+            return ins[int(header["arg"])] if "arg" in header else outs[int(header["out"])]
+        return self._sharding(header["mesh"], header["spec"])
+
     def serve(self, header: dict[str, Any], payloads: list[bytes]) -> tuple[dict[str, Any], list[Any]]:
         import numpy as np
 
         op = header["op"]
+        for name in header.get("free", ()):  # values the driver let go of since its last request
+            self.values.pop(name, None)
         if op == "mesh":
             devices = sorted(self.jax.devices(), key=lambda d: (d.process_index, d.id))
             n = int(np.prod(header["shape"])) if header["shape"] else 1
@@ -162,19 +172,26 @@ class Member:
                 np.array(devices).reshape(tuple(header["shape"])), tuple(header["axes"]))
             return {}, []
         if op == "load":
-            from rallypoint.workers.programs import load_exported
+            from rallypoint.workers.programs import check_exported_platform
+            from rallypoint.workers.warm import arg_shardings
 
-            self.programs[header["prog"]] = load_exported(payloads[0], self.meshes[header["mesh"]])
-            return {}, []
+            mesh = self.meshes[header["mesh"]]
+            exp = self.jax.export.deserialize(bytearray(payloads[0]))
+            check_exported_platform(exp, mesh)
+            ins = arg_shardings(exp.in_shardings_jax(mesh), mesh)
+            outs = arg_shardings(exp.out_shardings_jax(mesh), mesh)
+            self.programs[header["prog"]] = self.jax.jit(exp.call, in_shardings=tuple(ins), out_shardings=tuple(outs))
+            self.layouts[header["prog"]] = (ins, outs)
+            return {"ins": len(ins), "outs": len(outs)}, []
         if op == "where":
             shape = tuple(header["shape"])
-            found = self._sharding(header["mesh"], header["spec"]).addressable_devices_indices_map(shape)
+            found = self._layout(header).addressable_devices_indices_map(shape)
             return {"shards": _unique(index_of(s, shape) for s in found.values())}, []
         if op == "put":
             shape, dtype = tuple(header["shape"]), np.dtype(header["dtype"])
             given = {json.dumps(ix): np.frombuffer(p, dtype=dtype).reshape([b - a for a, b in ix])
                      for ix, p in zip(header["shards"], payloads, strict=True)}
-            sharding = self._sharding(header["mesh"], header["spec"])
+            sharding = self._layout(header)
 
             def shard(slices: tuple[slice, ...]) -> Any:
                 key = json.dumps(index_of(slices, shape))
@@ -186,7 +203,9 @@ class Member:
             self.values[header["value"]] = self.jax.make_array_from_callback(shape, sharding, shard)
             return {"bytes": sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in payloads)}, []
         if op == "call":
-            outs = self.programs[header["prog"]](*[self.values[a] for a in header["args"]])
+            ins, _ = self.layouts[header["prog"]]  # an argument laid out otherwise is moved first
+            args = [self.jax.device_put(self.values[a], s) for a, s in zip(header["args"], ins, strict=True)]
+            outs = self.programs[header["prog"]](*args)
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             if len(outs) != len(header["outs"]):
                 raise ValueError(f"program {header['prog']!r} returned {len(outs)} values, "
@@ -199,7 +218,7 @@ class Member:
             seen: dict[str, Any] = {}
             for s in v.addressable_shards:
                 seen.setdefault(json.dumps(index_of(s.index, v.shape)), s.data)
-            arrays = [np.ascontiguousarray(np.asarray(d)) for d in seen.values()]
+            arrays = [np.asarray(d).copy(order="C") for d in seen.values()]
             return {"dtype": str(v.dtype), "shape": list(v.shape),
                     "shards": [json.loads(k) for k in seen]}, [a.reshape(-1).view(np.uint8) for a in arrays]
         if op == "save":

@@ -61,6 +61,7 @@ from rallypoint.proto import codec, rallypoint_pb2 as pb
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn, restore_for_load
 from rallypoint.workers.code import CodeCache, CodeError
+from rallypoint.workers.gang import GangSlice
 from rallypoint.workers.host_source import start_host_sources
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.records import InstanceRecords
@@ -124,7 +125,26 @@ class JobRuntime:
         self.outbox = Outbox(self.control, self.outlog, peers, push_threads, copies=self.copies)
         self.restore_tiers: dict[str, str] = {}  # slice -> "memory" (a peer's copy) or "disk", when restored
 
-        mesh_of = slice_meshes(req, devices, worker_id)
+        self.gangs: list[GangSlice] = []  # the multi-host slices' groups, formed here (docs/multihost.md)
+
+        def gang(sa: pb.SliceAssignment) -> GangSlice:
+            self.gangs.append(GangSlice.form(sa, peers.stub, cluster=req.to.cluster))
+            self.log.info("gang.formed", slice=sa.slice, members=[m.worker_id for m in sa.members],
+                          formed_s=round(self.gangs[-1].group.formed_s, 3))
+            return self.gangs[-1]
+
+        try:
+            self._load(req, devices, worker_id, gang, commit_factory, faults, replicas, warm, code, t0)
+        except BaseException:
+            for g in self.gangs:
+                g.abort()
+            raise
+
+    def _load(self, req: pb.LoadJobRequest, devices: Sequence[Any], worker_id: str, gang: Callable[..., Any],
+              commit_factory: Callable[[], CommitFn] | None, faults: WorkerFaults, replicas: ReplicaTier | None,
+              warm: WarmCache | None, code: CodeCache | None, t0: float) -> None:
+        start = self.start_step
+        mesh_of = slice_meshes(req, devices, worker_id, gang)
         self.nodes = load_nodes(req, mesh_of, microbatches=self.m, warm=warm, program_sources=self.program_sources,
                                 worker_id=worker_id)
         self._slice_nodes = nodes_by_slice(req, self.nodes)
@@ -303,6 +323,8 @@ class JobRuntime:
         for source in self.host_sources:  # a slice waiting for a batch ends with it
             source.close()
         self._close_code()
+        for g in self.gangs:  # a slice thread in a group request ends with it
+            g.abort()
         self.scheduler.join(5.0)
         replicator = self.handoff.replicator
         for part in (self.handoff.checkpoints, self.outlog, self.records, *([replicator] if replicator else [])):

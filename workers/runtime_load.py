@@ -23,6 +23,7 @@ from typing import Any
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.gang import GangExecutable, GangSlice
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.runtime_state import Leaves, LoadError, NodeProgress, RestoreError, StateVersions
 from rallypoint.workers.residency import Copies, place
@@ -82,8 +83,12 @@ class LoadedNode:
     progress: NodeProgress
 
 
-def slice_meshes(req: pb.LoadJobRequest, devices: Sequence[Any], worker_id: str) -> MeshOf:
+def slice_meshes(req: pb.LoadJobRequest, devices: Sequence[Any], worker_id: str,
+                 gang: Callable[[pb.SliceAssignment], Any] | None = None) -> MeshOf:
     """A mesh per assigned slice over this worker's local ``devices``; returns ``mesh_of(what, slice)``.
+
+    A multi-host slice (``members`` listed) gets ``gang(sa)`` instead: its group, formed now
+    (a :class:`~rallypoint.workers.gang.GangSlice`, docs/multihost.md).
 
     Raises:
         LoadError: a slice's device indices do not fit this worker, or its mesh shape does not fit them
@@ -91,6 +96,12 @@ def slice_meshes(req: pb.LoadJobRequest, devices: Sequence[Any], worker_id: str)
     """
     meshes: dict[str, Any] = {}
     for sa in req.slices:
+        if sa.members:
+            if gang is None:
+                raise LoadError(f"slice {sa.slice!r} spans {len(sa.members)} workers; worker {worker_id} cannot "
+                                "form its group")
+            meshes[sa.slice] = gang(sa)
+            continue
         bad = [i for i in sa.devices if not 0 <= i < len(devices)]
         if bad or not sa.devices:
             raise LoadError(f"slice {sa.slice!r}: local device indices {list(sa.devices)} do not fit worker "
@@ -121,7 +132,8 @@ def load_nodes(req: pb.LoadJobRequest, mesh_of: MeshOf, *, microbatches: int, wa
     for n in req.nodes:  # topological order: the order instances of a step run in
         mesh = mesh_of(f"node {n.name!r}", n.slice)
         entry = warm.take(program_key(req.job, n, assigned[n.slice])) if warm is not None else None
-        call = _program_part(f"node {n.name!r}", worker_id, lambda: NodeExecutable(n.exported, mesh, entry))
+        call = _program_part(f"node {n.name!r}", worker_id, lambda: GangExecutable(n.exported, mesh)
+                             if isinstance(mesh, GangSlice) else NodeExecutable(n.exported, mesh, entry))
         program_sources[n.name] = call.expected
         prog = pb.NodeProgram()
         prog.CopyFrom(n)
@@ -134,6 +146,9 @@ def load_nodes(req: pb.LoadJobRequest, mesh_of: MeshOf, *, microbatches: int, wa
 def init_shardings(blob: bytes, mesh: Any) -> list[Any]:
     """How a state's exported init lays its leaves out on ``mesh`` (a restored value is put the same way)."""
     import jax
+
+    if isinstance(mesh, GangSlice):
+        return list(GangExecutable(blob, mesh).out_shardings)
 
     return arg_shardings(jax.export.deserialize(bytearray(blob)).out_shardings_jax(mesh), mesh)
 
@@ -173,7 +188,8 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
         else:
             mesh = mesh_of(f"state {st.name!r}", st.slice)
             leaves = _program_part(f"state {st.name!r} init", worker_id,
-                                   lambda: list(load_exported(st.exported_init, mesh)()))
+                                   lambda: list(GangExecutable(st.exported_init, mesh)() if isinstance(mesh, GangSlice)
+                                                else load_exported(st.exported_init, mesh)()))
         if len(leaves) != st.leaves:
             raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
         if start > 0:

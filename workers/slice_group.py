@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +77,11 @@ class MemberSettings:
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "rallypoint.workers.group_member",
                 json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__})]
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    """``a`` in C order (np.ascontiguousarray would make a 0-d array 1-d: a step number is 0-d)."""
+    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -184,7 +190,9 @@ class SliceGroup:
     def __init__(self, members: Sequence[Member], *, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.members: list[Member] = list(members)
         self.request_timeout_s = request_timeout_s
-        self._where: dict[tuple[Any, ...], list[list[Any]]] = {}
+        self._where: dict[str, list[list[Any]]] = {}
+        self._lock = threading.RLock()  # one request at a time: every member must see them in the same order
+        self._free: list[str] = []  # values let go of, dropped on the members with the next request
         self.formed_s = 0.0
 
     @classmethod
@@ -229,39 +237,53 @@ class SliceGroup:
                 ) -> list[tuple[dict[str, Any], list[bytes]]]:
         """Send ``header`` (with member ``i``'s ``extra[i]`` fields and ``payloads[i]``) to every member, then read
         every answer: each member blocks in the program's collectives until all have entered it."""
-        for i, m in enumerate(self.members):
-            m.send(dict(header, **(extra[i] if extra is not None else {})),
-                   payloads[i] if payloads is not None else ())
-        deadline = time.monotonic() + (self.request_timeout_s if timeout_s is None else timeout_s)
-        answers = [m.receive(deadline, f"{header['op']!r}") for m in self.members]
+        with self._lock:
+            if self._free:
+                header, self._free = dict(header, free=self._free), []
+            for i, m in enumerate(self.members):
+                m.send(dict(header, **(extra[i] if extra is not None else {})),
+                       payloads[i] if payloads is not None else ())
+            deadline = time.monotonic() + (self.request_timeout_s if timeout_s is None else timeout_s)
+            answers = [m.receive(deadline, f"{header['op']!r}") for m in self.members]
         errors = [(m.index, h["error"]) for m, (h, _) in zip(self.members, answers, strict=True) if "error" in h]
         if errors:
             what = f"value {header['value']!r}" if "value" in header else repr(header["op"])
             raise GroupError(f"the slice's group refused {what}: member {errors[0][0]}: {errors[0][1]}")
         return answers
 
+    def release(self, value: str) -> None:
+        """``value`` is no longer needed: the members drop it with the next request (any thread)."""
+        self._free.append(value)
+
     def mesh(self, name: str, shape: Sequence[int], axes: Sequence[str]) -> None:
         self.request({"op": "mesh", "name": name, "shape": list(shape), "axes": list(axes)})
 
-    def load(self, prog: str, exported: bytes, mesh: str) -> None:
-        self.request({"op": "load", "prog": prog, "mesh": mesh}, [[exported]] * len(self.members))
+    def load(self, prog: str, exported: bytes, mesh: str) -> tuple[int, int]:
+        """Load an exported program on every member for ``mesh``; how many arguments it takes and gives."""
+        h, _ = self.request({"op": "load", "prog": prog, "mesh": mesh}, [[exported]] * len(self.members))[0]
+        return int(h["ins"]), int(h["outs"])
 
-    def where(self, mesh: str, spec: Sequence[Any], shape: Sequence[int], value: str = "") -> list[list[list[list[int]]]]:
-        """Per member, the indices (``[[start, stop], ...]``) of the shards it holds (of ``value``, for errors)."""
-        key = (mesh, json.dumps(list(spec)), tuple(shape))
+    def where(self, layout: dict[str, Any], shape: Sequence[int], value: str = "") -> list[list[list[list[int]]]]:
+        """Per member, the indices (``[[start, stop], ...]``) of the shards it holds of a value of ``shape``
+        laid out as ``layout`` says (``{"mesh", "spec"}``, or ``{"prog", "arg"}``: as a loaded program takes
+        that argument, ``{"prog", "out"}``: as it gives that output); ``value`` names it in errors."""
+        key = json.dumps([layout, list(shape)], sort_keys=True)
         if key not in self._where:
-            answers = self.request({"op": "where", "mesh": mesh, "spec": list(spec), "shape": list(shape),
-                                    **({"value": value} if value else {})})
+            answers = self.request({"op": "where", **layout, "shape": list(shape), **({"value": value} if value else {})})
             self._where[key] = [h["shards"] for h, _ in answers]
         return self._where[key]
 
     def put(self, value: str, array: np.ndarray, mesh: str, spec: Sequence[Any]) -> list[int]:
+        """Make ``value`` on the group from a host array on ``mesh`` laid out as ``spec``; see :meth:`put_as`."""
+        return self.put_as(value, array, {"mesh": mesh, "spec": list(spec)})
+
+    def put_as(self, value: str, array: Any, layout: dict[str, Any]) -> list[int]:
         """Make ``value`` on the group from a host array, each member sent only its shards; the bytes each got."""
-        a = np.ascontiguousarray(array)
-        held = self.where(mesh, spec, a.shape, value)
-        payloads = [[np.ascontiguousarray(a[tuple(slice(x, y) for x, y in ix)]) for ix in shards] for shards in held]
-        answers = self.request({"op": "put", "value": value, "mesh": mesh, "spec": list(spec), "shape": list(a.shape),
-                                "dtype": a.dtype.str}, payloads, extra=[{"shards": shards} for shards in held])
+        a = _contiguous(np.asarray(array))
+        held = self.where(layout, a.shape, value)
+        payloads = [[_contiguous(a[tuple(slice(x, y) for x, y in ix)]) for ix in shards] for shards in held]
+        answers = self.request({"op": "put", "value": value, **layout, "shape": list(a.shape), "dtype": a.dtype.str},
+                               payloads, extra=[{"shards": shards} for shards in held])
         return [int(h["bytes"]) for h, _ in answers]
 
     def call(self, prog: str, args: Sequence[str], outs: Sequence[str]) -> list[tuple[str, tuple[int, ...]]]:
