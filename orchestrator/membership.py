@@ -21,7 +21,7 @@ from typing import Any, Literal
 from tenacity import RetryCallState
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
-from rallypoint.basics.errors import StoreUnavailable, WatchCompacted
+from rallypoint.basics.errors import StoreError, StoreUnavailable, WatchCompacted
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import get_logger
@@ -224,7 +224,7 @@ class MembershipMonitor:
             retrying(clock=self.clock, what="membership watch", retry_on=StoreUnavailable,
                      should_stop=self._outage_too_long, initial_s=0.05, max_s=1.0, jitter_s=0.05,
                      before_sleep=self._log_retry)(attempt)
-        except StoreUnavailable as exc:
+        except StoreError as exc:  # an outage past the budget, or an error no retry mends (a read etcd refuses)
             if self._running():
                 self.log.error("membership.watch_failed", error=str(exc), budget_s=self.reconnect_budget_s)
                 if self.on_failure is not None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import pytest
 
 from rallypoint.basics.authz import WORKER
 from rallypoint.client.compile import compile_program

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rallypoint.etcd.keys import Keys
-from rallypoint.orchestrator.membership import MembershipChange, MembershipView
+from rallypoint.basics.errors import StoreError
+from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor, MembershipView
+from tests.fakes import MemoryStore
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import KeyValue, WatchBatch, WatchEvent
 
@@ -302,3 +305,22 @@ def test_watch_events_and_resync_agree(ops: list[tuple[str, str, bool]], split: 
     before = dict(mixed.workers)
     _check_well_formed(mixed.resync(final_kvs, etcd.rev), mixed.workers, start=before)
     assert mixed.workers == reread.workers
+
+
+def test_a_read_etcd_refuses_ends_the_watch_through_on_failure_not_a_dead_thread() -> None:
+    # A membership read past gRPC's 4 MiB response limit fails with RESOURCE_EXHAUSTED, an error no retry mends:
+    # the monitor must say so (the coordinator steps down on it), not end its thread with nobody told.
+    class Refusing(MemoryStore):
+        def get_prefix(self, prefix: str) -> Any:
+            raise StoreError("get_prefix: RESOURCE_EXHAUSTED received message larger than max")
+
+    failures: list[BaseException] = []
+    told = threading.Event()
+    monitor = MembershipMonitor(Refusing(), Keys("t"), lambda change: None,
+                                on_failure=lambda exc: (failures.append(exc), told.set()))
+    monitor.start()
+    try:
+        assert told.wait(5.0), "the monitor's thread ended without on_failure"
+    finally:
+        monitor.stop()
+    assert "RESOURCE_EXHAUSTED" in str(failures[0])
