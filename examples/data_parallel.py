@@ -41,9 +41,10 @@ def train_step(params, opt_state, x, y):
     return {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "loss": loss}
 
 
-def build(steps: int = 30) -> Program:
+def build(steps: int = 30, devices: int | tuple[int, int] = (2, DEVICES)) -> Program:
+    """``devices``: the slice's (min, max), or a fixed count (4 on workers of 2: a multi-host slice, docs/multihost.md)."""
     prog = Program("data-parallel", steps=steps, checkpoint_every=10)
-    dp = prog.slice("dp", devices=(2, DEVICES), mesh_axes=("data",))  # may shrink to 2 devices, grows back
+    dp = prog.slice("dp", devices=devices, mesh_axes=("data",))  # may shrink to 2 devices, grows back
     params = prog.state("params", slice=dp, init=init_params)
     opt_state = prog.state("opt_state", slice=dp, init=lambda: optimizer.init(init_params()))
     batch = prog.source("batch", make_batch, slice=dp, per="step", outputs=("x", "y"),

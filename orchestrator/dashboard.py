@@ -187,7 +187,8 @@ def jobs_json(recorded: list[dict[str, Any]], records: dict[str, dict[str, Any]]
             continue
         out.append({"job": name, "state": str(r.get("state", "")), "priority": r.get("priority", 0),
                     "steps": r.get("steps", 0), "step_done": r.get("step_done", 0), "steps_per_s": None,
-                    "devices_held": sum(len(p.get("devices", ())) for p in (r.get("placement") or {}).values()),
+                    "devices_held": sum(sum(len(m.get("devices", ())) for m in p.get("members") or [p])
+                                        for p in (r.get("placement") or {}).values()),
                     "placement": r.get("placement") or {}, "recoveries": r.get("recoveries") or [],
                     "drains": r.get("drains") or [], "failures": r.get("failures") or [],
                     "reason": str(r.get("reason", "")), "term": r.get("term"), "timeline_svg": "", "metrics_svg": "",

@@ -234,7 +234,7 @@ class Drain:
         if why:
             self._set(D.CANCELLED, why)
             return
-        need = self.need = {s: self.target.get(s, len(port.placement[s].devices)) for s in rec.slices}
+        need = self.need = {s: self.target.get(s, port.placement[s].count) for s in rec.slices}
         if self.park:  # room is found after the devices went to the job that asked for them
             rec.step = port.drain_step()
             port.hold(self.worker, rec.step)

@@ -205,7 +205,9 @@ class JobExecutor:
             "term": self.term.term, "run": self.run_id, "run_dir": str(self.run_dir or ""), "cut": p.cut,
             "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
             "code_sha256": self.spec.code.sha256,  # the code bundle every load of the run uses
-            "placement": {s: {"worker": q.worker, "devices": list(q.devices)} for s, q in self.placement.items()},
+            "placement": {s: {"worker": q.worker, "devices": list(q.devices),
+                              **({"members": [{"worker": m.worker, "devices": list(m.devices)} for m in q.members]}
+                                 if q.members else {})} for s, q in self.placement.items()},
             **self.history.fields(self.recovery.entries(), self.failures, self.drains.drain_records, self.run_dir,
                                   final=self.state.is_terminal),  # bounded: the newest in full (job_record.py)
             "replayed_instances": dict(p.replayed), "resharded": self.places.resharded,

@@ -127,7 +127,7 @@ class JobDrains(DrainPort):
             return
         for s, p in sorted(self.placement.items()):
             full = self.places.devices_of(s)
-            if len(p.devices) >= full or any(o != s and q.worker == p.worker for o, q in self.placement.items()):
+            if p.count >= full or any(o != s and q.worker == p.worker for o, q in self.placement.items()):
                 continue
             try:
                 snap = read_cluster(self.term.store, self.term.keys)
@@ -135,7 +135,7 @@ class JobDrains(DrainPort):
                 return
             fits = plan_remap(snap, {s: full}, RemapPolicy(on_no_spare="fail"), exclude=frozenset(self.loads.loaded))
             if isinstance(fits, Remap):
-                self.log.info("drain.grow", slice=s, devices=len(p.devices), to=full)
+                self.log.info("drain.grow", slice=s, devices=p.count, to=full)
                 self.start(DrainRequest(p.worker, "grow", "executor", time.time(), 0.0), only=[s], target={s: full})
                 return
 

@@ -94,7 +94,9 @@ class JobPlacement:
                 **({"tolerance": RESHARD_TOLERANCE} if inexact else {})}
 
     def to_json(self) -> dict[str, Any]:
-        return {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
+        return {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices),
+                    **({"members": [{"worker": m.worker, "incarnation": m.incarnation, "devices": list(m.devices)}
+                                    for m in p.members]} if p.members else {})}
                 for s, p in self._places.items()}
 
     # -- placing the job ---------------------------------------------------------------------------
@@ -107,7 +109,15 @@ class JobPlacement:
         a recovery's remap (:meth:`_no_room_adopting`). A new job that finds no room fails at once.
         """
         leases = self.term.leases()
+        gangs: dict[str, tuple[Placement, ...]] = {}
+        largest = max((w.info.devices for w in snapshot().workers.values()), default=0)
         for s in sorted(self.spec.slices, key=lambda s: -self.devices_of(s.slice)):
+            if min(self.device_counts.get(s.slice) or [self.devices_of(s.slice)]) > largest > 0:
+                # no worker holds it at any of its device counts: a multi-host slice (docs/multihost.md)
+                gangs[s.slice] = leases.allocate_gang(self.spec.job, s.slice, self.devices_of(s.slice))
+                p = gangs[s.slice][0]
+                self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
+                continue
             try:
                 p = leases.allocate(self.spec.job, s.slice, self.devices_of(s.slice))
             except NoSpareDevices:
@@ -119,13 +129,20 @@ class JobPlacement:
                     p = self._no_room_adopting(s.slice, exc)
             self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
         snap = snapshot()
-        for name, p in self._places.items():
+
+        def found(name: str, p: Any) -> SlicePlace:
             w = snap.workers.get(p.worker)
             if w is None or w.info.incarnation != p.incarnation:
                 raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
-            self._places[name] = SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
             if not w.info.deterministic:
                 self.nondeterministic.add(p.worker)
+            return SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
+
+        for name, p in self._places.items():
+            members = tuple(found(name, m) for m in gangs.get(name, ()))
+            lead = found(name, p)
+            self._places[name] = SlicePlace(lead.worker, lead.address, lead.incarnation, lead.devices,
+                                            lead.data_address, members)
         self.event("job.placed", **self.to_json())
 
     def _no_room_adopting(self, slice_name: str, none: NoSpareDevices) -> Placement:
@@ -219,9 +236,9 @@ class JobPlacement:
         """
         for s, p in places.items():
             had = self._places.get(s)
-            if drained_at is not None and had is not None and len(p.devices) != len(had.devices):
-                grew = len(p.devices) > len(had.devices)
-                self.resharded.append({"slice": s, "from": len(had.devices), "to": len(p.devices), "step": drained_at,
+            if drained_at is not None and had is not None and p.count != had.count:
+                grew = p.count > had.count
+                self.resharded.append({"slice": s, "from": had.count, "to": p.count, "step": drained_at,
                                        "at": time.time(), "why": "grew back (a worker with room joined)" if grew
                                        else "drained onto fewer devices"})
         self._places.update(places)

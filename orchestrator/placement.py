@@ -16,13 +16,20 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 @dataclass(frozen=True, slots=True)
 class SlicePlace:
-    """Where one virtual slice runs."""
+    """Where one virtual slice runs: ``devices`` of ``worker``, or, for a multi-host slice, its gang
+    ``members`` (each a place of its own, process-id order), the first of which is ``worker`` and drives it."""
 
     worker: str
     address: str
     incarnation: int
     devices: tuple[int, ...]
     data_address: str = ""
+    members: tuple[SlicePlace, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """How many devices the slice runs on, on every member together."""
+        return sum(len(m.devices) for m in self.members) if self.members else len(self.devices)
 
 
 def instances_per_step(spec: pb.JobSpec, step: int) -> int:
@@ -54,12 +61,14 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
     counts: dict[str, int] = {}  # a slice placed on another device count than its mesh's (shrunk)
     for s in spec.slices:
         place = placement[s.slice]
-        if len(place.devices) != int(np.prod(s.mesh_shape)):
-            counts[s.slice] = len(place.devices)
-            shapes[s.slice] = _variant(spec, s.slice, len(place.devices)).mesh_shape
+        if place.count != int(np.prod(s.mesh_shape)):
+            counts[s.slice] = place.count
+            shapes[s.slice] = _variant(spec, s.slice, place.count).mesh_shape
         req = request(place.worker)
-        req.slices.append(pb.SliceAssignment(slice=s.slice, devices=place.devices, mesh_shape=shapes[s.slice],
-                                             mesh_axes=s.mesh_axes))
+        req.slices.append(pb.SliceAssignment(
+            slice=s.slice, devices=place.devices, mesh_shape=shapes[s.slice], mesh_axes=s.mesh_axes,
+            members=[pb.GangMember(worker_id=m.worker, address=m.address, incarnation=m.incarnation,
+                                   devices=len(m.devices)) for m in place.members]))
     for st in spec.states:
         msg = pb.StateProgram()
         msg.CopyFrom(st)

@@ -360,7 +360,7 @@ class StragglerWatch:
         if snap is None:
             return None, False
         placement = self.port.placement()
-        need = {s: len(placement[s].devices) for s in slices}
+        need = {s: placement[s].count for s in slices}
         exclude = frozenset(self.port.loaded_workers()) | {worker}
         plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"), exclude=exclude)
         if isinstance(plan, Remap):
