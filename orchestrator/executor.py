@@ -304,7 +304,8 @@ class JobExecutor:
         self.term.hold()
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
-            lost = self.term.gone({w: self.workers.identity[w].incarnation for w in self.workers.workers})
+            lost = self.places.as_lead_losses(self.term.gone(
+                {w: self.workers.identity[w].incarnation for w in self.workers.workers} | self.places.gang_members()))
             if lost:
                 self._recover(lost)
                 return
@@ -362,6 +363,9 @@ class JobExecutor:
             if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
                 self.log.info("job.cut", step=self.progress.cut)
                 self._grant()
+            return
+        if "GroupLost: " in item.error:  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
+            self._recover(self.places.group_lost(worker, f"node {item.node!r} at step {item.step}: {item.error}"))
             return
         if item.error:
             where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"

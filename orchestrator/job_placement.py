@@ -20,6 +20,7 @@ It takes every device lease the job holds, in fenced etcd transactions of the jo
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -82,6 +83,29 @@ class JobPlacement:
     def on(self, worker: str) -> list[str]:
         """The slices placed on ``worker``."""
         return sorted(s for s, p in self._places.items() if p.worker == worker)
+
+    def gang_members(self) -> dict[str, int]:
+        """Worker -> incarnation of every gang member that does not lead (the executor watches the leads)."""
+        return {m.worker: m.incarnation for p in self._places.values() for m in p.members[1:]}
+
+    def as_lead_losses(self, lost: Mapping[str, str]) -> dict[str, str]:
+        """``lost`` with each gang member that does not lead replaced by its gang's lead: the slice is lost as a
+        unit, and its lead, which drives it, is recovered as lost (docs/multihost.md)."""
+        out: dict[str, str] = {}
+        for w, why in lost.items():
+            lead = next(((s, p) for s, p in self._places.items() if any(m.worker == w for m in p.members[1:])), None)
+            if lead is not None:
+                out.setdefault(lead[1].worker, f"member {w} of multi-host slice {lead[0]!r} lost: {why}")
+            out.setdefault(w, why)  # no slice of the job is on it: the recovery leaves it out of the new gang
+        return out
+
+    def group_lost(self, lead: str, error: str) -> dict[str, str]:
+        """The losses a lead's ``GroupLost`` instance error amounts to: the lead, and the member's worker it names
+        (``on worker W:``, as :class:`~rallypoint.workers.member_link.RemoteMember` says it)."""
+        members = {m.worker for p in self._places.values() if p.worker == lead for m in p.members[1:]}
+        named = [w for w in re.findall(r"on worker (\S+?):", error) if w in members]
+        return {lead: f"its multi-host slice lost a member: {error}",
+                **{w: "a member of a multi-host slice that was lost" for w in named}}
 
     def incarnations(self, worker: str) -> set[int]:
         return {p.incarnation for p in self._places.values() if p.worker == worker}
@@ -255,7 +279,8 @@ class JobPlacement:
         assert self.settings is not None
         policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
         leases = self.term.leases()
-        placed: dict[str, SlicePlace] = {}
+        placed: dict[str, SlicePlace] = {s: self._regang(s, n, exclude) for s, n in need.items()
+                                         if self._places.get(s) is not None and self._places[s].members}
         t0, told, waited_from = self.clock.monotonic(), False, 0.0
         store, keys = self.term.store, self.term.keys
         while True:
@@ -289,6 +314,30 @@ class JobPlacement:
             if isinstance(decision, Fail):
                 raise JobFailed(decision.reason)
             raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")
+
+    def _regang(self, slice_name: str, count: int, exclude: frozenset[str]) -> SlicePlace:
+        """A lost multi-host slice's new gang: what its surviving members hold is let go, then a whole gang is
+        leased (one transaction), waiting for room up to ``wait_timeout_s``."""
+        assert self.settings is not None
+        leases, t0 = self.term.leases(), self.clock.monotonic()
+        self.term.until_etcd("releasing the lost gang", lambda: leases.release(self.spec.job, slice_name))
+        while True:
+            self.term.hold()
+            try:
+                gang = leases.allocate_gang(self.spec.job, slice_name, count, exclude=exclude)
+            except NoSpareDevices as exc:
+                if self.clock.monotonic() - t0 >= self.settings.wait_timeout_s or self.settings.on_no_spare == "fail":
+                    raise JobFailed(f"multi-host slice {slice_name!r}: {exc}") from None
+                self.clock.sleep(REMAP_POLL_S)
+                continue
+            snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(self.term.store, self.term.keys))
+            members = tuple(SlicePlace(p.worker, snap.workers[p.worker].info.address, p.incarnation, p.devices,
+                                       snap.workers[p.worker].info.data_address)
+                            for p in gang if p.worker in snap.workers)
+            if len(members) == len(gang):
+                lead = members[0]
+                return SlicePlace(lead.worker, lead.address, lead.incarnation, lead.devices, lead.data_address, members)
+            leases.release(self.spec.job, slice_name)  # a member left between the lease and the read: again
 
     def lease_spares(self, need: Mapping[str, int], exclude: frozenset[str], *,
                      shrink: bool = False) -> dict[str, SlicePlace] | str:

@@ -53,10 +53,6 @@ from rallypoint.recovery.replay import Graph, ReplayPlan
 Commits = Mapping[str, list[CheckpointCommit]]
 
 
-GANG_NOT_RECOVERED = ("a recovery does not re-form a multi-host slice yet: `rallypoint resume JOB` continues the job "
-                      "from its newest consistent cut on a new gang (docs/multihost.md)")
-
-
 class RecoveryPhase(enum.Enum):
     FENCING = "fencing"
     PLANNING = "planning"
@@ -336,10 +332,6 @@ class Recovery:
 
     def _plan(self) -> RecoveryState:
         port, d = self.port, self.data
-        gangs = sorted(sl for sl in d.lost_slices if getattr(port.placement.get(sl), "members", ()))
-        if gangs:  # docs/multihost.md: a gang is not yet re-formed by a recovery
-            return Failed(f"multi-host slice {gangs[0]!r} lost the worker that drives it ({port.placement[gangs[0]].worker}); "
-                          f"{GANG_NOT_RECOVERED}")
         commits = port.commits()
         c = port.cut_step(commits, d.bad_cut)
         done_through = {n.name: max(port.done_through(n.name), c) for n in port.graph.nodes}

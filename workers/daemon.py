@@ -427,6 +427,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             return
         if reg.keeper.fence.dead:
             self.log.warning("worker.incarnation_ended", incarnation=reg.incarnation)
+            for rt in self.runtime.runtimes():  # a multi-host slice's members on other workers go with it
+                for gang in rt.gangs:
+                    gang.abort()
             reg.keeper.stop(revoke=False)
             self.registration = None
             self.register()

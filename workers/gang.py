@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.slice_group import GroupLost, SliceGroup
+from rallypoint.workers.slice_group import SliceGroup
 
 MESH = "m"  # the slice's global mesh on its members
 
@@ -180,12 +180,7 @@ class GangExecutable:
         # the runtime placed every argument already (residency.place); a host one left for the call goes on now
         values = [s.place_leaf(a, None, "transfer", "") for a, s in zip(args, self.in_shardings, strict=True)]
         outs = [self.gang.fresh() for _ in self.out_shardings]
-        try:
-            avals = self.gang.group.call(self.prog, [v.name for v in values], outs)
-        except GroupLost as exc:
-            raise GroupLost(exc.member, f"{exc.reason} (multi-host slice {self.gang.name!r}; a recovery does not "
-                                        "re-form a multi-host slice yet: `rallypoint resume JOB` continues the job "
-                                        "from its newest consistent cut on a new gang, docs/multihost.md)") from None
+        avals = self.gang.group.call(self.prog, [v.name for v in values], outs)
         result = [GroupValue(self.gang, name, np.dtype(d), shape) for name, (d, shape) in zip(outs, avals, strict=True)]
         if not self.source:
             self.source, self.compile_s = "compiled", time.perf_counter() - t0
