@@ -69,10 +69,18 @@ class Target:
     job: str
     node_slice: dict[str, str]
     placement: dict[str, str] = field(default_factory=dict)  # slice -> worker, kept current from job events
+    members: dict[str, list[str]] = field(default_factory=dict)  # multi-host slice -> its members' workers, in order
     network: Any = None  # chaos.network partition control, when the scenario partitions
     storage: Any = None  # chaos.storage.Storage, when the scenario fills or freezes the disk
 
     def worker_of(self, target: str) -> str:
+        slice_name, _, k = target.partition("#")  # SLICE#K: member K of a multi-host slice (docs/multihost.md)
+        if k:
+            members = self.members.get(slice_name, [])
+            if not k.isdigit() or int(k) >= len(members):
+                raise InjectionError(f"fault target {target!r}: slice {slice_name!r} has no member {k} "
+                                     f"(members: {members})")
+            return members[int(k)]
         if target in self.placement:
             return self.placement[target]
         if target in self.node_slice and self.node_slice[target] in self.placement:

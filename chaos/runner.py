@@ -120,6 +120,8 @@ class ScenarioRun:
             where = detail.get("placement", detail)
             self.target.placement.update({s: p["worker"] for s, p in where.items()
                                           if isinstance(p, dict) and "worker" in p})
+            self.target.members.update({s: [m["worker"] for m in p["members"]] for s, p in where.items()
+                                        if isinstance(p, dict) and p.get("members")})
         if ev.event == "step.done":
             self.completed = max(self.completed, int(ev.step) + 1)
         elif ev.event == "job.recovered":
@@ -140,6 +142,17 @@ class ScenarioRun:
             self.completed = max(self.completed, int(ev.step))
         if ev.event in ("job.handed_off", "job.adopted"):
             self.say({"event": f"chaos.{ev.event.split('.')[1]}", "step": int(ev.step), **detail})
+
+    def _cluster_reference(self) -> Any:
+        """The job run fault-free on the scenario's own cluster (``[job] reference = "cluster"``): a multi-host
+        slice's collectives sum across processes in another order than one process does (docs/multihost.md)."""
+        from rallypoint.client.submit import submit
+
+        s, lc = self.s, self.lc
+        self.say({"event": "chaos.reference", "on": "cluster"})
+        return submit(self.compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, window=s.window,
+                      policy=s.policy, checkpoint_every=s.checkpoint_every, on_no_spare=s.on_no_spare,
+                      wait_timeout_s=s.wait_timeout_s, priority=s.priority)
 
     def _follow(self, spec: pb.JobSpec) -> None:
         """Submit, then follow the job to its end through leader losses.
@@ -289,6 +302,15 @@ class ScenarioRun:
         self.target = Target(lc, program.name, {n: sp.slice for n, sp in program.nodes.items()},
                              network=network, storage=storage)
         self.injectors = Injectors(self.target)
+        if s.reference == "cluster":  # the same job, fault-free, on this cluster first: what the faulted run must equal
+            try:
+                reference = self._cluster_reference()
+                fault_free_wall = reference.wall_s
+            except BaseException:
+                lc.stop()
+                if network is not None:
+                    network.close()
+                raise
         history = LeaseHistory(lc.endpoints, lc.keys.leases)
         started = time.time()
         t0 = time.monotonic()
@@ -298,6 +320,7 @@ class ScenarioRun:
             spec = job_spec(self.compiled, window=s.window, policy=s.policy, checkpoint_every=s.checkpoint_every,
                             on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s, priority=s.priority,
                             max_faults=10_000)
+            spec.new_run = s.reference == "cluster"  # the reference run's commits stay under its run id
             threads = [threading.Thread(target=self._scheduler, args=(schedule, t0), daemon=True),
                        threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]
             if self.second is not None:

@@ -11,6 +11,8 @@ checkpoint_every = 5
 policy = "partial"                  # or "restart-all"
 window = 2
 on_no_spare = "wait"                # or "fail", or "shrink"; wait_timeout_s = 60
+reference = "process"               # or "cluster": the fault-free run on this cluster first (a multi-host
+                                    # slice's collectives sum in another order than one process: docs/multihost.md)
 
 [cluster]
 workers = 4                         # default: one per slice
@@ -143,6 +145,7 @@ class Scenario:
     random: RandomFaults | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
+    reference: str = "process"  # or "cluster": what the final state must equal bitwise (docs/chaos.md)
     second_job: SecondJob | None = None
 
     def with_seed(self, seed: int) -> Scenario:
@@ -221,7 +224,10 @@ def load_scenario(path: Path) -> Scenario:
     name = _get(data, "name", str, w) or path.stem
     job = _get(data, "job", dict, w, {})
     _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s",
-                   "priority"}, f"{w} [job]")
+                   "priority", "reference"}, f"{w} [job]")
+    reference = _get(job, "reference", str, f"{w} [job]", "process")
+    if reference not in ("process", "cluster"):
+        raise ConfigError(f"{w} [job].reference: {reference!r} is not 'process' or 'cluster'")
     on_no_spare = _get(job, "on_no_spare", str, f"{w} [job]", "wait")
     if on_no_spare not in ("wait", "fail", "shrink"):
         raise ConfigError(f"{w} [job].on_no_spare: {on_no_spare!r} is not 'wait', 'fail' or 'shrink'")
@@ -313,7 +319,7 @@ def load_scenario(path: Path) -> Scenario:
         supervise=_get(cluster, "supervise", bool, f"{w} [cluster]", False),
         expect_outcome=outcome, expect_reason=_get(expect, "reason", str, f"{w} [expect]", ""),
         time_bound_s=float(_get(expect, "time_bound_s", (int, float), f"{w} [expect]", 300.0)),
-        faults=tuple(faults), random=rnd, priority=_get(job, "priority", int, f"{w} [job]", 0), second_job=second,
+        faults=tuple(faults), random=rnd, priority=_get(job, "priority", int, f"{w} [job]", 0), reference=reference, second_job=second,
     )
     etcd_kinds = {"etcd_kill", "etcd_quorum"} & s.kinds
     if etcd_kinds and s.etcd_members != 3:

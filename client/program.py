@@ -464,21 +464,29 @@ class Program:
         self.topo_order()
 
     def validate_for_cluster(self, *, workers: int, devices_per_worker: int) -> None:
-        """Checks against a cluster shape: a slice must fit one worker, the job the cluster."""
+        """Checks against a cluster shape: each slice must fit one worker, or (a fixed device count larger than
+        any worker) a gang of workers with equal shares (docs/multihost.md); the job must fit the cluster."""
+        k = devices_per_worker
+        gangs: dict[str, tuple[int, int]] = {}  # slice -> (members, devices each)
         for s in self.slices.values():
-            if s.devices > devices_per_worker:
+            if s.devices <= k:
+                continue
+            if min(s.device_counts()) <= k:  # it may shrink onto one worker: it is placed on one, never a gang
                 raise ProgramError(
-                    f"slice {s.name!r} needs {s.devices} devices but a worker has {devices_per_worker}; "
-                    "use --devices-per-worker or a smaller slice"
-                )
-        free = [devices_per_worker] * workers
+                    f"slice {s.name!r} needs {s.devices} devices but a worker has {k}; use --devices-per-worker or "
+                    "a smaller slice (a fixed device count larger than a worker runs on several: docs/multihost.md)")
+            # the fewest members giving equal shares, as the placement chooses them (s.devices members of 1 always do)
+            members = next(m for m in range(2, s.devices + 1) if s.devices % m == 0 and s.devices // m <= k)
+            gangs[s.name] = (members, s.devices // members)
+        free = [k] * workers
         for s in sorted(self.slices.values(), key=lambda s: -s.devices):  # first fit, largest first
-            i = next((i for i, f in enumerate(free) if f >= s.devices), None)
-            if i is None:
+            members, each = gangs.get(s.name, (1, s.devices))
+            fits = [i for i, f in enumerate(free) if f >= each][:members]
+            if len(fits) < members:
                 need = sum(x.devices for x in self.slices.values())
                 raise ProgramError(
                     f"program {self.name!r} does not fit the cluster: slice {s.name!r} ({s.devices} devices) finds no "
-                    f"worker with room ({need} devices in all, {workers} workers x {devices_per_worker}); "
-                    "add workers with --workers"
+                    f"worker with room ({need} devices in all, {workers} workers x {k}); add workers with --workers"
                 )
-            free[i] -= s.devices
+            for i in fits:
+                free[i] -= each

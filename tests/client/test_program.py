@@ -569,13 +569,28 @@ def test_compile_small_program_interface() -> None:
 
 
 def test_cluster_slice_larger_than_any_worker() -> None:
+    # A slice that may shrink onto one worker is placed on one: too large a one is refused.
     prog = Program("p", steps=1)
     prog.slice("small", devices=1)
-    prog.slice("big", devices=4)
+    prog.slice("big", devices=(2, 4))
     with pytest.raises(ProgramError, match=_m(
         "slice 'big' needs 4 devices but a worker has 2; use --devices-per-worker"
     )):
         prog.validate_for_cluster(workers=8, devices_per_worker=2)
+
+
+def test_cluster_fixed_slice_larger_than_any_worker_is_a_gang_of_equal_shares() -> None:
+    prog = Program("p", steps=1)
+    prog.slice("small", devices=1)
+    prog.slice("big", devices=4)
+    prog.validate_for_cluster(workers=3, devices_per_worker=2)  # big on two workers, small on the third
+    with pytest.raises(ProgramError, match=r"slice 'small' \(1 devices\) finds no worker with room"):
+        prog.validate_for_cluster(workers=2, devices_per_worker=2)
+    odd = Program("q", steps=1)
+    odd.slice("odd", devices=5)  # no two workers of 2 share 5 equally: five members of one device
+    odd.validate_for_cluster(workers=5, devices_per_worker=2)
+    with pytest.raises(ProgramError, match=r"slice 'odd' \(5 devices\) finds no worker with room"):
+        odd.validate_for_cluster(workers=4, devices_per_worker=2)
 
 
 def test_cluster_job_larger_than_cluster() -> None:
