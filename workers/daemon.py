@@ -258,6 +258,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"
         bound = self.config.host
         self.runtime.member_host = bound if bound not in ("", "0.0.0.0", "::") else self.address.rsplit(":", 1)[0]
+        self.runtime.member_platform = self.platform.platform or "cpu"  # a gang member's devices: this worker's kind
         self._server.start()
         if self.config.metrics_port is not None:
             self.metrics = WorkerMetrics(self, host=self.config.host, port=self.config.metrics_port)

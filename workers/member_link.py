@@ -51,8 +51,9 @@ class MemberRefused(ValueError):
     """A ``Member`` call's settings are not a member's (named, with what to send instead)."""
 
 
-def member_settings(start: str, host: str) -> MemberSettings:
-    """The settings a driver sent, checked, completed with this worker's ``host``."""
+def member_settings(start: str, host: str, platform: str = "cpu") -> MemberSettings:
+    """The settings a driver sent, checked, completed with this worker's ``host`` and (unless the driver named
+    one) its ``platform``."""
     try:
         given = json.loads(start or "{}")
     except json.JSONDecodeError as exc:
@@ -78,18 +79,18 @@ def member_settings(start: str, host: str) -> MemberSettings:
             raise MemberRefused("members other than 0 must be told the group's coordinator (member 0 names it)")
         coordinator = f"{host}:{free_port(host)}"
     return MemberSettings(coordinator, given["processes"], given["process"], given["local_devices"],
-                          given.get("platform", "cpu"), given.get("init_timeout_s", INIT_TIMEOUT_S),
+                          given.get("platform") or platform, given.get("init_timeout_s", INIT_TIMEOUT_S),
                           given.get("heartbeat_s", HEARTBEAT_S), host)
 
 
-def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str,
-          worker: str) -> Iterator[pb.MemberChunk]:
+def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str, worker: str,
+          platform: str = "cpu") -> Iterator[pb.MemberChunk]:
     """The daemon's side of one ``Member`` call (see the module doc); the caller checked ``to``."""
     first = next(requests, None)
     if first is None:
         return
     try:
-        settings = member_settings(first.start, host)
+        settings = member_settings(first.start, host, platform)
     except MemberRefused as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return
@@ -229,12 +230,13 @@ class RemoteMember:
 
 
 def form_on_workers(workers: Sequence[tuple[pb_grpc.WorkerRuntimeStub, pb.Identity]], local_devices: int, *,
-                    platform: str = "cpu", init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
+                    platform: str = "", init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
                     request_timeout_s: float = REQUEST_TIMEOUT_S) -> SliceGroup:
-    """A slice's group with member ``i`` on ``workers[i]``, formed and joined (GroupLost naming one that failed)."""
+    """A slice's group with member ``i`` on ``workers[i]``, formed and joined (GroupLost naming one that failed).
+    ``platform`` "": each member uses its worker's (the gang is of one platform: ``choose_gang``)."""
     t0 = time.monotonic()
-    base = {"processes": len(workers), "local_devices": local_devices, "platform": platform,
-            "init_timeout_s": init_timeout_s, "heartbeat_s": heartbeat_s}
+    base = {"processes": len(workers), "local_devices": local_devices, "init_timeout_s": init_timeout_s,
+            "heartbeat_s": heartbeat_s, **({"platform": platform} if platform else {})}
     group = SliceGroup([], request_timeout_s=request_timeout_s)
     try:
         for i, (stub, to) in enumerate(workers):

@@ -82,6 +82,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.warm = WarmCache(log=get_logger("rallypoint.warm", worker=worker_id))
         self.code = CodeCache()  # the jobs' code bundles, unpacked once per hash (host sources)
         self.member_host = "127.0.0.1"  # the host others reach this worker at (the daemon sets it): members listen there
+        self.member_platform = "cpu"  # the platform of this worker's devices (the daemon sets it): its members' JAX
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -313,4 +314,4 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             return
         self._admit(first.to, context)
         yield from relay(chain([first], request_iterator), context, host=self.member_host,
-                         worker=self.worker_id)
+                         platform=self.member_platform, worker=self.worker_id)

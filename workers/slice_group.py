@@ -302,7 +302,8 @@ class SliceGroup:
         return out, dtype, shape
 
     def fetch(self, value: str) -> np.ndarray:
-        """``value`` assembled on this side from the members' shards (the final state, a test's check)."""
+        """``value`` assembled on this side from the members' shards: what a slice's value gathered on its lead is
+        (a metric, a push to another slice, a checkpoint, the final state; docs/multihost.md)."""
         parts, dtype, shape = self.shards(value)
         out = np.empty(shape, dtype=dtype)
         for member in parts:

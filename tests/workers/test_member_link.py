@@ -1,0 +1,49 @@
+"""A Member call's settings, checked by the worker before it starts a member process, and the protocol's frames
+read back from chunks of any size (pure logic; the calls themselves are tests/integration/test_multihost_members.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rallypoint.workers.group_member import encode_frame
+from rallypoint.workers.member_link import FrameParser, MemberRefused, member_settings
+
+
+def test_a_member_gets_this_workers_host_and_platform_and_member_0_a_coordinator_port_here() -> None:
+    zero = member_settings(json.dumps({"processes": 2, "process": 0, "local_devices": 4}), "127.0.0.1", "cuda")
+    assert zero.address == "127.0.0.1" and zero.platform == "cuda" and zero.local_devices == 4
+    assert zero.coordinator.startswith("127.0.0.1:") and int(zero.coordinator.rsplit(":", 1)[1]) > 0
+    one = member_settings(json.dumps({"processes": 2, "process": 1, "local_devices": 2, "coordinator": "h:1",
+                                      "platform": "cpu"}), "10.0.0.8", "cuda")
+    assert (one.coordinator, one.address, one.platform, one.process) == ("h:1", "10.0.0.8", "cpu", 1)
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ("not json", "not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"processes": 2, "process": 0, "local_devices": 1, "shell": "rm"}', "unknown member settings ['shell']"),
+    ('{"processes": 2, "process": 0}', "['local_devices'] are missing"),
+    ('{"processes": 2, "process": "0", "local_devices": 1}', "'process' must be int"),
+    ('{"processes": 2, "process": 2, "local_devices": 1}', "member 2 of a group of 2"),
+    ('{"processes": 2, "process": 0, "local_devices": 0}', "at least one local device"),
+    ('{"processes": 2, "process": 1, "local_devices": 1}', "must be told the group's coordinator"),
+])
+def test_settings_that_are_not_a_members_are_refused_by_name(given: str, says: str) -> None:
+    with pytest.raises(MemberRefused, match=r".*" + __import__("re").escape(says)):
+        member_settings(given, "127.0.0.1")
+
+
+def test_frames_come_back_whole_from_chunks_of_any_size() -> None:
+    a = np.arange(10, dtype=np.float32)
+    data = b"".join(bytes(p) for p in encode_frame({"op": "put", "value": "x"}, [a, np.zeros((), np.int32)]))
+    data += b"".join(bytes(p) for p in encode_frame({"op": "exit"}))
+    for size in (1, 3, 7, len(data)):
+        parser, frames = FrameParser(), []
+        for i in range(0, len(data), size):
+            frames += parser.feed(data[i:i + size])
+        assert [h["op"] for h, _ in frames] == ["put", "exit"]
+        (h, payloads), (h2, p2) = frames
+        assert h["sizes"] == [40, 4] and np.array_equal(np.frombuffer(payloads[0], np.float32), a) and p2 == []
