@@ -15,7 +15,12 @@ distributed group (:mod:`rallypoint.workers.slice_group`: member processes joine
   each member its shards) and replay (the steps from the cut to the kill), with the final
   weights checked bitwise against the run without the kill;
 * ``--largest``: the largest group formed here, trying 2, 4, 8, ... members of one device
-  each up to ``--largest``: each one's formation time and one all-reduce.
+  each up to ``--largest``: each one's formation time and one all-reduce;
+* **on the cluster** (``--cluster-steps``, 0 skips it): ``examples/multihost.py`` (one data-parallel
+  slice of 4 devices) on an embedded cluster of workers of 2 devices (a gang of two) against the
+  same job on one worker of 4 devices, steady-state steps/s side by side (from the step events,
+  after the first five steps); then the gang with member 1's worker SIGKILLed mid-run: the
+  recovery's MTTR by phase, and the final state bitwise equal to the gang's run without it.
 
 The last stdout line is one JSON object ``{"bench": "multihost", ...}``; the table goes to
 stderr. Run: ``python bench/multihost.py`` (``make bench``).
@@ -221,6 +226,57 @@ def _sum_program(n: int) -> bytes:
                                                             sharding=NamedSharding(mesh, P("d")))).serialize())
 
 
+def cluster_runs(steps: int, kill_at: int) -> dict[str, Any]:
+    """``examples/multihost.py`` on the embedded cluster: a gang of 2 workers x 2 against 1 worker x 4."""
+    from rallypoint.client.compile import compile_program
+    from rallypoint.client.jobfile import load_program
+    from rallypoint.client.submit import submit
+    from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
+    from rallypoint.proto import rallypoint_pb2 as pb
+
+    compiled = compile_program(load_program(ROOT / "examples" / "multihost.py", steps=steps))
+
+    def run(workers: int, per: int, spares: int, kill: bool) -> tuple[Any, float]:
+        with tempfile.TemporaryDirectory(prefix="rallypoint-bench-multihost-") as tmp:
+            lc = LocalCluster.start(LocalClusterConfig(state_dir=Path(tmp), workers=workers, spares=spares,
+                                                       devices_per_worker=per, coordinators=1))
+            at: list[float] = []
+            killed: list[str] = []
+
+            def on_event(ev: pb.JobEvent) -> None:
+                if ev.event == "step.done":
+                    at.append(time.perf_counter())
+                    if kill and ev.step == kill_at and not killed:
+                        detail = _placement(lc, compiled.program.name)
+                        killed.append(detail["dp"]["members"][1]["worker"])
+                        lc.signal(killed[0], signal.SIGKILL)
+            try:
+                result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=5,
+                                on_event=on_event)
+            finally:
+                lc.stop()
+        rate = (len(at) - 6) / (at[-1] - at[5]) if len(at) > 6 else 0.0
+        return result, rate
+
+    gang, gang_rate = run(2, 2, 0, False)
+    one, one_rate = run(1, 4, 0, False)
+    killed, _ = run(2, 2, 2, True)
+    rec = (killed.recovery.get("recoveries") or [{}])[0]
+    return {"steps": steps, "steps_per_s_gang_2x2": round(gang_rate, 2), "steps_per_s_one_worker_4": round(one_rate, 2),
+            "ratio": round(gang_rate / one_rate, 3) if one_rate else None,
+            "kill": {"mttr_s": rec.get("mttr_s"), "phases": rec.get("phases"), "checkpoint_step": rec.get("checkpoint_step"),
+                     "bitwise": killed.state_digest == gang.state_digest}}
+
+
+def _placement(lc: Any, job: str) -> dict[str, Any]:
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.job(job))
+        return dict(kv.json()["placement"]) if kv is not None else {}
+    finally:
+        store.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -232,6 +288,7 @@ def main() -> int:
     ap.add_argument("--kill-steps", type=int, default=10, help="steps of the killed run")
     ap.add_argument("--workers", type=int, default=100, help="registered workers when the gang is leased again")
     ap.add_argument("--largest", type=int, default=8, help="try groups of 2, 4, ... members up to this (0: skip)")
+    ap.add_argument("--cluster-steps", type=int, default=60, help="steps of the cluster runs (0: skip them)")
     args = ap.parse_args()
     configure(stream=sys.stderr, level="warning")
     job = Job(args.batch, args.width)
@@ -243,10 +300,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rallypoint-bench-multihost-") as tmp:
         kill = member_kill(job, program, args.every, args.kill_at, args.kill_steps, args.workers, Path(tmp))
     groups = largest(args.largest) if args.largest else []
+    cluster = cluster_runs(args.cluster_steps, args.cluster_steps // 2) if args.cluster_steps else {}
     result = {"bench": "multihost", "batch": args.batch, "width": args.width,
               "steps_per_s_2x2": round(statistics.median(two), 2), "steps_per_s_1x4": round(statistics.median(one), 2),
               "ratio": round(statistics.median(two) / statistics.median(one), 3),
-              "kill": kill, "largest": groups}
+              "kill": kill, "largest": groups, "cluster": cluster}
     say = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
     say(f"steady state ({args.batch}x{args.width}, medians of {args.repeats}): 2 members x 2 devices "
         f"{result['steps_per_s_2x2']} steps/s, 1 member x 4 devices {result['steps_per_s_1x4']} steps/s, "
@@ -254,8 +312,14 @@ def main() -> int:
     say("member kill: " + ", ".join(f"{k} {v}" for k, v in kill.items()))
     for g in groups:
         say(f"group of {g['members']} members: " + ", ".join(f"{k} {v}" for k, v in g.items() if k != "members"))
+    if cluster:
+        say(f"on the cluster ({args.cluster_steps} steps of examples/multihost.py): gang of 2 workers x 2 "
+            f"{cluster['steps_per_s_gang_2x2']} steps/s, one worker of 4 {cluster['steps_per_s_one_worker_4']} "
+            f"steps/s, ratio {cluster['ratio']}; member kill: MTTR {cluster['kill']['mttr_s']} s, phases "
+            f"{cluster['kill']['phases']}, bitwise {cluster['kill']['bitwise']}")
     print(json.dumps(result))
-    return 0 if kill["bitwise"] and all(g.get("correct", False) for g in groups) else 1
+    ok = kill["bitwise"] and all(g.get("correct", False) for g in groups)
+    return 0 if ok and (not cluster or cluster["kill"]["bitwise"]) else 1
 
 
 if __name__ == "__main__":
