@@ -242,9 +242,8 @@ def form_on_workers(workers: Sequence[tuple[pb_grpc.WorkerRuntimeStub, pb.Identi
         for i, (stub, to) in enumerate(workers):
             coordinator = group.members[0].coordinator if group.members else ""
             group.members.append(RemoteMember(stub, to, {**base, "process": i, "coordinator": coordinator}))
-        group.join(init_timeout_s + 30.0)
     except BaseException:
         group.abort()
         raise
-    group.formed_s = time.monotonic() - t0
+    group.join(init_timeout_s + 30.0, since=t0)
     return group

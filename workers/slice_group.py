@@ -213,22 +213,23 @@ class SliceGroup:
                                  stderr=stderr,
                                  prefix=prefixes[i] if prefixes is not None else ()) for i in range(processes)]
         group = cls(members, request_timeout_s=request_timeout_s)
-        try:
-            group.join(init_timeout_s + 30.0)
-        except BaseException:
-            group.abort()
-            raise
-        group.formed_s = time.monotonic() - t0
+        group.join(init_timeout_s + 30.0, since=t0)
         return group
 
-    def join(self, timeout_s: float) -> None:
-        """Wait for every member's ``ready`` (raises :class:`GroupLost` naming one that failed to join)."""
+    def join(self, timeout_s: float, *, since: float) -> None:
+        """Wait for every member's ``ready``; ``formed_s`` counts from ``since``. A member that failed to join
+        raises :class:`GroupLost` naming it, and every member is stopped first."""
         deadline = time.monotonic() + timeout_s
-        for m in self.members:
-            header, _ = m.receive(deadline, "joining the group")
-            if not header.get("ready"):
-                raise GroupLost(m.index, "it could not join the group:\n" + str(header.get("error", "")))
-            m.ready = header
+        try:
+            for m in self.members:
+                header, _ = m.receive(deadline, "joining the group")
+                if not header.get("ready"):
+                    raise GroupLost(m.index, "it could not join the group:\n" + str(header.get("error", "")))
+                m.ready = header
+        except BaseException:
+            self.abort()
+            raise
+        self.formed_s = time.monotonic() - since
 
     # -- requests -----------------------------------------------------------------------
 

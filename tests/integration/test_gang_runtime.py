@@ -25,6 +25,7 @@ from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import read_events
+from tests.integration.test_adoption import _record
 from tests.examples import example
 
 STEPS = 6
@@ -68,16 +69,6 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_and_recove
     assert len(result.recovery["recoveries"]) == 1, result.recovery
     members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
     assert len(members) == 2 and killed[0] not in members, (killed, members)
-
-
-def _record(lc: LocalCluster, job: str) -> dict[str, Any]:
-    store = lc.store()
-    try:
-        kv = store.get(lc.keys.job(job))
-        assert kv is not None
-        return kv.json()
-    finally:
-        store.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rallypoint.workers.programs import load_exported
 from rallypoint.workers.slice_group import GroupError, GroupLost, SliceGroup
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -83,19 +84,16 @@ def group() -> Iterator[SliceGroup]:
 
 
 def _gone(pids: list[int], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        alive = []
-        for p in pids:
-            try:
-                os.kill(p, 0)
-                alive.append(p)
-            except ProcessLookupError:
-                pass
-        if not alive:
+    """Whether every process of ``pids`` has ended within ``within_s`` (fails naming them otherwise)."""
+
+    def ended(p: int) -> bool:
+        try:
+            os.kill(p, 0)
+        except ProcessLookupError:
             return True
-        time.sleep(0.05)
-    return False
+        return False
+
+    return bool(wait_until(lambda: all(ended(p) for p in pids), within_s, f"processes {pids} to end"))
 
 
 def test_a_group_forms_runs_the_exported_step_shard_by_shard_and_a_restored_group_ends_bitwise_equal(
