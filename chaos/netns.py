@@ -37,7 +37,10 @@ log = get_logger("rallypoint.chaos.network")
 
 POOL = ipaddress.IPv4Network("10.64.0.0/10")  # each NetnsNetwork takes a random /16 of it
 BR_STATE_FORWARDING = "3"  # /sys/class/net/PORT/brport/state (include/uapi/linux/if_bridge.h)
-_GONE = ("cannot find device", "no such file", "does not exist", "not found")
+# What ``ip`` says of a namespace or link that is gone. "No such device" comes when the
+# kernel removes a veth between our lookup and our delete: deleting a namespace takes the
+# peer of each veth in it with it, asynchronously.
+_GONE = ("cannot find device", "no such device", "no such file", "does not exist", "not found")
 
 
 class NetworkError(RallypointError):

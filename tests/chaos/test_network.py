@@ -285,3 +285,22 @@ def test_network_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="netns or proxy"):
         start_partitionable_cluster(LocalClusterConfig(state_dir=tmp_path), mode="bogus")
     assert not (tmp_path / "cluster.json").exists()
+
+
+def test_teardown_takes_a_link_that_vanished_during_its_delete_as_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Deleting a namespace removes the veth peers in it asynchronously, so the delete of
+    # such a link may find it gone midway: `ip` then says "RTNETLINK answers: No such
+    # device" (seen in CI), not "Cannot find device". Both mean the link is gone.
+    from rallypoint.chaos import netns
+
+    said = {"rpvgone0": "RTNETLINK answers: No such device", "rpvgone1": 'Cannot find device "rpvgone1"',
+            "rpbrbusy": "RTNETLINK answers: Device or resource busy"}
+
+    def ip(*args: str) -> str:
+        raise netns.NetworkError(["ip", *args], said[args[-1]])
+
+    monkeypatch.setattr(netns, "ip", ip)
+    links = ["rpbrbusy", "rpvgone0", "rpvgone1"]
+    errors = netns._teardown([], links)
+    assert links == ["rpbrbusy"], "a link that is gone must leave the list; one that is busy must stay"
+    assert len(errors) == 1 and "busy" in errors[0]
