@@ -304,10 +304,10 @@ class JobExecutor:
         self.term.hold()
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
-            lost = self.places.as_lead_losses(self.term.gone(
+            lost, alive = self.places.as_lead_losses(self.term.gone(
                 {w: self.workers.identity[w].incarnation for w in self.workers.workers} | self.places.gang_members()))
             if lost:
-                self._recover(lost)
+                self._recover(lost, unload=alive)
                 return
             if self._ungranted:
                 retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
@@ -365,7 +365,8 @@ class JobExecutor:
                 self._grant()
             return
         if "GroupLost: " in item.error:  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
-            self._recover(self.places.group_lost(worker, f"node {item.node!r} at step {item.step}: {item.error}"))
+            lost, alive = self.places.group_lost(worker, f"node {item.node!r} at step {item.step}: {item.error}")
+            self._recover(lost, unload=alive)
             return
         if item.error:
             where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"
@@ -430,8 +431,8 @@ class JobExecutor:
         asked = {r.worker for r in self.drains.drain_records if r.reason == "preempted" and r.state != "done"}
         return bool(lost) and set(lost) <= asked
 
-    def _recover(self, lost: dict[str, str]) -> None:
-        """Start a recovery of ``lost`` and run it until the lost slices run again."""
+    def _recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset()) -> None:
+        """Recover ``lost`` until the lost slices run again; ``unload``: those alive (only the job's runtime ends)."""
         assert self.settings is not None
         now = self.clock.monotonic()
         self.workers.gather_ended(lost, self.loss_grace_s)
@@ -442,7 +443,7 @@ class JobExecutor:
         frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
         self.event("job.recovering", step=self.progress.completed, recovery=rec.number, lost=lost)
-        self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked)
+        self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked, unload=unload)
 
     def _restored(self, recovery: Recovery) -> None:
         """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""

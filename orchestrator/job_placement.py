@@ -88,24 +88,26 @@ class JobPlacement:
         """Worker -> incarnation of every gang member that does not lead (the executor watches the leads)."""
         return {m.worker: m.incarnation for p in self._places.values() for m in p.members[1:]}
 
-    def as_lead_losses(self, lost: Mapping[str, str]) -> dict[str, str]:
-        """``lost`` with each gang member that does not lead replaced by its gang's lead: the slice is lost as a
-        unit, and its lead, which drives it, is recovered as lost (docs/multihost.md)."""
+    def as_lead_losses(self, lost: Mapping[str, str]) -> tuple[dict[str, str], frozenset[str]]:
+        """``lost`` with each gang member that does not lead joined by its gang's lead: the slice is lost as a
+        unit, and the job's runtime on its lead, which drives it, with it (docs/multihost.md). Also the leads
+        added so, which are alive: the recovery unloads the job there rather than fencing the worker."""
         out: dict[str, str] = {}
         for w, why in lost.items():
             lead = next(((s, p) for s, p in self._places.items() if any(m.worker == w for m in p.members[1:])), None)
             if lead is not None:
                 out.setdefault(lead[1].worker, f"member {w} of multi-host slice {lead[0]!r} lost: {why}")
             out.setdefault(w, why)  # no slice of the job is on it: the recovery leaves it out of the new gang
-        return out
+        return out, frozenset(out) - set(lost)
 
-    def group_lost(self, lead: str, error: str) -> dict[str, str]:
-        """The losses a lead's ``GroupLost`` instance error amounts to: the lead, and the member's worker it names
-        (``on worker W:``, as :class:`~rallypoint.workers.member_link.RemoteMember` says it)."""
+    def group_lost(self, lead: str, error: str) -> tuple[dict[str, str], frozenset[str]]:
+        """The losses a lead's ``GroupLost`` instance error amounts to: the lead (alive: it said so), and the
+        member's worker it names (``on worker W:``, as :class:`~rallypoint.workers.member_link.RemoteMember`
+        says it); and the lead, to unload rather than fence."""
         members = {m.worker for p in self._places.values() if p.worker == lead for m in p.members[1:]}
         named = [w for w in re.findall(r"on worker (\S+?):", error) if w in members]
-        return {lead: f"its multi-host slice lost a member: {error}",
-                **{w: "a member of a multi-host slice that was lost" for w in named}}
+        return ({lead: f"its multi-host slice lost a member: {error}",
+                 **{w: "a member of a multi-host slice that was lost" for w in named}}, frozenset({lead}))
 
     def incarnations(self, worker: str) -> set[int]:
         return {p.incarnation for p in self._places.values() if p.worker == worker}

@@ -119,6 +119,12 @@ class JobRecoveryPort(RecoveryPort):
     def place(self, places: Mapping[str, SlicePlace]) -> None:
         self.places.apply(places)
 
+    def unload(self, worker: str) -> bool:
+        if not self.loads.workers.unload(worker):
+            return False
+        self.places.release_on(worker, self.places.on(worker), f"releasing the job's devices on worker {worker}")
+        return True
+
     def forget(self, worker: str) -> None:
         self.loads.forget(worker)
 

@@ -112,10 +112,12 @@ class JobRecoveries:
         return rec
 
     def run(self, rec: RecoveryRecord, lost: Mapping[str, str], *, policy: str, frontier: Mapping[str, int],
-            parked: Iterable[str] = ()) -> None:
-        """Run the recovery ``rec`` until the lost slices run again (raises :class:`JobFailed` if it fails)."""
+            parked: Iterable[str] = (), unload: Iterable[str] = ()) -> None:
+        """Run the recovery ``rec`` until the lost slices run again (raises :class:`JobFailed` if it fails);
+        ``unload``: the workers of ``lost`` that are alive (``recovery_machine.Fencing``)."""
         machine = Recovery(self.port, rec, lost, policy=policy, budget=self.budget, clock=self.clock, log=self.log,
-                           frontier=frontier, microbatches=self.microbatches, hooks=self.hooks, parked=parked)
+                           frontier=frontier, microbatches=self.microbatches, hooks=self.hooks, parked=parked,
+                           unload=unload)
         self.machines.append(machine)
         self._live.append(machine)
         try:

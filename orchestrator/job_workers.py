@@ -228,16 +228,19 @@ class JobWorkers:
                     failed[w] = WorkerCallFailed.from_rpc_error(w, "Rewire", exc)
         return answers, failed
 
-    def unload(self, worker: str, *, flush_s: float = 0.0) -> None:
-        """Unload the job from ``worker`` (best effort); ``flush_s`` > 0: its pushes on their way arrive first."""
+    def unload(self, worker: str, *, flush_s: float = 0.0) -> bool:
+        """Unload the job from ``worker`` (best effort); ``flush_s`` > 0: its pushes on their way arrive first.
+        Whether the worker answered that it did."""
         to = self.identity.get(worker)
         if to is None or worker not in self._address:
-            return
+            return False
         try:
             self._stub(worker).UnloadJob(pb.UnloadJobRequest(to=to, job=self.job, flush_s=flush_s),
                                          timeout=RPC_TIMEOUT_S + flush_s)
         except grpc.RpcError:
             self.log.warning("job.unload_failed", worker=worker)
+            return False
+        return True
 
     def warm(self, worker: str, address: str, req: pb.WarmJobRequest,
              done: Callable[[str, pb.WarmJobResponse | None, str], None]) -> None:

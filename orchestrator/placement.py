@@ -68,7 +68,7 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
         req.slices.append(pb.SliceAssignment(
             slice=s.slice, devices=place.devices, mesh_shape=shapes[s.slice], mesh_axes=s.mesh_axes,
             members=[pb.GangMember(worker_id=m.worker, address=m.address, incarnation=m.incarnation,
-                                   devices=len(m.devices)) for m in place.members]))
+                                   devices=len(m.devices), device_ids=m.devices) for m in place.members]))
     for st in spec.states:
         msg = pb.StateProgram()
         msg.CopyFrom(st)

@@ -89,6 +89,9 @@ MARKS = {P.FENCING: "fencing", P.REMAPPING: "remap", P.RESTORING: "restore", P.R
 @dataclass(frozen=True)
 class Fencing:
     lost: Mapping[str, str]  # worker -> why
+    # Of those, the workers that are alive: a multi-host slice they lead lost another member. Only this job's
+    # runtime on them ends (unloaded, its devices released); the worker and its other jobs go on.
+    unload: frozenset[str] = frozenset()
     phase = P.FENCING
 
 
@@ -161,6 +164,11 @@ class RecoveryPort(abc.ABC):
     @abc.abstractmethod
     def fence(self, worker: str, incarnation: int) -> None:
         """Revoke the worker's lease if it is still that incarnation."""
+
+    @abc.abstractmethod
+    def unload(self, worker: str) -> bool:
+        """End the job's runtime on a worker that is alive and let go of the job's devices there; whether it
+        answered (one that does not is fenced instead)."""
 
     @abc.abstractmethod
     def forget(self, worker: str) -> None:
@@ -243,6 +251,7 @@ class RecoveryData:
     lost_slices: set[str] = field(default_factory=set)  # every slice it moves
     unplaced: set[str] = field(default_factory=set)  # of those, the ones without devices now
     lost_workers: dict[str, str] = field(default_factory=dict)  # every worker it fenced, with why
+    unloaded: set[str] = field(default_factory=set)  # workers alive whose runtime of the job it ended instead
     lost_incarnations: dict[str, int] = field(default_factory=dict)  # of those, the incarnation lost (newest)
     bad_cut: int | None = None  # restore only from cuts below this one
     policy: str = "partial"
@@ -254,16 +263,17 @@ class Recovery:
 
     def __init__(self, port: RecoveryPort, record: RecoveryRecord, lost: Mapping[str, str], *, policy: str,
                  budget: Budget, clock: Clock, log: Any, frontier: Mapping[str, int], microbatches: int,
-                 hooks: ExecutorHooks = ExecutorHooks(), parked: Iterable[str] = ()) -> None:
+                 hooks: ExecutorHooks = ExecutorHooks(), parked: Iterable[str] = (),
+                 unload: Iterable[str] = ()) -> None:
         """``parked``: slices a yield had taken off every device (``drain.py``); they are placed
-        and restored like the lost ones."""
+        and restored like the lost ones. ``unload``: workers of ``lost`` that are alive (see :class:`Fencing`)."""
         self.port, self.record, self.budget, self.clock, self.log, self.hooks = port, record, budget, clock, log, hooks
         self.microbatches = microbatches
         self.frontier = dict(frontier)  # every node -> the step it had reached when the loss was noticed
         self.data = RecoveryData(policy=policy)
         self.data.lost_slices.update(parked)
         self.data.unplaced.update(parked)
-        self.state: RecoveryState = Fencing(dict(lost))
+        self.state: RecoveryState = Fencing(dict(lost), frozenset(unload) & set(lost))
 
     @property
     def phase(self) -> RecoveryPhase:
@@ -318,15 +328,20 @@ class Recovery:
         port, d = self.port, self.data
         for w, why in sorted(s.lost.items()):
             slices = sorted(n for n, p in port.placement.items() if p.worker == w)
+            alive = bool(slices) and w in s.unload and port.unload(w)
             if slices:
                 inc = port.placement[slices[0]].incarnation
-                d.lost_incarnations[w] = max(inc, d.lost_incarnations.get(w, inc))
+                if alive:  # a spare like any other from now on, for this recovery too
+                    d.unloaded.add(w)
+                else:
+                    d.lost_incarnations[w] = max(inc, d.lost_incarnations.get(w, inc))
+                    port.fence(w, inc)
                 self.record.lost.setdefault(w, slices)
-                port.fence(w, inc)
                 port.record_failure(w, inc, slices, why)
                 d.lost_slices.update(slices)
                 d.unplaced.update(slices)
-            d.lost_workers.setdefault(w, why)
+            if not alive:
+                d.lost_workers.setdefault(w, why)
             port.forget(w)
         return Planning()
 

@@ -84,16 +84,18 @@ class SliceAssignment(_message.Message):
     def __init__(self, slice: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., mesh_axes: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[GangMember, _Mapping]]] = ...) -> None: ...
 
 class GangMember(_message.Message):
-    __slots__ = ("worker_id", "address", "incarnation", "devices")
+    __slots__ = ("worker_id", "address", "incarnation", "devices", "device_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     incarnation: int
     devices: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., devices: _Optional[int] = ...) -> None: ...
+    device_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., devices: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InputBinding(_message.Message):
     __slots__ = ("arg", "kind", "node", "output", "state", "leaves", "producer_per_microbatch")

@@ -23,7 +23,6 @@ Retention deletes a step directory only after the commit naming it is gone.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -48,6 +47,7 @@ from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.store import Compare, Delete, Put, Store, key_missing, unchanged_since
 from rallypoint.workers import meter
+from rallypoint.workers.checksums import checksum_of, state_checksum
 
 __all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
            "EtcdCommitter", "checkpoint_within", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
@@ -80,24 +80,24 @@ class CommitRefused(Fenced):
     """etcd refused a commit: the worker incarnation that made the checkpoint is over."""
 
 
-def state_checksum(states: Mapping[str, Sequence[Any]]) -> str:
-    """``sha256:<hex>`` over the states in name order: for each leaf a JSON header
-    ``{"state", "leaf", "dtype", "shape"}`` and a newline, then its C-order bytes."""
-    h = hashlib.sha256()
-    for name in sorted(states):
-        h.update(json.dumps({"state": name, "leaves": len(states[name])}).encode() + b"\n")
-        for i, leaf in enumerate(states[name]):
-            a = np.ascontiguousarray(leaf)
-            h.update(json.dumps({"state": name, "leaf": i, "dtype": a.dtype.name,
-                                 "shape": list(a.shape)}).encode() + b"\n")
-            h.update(a.reshape(-1).view(np.uint8).data)
-    return "sha256:" + h.hexdigest()
+def metadata_tree(item_dir: Path) -> Any:
+    """The Orbax metadata of a saved ``{state: [leaves]}`` item: each leaf's shape and dtype (and how it was split)."""
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        meta = ckptr.metadata(item_dir)
+    tree = getattr(meta, "item_metadata", meta)
+    return getattr(tree, "tree", tree)
 
 
 def _restore_dir(step_dir: Path) -> States:
-    """Read one step directory written by a SliceCheckpointer, with Orbax alone."""
+    """Read one step directory with Orbax alone, whole, into host arrays: one written by a slice on one worker, or
+    by the members of a multi-host slice (saved over devices this process does not have: Orbax restores that only
+    into a target it is given, here host arrays of the saved dtypes and shapes, 64-bit ones included)."""
+    import jax
+
+    target = jax.tree_util.tree_map(lambda m: np.empty(tuple(m.shape), np.dtype(m.dtype)),
+                                    metadata_tree(step_dir / "default"))
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        tree = ckptr.restore(step_dir / "default", args=ocp.args.StandardRestore())
+        tree = ckptr.restore(step_dir / "default", args=ocp.args.StandardRestore(target))
     return {name: [np.asarray(x) for x in leaves] for name, leaves in tree.items()}
 
 
@@ -146,7 +146,7 @@ def restore_commit(commit: CheckpointCommit, slice_dir: Path | None = None) -> S
         log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
                     actual=None, error=f"{type(e).__name__}: {e}")
         raise CheckpointCorrupt(commit, None, f"{type(e).__name__}: {e}") from e
-    actual = state_checksum(states)
+    actual = checksum_of(states, commit.checksum, step_dir)
     if actual != commit.checksum:
         log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
                     actual=actual)
@@ -246,8 +246,7 @@ class SliceCheckpointer:
                               **(log_fields or {}))
         # Orbax's temporary-directory clean-up at start-up sees only this writer's (new, empty) directory:
         # it never touches another writer's save in flight, a zombie's included.
-        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
+        self._manager = self._make_manager()
         self._orbax = threading.RLock()  # every CheckpointManager call; taken before _cond, never after
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
@@ -262,7 +261,25 @@ class SliceCheckpointer:
                                         name=f"checkpoint-{job}-{slice_name}")
         self._thread.start()
 
+    def _make_manager(self) -> Any:
+        return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
+
     # -- saving ---------------------------------------------------------------------------
+
+    def _host_tree(self, states: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+        """What is saved of ``states``: here host arrays (Orbax copies them before :meth:`save` returns)."""
+        return {str(name): [np.asarray(x) for x in leaves] for name, leaves in states.items()}
+
+    def _save_step(self, step: int, tree: dict[str, list[Any]]) -> None:
+        """Start Orbax's save of ``tree`` as ``step``; it finalizes in the background."""
+        with _ORBAX_SAVES:
+            self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
+
+    def _checksum(self, item: _Pending) -> str:
+        """The commit's checksum of a finalized save (on the commit thread)."""
+        assert item.states is not None
+        return state_checksum(item.states)
 
     def save(self, step: int, states: Mapping[str, Sequence[Any]]) -> None:
         """Start saving the slice's states after ``step`` (version ``step + 1``).
@@ -273,7 +290,7 @@ class SliceCheckpointer:
         """
         if self._closing:
             raise CheckpointError(f"checkpointer of {self.job}/{self.slice_name} is closed")
-        tree = {str(name): [np.asarray(x) for x in leaves] for name, leaves in states.items()}
+        tree = self._host_tree(states)
         empty = [f"{name}[{i}]" for name, leaves in tree.items() for i, x in enumerate(leaves) if x.size == 0]
         if empty:
             # Orbax refuses zero size arrays only after it created the step's tmp directory, and
@@ -289,8 +306,7 @@ class SliceCheckpointer:
             # step saved again by a later writer (a replay) goes to that writer's directory, while the commit an
             # earlier writer made keeps naming its own until the new commit replaces it.
             try:
-                with _ORBAX_SAVES:
-                    self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
+                self._save_step(step, tree)
             except Exception as e:
                 self.log.error("checkpoint.save_failed", step=step, error=f"{type(e).__name__}: {e}")
                 raise CheckpointError(f"saving {self.job}/{self.slice_name} after step {step} failed: {e}") from e
@@ -366,7 +382,7 @@ class SliceCheckpointer:
         meter.checkpoint_saved(self.job, finalized - item.started)
         self.log.info("checkpoint.saved", step=item.step, path=str(path), bytes=nbytes,
                       save_s=round(finalized - item.started, 4))
-        c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), state_checksum(item.states),
+        c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), self._checksum(item),
                              tuple(sorted(item.states)))
         states, item.states = item.states, None
         try:

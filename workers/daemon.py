@@ -429,8 +429,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         if reg.keeper.fence.dead:
             self.log.warning("worker.incarnation_ended", incarnation=reg.incarnation)
             for rt in self.runtime.runtimes():  # a multi-host slice's members on other workers go with it
-                for gang in rt.gangs:
-                    gang.abort()
+                rt.abort_groups()
             reg.keeper.stop(revoke=False)
             self.registration = None
             self.register()

@@ -62,7 +62,8 @@ class GangSlice:
             raise ValueError(f"slice {sa.slice!r}: its members give {sorted(per)} devices; a gang's must be equal")
         workers = [(stub(m.address), pb.Identity(cluster=cluster, worker_id=m.worker_id, incarnation=m.incarnation))
                    for m in sa.members]
-        group = form_on_workers(workers, per.pop(), request_timeout_s=request_timeout_s)
+        group = form_on_workers(workers, per.pop(), request_timeout_s=request_timeout_s,
+                                device_ids=[list(m.device_ids) for m in sa.members])
         try:
             return cls(sa.slice, group, sa.mesh_shape, sa.mesh_axes)
         except BaseException:

@@ -26,8 +26,11 @@ Requests (``op``):
   array made of this process's shards only.
 * ``call`` ``{prog, args, outs}``: run a loaded program; the outputs stay here.
 * ``get`` ``{value}``: this process's shards (each index once) and their bytes.
-* ``save`` / ``restore`` ``{dir, values}``: an Orbax multi-process checkpoint of named values
-  (each process writes and reads its own shards; process 0 finalizes).
+* ``save`` ``{dir, tree}``: an Orbax multi-process checkpoint of ``{state: [leaf values]}`` (each
+  process writes its own shards; process 0 finalizes); ``restore`` ``{dir, tree}``: the same
+  tree read back, each leaf ``{value, shape, dtype}`` and its layout (as ``put``'s), each process
+  reading its own shards. Both answer ``shards``: ``[state, leaf, index, dtype, shape, sha256]`` of
+  every shard this process holds the first replica of (together the members' cover each leaf once).
 * ``free`` ``{values}``; ``exit``.
 
 The user's prints and JAX's logs go to stderr, never into the protocol; the process
@@ -126,10 +129,14 @@ class Member:
             if settings.get("address"):
                 _gloo_on(str(settings["address"]))
         t0 = time.monotonic()
+        ids = [int(i) for i in settings.get("device_ids") or ()]
         jax.distributed.initialize(
             coordinator_address=str(settings["coordinator"]), num_processes=int(settings["processes"]),
             process_id=int(settings["process"]), initialization_timeout=int(settings.get("init_timeout_s", 60)),
-            heartbeat_timeout_seconds=int(settings.get("heartbeat_s", 10)))
+            heartbeat_timeout_seconds=int(settings.get("heartbeat_s", 10)),
+            # an accelerator's member uses only the devices its worker leased for the slice (on CPU the count
+            # above makes the member's devices; there are no others to keep clear of)
+            **({"local_device_ids": ids} if ids and platform != "cpu" else {}))
         self.init_s = time.monotonic() - t0
         self.jax = jax
         self.meshes: dict[str, Any] = {}
@@ -224,23 +231,46 @@ class Member:
         if op == "save":
             import orbax.checkpoint as ocp
 
+            tree = {state: [self.values[n] for n in names] for state, names in header["tree"].items()}
             with ocp.StandardCheckpointer() as ck:
-                ck.save(header["dir"], {n: self.values[n] for n in header["values"]})
+                ck.save(header["dir"], tree)
                 ck.wait_until_finished()
-            return {}, []
+            return {"shards": _digests(tree)}, []
         if op == "restore":
             import orbax.checkpoint as ocp
 
-            target = {n: self.jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self._sharding(mesh, spec))
-                      for n, (mesh, spec, shape, dtype) in header["values"].items()}
+            target = {state: [self.jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
+                                                        sharding=self._layout(leaf)) for leaf in leaves]
+                      for state, leaves in header["tree"].items()}
             with ocp.StandardCheckpointer() as ck:
-                self.values.update(ck.restore(header["dir"], target))
-            return {}, []
+                tree = ck.restore(header["dir"], target)
+            for state, leaves in header["tree"].items():
+                for leaf, v in zip(leaves, tree[state], strict=True):
+                    self.values[leaf["value"]] = v
+            return {"shards": _digests(tree)}, []
         if op == "free":
             for n in header["values"]:
                 self.values.pop(n, None)
             return {}, []
         raise ValueError(f"unknown request {op!r}")
+
+
+def _digests(tree: dict[str, list[Any]]) -> list[list[Any]]:
+    """``[state, leaf, index, dtype, shape, sha256]`` of each shard of ``tree`` this process holds the first
+    replica of: the members' lists together cover every leaf exactly once (``checkpoint.shards_checksum``)."""
+    import hashlib
+
+    import numpy as np
+
+    out = []
+    for state, leaves in tree.items():
+        for i, v in enumerate(leaves):
+            for s in v.addressable_shards:
+                if s.replica_id == 0:
+                    data = np.ascontiguousarray(np.asarray(s.data))
+                    out.append([state, i, index_of(s.index, v.shape), str(v.dtype), list(v.shape),
+                                hashlib.sha256(data.reshape(-1).view(np.uint8).data).hexdigest()])
+    return out
 
 
 def _unique(indices: Any) -> list[Index]:

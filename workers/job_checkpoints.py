@@ -23,7 +23,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ Fetch = Callable[[pb.CheckpointRef], "States | None"]
 
 
 def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
-            tiers: dict[str, str] | None = None) -> dict[str, States]:
+            tiers: dict[str, str] | None = None, skip: Collection[str] = ()) -> dict[str, States]:
     """Each slice's states from its commit in ``req.restore``: the nearest valid copy, a
     peer's memory (``fetch``, see :mod:`rallypoint.workers.replicas`) first, then the disk
     (checksums checked). ``tiers`` gets ``{slice: "memory" | "disk"}``. A commit is read from
@@ -56,6 +56,8 @@ def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
     """
     out: dict[str, States] = {}
     for ref in req.restore:
+        if ref.slice in skip:
+            continue
         t0 = time.perf_counter()
         states, tier = (fetch(ref) if fetch is not None else None), "memory"
         if states is None:
@@ -75,9 +77,10 @@ def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
 
 
 def restore_for_load(req: pb.LoadJobRequest, fetch: Fetch | None = None,
-                     tiers: dict[str, str] | None = None) -> dict[str, States]:
+                     tiers: dict[str, str] | None = None, skip: Collection[str] = ()) -> dict[str, States]:
     """What a runtime starting at ``req.start_step`` (> 0) restores, every slice with states included
-    (from the nearest valid copy: see :func:`restore`).
+    (from the nearest valid copy: see :func:`restore`), but those of ``skip`` (multi-host slices, whose
+    members read their own shards: :func:`rallypoint.workers.gang_checkpoint.restore_for_gang`).
 
     Raises:
         LoadError: a slice with states has no checkpoint in the request.
@@ -88,10 +91,9 @@ def restore_for_load(req: pb.LoadJobRequest, fetch: Fetch | None = None,
     if missing:
         raise LoadError(f"start step {req.start_step} needs a checkpoint of slices {missing} to restore")
     try:
-        return restore(req, fetch, tiers)
+        return restore(req, fetch, tiers, skip)
     except CheckpointCorrupt as exc:
-        raise RestoreError(f"corrupt checkpoint slice={exc.commit.slice_name} step={exc.commit.step}: {exc}",
-                           slice_name=exc.commit.slice_name, step=exc.commit.step) from exc
+        raise RestoreError.corrupt(exc) from exc
 
 
 class JobCheckpoints:
@@ -107,14 +109,18 @@ class JobCheckpoints:
         replicate: called with each commit and its states once it counts (the
             in-memory tier's :meth:`rallypoint.workers.replicas.Replicator.submit`).
         copies: where the states' copies off the device are counted (``checkpoint``).
+        gangs: slice -> its checkpointer's maker, for each multi-host slice here, whose members save
+            their own shards (``functools.partial`` of
+            :class:`rallypoint.workers.gang_checkpoint.GangCheckpointer` with its group).
     """
 
     def __init__(self, req: pb.LoadJobRequest, *, commit_factory: Callable[[], CommitFn] | None,
                  on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any],
                  faults: WorkerFaults = NO_FAULTS,
                  replicate: Callable[[CheckpointCommit, States], None] | None = None,
-                 copies: Copies | None = None) -> None:
+                 copies: Copies | None = None, gangs: Mapping[str, Any] | None = None) -> None:
         self.job = req.job
+        self.gangs = dict(gangs or {})  # slice -> the maker of a multi-host slice's checkpointer
         self.copies = copies
         self._replicate = replicate
         self.faults = faults
@@ -148,10 +154,13 @@ class JobCheckpoints:
         """The slice's checkpointer, made on first use (its directory may not be writable at load)."""
         if s not in self._ckpt:
             assert self.root is not None
-            ck = SliceCheckpointer(self.root / s, job=self.job, slice_name=s, max_to_keep=self._keep,
-                                   commit=self._committer(self._commit), log_fields=self._log_fields,
-                                   forget=self._forgetter(self._commit, s), replicate=self._replicate,
-                                   writer=self._writer())
+            mine: dict[str, Any] = dict(job=self.job, slice_name=s, max_to_keep=self._keep,
+                                        commit=self._committer(self._commit), log_fields=self._log_fields,
+                                        forget=self._forgetter(self._commit, s), writer=self._writer())
+            if s in self.gangs:  # its members save their own shards (docs/multihost.md)
+                ck: SliceCheckpointer = self.gangs[s](self.root / s, **mine)
+            else:
+                ck = SliceCheckpointer(self.root / s, replicate=self._replicate, **mine)
             ck.protect(self.cut)
             self._ckpt[s] = ck
         return self._ckpt[s]
@@ -232,6 +241,9 @@ class JobCheckpoints:
         self.faults.check_storage(str(self.root))  # fault injection: the disk is full or read-only
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)
+            return
+        if slice_name in self.gangs:  # left on the members, each saving its own shards
+            self._checkpointer(slice_name).save(step, states)
             return
         self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
                                                    for name, leaves in states.items()})

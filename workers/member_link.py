@@ -43,7 +43,7 @@ from rallypoint.workers.slice_group import (HEARTBEAT_S, INIT_TIMEOUT_S, REQUEST
 
 CHUNK = 1 << 20  # bytes per message: under gRPC's 4 MiB default, whatever a value's size
 SETTINGS = {"processes": int, "process": int, "local_devices": int, "platform": str, "init_timeout_s": int,
-            "heartbeat_s": int, "coordinator": str}
+            "heartbeat_s": int, "coordinator": str, "device_ids": list}
 STOP_WAIT_S = 5.0
 
 
@@ -73,6 +73,11 @@ def member_settings(start: str, host: str, platform: str = "cpu") -> MemberSetti
         raise MemberRefused(f"member {given['process']} of a group of {given['processes']}")
     if given["local_devices"] < 1:
         raise MemberRefused("a member needs at least one local device")
+    ids = given.get("device_ids", [])
+    if ids and (not all(isinstance(i, int) and i >= 0 for i in ids) or len(set(ids)) != len(ids)
+                or len(ids) != given["local_devices"]):
+        raise MemberRefused(f"member setting 'device_ids' must list {given['local_devices']} distinct device "
+                            f"indices of this worker (its leased devices), got {ids!r}")
     coordinator = given.get("coordinator") or ""
     if not coordinator:
         if given["process"] != 0:
@@ -80,7 +85,7 @@ def member_settings(start: str, host: str, platform: str = "cpu") -> MemberSetti
         coordinator = f"{host}:{free_port(host)}"
     return MemberSettings(coordinator, given["processes"], given["process"], given["local_devices"],
                           given.get("platform") or platform, given.get("init_timeout_s", INIT_TIMEOUT_S),
-                          given.get("heartbeat_s", HEARTBEAT_S), host)
+                          given.get("heartbeat_s", HEARTBEAT_S), host, tuple(ids))
 
 
 def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str, worker: str,
@@ -231,9 +236,11 @@ class RemoteMember:
 
 def form_on_workers(workers: Sequence[tuple[pb_grpc.WorkerRuntimeStub, pb.Identity]], local_devices: int, *,
                     platform: str = "", init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
-                    request_timeout_s: float = REQUEST_TIMEOUT_S) -> SliceGroup:
+                    request_timeout_s: float = REQUEST_TIMEOUT_S,
+                    device_ids: Sequence[Sequence[int]] = ()) -> SliceGroup:
     """A slice's group with member ``i`` on ``workers[i]``, formed and joined (GroupLost naming one that failed).
-    ``platform`` "": each member uses its worker's (the gang is of one platform: ``choose_gang``)."""
+    ``platform`` "": each member uses its worker's (the gang is of one platform: ``choose_gang``).
+    ``device_ids[i]``: the device indices leased on ``workers[i]``, the only ones its member uses."""
     t0 = time.monotonic()
     base = {"processes": len(workers), "local_devices": local_devices, "init_timeout_s": init_timeout_s,
             "heartbeat_s": heartbeat_s, **({"platform": platform} if platform else {})}
@@ -241,7 +248,8 @@ def form_on_workers(workers: Sequence[tuple[pb_grpc.WorkerRuntimeStub, pb.Identi
     try:
         for i, (stub, to) in enumerate(workers):
             coordinator = group.members[0].coordinator if group.members else ""
-            group.members.append(RemoteMember(stub, to, {**base, "process": i, "coordinator": coordinator}))
+            mine = {"device_ids": [int(d) for d in device_ids[i]]} if device_ids else {}
+            group.members.append(RemoteMember(stub, to, {**base, "process": i, "coordinator": coordinator, **mine}))
     except BaseException:
         group.abort()
         raise

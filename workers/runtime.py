@@ -52,6 +52,7 @@ the instance ``records``. The gRPC calls land on its methods.
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn, restore_for_load
 from rallypoint.workers.code import CodeCache, CodeError
 from rallypoint.workers.gang import GangSlice
+from rallypoint.workers.gang_checkpoint import GangCheckpointer
 from rallypoint.workers.host_source import start_host_sources
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.records import InstanceRecords
@@ -155,12 +157,14 @@ class JobRuntime:
                              self.outbox, steps=self.steps, start_step=start, copies=self.copies)
         self.router.set_routes(req.routes)
         fetch = (lambda ref: replicas.fetch(req, ref, self.log)) if replicas is not None else None
-        restored = restore_for_load(req, fetch, self.restore_tiers) if start > 0 else {}
+        gangs = {g.name: g for g in self.gangs}
+        restored = restore_for_load(req, fetch, self.restore_tiers, skip=gangs) if start > 0 else {}
         self.states.update(load_states(req, mesh_of, self.nodes, self.router.push_everies, restored, worker_id,
-                                       copies=self.copies))
+                                       copies=self.copies, tiers=self.restore_tiers))
 
         self.handoff = CheckpointHandoff(req, self.control, self.states, commit_factory=commit_factory, faults=faults,
-                                         replicas=replicas, copies=self.copies)
+                                         replicas=replicas, copies=self.copies,
+                                         gangs={s: functools.partial(GangCheckpointer, gang=g) for s, g in gangs.items()})
         self.records = InstanceRecords(self.handoff.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
                                        slices=list(self._slice_nodes), start_step=start, job=self.job,
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
@@ -307,9 +311,16 @@ class JobRuntime:
         """Wait until every push submitted so far has ended (a drain, before unloading); whether they all did."""
         return self.outbox.flush(timeout_s)
 
+    def abort_groups(self) -> None:
+        """End the multi-host slices' groups now (any thread; takes no lock): a slice thread in a group request,
+        which may hold the job's lock while it puts a value on the group, ends with it (GroupLost)."""
+        for g in list(self.gangs):
+            g.abort()
+
     def stop(self) -> None:
         """Stop the threads, end the event streams and drop every value. Idempotent."""
         control = self.control
+        self.abort_groups()  # first: a member lost may hold a group request, and with it the job's lock
         with control.cv:
             if control.stopped:
                 return
@@ -323,8 +334,6 @@ class JobRuntime:
         for source in self.host_sources:  # a slice waiting for a batch ends with it
             source.close()
         self._close_code()
-        for g in self.gangs:  # a slice thread in a group request ends with it
-            g.abort()
         self.scheduler.join(5.0)
         replicator = self.handoff.replicator
         for part in (self.handoff.checkpoints, self.outlog, self.records, *([replicator] if replicator else [])):

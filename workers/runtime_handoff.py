@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.job_checkpoints import CommitFn, JobCheckpoints
@@ -42,11 +43,14 @@ class CheckpointHandoff:
         faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
         replicas: the worker's in-memory checkpoint tier (None: disk only).
         copies: where the states' copies off the device are counted (``checkpoint``).
+        gangs: slice -> the maker of its checkpointer, for each multi-host slice here (its members save their
+            own shards: :class:`~rallypoint.workers.gang_checkpoint.GangCheckpointer`).
     """
 
     def __init__(self, req: pb.LoadJobRequest, control: JobControl, states: Mapping[str, StateVersions], *,
                  commit_factory: Callable[[], CommitFn] | None, faults: WorkerFaults,
-                 replicas: ReplicaTier | None, copies: Copies | None = None) -> None:
+                 replicas: ReplicaTier | None, copies: Copies | None = None,
+                 gangs: Mapping[str, Any] | None = None) -> None:
         self._control = control
         self._states = states
         self._steps = int(req.steps)
@@ -57,7 +61,7 @@ class CheckpointHandoff:
         self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed, faults=faults,
                                           log_fields={"worker": control.worker_id, "incarnation": control.incarnation},
                                           replicate=self.replicator.submit if self.replicator else None,
-                                          copies=copies)
+                                          copies=copies, gangs=gangs)
         for name, sv in states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self._steps)))
 

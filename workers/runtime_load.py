@@ -24,6 +24,7 @@ from typing import Any
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.gang import GangExecutable, GangSlice
+from rallypoint.workers.gang_checkpoint import restore_for_gang
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.runtime_state import Leaves, LoadError, NodeProgress, RestoreError, StateVersions
 from rallypoint.workers.residency import Copies, place
@@ -161,10 +162,11 @@ def nodes_by_slice(req: pb.LoadJobRequest, nodes: Mapping[str, LoadedNode]) -> d
 def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, LoadedNode],
                 push_everies: Callable[[str], list[int]],
                 restored: Mapping[str, Mapping[str, Leaves]], worker_id: str = "",
-                copies: Copies | None = None) -> dict[str, StateVersions]:
+                copies: Copies | None = None, tiers: dict[str, str] | None = None) -> dict[str, StateVersions]:
     """Each resident state with its first version, on its slice's devices laid out as its init lays
     it out: the init's value (made there), or at a start step > 0 the checkpoint's (``restored``:
-    slice -> state -> host leaves, copied on and counted in ``copies`` as ``checkpoint``).
+    slice -> state -> host leaves, copied on and counted in ``copies`` as ``checkpoint``; a multi-host
+    slice's members read theirs here, each its own shards, and its tier goes to ``tiers``).
     ``push_everies(state)``: the ``every`` of each remote consumer the state is pushed to (the
     router's state routes).
 
@@ -175,6 +177,20 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
     """
     steps, start = int(req.steps), int(req.start_step)
     states: dict[str, StateVersions] = {}
+    shardings: dict[str, list[Any]] = {}  # state -> its init's output layouts (a restore's)
+
+    def layouts(st: pb.StateProgram) -> list[Any]:
+        if st.name not in shardings:
+            mesh = mesh_of(f"state {st.name!r}", st.slice)
+            shardings[st.name] = _program_part(f"state {st.name!r} init", worker_id,
+                                               lambda: init_shardings(st.exported_init, mesh))
+        return shardings[st.name]
+
+    restored = dict(restored)
+    for sa in req.slices if start > 0 else ():
+        mesh, held = mesh_of(f"slice {sa.slice!r}", sa.slice), [st for st in req.states if st.slice == sa.slice]
+        if isinstance(mesh, GangSlice) and held:  # docs/multihost.md: nothing gathered
+            restored[sa.slice] = restore_for_gang(req, sa.slice, mesh, {st.name: layouts(st) for st in held}, tiers)
     for st in req.states:
         readers = [(n.prog.every, len(n.mbs)) for n in nodes.values() for b in n.prog.inputs
                    if b.kind == B.STATE and b.state == st.name]
@@ -193,10 +209,7 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
         if len(leaves) != st.leaves:
             raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
         if start > 0:
-            mesh = mesh_of(f"state {st.name!r}", st.slice)
-            shardings = _program_part(f"state {st.name!r} init", worker_id,
-                                      lambda: init_shardings(st.exported_init, mesh))
-            leaves = place(leaves, shardings, copies, "checkpoint")
+            leaves = place(leaves, layouts(st), copies, "checkpoint")
         sv.add(sv.key(start), leaves)
         states[st.name] = sv
     return states

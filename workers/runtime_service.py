@@ -264,6 +264,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         if rt is not None:
             if request.flush_s > 0:  # a drain: what this worker sent before it stopped must arrive
                 rt.flush(float(request.flush_s))
+            rt.abort_groups()  # before the job's lock, which a slice thread in a request to a lost member holds
             finished = rt.wait_finished(0)
             rt.stop()
             if finished:  # the job ran to its end here: the copies held for it are of no more use

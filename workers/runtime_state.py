@@ -33,6 +33,13 @@ class RestoreError(LoadError):
         super().__init__(message)
         self.slice_name, self.step = slice_name, step
 
+    @classmethod
+    def corrupt(cls, exc: Any) -> RestoreError:
+        """A ``workers.checkpoint.CheckpointCorrupt`` as a load's typed failure (the executor drops its commit)."""
+        c = exc.commit
+        return cls(f"corrupt checkpoint slice={c.slice_name} step={c.step}: {exc}", slice_name=c.slice_name,
+                   step=c.step)
+
 Leaves = list[Any]
 """One value as its flat leaves: ``jax.Array``s on the slice's devices, or host numpy arrays
 (a value that arrived from another worker and is not placed yet, or one read back from disk)."""

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,6 +73,7 @@ class MemberSettings:
     init_timeout_s: int = INIT_TIMEOUT_S
     heartbeat_s: int = HEARTBEAT_S
     address: str = ""  # this member's host address, where its collectives listen ("": the host name's)
+    device_ids: tuple[int, ...] = ()  # the worker's devices it uses (its leased ones); (): the first local_devices
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "rallypoint.workers.group_member",
@@ -312,13 +313,17 @@ class SliceGroup:
                 out[tuple(slice(x, y) for x, y in ix)] = a
         return out
 
-    def save(self, directory: str, values: Sequence[str]) -> None:
-        self.request({"op": "save", "dir": directory, "values": list(values)})
+    def save(self, directory: str, tree: Mapping[str, Sequence[str]]) -> list[list[Any]]:
+        """An Orbax multi-process checkpoint of ``{state: [value names]}`` in ``directory``, each member writing
+        its own shards. The digest of every shard, each once (``[state, leaf, index, dtype, shape, sha256]``)."""
+        answers = self.request({"op": "save", "dir": directory, "tree": {k: list(v) for k, v in tree.items()}})
+        return [e for h, _ in answers for e in h["shards"]]
 
-    def restore(self, directory: str, values: dict[str, tuple[str, Sequence[Any], Sequence[int], str]]) -> None:
-        """Restore named values, each ``(mesh, spec, shape, dtype)``, each member reading its own shards."""
-        self.request({"op": "restore", "dir": directory,
-                      "values": {n: [m, list(sp), list(sh), dt] for n, (m, sp, sh, dt) in values.items()}})
+    def restore(self, directory: str, tree: Mapping[str, Sequence[dict[str, Any]]]) -> list[list[Any]]:
+        """Read ``{state: [leaf]}`` back from an Orbax checkpoint, each leaf ``{value, shape, dtype}`` (the name it
+        gets) and its layout (``put_as``'s), each member reading its own shards. The digests, as :meth:`save`'s."""
+        answers = self.request({"op": "restore", "dir": directory, "tree": {k: list(v) for k, v in tree.items()}})
+        return [e for h, _ in answers for e in h["shards"]]
 
     def free(self, values: Sequence[str]) -> None:
         self.request({"op": "free", "values": list(values)})

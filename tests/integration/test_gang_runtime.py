@@ -69,6 +69,12 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_and_recove
     assert len(result.recovery["recoveries"]) == 1, result.recovery
     members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
     assert len(members) == 2 and killed[0] not in members, (killed, members)
+    # Its checkpoints: each member saved its own shards, one commit for the slice over their digests; the new
+    # gang's members read theirs back (workers/gang_checkpoint.py), nothing gathered on the lead.
+    committed = read_events(lc.process(members[0]).log, "checkpoint.committed")
+    assert committed and all(e["checksum"].startswith("sha256-shards:") for e in committed), committed
+    restored = read_events(lc.process(members[0]).log, "checkpoint.restored_on_group")
+    assert restored and restored[-1]["checked"] == "shards" and restored[-1]["members"] == 2, restored
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
@@ -92,12 +98,21 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
         addresses = [*lc.endpoints, *(a for s in snap.workers.values() for a in (s.info.address, s.info.data_address))]
         assert not [a for a in addresses if a.startswith(("127.", "localhost"))], addresses
         result = _run_partitioning(lc, control, compiled)
+        store = lc.store()
+        try:
+            after = read_cluster(store, lc.keys)
+        finally:
+            store.close()
         started = read_events(lc.process("w0").log, "member.started")
         assert started and not started[0]["coordinator"].startswith("127."), started  # the group's coordinator
 
         assert result.state_digest == _BASELINE[0], result.recovery
         members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
         assert "w1" not in members and len(members) == 2, members
+        # The lead (w0) is alive: only the job's runtime on it ended, never the worker, so it kept its
+        # incarnation (its other jobs would have gone on) and could lead the new gang.
+        assert after.workers["w0"].info.incarnation == snap.workers["w0"].info.incarnation
+        assert members[0] == "w0", members
 
 
 def _run_partitioning(lc: LocalCluster, control: Any, compiled: Any) -> Any:

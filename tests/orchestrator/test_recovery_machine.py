@@ -69,6 +69,7 @@ class FakeJob(RecoveryPort):
         self.rewire_failures = list(rewire_failures or [])
         self.registered_map = dict(registered or {})
         self.calls: list[tuple[Any, ...]] = []
+        self.unanswered: set[str] = set()  # workers whose unload fails
         self.restored_with: list[Recovery] = []
 
     def loaded_workers(self) -> list[str]:
@@ -76,6 +77,15 @@ class FakeJob(RecoveryPort):
 
     def fence(self, worker: str, incarnation: int) -> None:
         self.calls.append(("fence", worker, incarnation))
+
+    def unload(self, worker: str) -> bool:
+        self.calls.append(("unload", worker))
+        if worker in self.unanswered:
+            return False
+        self.spares.append(worker)  # its devices let go: a spare like any other
+        self.incarnations.setdefault(worker, self.placement[min(s for s, p in self.placement.items()
+                                                                if p.worker == worker)].incarnation)
+        return True
 
     def forget(self, worker: str) -> None:
         self.loaded.discard(worker)
@@ -153,12 +163,13 @@ class Log:
 
 
 def recovery(job: FakeJob, lost_workers: Mapping[str, str], *, budget: Budget = Budget(), policy: str = "partial",
-             hooks: ExecutorHooks = ExecutorHooks()) -> tuple[Recovery, Log, FakeClock]:
+             hooks: ExecutorHooks = ExecutorHooks(), unload: frozenset[str] = frozenset()
+             ) -> tuple[Recovery, Log, FakeClock]:
     clock, log = FakeClock(), Log()
     rec = RecoveryRecord(number=1, lost={}, reasons=dict(lost_workers), detected_at=0.0,
                          detected_mono=clock.monotonic(), detection_s=0.01)
     r = Recovery(job, rec, lost_workers, policy=policy, budget=budget, clock=clock, log=log,
-                 frontier=dict(job.progress), microbatches=1, hooks=hooks)
+                 frontier=dict(job.progress), microbatches=1, hooks=hooks, unload=unload)
     return r, log, clock
 
 
@@ -364,3 +375,23 @@ def test_a_cancelled_load_on_a_live_spare_is_asked_again_never_suspected() -> No
     r.run_to_replay()
     assert [c for c in job.calls if c[0] == "fence"] == [("fence", "w1", 101)]
     assert job.placement["s1"].worker == "w2" and r.data.setbacks == {Source.CANCELLED: 1}
+
+
+def test_a_live_worker_lost_only_for_the_job_is_unloaded_not_fenced_and_may_take_its_slice_back() -> None:
+    # A multi-host slice led by w1 lost another member: w1 itself is alive, so only the job's runtime on it ends
+    # (its other jobs go on); its devices let go, it is a spare like any other for this very recovery.
+    job = FakeJob(spares=[], commits=[commits_at(10)])
+    r, _, _ = recovery(job, {"w1": "member w5 of multi-host slice 's1' lost", "w5": "gone"}, unload=frozenset({"w1"}))
+    r.run_to_replay()
+    assert ("unload", "w1") in job.calls and not [c for c in job.calls if c[0] == "fence"], job.calls
+    assert job.placement["s1"].worker == "w1" and r.record.lost == {"w1": ["s1"]}
+    assert ("load", ("w1",), 10, None) in job.calls
+
+
+def test_a_live_worker_that_does_not_answer_its_unload_is_fenced() -> None:
+    job = FakeJob(spares=["w2"], commits=[commits_at(10)])
+    job.unanswered.add("w1")
+    r, _, _ = recovery(job, {"w1": "member lost"}, unload=frozenset({"w1"}))
+    r.run_to_replay()
+    assert ("unload", "w1") in job.calls and ("fence", "w1", 101) in job.calls
+    assert job.placement["s1"].worker == "w2"

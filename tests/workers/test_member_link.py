@@ -19,6 +19,10 @@ def test_a_member_gets_this_workers_host_and_platform_and_member_0_a_coordinator
     one = member_settings(json.dumps({"processes": 2, "process": 1, "local_devices": 2, "coordinator": "h:1",
                                       "platform": "cpu"}), "10.0.0.8", "cuda")
     assert (one.coordinator, one.address, one.platform, one.process) == ("h:1", "10.0.0.8", "cpu", 1)
+    # the worker's leased devices, the only ones an accelerator's member uses, reach the member process
+    two = member_settings(json.dumps({"processes": 2, "process": 1, "local_devices": 2, "coordinator": "h:1",
+                                      "device_ids": [6, 7]}), "10.0.0.8", "cuda")
+    assert two.device_ids == (6, 7) and json.loads(two.argv()[-1])["device_ids"] == [6, 7]
 
 
 @pytest.mark.parametrize(("given", "says"), [
@@ -30,6 +34,10 @@ def test_a_member_gets_this_workers_host_and_platform_and_member_0_a_coordinator
     ('{"processes": 2, "process": 2, "local_devices": 1}', "member 2 of a group of 2"),
     ('{"processes": 2, "process": 0, "local_devices": 0}', "at least one local device"),
     ('{"processes": 2, "process": 1, "local_devices": 1}', "must be told the group's coordinator"),
+    ('{"processes": 2, "process": 0, "local_devices": 2, "device_ids": [3]}', "must list 2 distinct device"),
+    ('{"processes": 2, "process": 0, "local_devices": 2, "device_ids": [3, 3]}', "must list 2 distinct device"),
+    ('{"processes": 2, "process": 0, "local_devices": 1, "device_ids": [-1]}', "must list 1 distinct device"),
+    ('{"processes": 2, "process": 0, "local_devices": 1, "device_ids": 3}', "'device_ids' must be list"),
 ])
 def test_settings_that_are_not_a_members_are_refused_by_name(given: str, says: str) -> None:
     with pytest.raises(MemberRefused, match=r".*" + __import__("re").escape(says)):

@@ -5,6 +5,7 @@ exported train step that a slice would run, over the group's global 4-device mes
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -17,6 +18,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.workers.checkpoint import CheckpointCorrupt, restore_commit
+from rallypoint.workers.checksums import SHARDED, read_listing
+from rallypoint.workers.gang import GangSlice, GroupSharding, GroupValue
+from rallypoint.workers.gang_checkpoint import GangSteps, restore_on_gang
 from rallypoint.workers.programs import load_exported
 from rallypoint.workers.slice_group import GroupError, GroupLost, SliceGroup
 from tests.conftest import wait_until
@@ -110,12 +116,14 @@ def test_a_group_forms_runs_the_exported_step_shard_by_shard_and_a_restored_grou
     assert [[ix for ix, _ in m] for m in held] == [[[[0, 4], [0, 8]], [[4, 8], [0, 8]]],
                                                    [[[8, 12], [0, 8]], [[12, 16], [0, 8]]]]
     assert np.array_equal(group.fetch("probe"), x)
+    _checkpoint_of_a_sharded_value(group, x, tmp_path / "ck")
     group.free(["probe"])
     # The uninterrupted run, with a multi-process Orbax save of the state at step 3.
     group.put("w", W0, "m", [])
     losses: list[float] = []
     _run(group, 0, 3, losses)
-    group.save(str(tmp_path / "cut3"), ["w"])
+    saved = group.save(str(tmp_path / "cut3"), {"w": ["w"]})
+    assert [e[:5] for e in saved] == [["w", 0, [[0, WIDTH], [0, WIDTH]], "float32", [WIDTH, WIDTH]]], saved
     _run(group, 3, STEPS, losses)
     final = group.fetch("w")
     assert losses[-1] < losses[0], losses
@@ -130,13 +138,37 @@ def test_a_group_forms_runs_the_exported_step_shard_by_shard_and_a_restored_grou
     again = SliceGroup.form(2, 2, request_timeout_s=30.0, heartbeat_s=30)
     try:
         _setup(again, program)
-        again.restore(str(tmp_path / "cut3"), {"w": ("m", [], [WIDTH, WIDTH], "float32")})
+        got = again.restore(str(tmp_path / "cut3"), {"w": [{"value": "w", "mesh": "m", "spec": [],
+                                                            "shape": [WIDTH, WIDTH], "dtype": "float32"}]})
+        assert got == saved  # the same bytes read back (each shard's digest)
         replayed: list[float] = []
         _run(again, 3, STEPS, replayed)
         assert replayed == losses[3:]
         assert np.array_equal(again.fetch("w"), final)
     finally:
         again.close()
+
+
+def _checkpoint_of_a_sharded_value(group: SliceGroup, x: np.ndarray, root: Path) -> None:
+    """A gang's checkpoint of the value ``probe`` (``x``, its rows split between the members): each member writes
+    its own shards, the commit's checksum is over their digests; one process reads it back whole and checked, the
+    group reads it back in the same layout (its digests compared) and in another (checked whole on the lead), and
+    bytes that are not the committed ones are refused (workers/gang_checkpoint.py)."""
+    gang = GangSlice("s", group, [4], ["d"])
+    probe = GroupValue(gang, "probe", np.dtype(np.float32), x.shape)
+    checksum = GangSteps(root / "s" / "w", gang).save(1, {"x": [probe]})
+    step_dir = root / "s" / "w" / "1"
+    assert checksum.startswith(SHARDED) and [e["index"][0] for e in read_listing(step_dir)] == \
+        [[0, 4], [4, 8], [8, 12], [12, 16]]
+    assert not [p for p in (root / "s" / "w").iterdir() if p.name != "1"], "a temporary directory was left"
+    commit = CheckpointCommit("j", "s", 1, str(step_dir), checksum)
+    assert np.array_equal(restore_commit(commit, root / "s")["x"][0], x)
+    for spec, checked in ((["d"], "shards"), ([], "gathered")):
+        back = restore_on_gang(commit, root / "s", gang, {"x": [GroupSharding(gang, {"mesh": "m", "spec": spec})]})
+        assert np.array_equal(np.asarray(back["x"][0]), x), checked
+    with pytest.raises(CheckpointCorrupt, match="is corrupt: committed checksum sha256-shards:0000"):
+        restore_on_gang(dataclasses.replace(commit, checksum=SHARDED + "0" * 64), root / "s", gang,
+                        {"x": [GroupSharding(gang, {"mesh": "m", "spec": ["d"]})]})
 
 
 def test_a_killed_member_loses_the_group_and_abort_stops_the_survivor_at_once(program: bytes, group: SliceGroup) -> None:

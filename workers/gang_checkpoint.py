@@ -1,0 +1,213 @@
+"""A multi-host slice's checkpoints: each member saves and restores its own shards; nothing is gathered.
+
+A slice on one worker copies its states to the host and hands them to Orbax
+(:class:`~rallypoint.workers.checkpoint.SliceCheckpointer`). A multi-host slice's states
+live on its members, each holding only its shards, so its lead never holds a whole leaf
+(docs/multihost.md):
+
+* **Save** (:class:`GangCheckpointer`): the members write one Orbax multi-process
+  checkpoint (``StandardSave`` of ``{state: [leaves]}``, the same tree a one-worker slice
+  writes), each its own shards, into a temporary step directory; each answers the
+  digests of the shards it holds the first replica of. The lead writes them as
+  ``shards.json`` beside the checkpoint, renames the directory to its step (the
+  finalize: a save cut short leaves only a temporary directory, never a step), and
+  commits ``sha256-shards:<hex>`` (:mod:`rallypoint.workers.checksums`): one commit for
+  the slice, through the same commit thread, retention and fencing as any slice.
+* **Restore** (:func:`restore_on_gang`): the members read the checkpoint back, each its
+  own shards, laid out as the state's init lays it out, and answer the digests of what
+  they read; the lead compares them with ``shards.json`` and the commit. A checkpoint of
+  another layout (saved by a slice on one worker, or split otherwise) is checked by
+  gathering it once on the lead instead (:func:`~rallypoint.workers.checksums.checksum_of`).
+
+Either kind restores anywhere: a gang's checkpoint read back in one process
+(``restore_commit``: ``rallypoint resume``, the chaos harness's check of every commit) is
+checked against its ``shards.json`` leaf by leaf.
+
+Not built: the in-memory tier keeps no copy of a gang's checkpoint (each host's shards on
+a peer); a gang restores from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rallypoint.basics.logs import get_logger
+from rallypoint.workers import meter
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.workers.checkpoint import (CheckpointCorrupt, SliceCheckpointer, _Pending, checkpoint_within,
+                                           metadata_tree)
+from rallypoint.workers.checksums import (SHARDED, SHARDS_FILE, checksum_of, read_listing, shard_entries,
+                                          shards_checksum)
+from rallypoint.workers.gang import GangSlice, GroupSharding, GroupValue
+from rallypoint.workers.runtime_state import LoadError, RestoreError
+from rallypoint.workers.slice_group import GroupLost
+
+TMP = ".orbax-checkpoint-tmp-"  # Orbax's own marker: its step listing never takes such a directory for a step
+
+
+class GangSteps:
+    """The ``CheckpointManager`` calls a :class:`~rallypoint.workers.checkpoint.SliceCheckpointer` makes, for a
+    multi-host slice: a step is written by the members and finalized by the lead's rename."""
+
+    def __init__(self, directory: Path, gang: GangSlice) -> None:
+        self.directory, self.gang = Path(directory), gang
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def save(self, step: int, tree: Mapping[str, Sequence[GroupValue]]) -> str:
+        """Write ``step`` (blocking until every member wrote its shards); its commit checksum."""
+        tmp = self.directory / f"{step}{TMP}{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            rows = self.gang.group.save(str(tmp / "default"), {s: [v.name for v in leaves] for s, leaves in tree.items()})
+            entries = shard_entries(rows)
+            with open(tmp / SHARDS_FILE, "w") as f:
+                json.dump(entries, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, self.directory / str(step))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return shards_checksum(entries)
+
+    def wait_until_finished(self) -> None:
+        """Nothing runs in the background: :meth:`save` returned once the step was finalized."""
+
+    def all_steps(self) -> list[int]:
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+    def delete(self, step: int) -> None:
+        shutil.rmtree(self.directory / str(step))
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class GangCheckpointer(SliceCheckpointer):
+    """A multi-host slice's :class:`~rallypoint.workers.checkpoint.SliceCheckpointer` (see the module doc).
+
+    Its save blocks the slice until every member has written its shards (a group request;
+    the slice's next instance needs the group anyway); the commit and retention are the
+    base class's, on the commit thread."""
+
+    def __init__(self, slice_dir: Path, *, gang: GangSlice, **kwargs: Any) -> None:
+        self.gang = gang
+        self._sums: dict[int, str] = {}
+        super().__init__(slice_dir, replicate=None, **kwargs)
+
+    def _make_manager(self) -> GangSteps:
+        return GangSteps(self.directory, self.gang)
+
+    def _host_tree(self, states: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+        tree = {str(name): list(leaves) for name, leaves in states.items()}
+        stray = [f"{n}[{i}]" for n, leaves in tree.items() for i, v in enumerate(leaves)
+                 if not (isinstance(v, GroupValue) and v.gang is self.gang)]
+        if stray:
+            raise TypeError(f"states {stray} of multi-host slice {self.slice_name!r} are not on its group")
+        return tree
+
+    def _save_step(self, step: int, tree: dict[str, list[Any]]) -> None:
+        self._sums[step] = self._manager.save(step, tree)
+
+    def _checksum(self, item: _Pending) -> str:
+        return self._sums.pop(item.step)
+
+    def _finalized_path(self, step: int) -> Path | None:
+        p = self.directory / str(step)
+        return p if p.is_dir() else None
+
+
+def _leaf_avals(step_dir: Path) -> dict[str, list[tuple[str, list[int]]]]:
+    """Each state's leaves' dtype and shape, as the checkpoint's Orbax metadata records them."""
+    return {str(s): [(np.dtype(m.dtype).name, [int(n) for n in m.shape]) for m in leaves]
+            for s, leaves in metadata_tree(step_dir / "default").items()}
+
+
+def _split(entries: Sequence[Any]) -> list[str]:
+    """How a listing splits the leaves (each shard's state, leaf and index), in order; of any JSON given."""
+    return sorted(json.dumps([e.get("state"), e.get("leaf"), e.get("index")]) if isinstance(e, dict) else "?"
+                  for e in entries)
+
+
+def restore_on_gang(commit: CheckpointCommit, slice_dir: Path, gang: GangSlice,
+                    layouts: Mapping[str, Sequence[GroupSharding]]) -> dict[str, list[GroupValue]]:
+    """The states ``commit`` names, read by the members of ``gang``, each its own shards, laid out as ``layouts``
+    (state -> each leaf's layout on the group), checked against the commit (see the module doc).
+
+    Raises:
+        CheckpointCorrupt: the path lies outside ``slice_dir``, the checkpoint cannot be read, lacks a state,
+            or is not the bytes committed.
+        GroupLost: a member was lost meanwhile (a loss of the slice, not of the checkpoint).
+    """
+    log = get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name)
+    step_dir = checkpoint_within(commit, slice_dir)
+    t0 = time.perf_counter()
+
+    def corrupt(actual: str | None, why: str) -> CheckpointCorrupt:
+        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
+                    actual=actual, error=why)
+        return CheckpointCorrupt(commit, actual, why)
+
+    try:
+        avals = _leaf_avals(step_dir)
+        missing = sorted(set(layouts) - set(avals))
+        if missing:
+            raise corrupt(None, f"it holds no state {missing}")
+        values = {s: [gang.value(d, shape) for d, shape in avals[s]] for s in layouts}
+        tree = {s: [{"value": v.name, "shape": list(v.shape), "dtype": v.dtype.name, **lay.layout}
+                    for v, lay in zip(values[s], layouts[s], strict=True)] for s in layouts}
+        rows = gang.group.restore(str(step_dir / "default"), tree)
+    except (CheckpointCorrupt, GroupLost):
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure to read it is a corrupt checkpoint
+        raise corrupt(None, f"{type(e).__name__}: {e}") from e
+    got = shard_entries(rows)
+    checked = "shards"
+    if commit.checksum.startswith(SHARDED) and set(layouts) == set(avals):
+        try:
+            saved = read_listing(step_dir)
+        except (OSError, ValueError) as e:
+            raise corrupt(None, f"{SHARDS_FILE} unreadable: {type(e).__name__}: {e}") from e
+        actual = shards_checksum(got) if _split(got) == _split(saved) else None
+    else:
+        actual = None
+    if actual is None:  # saved otherwise (one worker, another split, fewer states): checked whole, on the lead
+        checked = "gathered"
+        actual = checksum_of({s: [np.asarray(v) for v in leaves] for s, leaves in values.items()}, commit.checksum,
+                             step_dir)
+    if actual != commit.checksum:
+        raise corrupt(actual, "the bytes read back are not the ones committed")
+    log.info("checkpoint.restored_on_group", step=commit.step, checked=checked, members=len(gang.group.members),
+             restore_s=round(time.perf_counter() - t0, 4),
+             bytes=sum(v.nbytes for leaves in values.values() for v in leaves))
+    return values
+
+
+def restore_for_gang(req: Any, slice_name: str, gang: GangSlice, layouts: Mapping[str, Sequence[GroupSharding]],
+                     tiers: dict[str, str] | None = None) -> dict[str, list[GroupValue]]:
+    """A runtime's restore of multi-host slice ``slice_name`` from its checkpoint in the load request ``req``
+    (:func:`restore_on_gang`); a corrupt one raises the load's typed ``RestoreError``."""
+
+    ref = next((r for r in req.restore if r.slice == slice_name), None)
+    if ref is None or not req.checkpoint_dir:
+        raise LoadError(f"start step {req.start_step} needs a checkpoint of multi-host slice {slice_name!r} "
+                        "and a checkpoint directory to read it from")
+    commit = CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum)
+    t0 = time.perf_counter()
+    try:
+        values = restore_on_gang(commit, Path(req.checkpoint_dir) / slice_name, gang, layouts)
+    except CheckpointCorrupt as exc:
+        raise RestoreError.corrupt(exc) from exc
+    if tiers is not None:
+        tiers[slice_name] = "disk"
+    meter.checkpoint_restored(req.job, "disk", time.perf_counter() - t0)
+    return values
