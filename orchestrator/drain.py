@@ -171,6 +171,9 @@ class Drain:
         self.request = request
         self.phase = D.LEASING
         self.spares: dict[str, SlicePlace] = {}
+        # The worker whose runtime drives the slices: the drained one, or, when that is a member of multi-host
+        # slices another worker leads, their lead (held, saved and unloaded in its place; docs/multihost.md).
+        self.lead = request.worker
         now = clock.monotonic()
         self.record = DrainRecord(number, request.worker, request.reason, request.revision, now,
                                   marks={"started": now})
@@ -196,7 +199,7 @@ class Drain:
         if self.phase is D.SAVING and self.port.reached(self.record.slices, self.record.step):
             self.record.marks["saved"] = self.clock.monotonic()
             if self.park:
-                self.port.park(self.worker, self.record.slices, self.record.step)
+                self.port.park(self.lead, self.record.slices, self.record.step)
                 self._set(D.PARKED)
             else:
                 self._set(D.MOVING)
@@ -208,7 +211,7 @@ class Drain:
             self.record.marks["room"] = self.clock.monotonic()
             self._set(D.MOVING)
         if self.phase is D.MOVING:
-            self.port.move(self.worker, self.spares, self.record.step)
+            self.port.move(self.lead, self.spares, self.record.step)
             self.record.moved = {s: p.worker for s, p in self.spares.items()}
             self.record.marks["moved"] = self.clock.monotonic()
             self._set(D.RESUMING)
@@ -221,15 +224,20 @@ class Drain:
         rec = self.record
         if slice_name not in rec.slices:
             return
-        if self.phase is D.SAVING and worker == self.worker and step < rec.step:
+        if self.phase is D.SAVING and worker == self.lead and step < rec.step:
             rec.marks["last_done"] = max(self.clock.monotonic(), rec.marks.get("held", 0.0))
         elif self.phase is D.RESUMING and worker == rec.moved.get(slice_name):
             rec.marks.setdefault("first_run", self.clock.monotonic())
 
     def _lease(self) -> None:
         port, rec = self.port, self.record
-        rec.slices = sorted(s for s, p in port.placement.items() if p.worker == self.worker
-                            and (self.only is None or s in self.only))
+        placed = port.placement
+        led = [s for s, p in placed.items() if p.worker == self.worker]
+        if not led:  # a member of multi-host slices: their gangs move whole, driven by their lead
+            led = [s for s, p in placed.items() if any(m.worker == self.worker for m in p.members)]
+            led = [s for s in led if placed[s].worker == placed[led[0]].worker]  # one lead's (a next drain: others)
+        rec.slices = sorted(s for s in led if self.only is None or s in self.only)
+        self.lead = placed[rec.slices[0]].worker if rec.slices else self.worker
         why = port.why_not_drainable(rec.slices) if rec.slices else f"the job holds no slice on worker {self.worker}"
         if why:
             self._set(D.CANCELLED, why)
@@ -237,17 +245,19 @@ class Drain:
         need = self.need = {s: self.target.get(s, port.placement[s].count) for s in rec.slices}
         if self.park:  # room is found after the devices went to the job that asked for them
             rec.step = port.drain_step()
-            port.hold(self.worker, rec.step)
+            port.hold(self.lead, rec.step)
             rec.marks["held"] = self.clock.monotonic()
             self._set(D.SAVING)
             return
-        got = port.lease_spares(need, frozenset(port.loaded_workers()) | {self.worker})
+        # A new gang shares no worker with the old one: the old one's leases there go whole when the drain moves it.
+        members = {m.worker for s in rec.slices for m in placed[s].members}
+        got = port.lease_spares(need, frozenset(port.loaded_workers()) | {self.worker} | members)
         if isinstance(got, str):
             self._set(D.CANCELLED, f"cannot drain worker {self.worker}: {got}")
             return
         self.spares = got
         rec.step = port.drain_step()
-        port.hold(self.worker, rec.step)
+        port.hold(self.lead, rec.step)
         rec.marks["held"] = self.clock.monotonic()
         self._set(D.SAVING)
 
@@ -266,5 +276,5 @@ class Drain:
         if self.spares and self.phase is not D.MOVING:
             self.port.release_spares(self.spares)
         if self.phase is D.SAVING:
-            self.port.hold(self.worker, None)
+            self.port.hold(self.lead, None)
         self._set(D.ABORTED, reason)

@@ -85,7 +85,8 @@ class JobDrains(DrainPort):
             requests = read_drain_requests(store, keys)
         except StoreError:
             return  # etcd is away: requests wait
-        ours = {p.worker for p in self.placement.values()} & set(self.loads.loaded)
+        ours = ({p.worker for p in self.placement.values()} & set(self.loads.loaded)) | \
+            {m.worker for p in self.placement.values() for m in p.members}  # a gang's members: it moves whole
         for worker, req in sorted(requests.items()):
             if worker not in ours or worker in self.drains or self._answered.get(worker) == req.revision:
                 continue
@@ -268,10 +269,14 @@ class JobDrains(DrainPort):
                 and all(self.progress.saved(s, step) for s in slices if s in self._ckpt_slices))
 
     def move(self, worker: str, places: Mapping[str, SlicePlace], step: int) -> None:
+        members = {m.worker: [s for s in places if any(n.worker == m.worker for n in self.placement[s].members)]
+                   for s in places for m in self.placement[s].members if m.worker != worker}
         self.places.apply(places, drained_at=step)  # from here on the slices are the spares' (a failure is theirs)
-        self.loads.unload(worker)  # what it pushed before it stopped arrives first
+        self.loads.unload(worker)  # what it pushed before it stopped arrives first; a gang's group ends with it
         self.holds.pop(worker, None)
         self.places.release_on(worker, places, "releasing the drained devices")
+        for m, slices in sorted(members.items()):  # the old gang's other members (none is in the new gang)
+            self.places.release_on(m, slices, "releasing the drained gang's devices")
         commits = self.term.commits()
         new = {p.worker for p in places.values()} - set(self.loads.loaded)
         failures = self.loads.load(new, step, commits)

@@ -23,7 +23,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -332,14 +332,21 @@ class JobPlacement:
                     raise JobFailed(f"multi-host slice {slice_name!r}: {exc}") from None
                 self.clock.sleep(REMAP_POLL_S)
                 continue
-            snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(self.term.store, self.term.keys))
-            members = tuple(SlicePlace(p.worker, snap.workers[p.worker].info.address, p.incarnation, p.devices,
-                                       snap.workers[p.worker].info.data_address)
-                            for p in gang if p.worker in snap.workers)
-            if len(members) == len(gang):
-                lead = members[0]
-                return SlicePlace(lead.worker, lead.address, lead.incarnation, lead.devices, lead.data_address, members)
-            leases.release(self.spec.job, slice_name)  # a member left between the lease and the read: again
+            try:
+                return self._gang_place(slice_name, gang)
+            except AllocationError:
+                leases.release(self.spec.job, slice_name)  # a member left between the lease and the read: again
+
+    def _gang_place(self, slice_name: str, gang: Sequence[Placement]) -> SlicePlace:
+        """The place of a gang just leased (its lead first); AllocationError when a member left meanwhile."""
+        snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(self.term.store, self.term.keys))
+        members = tuple(SlicePlace(p.worker, snap.workers[p.worker].info.address, p.incarnation, p.devices,
+                                   snap.workers[p.worker].info.data_address)
+                        for p in gang if p.worker in snap.workers)
+        if len(members) != len(gang):
+            raise AllocationError(f"a member of the new gang of slice {slice_name!r} left while it was leased")
+        lead = members[0]
+        return SlicePlace(lead.worker, lead.address, lead.incarnation, lead.devices, lead.data_address, members)
 
     def lease_spares(self, need: Mapping[str, int], exclude: frozenset[str], *,
                      shrink: bool = False) -> dict[str, SlicePlace] | str:
@@ -351,6 +358,16 @@ class JobPlacement:
         placed: dict[str, SlicePlace] = {}
         allow_shrink = shrink and self.settings is not None and self.settings.on_no_spare == "shrink"
         store, keys = self.term.store, self.term.keys
+        for s in sorted(s for s in need if self._places.get(s) is not None and self._places[s].members):
+            gang: Sequence[Placement] = ()
+            try:  # a multi-host slice: a whole new gang, in one transaction (docs/multihost.md)
+                gang = leases.allocate_gang(self.spec.job, s, need[s], exclude=exclude | {p.worker for p in placed.values()})
+                placed[s] = self._gang_place(s, gang)
+            except AllocationError as exc:  # none (NoSpareDevices), or a member left before it was placed
+                for p in gang:
+                    self.release_on(p.worker, [s], "releasing a gang a member left")
+                self.release_spares(placed)
+                return f"multi-host slice {s!r}: {exc}"
         for _ in range(LEASE_ATTEMPTS):
             todo = {s: n for s, n in need.items() if s not in placed}
             if not todo:
@@ -390,7 +407,8 @@ class JobPlacement:
     def release_spares(self, places: Mapping[str, SlicePlace]) -> None:
         """Give back spare devices leased and not used."""
         for s, p in places.items():
-            self.release_on(p.worker, [s], "releasing spare devices")
+            for w in [m.worker for m in p.members] or [p.worker]:
+                self.release_on(w, [s], "releasing spare devices")
 
     def release_all(self) -> None:
         """Every device lease of the job goes (its end, or a resume taking over); best effort."""

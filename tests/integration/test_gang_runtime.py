@@ -1,9 +1,9 @@
 """Multi-host slices on a real cluster: the data-parallel example's one slice of 4 devices as a gang of 2 workers
 x 2 devices, its members on real worker daemons (docs/multihost.md).
 
-The executor places the gang; a lost member (the lead killed here; one that does not lead cut off the
-network on a host of its own, and killed in the multihost-kill chaos scenario) is recovered as a unit,
-and the run ends bitwise equal to the run without the loss."""
+The executor places the gang and moves it whole off a drained member; a lost member (the lead killed here;
+one that does not lead cut off the network on a host of its own, and killed in the multihost-kill chaos
+scenario) is recovered as a unit, and the run ends bitwise equal to the run without the loss."""
 
 from __future__ import annotations
 
@@ -23,19 +23,21 @@ from rallypoint.client.submit import submit
 from rallypoint.chaos.network import partitionable_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.drains import request_drain
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import read_events
 from tests.integration.test_adoption import _record
 from tests.examples import example
 
 STEPS = 6
+DRAIN_STEPS = 14
 _BASELINE: list[str] = []  # the gang's fault-free digest (the same bits on any cluster of the same gang shape)
 
 
-def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_and_recovers_it_when_its_lead_is_lost(
+def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_whole_off_a_drained_member_and_recovers_it_when_its_lead_is_lost(  # noqa: E501
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    lc = local_cluster(workers=3, spares=0, devices_per_worker=2, coordinators=1)
+    lc = local_cluster(workers=4, spares=0, devices_per_worker=2, coordinators=1)
     compiled = compile_program(example("data_parallel").build(steps=STEPS, devices=4))  # no worker has 4
     whole = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2)
     placed = _record(lc, compiled.program.name)["placement"]["dp"]
@@ -45,6 +47,40 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_and_recove
         for got, want in zip(jax.tree_util.tree_leaves(value), jax.tree_util.tree_leaves(reference.states[name]),
                              strict=True):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+    # A member that does not lead (w1) is drained after step 2: the gang moves whole, from a checkpoint at the
+    # drain step (each member its shards), onto a new gang sharing no worker with the old one. Nothing is lost, so
+    # nothing is fenced or replayed, and no recovery runs; the run ends bitwise equal. (A longer run, granted a
+    # step at a time, so that the drain is taken up before every step is granted.)
+    longer = compile_program(example("data_parallel").build(steps=DRAIN_STEPS, devices=4))
+    plain = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1, new_run=True)
+    before = read_cluster_now(lc)
+    asked: list[int] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "step.done" and ev.step == 2 and not asked:
+            store = lc.store()
+            try:
+                asked.append(request_drain(store, lc.keys, "w1", reason="operator", by="test").revision)
+            finally:
+                store.close()
+
+    drained = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1,
+                     on_event=on_event, new_run=True)
+    rec = drained.recovery
+    assert drained.state_digest == plain.state_digest and rec["recoveries"] == [] and rec["failures"] == [], rec
+    (d,) = rec["drains"]
+    assert d["state"] == "done" and d["worker"] == "w1" and d["slices"] == ["dp"] and d["replayed_instances"] == 0, d
+    moved = _record(lc, longer.program.name)["placement"]["dp"]
+    assert [m["worker"] for m in moved["members"]] == ["w2", "w3"] and d["moved"] == {"dp": "w2"}, (moved, d)
+    after = read_cluster_now(lc)
+    assert all(after.workers[w].info.incarnation == before.workers[w].info.incarnation for w in before.workers)
+    assert not after.workers["w1"].holders and not after.workers["w0"].holders, "the old gang's devices were kept"
+    store = lc.store()
+    try:
+        store.delete(lc.keys.drain("w1"))  # answered: the next runs may use w1 again
+    finally:
+        store.close()
 
     def run_killing(which: int) -> tuple[Any, list[str]]:
         """A new run of the job whose gang loses member ``which`` (its worker SIGKILLed) after step 2."""
@@ -113,6 +149,14 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
         # incarnation (its other jobs would have gone on) and could lead the new gang.
         assert after.workers["w0"].info.incarnation == snap.workers["w0"].info.incarnation
         assert members[0] == "w0", members
+
+
+def read_cluster_now(lc: LocalCluster) -> Any:
+    store = lc.store()
+    try:
+        return read_cluster(store, lc.keys)
+    finally:
+        store.close()
 
 
 def _run_partitioning(lc: LocalCluster, control: Any, compiled: Any) -> Any:

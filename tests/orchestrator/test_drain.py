@@ -183,3 +183,20 @@ def test_an_aborted_park_leaves_its_slices_for_the_recovery() -> None:
     assert d.parked == ["a", "c"]
     d.abort("recovery 1 started")
     assert d.phase is D.ABORTED and not any(c[0] == "release" for c in job.calls)
+
+
+def test_a_drained_member_of_a_gang_moves_the_gang_whole_through_its_lead_onto_workers_it_does_not_share() -> None:
+    # Slice "g" spans w2 (its lead) and w5; w5 is drained. The drain holds, saves and unloads the lead, and the new
+    # gang may use neither old member nor the drained worker (docs/multihost.md).
+    job = FakeJob()
+    job.placement["g"] = SlicePlace("w2", "w2:1", 8, (1,), members=(SlicePlace("w2", "w2:1", 8, (1,)),
+                                                                    SlicePlace("w5", "w5:1", 3, (0,))))
+    d = drain(job, "w5")
+    assert d.step() is D.SAVING and d.record.slices == ["g"] and d.lead == "w2"
+    assert job.calls[0] == ("lease", {"g": 2}, frozenset({"w1", "w2", "w5"}))
+    assert job.calls[1] == ("hold", "w2", 12)
+    d.observe("w2", "g", 11)
+    job.done_at = 12
+    assert d.step() is D.RESUMING and job.calls[-1] == ("move", "w2", ["g"], 12)
+    d.abort("a loss")  # moved already: done, only the pause unmeasured; the hold was the lead's
+    assert d.phase is D.DONE and ("hold", "w5", None) not in job.calls
