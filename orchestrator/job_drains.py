@@ -22,6 +22,7 @@ from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_requests
 from rallypoint.etcd.store import Delete, Put
+from rallypoint.orchestrator.devices import choose_gang
 from rallypoint.orchestrator.drain import Drain, DrainPhase, DrainPort, DrainRecord
 from rallypoint.orchestrator.failures import WorkerCallFailed
 from rallypoint.orchestrator.job_loads import JobLoads
@@ -123,7 +124,8 @@ class JobDrains(DrainPort):
 
     def _poll_grow(self) -> None:
         """A slice running on fewer devices than declared (shrunk) moves back onto a worker with room for all of
-        them, by a drain (nothing lost, nothing replayed), once one is there."""
+        them, or a whole gang of workers when none holds them (docs/multihost.md), by a drain (nothing lost,
+        nothing replayed), once there is room."""
         if self.drains or not self._running() or self.progress.all_granted:
             return
         for s, p in sorted(self.placement.items()):
@@ -134,8 +136,12 @@ class JobDrains(DrainPort):
                 snap = read_cluster(self.term.store, self.term.keys)
             except StoreError:
                 return
-            fits = plan_remap(snap, {s: full}, RemapPolicy(on_no_spare="fail"), exclude=frozenset(self.loads.loaded))
-            if isinstance(fits, Remap):
+            away = frozenset(self.loads.loaded) | {m.worker for m in p.members}
+            if full > max((w.info.devices for w in snap.workers.values()), default=0):  # back onto a whole gang
+                fits = choose_gang(snap, full, exclude=away) is not None
+            else:
+                fits = isinstance(plan_remap(snap, {s: full}, RemapPolicy(on_no_spare="fail"), exclude=away), Remap)
+            if fits:
                 self.log.info("drain.grow", slice=s, devices=p.count, to=full)
                 self.start(DrainRequest(p.worker, "grow", "executor", time.time(), 0.0), only=[s], target={s: full})
                 return
@@ -269,14 +275,14 @@ class JobDrains(DrainPort):
                 and all(self.progress.saved(s, step) for s in slices if s in self._ckpt_slices))
 
     def move(self, worker: str, places: Mapping[str, SlicePlace], step: int) -> None:
-        members = {m.worker: [s for s in places if any(n.worker == m.worker for n in self.placement[s].members)]
-                   for s in places for m in self.placement[s].members if m.worker != worker}
+        others = {s: [m.worker for m in self.placement[s].members if m.worker != worker] for s in places}
         self.places.apply(places, drained_at=step)  # from here on the slices are the spares' (a failure is theirs)
         self.loads.unload(worker)  # what it pushed before it stopped arrives first; a gang's group ends with it
         self.holds.pop(worker, None)
         self.places.release_on(worker, places, "releasing the drained devices")
-        for m, slices in sorted(members.items()):  # the old gang's other members (none is in the new gang)
-            self.places.release_on(m, slices, "releasing the drained gang's devices")
+        for s, members in sorted(others.items()):  # a gang's other members (none of them is in the new gang)
+            for m in members:
+                self.places.release_on(m, [s], "releasing the drained gang's devices")
         commits = self.term.commits()
         new = {p.worker for p in places.values()} - set(self.loads.loaded)
         failures = self.loads.load(new, step, commits)

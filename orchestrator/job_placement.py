@@ -281,10 +281,13 @@ class JobPlacement:
         assert self.settings is not None
         policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
         leases = self.term.leases()
-        placed: dict[str, SlicePlace] = {s: self._regang(s, n, exclude) for s, n in need.items()
-                                         if self._places.get(s) is not None and self._places[s].members}
-        t0, told, waited_from = self.clock.monotonic(), False, 0.0
         store, keys = self.term.store, self.term.keys
+        snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
+        largest = max((w.info.devices for w in snap.workers.values()), default=0)
+        # a gang, or a slice shrunk off one that no worker can hold whole: a whole new gang (or a smaller one)
+        placed: dict[str, SlicePlace] = {s: self._regang(s, n, exclude) for s, n in need.items()
+                                         if n > largest or (self._places.get(s) is not None and self._places[s].members)}
+        t0, told, waited_from = self.clock.monotonic(), False, 0.0
         while True:
             self.term.hold()
             todo = {s: n for s, n in need.items() if s not in placed}
@@ -328,6 +331,10 @@ class JobPlacement:
             try:
                 gang = leases.allocate_gang(self.spec.job, slice_name, count, exclude=exclude)
             except NoSpareDevices as exc:
+                shrunk = self._shrunk_gang(slice_name, count, exclude) if self.settings.on_no_spare == "shrink" \
+                    else None
+                if shrunk is not None:
+                    return shrunk
                 if self.clock.monotonic() - t0 >= self.settings.wait_timeout_s or self.settings.on_no_spare == "fail":
                     raise JobFailed(f"multi-host slice {slice_name!r}: {exc}") from None
                 self.clock.sleep(REMAP_POLL_S)
@@ -336,6 +343,34 @@ class JobPlacement:
                 return self._gang_place(slice_name, gang)
             except AllocationError:
                 leases.release(self.spec.job, slice_name)  # a member left between the lease and the read: again
+
+    def _shrunk_gang(self, slice_name: str, count: int, exclude: frozenset[str]) -> SlicePlace | None:
+        """A lost gang with no room for a whole new one, on fewer devices (``on_no_spare='shrink'``): the largest
+        of the slice's other device counts that room is free for now, as a smaller gang (fewer hosts) or on one
+        worker; None when there is room for none. A change of device count is recorded (``resharded``)."""
+        leases, store, keys = self.term.leases(), self.term.store, self.term.keys
+        snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
+        largest = max((w.info.devices for w in snap.workers.values()), default=0)
+        for c in sorted((c for c in self.device_counts.get(slice_name, ()) if c < count), reverse=True):
+            if c > largest:
+                try:
+                    place = self._gang_place(slice_name, leases.allocate_gang(self.spec.job, slice_name, c,
+                                                                              exclude=exclude))
+                except AllocationError:
+                    leases.release(self.spec.job, slice_name)  # none had room, or a member left meanwhile
+                    continue
+            else:
+                decision = plan_remap(snap, {slice_name: c}, RemapPolicy(on_no_spare="fail"), exclude=exclude,
+                                      allowed=self.device_counts)
+                placed: dict[str, SlicePlace] = {}
+                if not isinstance(decision, Remap) or not self._lease(snap, decision.assignments[0], leases, placed):
+                    continue
+                place = placed[slice_name]
+            self.resharded.append({"slice": slice_name, "from": count, "to": c, "at": time.time(),
+                                   "why": f"no room for a whole gang of {count} devices (on_no_spare='shrink')"})
+            self.log.warning("recovery.shrunk", slice=slice_name, devices=c, had=count, members=len(place.members))
+            return place
+        return None
 
     def _gang_place(self, slice_name: str, gang: Sequence[Placement]) -> SlicePlace:
         """The place of a gang just leased (its lead first); AllocationError when a member left meanwhile."""
@@ -358,7 +393,9 @@ class JobPlacement:
         placed: dict[str, SlicePlace] = {}
         allow_shrink = shrink and self.settings is not None and self.settings.on_no_spare == "shrink"
         store, keys = self.term.store, self.term.keys
-        for s in sorted(s for s in need if self._places.get(s) is not None and self._places[s].members):
+        snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
+        largest = max((w.info.devices for w in snap.workers.values()), default=0)
+        for s in sorted(s for s in need if need[s] > largest):
             gang: Sequence[Placement] = ()
             try:  # a multi-host slice: a whole new gang, in one transaction (docs/multihost.md)
                 gang = leases.allocate_gang(self.spec.job, s, need[s], exclude=exclude | {p.worker for p in placed.values()})

@@ -251,7 +251,6 @@ class RecoveryData:
     lost_slices: set[str] = field(default_factory=set)  # every slice it moves
     unplaced: set[str] = field(default_factory=set)  # of those, the ones without devices now
     lost_workers: dict[str, str] = field(default_factory=dict)  # every worker it fenced, with why
-    unloaded: set[str] = field(default_factory=set)  # workers alive whose runtime of the job it ended instead
     lost_incarnations: dict[str, int] = field(default_factory=dict)  # of those, the incarnation lost (newest)
     bad_cut: int | None = None  # restore only from cuts below this one
     policy: str = "partial"
@@ -331,9 +330,7 @@ class Recovery:
             alive = bool(slices) and w in s.unload and port.unload(w)
             if slices:
                 inc = port.placement[slices[0]].incarnation
-                if alive:  # a spare like any other from now on, for this recovery too
-                    d.unloaded.add(w)
-                else:
+                if not alive:  # one alive is a spare like any other from now on, for this recovery too
                     d.lost_incarnations[w] = max(inc, d.lost_incarnations.get(w, inc))
                     port.fence(w, inc)
                 self.record.lost.setdefault(w, slices)

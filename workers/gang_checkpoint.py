@@ -159,9 +159,8 @@ def restore_on_gang(commit: CheckpointCommit, slice_dir: Path, gang: GangSlice,
 
     try:
         avals = _leaf_avals(step_dir)
-        missing = sorted(set(layouts) - set(avals))
-        if missing:
-            raise corrupt(None, f"it holds no state {missing}")
+        if set(avals) != set(layouts):
+            raise corrupt(None, f"it holds states {sorted(avals)}, the slice has {sorted(layouts)}")
         values = {s: [gang.value(d, shape) for d, shape in avals[s]] for s in layouts}
         tree = {s: [{"value": v.name, "shape": list(v.shape), "dtype": v.dtype.name, **lay.layout}
                     for v, lay in zip(values[s], layouts[s], strict=True)] for s in layouts}
@@ -172,7 +171,7 @@ def restore_on_gang(commit: CheckpointCommit, slice_dir: Path, gang: GangSlice,
         raise corrupt(None, f"{type(e).__name__}: {e}") from e
     got = shard_entries(rows)
     checked = "shards"
-    if commit.checksum.startswith(SHARDED) and set(layouts) == set(avals):
+    if commit.checksum.startswith(SHARDED):
         try:
             saved = read_listing(step_dir)
         except (OSError, ValueError) as e:
@@ -180,7 +179,7 @@ def restore_on_gang(commit: CheckpointCommit, slice_dir: Path, gang: GangSlice,
         actual = shards_checksum(got) if _split(got) == _split(saved) else None
     else:
         actual = None
-    if actual is None:  # saved otherwise (one worker, another split, fewer states): checked whole, on the lead
+    if actual is None:  # saved otherwise (by a slice on one worker, or split otherwise): checked whole, on the lead
         checked = "gathered"
         actual = checksum_of({s: [np.asarray(v) for v in leaves] for s, leaves in values.items()}, commit.checksum,
                              step_dir)
@@ -196,7 +195,6 @@ def restore_for_gang(req: Any, slice_name: str, gang: GangSlice, layouts: Mappin
                      tiers: dict[str, str] | None = None) -> dict[str, list[GroupValue]]:
     """A runtime's restore of multi-host slice ``slice_name`` from its checkpoint in the load request ``req``
     (:func:`restore_on_gang`); a corrupt one raises the load's typed ``RestoreError``."""
-
     ref = next((r for r in req.restore if r.slice == slice_name), None)
     if ref is None or not req.checkpoint_dir:
         raise LoadError(f"start step {req.start_step} needs a checkpoint of multi-host slice {slice_name!r} "
