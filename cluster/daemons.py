@@ -101,6 +101,9 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
               "leaves anyway (0: SIGTERM stops at once, as SIGINT does).")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on --host at this port (0: a free one; default: none). docs/metrics.md")
+@click.option("--member-pool", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Multi-host slice member processes kept started ahead, JAX imported, so that a gang's group forms "
+              "(and recovers) without waiting for them to load; each idle one holds its memory. docs/multihost.md")
 @click.option("--fault-commit-delay-s", type=float, default=0.0, hidden=True,
               help="Test fault: seconds each checkpoint commit waits after Orbax finalized it.")
 @click.option("--fault-storage-flag", default="", hidden=True,
@@ -110,8 +113,8 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, platform: str | None,
            nondeterministic: bool, host: str,
            port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
-           compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, fault_commit_delay_s: float,
-           fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
+           compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, member_pool: int,
+           fault_commit_delay_s: float, fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
@@ -124,7 +127,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
                        port=port, register_timeout_s=register_timeout_s,
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
-                       preempt_deadline_s=preempt_deadline_s, metrics_port=metrics_port,
+                       preempt_deadline_s=preempt_deadline_s, metrics_port=metrics_port, member_pool=member_pool,
                        faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag,
                                           corrupt_replicas=fault_corrupt_replicas))
     d = WorkerDaemon(cfg)

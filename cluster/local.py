@@ -163,6 +163,7 @@ class LocalCluster:
             base += net.args() if net is not None else []
             if self.compile_cache_dir is not None:
                 base += ["--compile-cache-dir", str(self.compile_cache_dir)]
+            base += ["--member-pool", str(self.config.member_pool)] if self.config.member_pool else []
             base += self.config.worker_faults.args()
         else:
             base += ["--checkpoint-dir", str(self.checkpoint_dir),

@@ -64,6 +64,8 @@ class LocalClusterConfig:
             the cluster, or by a ``supervise`` daemon after ``rallypoint up`` (which turns
             it on). Off by default here: a test or chaos scenario that kills a process
             expects it to stay dead unless it asks for supervision.
+        member_pool: gang member processes each worker keeps started ahead (``--member-pool``),
+            so that a multi-host slice's group forms faster (docs/multihost.md); 0: none.
     """
 
     state_dir: Path
@@ -84,6 +86,7 @@ class LocalClusterConfig:
     tls: bool = True
     metrics: bool = True
     supervise: bool = False
+    member_pool: int = 0
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
@@ -108,6 +111,8 @@ class LocalClusterConfig:
             raise ConfigError(f"--lease-ttl-s must be at least 1, got {self.lease_ttl_s}")
         if self.preempt_deadline_s < 0:
             raise ConfigError(f"--preempt-deadline-s must be 0 or more, got {self.preempt_deadline_s:g}")
+        if self.member_pool < 0:
+            raise ConfigError(f"--member-pool must be 0 (none) or more, got {self.member_pool}")
         if self.suspect_after_s < 0:
             raise ConfigError(f"--suspect-after-s must be 0 (off) or more, got {self.suspect_after_s:g}")
 

@@ -52,6 +52,7 @@ from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.job_checkpoints import CommitFn
 from rallypoint.workers.metrics import WorkerMetrics
+from rallypoint.workers.member_link import MemberPool
 from rallypoint.workers.platform import PlatformInfo, check_platform, device_record, pin_jax_platform, platform_info
 from rallypoint.workers.platform import prepare_environment
 from rallypoint.workers.preemption import handle_preemption
@@ -117,6 +118,9 @@ class WorkerConfig:
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
             endpoint). The address is logged (``metrics.serving``) and is ``metrics_address`` in
             the worker's etcd record (docs/metrics.md).
+        member_pool: gang member processes kept started ahead, with JAX imported, so that a
+            multi-host slice's group forms without waiting for them to load (0: none; each idle
+            one holds its memory: :class:`rallypoint.workers.member_link.MemberPool`).
     """
 
     cluster: str
@@ -138,6 +142,7 @@ class WorkerConfig:
     faults: WorkerFaults = NO_FAULTS
     tls: TlsConfig | None = None
     metrics_port: int | None = None
+    member_pool: int = 0
 
     def __post_init__(self) -> None:
         check_name("worker", self.worker_id)
@@ -259,6 +264,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         bound = self.config.host
         self.runtime.member_host = bound if bound not in ("", "0.0.0.0", "::") else self.address.rsplit(":", 1)[0]
         self.runtime.member_platform = self.platform.platform or "cpu"  # a gang member's devices: this worker's kind
+        if self.config.member_pool:
+            self.runtime.member_pool = MemberPool(self.config.member_pool)
+            self.runtime.member_pool.fill(self.runtime.member_platform)
         self._server.start()
         if self.config.metrics_port is not None:
             self.metrics = WorkerMetrics(self, host=self.config.host, port=self.config.metrics_port)

@@ -8,7 +8,9 @@ live on its members, each holding only its shards, so its lead never holds a who
 * **Save** (:class:`GangCheckpointer`): the members write one Orbax multi-process
   checkpoint (``StandardSave`` of ``{state: [leaves]}``, the same tree a one-worker slice
   writes), each its own shards, into a temporary step directory; each answers the
-  digests of the shards it holds the first replica of. The lead writes them as
+  digests of the shards it holds the first replica of, once Orbax has its host copy (the
+  writing goes on in the background, as a one-worker slice's does). When every member has
+  written (the commit thread asks), the lead writes the digests as
   ``shards.json`` beside the checkpoint, renames the directory to its step (the
   finalize: a save cut short leaves only a temporary directory, never a step), and
   commits ``sha256-shards:<hex>`` (:mod:`rallypoint.workers.checksums`): one commit for
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -51,6 +54,7 @@ from rallypoint.workers.gang import GangSlice, GroupSharding, GroupValue
 from rallypoint.workers.runtime_state import LoadError, RestoreError
 from rallypoint.workers.slice_group import GroupLost
 
+SAVED_POLL_S = 0.02  # how often the commit thread asks the members whether a step is written
 TMP = ".orbax-checkpoint-tmp-"  # Orbax's own marker: its step listing never takes such a directory for a step
 
 
@@ -61,26 +65,45 @@ class GangSteps:
     def __init__(self, directory: Path, gang: GangSlice) -> None:
         self.directory, self.gang = Path(directory), gang
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._writing: dict[int, tuple[Path, list[dict[str, Any]]]] = {}  # step -> its temporary directory, listing
+        self._lock = threading.Lock()
 
     def save(self, step: int, tree: Mapping[str, Sequence[GroupValue]]) -> str:
-        """Write ``step`` (blocking until every member wrote its shards); its commit checksum."""
+        """Start writing ``step``: returns once every member holds its host copy (they write in the background
+        until :meth:`wait_until_finished`); its commit checksum."""
         tmp = self.directory / f"{step}{TMP}{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            rows = self.gang.group.save(str(tmp / "default"), {s: [v.name for v in leaves] for s, leaves in tree.items()})
-            entries = shard_entries(rows)
-            with open(tmp / SHARDS_FILE, "w") as f:
-                json.dump(entries, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, self.directory / str(step))
+            rows = self.gang.group.save(str(tmp / "default"), {s: [v.name for v in leaves] for s, leaves in tree.items()},
+                                        wait=False)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        entries = shard_entries(rows)
+        with self._lock:
+            self._writing[step] = (tmp, entries)
         return shards_checksum(entries)
 
     def wait_until_finished(self) -> None:
-        """Nothing runs in the background: :meth:`save` returned once the step was finalized."""
+        """Finalize every step started: once each member has written its shards (a group request), its listing is
+        written beside it and its directory renamed to the step. A step that fails is removed (not finalized)."""
+        with self._lock:
+            writing, self._writing = sorted(self._writing.items()), {}
+        errors = []
+        for step, (tmp, entries) in writing:
+            try:
+                while not self.gang.group.saved(str(tmp / "default"), wait=False):  # the slice runs meanwhile
+                    time.sleep(SAVED_POLL_S)
+                with open(tmp / SHARDS_FILE, "w") as f:
+                    json.dump(entries, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, self.directory / str(step))
+            except Exception as exc:  # noqa: BLE001 - the step is not finalized: its commit is never made
+                shutil.rmtree(tmp, ignore_errors=True)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def all_steps(self) -> list[int]:
         return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
@@ -95,9 +118,9 @@ class GangSteps:
 class GangCheckpointer(SliceCheckpointer):
     """A multi-host slice's :class:`~rallypoint.workers.checkpoint.SliceCheckpointer` (see the module doc).
 
-    Its save blocks the slice until every member has written its shards (a group request;
-    the slice's next instance needs the group anyway); the commit and retention are the
-    base class's, on the commit thread."""
+    Its save holds the slice until every member has its host copy (a group request); the
+    members write in the background, and the commit thread finalizes the step once they are
+    done (another group request) and commits it, with the base class's retention."""
 
     def __init__(self, slice_dir: Path, *, gang: GangSlice, **kwargs: Any) -> None:
         self.gang = gang

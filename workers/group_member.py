@@ -11,7 +11,10 @@ anew as a unit.
 Started as ``python -m rallypoint.workers.group_member`` with the group's settings as
 JSON in ``argv[1]`` (``coordinator``, ``processes``, ``process``, ``local_devices``,
 ``platform``, ``init_timeout_s``, ``heartbeat_s``, ``address``: its own host's address, where
-its gloo transport listens). It joins the group, answers
+its gloo transport listens, ``device_ids``), or ahead of need as ``... --pooled`` (a worker's
+member pool, :class:`rallypoint.workers.member_link.MemberPool`): it then imports JAX and
+Orbax at once and reads the settings as its first frame, ``{"settings": {...}}``, when a slice
+needs it. It joins the group, answers
 ``{"ready": ...}`` and then serves requests on stdin, one at a time, in order: a JSON
 header line, then the payloads whose byte sizes the header lists in ``sizes``; each
 answer has the same form, or ``{"error": ...}`` for a request it refuses (a bad program,
@@ -26,8 +29,10 @@ Requests (``op``):
   array made of this process's shards only.
 * ``call`` ``{prog, args, outs}``: run a loaded program; the outputs stay here.
 * ``get`` ``{value}``: this process's shards (each index once) and their bytes.
-* ``save`` ``{dir, tree}``: an Orbax multi-process checkpoint of ``{state: [leaf values]}`` (each
-  process writes its own shards; process 0 finalizes); ``restore`` ``{dir, tree}``: the same
+* ``save`` ``{dir, tree, wait}``: an Orbax multi-process checkpoint of ``{state: [leaf values]}``
+  (each process writes its own shards; process 0 finalizes). ``wait`` false answers once Orbax
+  holds its host copy and goes on writing in the background; ``saved`` ``{dir, wait}`` waits for
+  it (``wait`` false: answers at once whether it is ``done``), as the next save does. ``restore`` ``{dir, tree}``: the same
   tree read back, each leaf ``{value, shape, dtype}`` and its layout (as ``put``'s), each process
   reading its own shards. Both answer ``shards``: ``[state, leaf, index, dtype, shape, sha256]`` of
   every shard this process holds the first replica of (together the members' cover each leaf once).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -60,11 +66,20 @@ def _die_with_parent() -> None:
         pass  # not Linux: the closed stdin still ends it
 
 
+MAX_HEADER = 16 << 20  # bytes of one header line: a stream that sends more without a newline is not a member's
+
+
 def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], list[bytes]] | None:
-    """One header line and its payloads, or None at the end of the stream."""
-    line = stream.readline()
+    """One header line and its payloads, or None at the end of the stream.
+
+    Raises:
+        ValueError: the header line runs past ``MAX_HEADER`` bytes, or is not JSON.
+    """
+    line = stream.readline(MAX_HEADER + 1)
     if not line:
         return None
+    if len(line) > MAX_HEADER:
+        raise ValueError(f"a frame's header line runs past {MAX_HEADER} bytes: the stream is not a member's")
     header = json.loads(line)
     payloads = []
     for n in header.get("sizes", ()):
@@ -124,6 +139,8 @@ class Member:
             os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={local}"])
         import jax
 
+        jax.config.update("jax_platforms", platform)  # read from the environment when JAX was imported: a pooled
+        # member imported it before it knew its platform (XLA reads its flags later, when the backend starts)
         if platform == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             if settings.get("address"):
@@ -143,6 +160,17 @@ class Member:
         self.programs: dict[str, Any] = {}
         self.layouts: dict[str, tuple[list[Any], list[Any]]] = {}  # program -> its (in, out) shardings
         self.values: dict[str, Any] = {}
+        self.saving: dict[str, Any] = {}  # directory -> its save still writing (``save`` with ``wait`` false)
+
+    def _finish_saves(self, directory: str | None = None) -> None:
+        """Wait for the saves still writing (all of them, or the one into ``directory``: a KeyError if none)."""
+        for d in [directory] if directory is not None else list(self.saving):
+            ck, waiter = self.saving.pop(d)
+            waiter.join()
+            try:
+                ck.wait_until_finished()  # done by now: raises what the writing raised
+            finally:
+                ck.close()
 
     def ready(self) -> dict[str, Any]:
         jax = self.jax
@@ -231,11 +259,26 @@ class Member:
         if op == "save":
             import orbax.checkpoint as ocp
 
+            self._finish_saves()  # Orbax keys its barriers by a per-process operation id: one save at a time
             tree = {state: [self.values[n] for n in names] for state, names in header["tree"].items()}
-            with ocp.StandardCheckpointer() as ck:
-                ck.save(header["dir"], tree)
+            ck = ocp.StandardCheckpointer()
+            ck.save(header["dir"], tree)  # returns once Orbax holds its host copy; it writes in the background
+            if header.get("wait", True):
                 ck.wait_until_finished()
+                ck.close()
+            else:  # a thread waits for the writing, so that ``saved`` can ask without waiting
+                waiter = threading.Thread(target=ck.wait_until_finished, daemon=True, name="save-wait")
+                waiter.start()
+                self.saving[header["dir"]] = (ck, waiter)
             return {"shards": _digests(tree)}, []
+        if op == "saved":
+            if header["dir"] not in self.saving:  # written, and collected by an earlier ask
+                return {"done": True}, []
+            _, waiter = self.saving[header["dir"]]
+            if header.get("wait", True) or not waiter.is_alive():
+                self._finish_saves(header["dir"])
+                return {"done": True}, []
+            return {"done": False}, []
         if op == "restore":
             import orbax.checkpoint as ocp
 
@@ -286,7 +329,16 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(os.dup(1), "wb")  # the protocol; fd 1 itself now goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    settings = json.loads(argv[0])
+    if argv == ["--pooled"]:  # started ahead: the imports now (most of a member's start), the settings when needed
+        import jax  # noqa: F401
+        import orbax.checkpoint  # noqa: F401
+
+        first = read_frame(sys.stdin.buffer)
+        if first is None or not isinstance(first[0].get("settings"), dict):
+            return 0  # the pool closed it unused
+        settings = first[0]["settings"]
+    else:
+        settings = json.loads(argv[0])
     try:
         member = Member(settings)
     except BaseException:  # noqa: BLE001 - reported to the daemon, which fails the formation

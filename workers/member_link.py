@@ -18,6 +18,9 @@ worker's daemon starts and supervises. The slice's driver reaches it through the
   :class:`~rallypoint.workers.slice_group.GroupLost` naming the member.
 * :func:`form_on_workers`: a group of members on the given workers, member 0 first (its
   daemon picks the coordinator's port), then the others, joined.
+* :class:`MemberPool` (the daemon, ``--member-pool N``): member processes started ahead of
+  need, their imports done, so that forming a group (a recovery's, most of all) does not wait
+  for each member's Python and JAX to load.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ import grpc
 
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb, rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.group_member import encode_frame
-from rallypoint.workers.slice_group import (HEARTBEAT_S, INIT_TIMEOUT_S, REQUEST_TIMEOUT_S, GroupLost, MemberSettings,
-                                            SliceGroup, free_port)
+from rallypoint.workers.group_member import encode_frame, write_frame
+from rallypoint.workers.slice_group import (HEARTBEAT_S, INIT_TIMEOUT_S, POOLED_ARGV, REQUEST_TIMEOUT_S, GroupLost,
+                                            MemberSettings, SliceGroup, free_port)
 
 CHUNK = 1 << 20  # bytes per message: under gRPC's 4 MiB default, whatever a value's size
 SETTINGS = {"processes": int, "process": int, "local_devices": int, "platform": str, "init_timeout_s": int,
@@ -88,8 +91,72 @@ def member_settings(start: str, host: str, platform: str = "cpu") -> MemberSetti
                           given.get("heartbeat_s", HEARTBEAT_S), host, tuple(ids))
 
 
+class MemberPool:
+    """Member processes started ahead of need, ``size`` idle per platform, each with JAX and Orbax imported and
+    waiting for its settings (``group_member --pooled``): most of a member's start is done before a group forms.
+
+    :meth:`take` hands one over with its settings (or starts one the usual way when none is idle) and starts the
+    next in its place. An idle member costs its memory (about 150 MB with JAX imported on CPU) and dies with its
+    daemon (``PR_SET_PDEATHSIG``) or when :meth:`close` closes its stdin. ``size`` 0: no pool.
+    """
+
+    def __init__(self, size: int = 0) -> None:
+        self.size = max(0, size)
+        self._idle: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fill(self, platform: str) -> None:
+        """Start members for ``platform`` until ``size`` are idle."""
+        with self._lock:
+            idle = [p for p in self._idle.get(platform, []) if p.poll() is None]
+            while not self._closed and len(idle) < self.size:
+                idle.append(subprocess.Popen(POOLED_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+                get_logger("rallypoint.member").info("member.pooled", pid=idle[-1].pid, platform=platform)
+            self._idle[platform] = idle
+
+    def take(self, settings: MemberSettings) -> tuple[subprocess.Popen[bytes], bool]:
+        """A member process for ``settings``, started: an idle one told them, or a new one; whether it was idle."""
+        with self._lock:
+            idle = self._idle.get(settings.platform, [])
+            proc = next((p for p in idle if p.poll() is None), None)
+            self._idle[settings.platform] = [p for p in idle if p is not proc and p.poll() is None]
+        if proc is not None:
+            try:
+                assert proc.stdin is not None
+                write_frame(proc.stdin, {"settings": settings.to_json()})
+            except (OSError, ValueError):
+                proc.kill()
+                proc.wait()
+                proc = None
+        if self.size:
+            self.fill(settings.platform)
+        if proc is None:
+            return subprocess.Popen(settings.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE), False
+        return proc, True
+
+    def close(self) -> None:
+        """End the idle members (their stdin closed: each exits unused)."""
+        with self._lock:
+            self._closed = True
+            idle = [p for ps in self._idle.values() for p in ps]
+            self._idle.clear()
+        for p in idle:
+            try:
+                assert p.stdin is not None
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in idle:
+            try:
+                p.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str, worker: str,
-          platform: str = "cpu") -> Iterator[pb.MemberChunk]:
+          platform: str = "cpu", pool: MemberPool | None = None) -> Iterator[pb.MemberChunk]:
     """The daemon's side of one ``Member`` call (see the module doc); the caller checked ``to``."""
     first = next(requests, None)
     if first is None:
@@ -100,7 +167,7 @@ def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, 
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return
     log = get_logger("rallypoint.member", worker=worker, process=settings.process)
-    proc = subprocess.Popen(settings.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc, pooled = (pool or MemberPool()).take(settings)
     ended = threading.Event()
 
     def end() -> None:  # the call is over, however it ended: the member goes with it
@@ -110,7 +177,8 @@ def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, 
         proc.wait()
 
     context.add_callback(end)
-    log.info("member.started", pid=proc.pid, coordinator=settings.coordinator, processes=settings.processes)
+    log.info("member.started", pid=proc.pid, coordinator=settings.coordinator, processes=settings.processes,
+             pooled=pooled)
 
     def feed() -> None:
         assert proc.stdin is not None

@@ -26,7 +26,7 @@ from rallypoint.proto.errors import corrupt_checkpoint_metadata, program_failed_
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
-from rallypoint.workers.member_link import relay
+from rallypoint.workers.member_link import MemberPool, relay
 from rallypoint.workers.code import CodeCache
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
@@ -83,6 +83,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.code = CodeCache()  # the jobs' code bundles, unpacked once per hash (host sources)
         self.member_host = "127.0.0.1"  # the host others reach this worker at (the daemon sets it): members listen there
         self.member_platform = "cpu"  # the platform of this worker's devices (the daemon sets it): its members' JAX
+        self.member_pool = MemberPool()  # members started ahead (the daemon's --member-pool; empty: none)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             rt.stop()
         self.peers.close()
         self.code.close()
+        self.member_pool.close()
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -315,4 +317,4 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             return
         self._admit(first.to, context)
         yield from relay(chain([first], request_iterator), context, host=self.member_host,
-                         platform=self.member_platform, worker=self.worker_id)
+                         platform=self.member_platform, worker=self.worker_id, pool=self.member_pool)

@@ -61,6 +61,10 @@ class GroupLost(RallypointError):
         self.member, self.reason = member, reason
 
 
+POOLED_ARGV = [sys.executable, "-m", "rallypoint.workers.group_member", "--pooled"]
+"""A member process started ahead of need (its settings come as its first frame)."""
+
+
 @dataclass(frozen=True, slots=True)
 class MemberSettings:
     """What one member process needs to join its group."""
@@ -75,9 +79,11 @@ class MemberSettings:
     address: str = ""  # this member's host address, where its collectives listen ("": the host name's)
     device_ids: tuple[int, ...] = ()  # the worker's devices it uses (its leased ones); (): the first local_devices
 
+    def to_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in self.__dataclass_fields__}
+
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", "rallypoint.workers.group_member",
-                json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__})]
+        return [*POOLED_ARGV[:-1], json.dumps(self.to_json())]
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
@@ -120,7 +126,10 @@ class MemberProcess:
         if not ready:
             raise GroupLost(self.index, f"no answer to {what} within {left + (time.monotonic() - deadline):.0f} s "
                                         "(hung or partitioned)")
-        frame = read_frame(self._proc.stdout)
+        try:
+            frame = read_frame(self._proc.stdout)
+        except ValueError as exc:  # what it wrote is not the protocol
+            raise GroupLost(self.index, f"it answered garbage ({exc})") from None
         if frame is None:
             raise GroupLost(self.index, self._ended() or "its pipe closed")
         return frame
@@ -313,11 +322,18 @@ class SliceGroup:
                 out[tuple(slice(x, y) for x, y in ix)] = a
         return out
 
-    def save(self, directory: str, tree: Mapping[str, Sequence[str]]) -> list[list[Any]]:
+    def save(self, directory: str, tree: Mapping[str, Sequence[str]], *, wait: bool = True) -> list[list[Any]]:
         """An Orbax multi-process checkpoint of ``{state: [value names]}`` in ``directory``, each member writing
-        its own shards. The digest of every shard, each once (``[state, leaf, index, dtype, shape, sha256]``)."""
-        answers = self.request({"op": "save", "dir": directory, "tree": {k: list(v) for k, v in tree.items()}})
+        its own shards. The digest of every shard, each once (``[state, leaf, index, dtype, shape, sha256]``).
+        ``wait`` False: returns once the members hold their host copies; :meth:`saved` waits for the writing."""
+        answers = self.request({"op": "save", "dir": directory, "tree": {k: list(v) for k, v in tree.items()},
+                                "wait": wait})
         return [e for h, _ in answers for e in h["shards"]]
+
+    def saved(self, directory: str, *, wait: bool = True) -> bool:
+        """Whether every member has written its part of the save into ``directory`` (``save(wait=False)``);
+        ``wait``: until they have (the group waits meanwhile), else a quick look."""
+        return all(h["done"] for h, _ in self.request({"op": "saved", "dir": directory, "wait": wait}))
 
     def restore(self, directory: str, tree: Mapping[str, Sequence[dict[str, Any]]]) -> list[list[Any]]:
         """Read ``{state: [leaf]}`` back from an Orbax checkpoint, each leaf ``{value, shape, dtype}`` (the name it

@@ -76,6 +76,10 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     after = read_cluster_now(lc)
     assert all(after.workers[w].info.incarnation == before.workers[w].info.incarnation for w in before.workers)
     assert not after.workers["w1"].holders and not after.workers["w0"].holders, "the old gang's devices were kept"
+    # The new gang's members read the drain step's checkpoint back, each its own shards, checked against the
+    # digests the old gang's members wrote (workers/gang_checkpoint.py).
+    restored = read_events(lc.process("w2").log, "checkpoint.restored_on_group")
+    assert [(e["step"], e["checked"], e["members"]) for e in restored] == [(d["step"], "shards", 2)], restored
     store = lc.store()
     try:
         store.delete(lc.keys.drain("w1"))  # answered: the next runs may use w1 again
@@ -105,12 +109,10 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     assert len(result.recovery["recoveries"]) == 1, result.recovery
     members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
     assert len(members) == 2 and killed[0] not in members, (killed, members)
-    # Its checkpoints: each member saved its own shards, one commit for the slice over their digests; the new
-    # gang's members read theirs back (workers/gang_checkpoint.py), nothing gathered on the lead.
-    committed = read_events(lc.process(members[0]).log, "checkpoint.committed")
+    # Its checkpoints: each member saved its own shards, one commit for the slice over their digests
+    # (workers/gang_checkpoint.py), nothing gathered on the lead.
+    committed = [e for w in ("w0", "w1", "w2", "w3") for e in read_events(lc.process(w).log, "checkpoint.committed")]
     assert committed and all(e["checksum"].startswith("sha256-shards:") for e in committed), committed
-    restored = read_events(lc.process(members[0]).log, "checkpoint.restored_on_group")
-    assert restored and restored[-1]["checked"] == "shards" and restored[-1]["members"] == 2, restored
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")

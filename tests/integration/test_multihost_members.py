@@ -19,14 +19,15 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.member_link import RemoteMember, form_on_workers
 from rallypoint.workers.slice_group import GroupLost
-from tests.conftest import wait_until
+from tests.conftest import read_events, wait_until
 from tests.workers.test_slice_group import W0, _gone, _run, _setup, _train_step_bytes
 
 
 def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    lc = local_cluster(workers=2, spares=0, devices_per_worker=2, coordinators=1)
+    # Each worker keeps one member started ahead (--member-pool 1): the group below forms from those.
+    lc = local_cluster(workers=2, spares=0, devices_per_worker=2, coordinators=1, member_pool=1)
     program = _train_step_bytes()
     assert lc.tls_dir is not None
     driver = issue(lc.tls_dir, "slice-driver", role=WORKER, cluster=lc.keys.cluster)  # the lead worker's identity
@@ -57,6 +58,10 @@ def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
         # A group on two daemons trains; the second member's worker dies (SIGKILL): its member goes with it, the
         # group is lost naming it, and the abort ends the first member on its own worker.
         group = form_on_workers(on("w0", "w1"), 2, request_timeout_s=30.0, heartbeat_s=30)
+        pooled = {w: [e["pid"] for e in read_events(lc.process(w).log, "member.pooled")] for w in ("w0", "w1")}
+        for w in ("w0", "w1"):  # its member was the one started ahead, and another now waits in its place
+            (started,) = read_events(lc.process(w).log, "member.started")
+            assert started["pooled"] is True and started["pid"] == pooled[w][0] and len(pooled[w]) == 2, (w, pooled)
         try:
             _setup(group, program)
             group.put("w", W0, "m", [])
@@ -70,6 +75,7 @@ def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
         finally:
             group.abort()
         assert _gone(members, 10.0), "a member outlived the lost group"
+        assert _gone(pooled["w1"], 10.0), "a member started ahead outlived its worker"
     finally:
         for c in channels.values():
             c.close()

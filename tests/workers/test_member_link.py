@@ -55,3 +55,17 @@ def test_frames_come_back_whole_from_chunks_of_any_size() -> None:
         assert [h["op"] for h, _ in frames] == ["put", "exit"]
         (h, payloads), (h2, p2) = frames
         assert h["sizes"] == [40, 4] and np.array_equal(np.frombuffer(payloads[0], np.float32), a) and p2 == []
+
+
+def test_a_header_line_past_the_limit_is_refused_not_read_into_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A member reads its requests (and a driver its answers) a header line at a time: a stream without newlines
+    # (/dev/zero piped in by mistake grew one past 2 GB here) is refused at the limit.
+    import io
+
+    from rallypoint.workers import group_member
+
+    monkeypatch.setattr(group_member, "MAX_HEADER", 1024)
+    with pytest.raises(ValueError, match="runs past 1024 bytes"):
+        group_member.read_frame(io.BytesIO(b"\0" * 5000))
+    frame = b"".join(bytes(p) for p in encode_frame({"op": "x"}, [np.arange(3, dtype=np.int8)]))
+    assert group_member.read_frame(io.BytesIO(frame)) == ({"op": "x", "sizes": [3]}, [b"\x00\x01\x02"])

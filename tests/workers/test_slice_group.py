@@ -156,8 +156,11 @@ def _checkpoint_of_a_sharded_value(group: SliceGroup, x: np.ndarray, root: Path)
     bytes that are not the committed ones are refused (workers/gang_checkpoint.py)."""
     gang = GangSlice("s", group, [4], ["d"])
     probe = GroupValue(gang, "probe", np.dtype(np.float32), x.shape)
-    checksum = GangSteps(root / "s" / "w", gang).save(1, {"x": [probe]})
+    steps = GangSteps(root / "s" / "w", gang)
+    checksum = steps.save(1, {"x": [probe]})
     step_dir = root / "s" / "w" / "1"
+    assert not step_dir.exists() and steps.all_steps() == [], "a step counted before its members wrote it"
+    steps.wait_until_finished()  # the members have written: the step is finalized
     assert checksum.startswith(SHARDED) and [e["index"][0] for e in read_listing(step_dir)] == \
         [[0, 4], [4, 8], [8, 12], [12, 16]]
     assert not [p for p in (root / "s" / "w").iterdir() if p.name != "1"], "a temporary directory was left"
