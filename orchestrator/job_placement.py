@@ -284,9 +284,10 @@ class JobPlacement:
         store, keys = self.term.store, self.term.keys
         snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
         largest = max((w.info.devices for w in snap.workers.values()), default=0)
-        # a gang, or a slice shrunk off one that no worker can hold whole: a whole new gang (or a smaller one)
+        # a gang, or a slice no worker holds at any of its device counts: a whole new gang (or a smaller one)
         placed: dict[str, SlicePlace] = {s: self._regang(s, n, exclude) for s, n in need.items()
-                                         if n > largest or (self._places.get(s) is not None and self._places[s].members)}
+                                         if min(self.device_counts.get(s) or [n]) > largest
+                                         or (self._places.get(s) is not None and self._places[s].members)}
         t0, told, waited_from = self.clock.monotonic(), False, 0.0
         while True:
             self.term.hold()

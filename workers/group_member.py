@@ -32,10 +32,12 @@ Requests (``op``):
 * ``save`` ``{dir, tree, wait}``: an Orbax multi-process checkpoint of ``{state: [leaf values]}``
   (each process writes its own shards; process 0 finalizes). ``wait`` false answers once Orbax
   holds its host copy and goes on writing in the background; ``saved`` ``{dir, wait}`` waits for
-  it (``wait`` false: answers at once whether it is ``done``), as the next save does. ``restore`` ``{dir, tree}``: the same
-  tree read back, each leaf ``{value, shape, dtype}`` and its layout (as ``put``'s), each process
-  reading its own shards. Both answer ``shards``: ``[state, leaf, index, dtype, shape, sha256]`` of
-  every shard this process holds the first replica of (together the members' cover each leaf once).
+  it (``wait`` false: answers at once whether it is ``done``), as the next save, a restore and
+  ``exit`` do.
+* ``restore`` ``{dir, tree}``: the same tree read back, each leaf ``{value, shape, dtype}`` and
+  its layout (as ``put``'s), each process reading its own shards. ``save`` and ``restore`` answer
+  ``shards``: ``[state, leaf, index, dtype, shape, sha256]`` of every shard this process holds
+  the first replica of (together the members' cover each leaf once).
 * ``free`` ``{values}``; ``exit``.
 
 The user's prints and JAX's logs go to stderr, never into the protocol; the process
@@ -282,6 +284,7 @@ class Member:
         if op == "restore":
             import orbax.checkpoint as ocp
 
+            self._finish_saves()
             target = {state: [self.jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
                                                         sharding=self._layout(leaf)) for leaf in leaves]
                       for state, leaves in header["tree"].items()}
@@ -349,7 +352,10 @@ def main(argv: list[str]) -> int:
     while (frame := read_frame(stdin)) is not None:
         header, payloads = frame
         if header["op"] == "exit":
-            write_frame(out, {})
+            try:
+                member._finish_saves()  # a save still writing is finished, not cut short
+            finally:
+                write_frame(out, {})
             break
         try:
             answer, data = member.serve(header, payloads)
