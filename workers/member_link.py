@@ -96,7 +96,7 @@ class MemberPool:
     waiting for its settings (``group_member --pooled``): most of a member's start is done before a group forms.
 
     :meth:`take` hands one over with its settings (or starts one the usual way when none is idle) and starts the
-    next in its place. An idle member costs its memory (about 150 MB with JAX imported on CPU) and dies with its
+    next in its place. An idle member costs its memory (191 MB resident with JAX imported on CPU) and dies with its
     daemon (``PR_SET_PDEATHSIG``) or when :meth:`close` closes its stdin. ``size`` 0: no pool.
     """
 
