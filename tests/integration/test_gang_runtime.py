@@ -27,6 +27,7 @@ from rallypoint.etcd.drains import request_drain
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import read_events
 from tests.integration.test_adoption import _record
+from tests.integration.test_drain import snapshot
 from tests.examples import example
 
 STEPS = 6
@@ -54,7 +55,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     # step at a time, so that the drain is taken up before every step is granted.)
     longer = compile_program(example("data_parallel").build(steps=DRAIN_STEPS, devices=4))
     plain = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1, new_run=True)
-    before = read_cluster_now(lc)
+    before = snapshot(lc)
     asked: list[int] = []
 
     def on_event(ev: pb.JobEvent) -> None:
@@ -73,7 +74,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     assert d["state"] == "done" and d["worker"] == "w1" and d["slices"] == ["dp"] and d["replayed_instances"] == 0, d
     moved = _record(lc, longer.program.name)["placement"]["dp"]
     assert [m["worker"] for m in moved["members"]] == ["w2", "w3"] and d["moved"] == {"dp": "w2"}, (moved, d)
-    after = read_cluster_now(lc)
+    after = snapshot(lc)
     assert all(after.workers[w].info.incarnation == before.workers[w].info.incarnation for w in before.workers)
     assert not after.workers["w1"].holders and not after.workers["w0"].holders, "the old gang's devices were kept"
     # The new gang's members read the drain step's checkpoint back, each its own shards, checked against the
@@ -151,14 +152,6 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
         # incarnation (its other jobs would have gone on) and could lead the new gang.
         assert after.workers["w0"].info.incarnation == snap.workers["w0"].info.incarnation
         assert members[0] == "w0", members
-
-
-def read_cluster_now(lc: LocalCluster) -> Any:
-    store = lc.store()
-    try:
-        return read_cluster(store, lc.keys)
-    finally:
-        store.close()
 
 
 def _run_partitioning(lc: LocalCluster, control: Any, compiled: Any) -> Any:
