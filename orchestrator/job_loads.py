@@ -25,7 +25,7 @@ from rallypoint.orchestrator.job_term import Commits, JobTerm
 from rallypoint.orchestrator.job_workers import JobWorkers
 from rallypoint.orchestrator.placement import SlicePlace, load_requests
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.replicas import plan_replicas, replica_sources
+from rallypoint.recovery.replicas import part_name, plan_replicas, replica_sources, with_parts
 
 FLUSH_S = 30.0  # how long a worker being unloaded gets to deliver the pushes it had sent
 
@@ -40,6 +40,7 @@ class JobLoads:
         self.settings: RecoverySettings | None = None  # set once the job's settings are checked
         self.run_dir: Path | None = None
         self.holders: dict[str, pb.ReplicaPeer] = {}
+        self.owners: dict[str, pb.ReplicaPeer] = {}  # a multi-host slice's part -> the worker of its member then
         self.restore_tiers: dict[str, str] = {}
         self.program_sources: dict[str, str] = {}
         self.last_heard: dict[str, float] = {}
@@ -57,9 +58,11 @@ class JobLoads:
         assert self.settings is not None
         reqs = load_requests(self.spec, self.placement, cluster=self.term.keys.cluster, term=self.term.term)
         targets, sources = self.replica_plan(start > 0)
-        for w, req in reqs.items():
-            req.replica_targets.extend(targets[sa.slice] for sa in req.slices if sa.slice in targets)
-            req.replica_sources.extend(p for sa in req.slices for p in sources.get(sa.slice, ()))
+        for req in reqs.values():
+            names = [n for sa in req.slices
+                     for n in [sa.slice, *(part_name(sa.slice, j) for j in range(len(sa.members)))]]
+            req.replica_targets.extend(targets[n] for n in names if n in targets)
+            req.replica_sources.extend(p for n in names for p in sources.get(n, ()))
             req.checkpoint_every = self.settings.checkpoint_every
             req.checkpoint_dir = str(self.run_dir or "")
             req.keep_checkpoints = self.settings.keep_checkpoints
@@ -91,6 +94,9 @@ class JobLoads:
         for w, req in reqs.items():
             if w not in failed:
                 self.holders.update({t.slice: t for t in req.replica_targets})
+                self.owners.update({part_name(sa.slice, j): pb.ReplicaPeer(
+                    slice=part_name(sa.slice, j), worker_id=m.worker_id, address=m.address, incarnation=m.incarnation)
+                    for sa in req.slices for j, m in enumerate(sa.members)})
         return failed
 
     def replica_plan(self, restoring: bool) -> tuple[dict[str, pb.ReplicaPeer], dict[str, list[pb.ReplicaPeer]]]:
@@ -99,7 +105,7 @@ class JobLoads:
         in force when they were made, then the new one, if registered. etcd is read only when
         needed (a one-worker job's spares, a restore's live holders); unreachable: no copies."""
         peers = {p.worker: pb.ReplicaPeer(worker_id=p.worker, address=p.address, incarnation=p.incarnation)
-                 for p in self.placement.values()}
+                 for q in self.placement.values() for p in (q, *q.members)}
         snap = None
         if restoring or len(peers) == 1:
             try:
@@ -111,14 +117,19 @@ class JobLoads:
             for w in spares:
                 info = snap.workers[w].info
                 peers[w] = pb.ReplicaPeer(worker_id=w, address=info.address, incarnation=info.incarnation)
-        plan = plan_replicas({s: p.worker for s, p in self.placement.items()}, spares)
+        where = with_parts({s: p.worker for s, p in self.placement.items()},
+                           {s: [m.worker for m in p.members] for s, p in self.placement.items() if p.members})
+        plan = plan_replicas(where, spares)
         targets = {s: pb.ReplicaPeer(slice=s, worker_id=h, address=peers[h].address, incarnation=peers[h].incarnation)
                    for s, h in plan.items()}
         if not restoring or snap is None:
             return targets, {}
-        known = {(p.slice, p.worker_id): p for p in [*self.holders.values(), *targets.values()]}
+        known = {(p.slice, p.worker_id): p for p in [*self.holders.values(), *targets.values(), *self.owners.values()]}
         alive = {w for (_, w), p in known.items() if w in snap.workers and snap.workers[w].info.incarnation == p.incarnation}
-        chosen = replica_sources({s: p.worker_id for s, p in self.holders.items()}, plan, list(self.placement), alive)
+        chosen = replica_sources({s: p.worker_id for s, p in self.holders.items()}, plan, list(where), alive)
+        for part, owner in self.owners.items():  # a part's member's worker keeps a copy too (workers/gang_replicas.py)
+            if part in where and owner.worker_id in alive and owner.worker_id not in chosen.get(part, []):
+                chosen.setdefault(part, []).append(owner.worker_id)
         return targets, {s: [known[(s, w)] for w in ws] for s, ws in chosen.items()}
 
     def rewire(self, worker: str, nodes: list[str], cut: int, until: int, commits: Commits) -> pb.RewireResponse:

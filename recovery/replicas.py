@@ -14,11 +14,30 @@ slice's own worker was lost reads memory, not disk. :func:`plan_replicas` picks 
 The ring order depends only on slice names, so when a lost worker's slices move to
 another worker, that worker takes its place in the ring and the holders of the other
 slices do not change.
+
+A multi-host slice's states are never whole on one worker: each member's shards are its
+**part** (:func:`part_name`), placed on that member's worker (:func:`with_parts`) and
+planned as a slice of its own, so a part's holder is never its member's worker. (The
+member's own worker keeps a copy too: ``workers/gang_replicas.py``.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+
+
+def part_name(slice_name: str, member: int) -> str:
+    """The name member ``member``'s shards of multi-host slice ``slice_name`` are copied under."""
+    return f"{slice_name}#{member}"
+
+
+def with_parts(placement: Mapping[str, str], gangs: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """``placement`` (``{slice: worker}``) with the parts of each multi-host slice of ``gangs`` (``{slice: its
+    members' workers, in process order}``) on their members' workers."""
+    out = dict(placement)
+    for s, members in gangs.items():
+        out.update({part_name(s, j): w for j, w in enumerate(members)})
+    return out
 
 
 def worker_ring(placement: Mapping[str, str]) -> list[str]:

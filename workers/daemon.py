@@ -264,6 +264,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         bound = self.config.host
         self.runtime.member_host = bound if bound not in ("", "0.0.0.0", "::") else self.address.rsplit(":", 1)[0]
         self.runtime.member_platform = self.platform.platform or "cpu"  # a gang member's devices: this worker's kind
+        self.runtime.member_compile_cache = str(cache or "")  # and its compilation cache
         if self.config.member_pool:
             self.runtime.member_pool = MemberPool(self.config.member_pool)
             self.runtime.member_pool.fill(self.runtime.member_platform)

@@ -45,8 +45,10 @@ MESH = "m"  # the slice's global mesh on its members
 class GangSlice:
     """One multi-host slice's group, with its global mesh; the runtime's ``mesh`` for the slice."""
 
-    def __init__(self, name: str, group: SliceGroup, mesh_shape: Sequence[int], mesh_axes: Sequence[str]) -> None:
+    def __init__(self, name: str, group: SliceGroup, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
+                 members: Sequence[pb.GangMember] = ()) -> None:
         self.name, self.group = name, group
+        self.members = list(members)  # the workers of its members, in process order
         self.shape, self.axes = tuple(mesh_shape), tuple(mesh_axes)
         group.mesh(MESH, list(mesh_shape), list(mesh_axes))
         self._names = itertools.count()
@@ -65,7 +67,7 @@ class GangSlice:
         group = form_on_workers(workers, per.pop(), request_timeout_s=request_timeout_s,
                                 device_ids=[list(m.device_ids) for m in sa.members])
         try:
-            return cls(sa.slice, group, sa.mesh_shape, sa.mesh_axes)
+            return cls(sa.slice, group, sa.mesh_shape, sa.mesh_axes, sa.members)
         except BaseException:
             group.abort()
             raise

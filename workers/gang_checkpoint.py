@@ -25,8 +25,9 @@ Either kind restores anywhere: a gang's checkpoint read back in one process
 (``restore_commit``: ``rallypoint resume``, the chaos harness's check of every commit) is
 checked against its ``shards.json`` leaf by leaf.
 
-Not built: the in-memory tier keeps no copy of a gang's checkpoint (each host's shards on
-a peer); a gang restores from disk.
+The in-memory tier (:mod:`rallypoint.workers.gang_replicas`): with ``targets`` each member
+keeps a host copy of its shards at the save and pushes it, once the step commits, to its
+own worker and to the part's holder; a restore tries those copies before the disk.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,12 @@ from rallypoint.workers.checkpoint import (CheckpointCorrupt, SliceCheckpointer,
                                            metadata_tree)
 from rallypoint.workers.checksums import (SHARDED, SHARDS_FILE, checksum_of, read_listing, shard_entries,
                                           shards_checksum)
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.replicas import part_name
 from rallypoint.workers.gang import GangSlice, GroupSharding, GroupValue
+from rallypoint.workers.gang_replicas import KEPT, peer_json, restore_from_parts
 from rallypoint.workers.runtime_state import LoadError, RestoreError
-from rallypoint.workers.slice_group import GroupLost
+from rallypoint.workers.slice_group import GroupError, GroupLost
 
 SAVED_POLL_S = 0.02  # how often the commit thread asks the members whether a step is written
 TMP = ".orbax-checkpoint-tmp-"  # Orbax's own marker: its step listing never takes such a directory for a step
@@ -62,10 +66,11 @@ class GangSteps:
     """The ``CheckpointManager`` calls a :class:`~rallypoint.workers.checkpoint.SliceCheckpointer` makes, for a
     multi-host slice: a step is written by the members and finalized by the lead's rename."""
 
-    def __init__(self, directory: Path, gang: GangSlice) -> None:
-        self.directory, self.gang = Path(directory), gang
+    def __init__(self, directory: Path, gang: GangSlice, *, keep: bool = False) -> None:
+        self.directory, self.gang, self.keep = Path(directory), gang, keep
         self.directory.mkdir(parents=True, exist_ok=True)
         self._writing: dict[int, tuple[Path, list[dict[str, Any]]]] = {}  # step -> its temporary directory, listing
+        self.written: dict[int, str] = {}  # step -> the directory its members saved into (their key for its copies)
         self._lock = threading.Lock()
 
     def save(self, step: int, tree: Mapping[str, Sequence[GroupValue]]) -> str:
@@ -75,13 +80,16 @@ class GangSteps:
         tmp.mkdir()
         try:
             rows = self.gang.group.save(str(tmp / "default"), {s: [v.name for v in leaves] for s, leaves in tree.items()},
-                                        wait=False)
+                                        wait=False, keep=self.keep)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         entries = shard_entries(rows)
         with self._lock:
             self._writing[step] = (tmp, entries)
+            self.written[step] = str(tmp / "default")
+            for old in sorted(self.written)[:-KEPT]:
+                del self.written[old]
         return shards_checksum(entries)
 
     def wait_until_finished(self) -> None:
@@ -122,13 +130,42 @@ class GangCheckpointer(SliceCheckpointer):
     members write in the background, and the commit thread finalizes the step once they are
     done (another group request) and commits it, with the base class's retention."""
 
-    def __init__(self, slice_dir: Path, *, gang: GangSlice, **kwargs: Any) -> None:
-        self.gang = gang
+    def __init__(self, slice_dir: Path, *, gang: GangSlice,
+                 targets: Callable[[int], Sequence[pb.ReplicaPeer]] | None = None, cluster: str = "",
+                 **kwargs: Any) -> None:
+        self.gang, self._targets, self._cluster = gang, targets, cluster
         self._sums: dict[int, str] = {}
-        super().__init__(slice_dir, replicate=None, **kwargs)
+        self._stashed = -1  # the newest commit whose copies the members were asked to push
+        super().__init__(slice_dir, replicate=self._stash if targets is not None else None, **kwargs)
 
     def _make_manager(self) -> GangSteps:
-        return GangSteps(self.directory, self.gang)
+        return GangSteps(self.directory, self.gang, keep=self._targets is not None)
+
+    def _stash(self, c: CheckpointCommit, _states: Any) -> None:
+        """The step counts: each member pushes the copy of its shards it kept at the save to its own worker and
+        to its part's holder (workers/gang_replicas.py). On the commit thread; the members push in the background."""
+        try:
+            self._stash_commit(c)
+        finally:
+            self._stashed = c.step
+
+    def _stash_commit(self, c: CheckpointCommit) -> None:
+        assert self._targets is not None
+        directory = self._manager.written.pop(c.step, None)
+        if directory is None:
+            return
+        members = self.gang.members
+        extra = [{"part": part_name(c.slice_name, j), "from_worker": m.worker_id, "from_incarnation": m.incarnation,
+                  "targets": [peer_json(p) for p in self._targets(j)]} for j, m in enumerate(members)]
+        try:
+            answers = self.gang.group.request({"op": "stash", "dir": directory, "job": c.job, "step": c.step,
+                                               "checksum": c.checksum, "cluster": self._cluster}, extra=extra)
+        except (GroupLost, GroupError) as exc:  # the disk has it; the slice's loss is the slice thread's to meet
+            self.log.warning("replica.not_stashed", step=c.step, error=str(exc))
+            return
+        self.log.info("replica.stashing", step=c.step, parts=[e["part"] for e in extra],
+                      holders=[[t["worker_id"] for t in e["targets"]] for e in extra],
+                      shards=[h.get("shards") for h, _ in answers])
 
     def _host_tree(self, states: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
         tree = {str(name): list(leaves) for name, leaves in states.items()}
@@ -137,6 +174,23 @@ class GangCheckpointer(SliceCheckpointer):
         if stray:
             raise TypeError(f"states {stray} of multi-host slice {self.slice_name!r} are not on its group")
         return tree
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (bounded) until the copies of every commit so far have been pushed (a drain, before the group
+        ends: the new gang restores from them); whether they were."""
+        if self._targets is None:
+            return True
+        end = time.monotonic() + timeout_s
+        while self.commits and self._stashed < self.commits[-1].step:
+            if time.monotonic() > end:
+                return False
+            time.sleep(SAVED_POLL_S)
+        left = max(0.0, end - time.monotonic())
+        try:
+            answers = self.gang.group.request({"op": "pushed", "wait_s": left}, timeout_s=left + 5.0)
+        except (GroupLost, GroupError):
+            return False
+        return all(h.get("done") for h, _ in answers)
 
     def _save_step(self, step: int, tree: dict[str, list[Any]]) -> None:
         self._sums[step] = self._manager.save(step, tree)
@@ -224,6 +278,19 @@ def restore_for_gang(req: Any, slice_name: str, gang: GangSlice, layouts: Mappin
                         "and a checkpoint directory to read it from")
     commit = CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum)
     t0 = time.perf_counter()
+    sources = [[p for p in req.replica_sources if p.slice == part_name(slice_name, j)]
+               for j in range(len(gang.group.members))]
+    if all(sources):  # each member's part may be in memory: tried first (workers/gang_replicas.py)
+        try:
+            step_dir = checkpoint_within(commit, Path(req.checkpoint_dir) / slice_name)
+        except CheckpointCorrupt as exc:
+            raise RestoreError.corrupt(exc) from exc
+        values = restore_from_parts(commit, step_dir, gang, layouts, sources, cluster=req.to.cluster)
+        if values is not None:
+            if tiers is not None:
+                tiers[slice_name] = "memory"
+            meter.checkpoint_restored(req.job, "memory", time.perf_counter() - t0)
+            return values
     try:
         values = restore_on_gang(commit, Path(req.checkpoint_dir) / slice_name, gang, layouts)
     except CheckpointCorrupt as exc:

@@ -141,6 +141,10 @@ class Member:
             os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={local}"])
         import jax
 
+        if settings.get("compile_cache"):  # before anything compiles: its worker's cache, shared with other members
+            from rallypoint.workers.programs import configure_compile_cache
+
+            configure_compile_cache(str(settings["compile_cache"]))
         jax.config.update("jax_platforms", platform)  # read from the environment when JAX was imported: a pooled
         # member imported it before it knew its platform (XLA reads its flags later, when the backend starts)
         if platform == "cpu":
@@ -163,6 +167,9 @@ class Member:
         self.layouts: dict[str, tuple[list[Any], list[Any]]] = {}  # program -> its (in, out) shardings
         self.values: dict[str, Any] = {}
         self.saving: dict[str, Any] = {}  # directory -> its save still writing (``save`` with ``wait`` false)
+        from rallypoint.workers.gang_replicas import Parts
+
+        self.parts = Parts(settings.get("tls") or (), index_of)  # copies of its shards (workers/gang_replicas.py)
 
     def _finish_saves(self, directory: str | None = None) -> None:
         """Wait for the saves still writing (all of them, or the one into ``directory``: a KeyError if none)."""
@@ -263,6 +270,8 @@ class Member:
 
             self._finish_saves()  # Orbax keys its barriers by a per-process operation id: one save at a time
             tree = {state: [self.values[n] for n in names] for state, names in header["tree"].items()}
+            if header.get("keep"):  # the in-memory tier pushes a copy of its shards once the save commits
+                self.parts.keep(header["dir"], tree)
             ck = ocp.StandardCheckpointer()
             ck.save(header["dir"], tree)  # returns once Orbax holds its host copy; it writes in the background
             if header.get("wait", True):
@@ -294,11 +303,37 @@ class Member:
                 for leaf, v in zip(leaves, tree[state], strict=True):
                     self.values[leaf["value"]] = v
             return {"shards": _digests(tree)}, []
+        if op == "stash":
+            return self.parts.stash(header), []
+        if op == "pushed":  # a drain: the copies under way arrive before the group ends
+            return {"done": self.parts.finish(float(header.get("wait_s", 10.0)))}, []
+        if op == "restore_parts":
+            return self._restore_parts(header), []
         if op == "free":
             for n in header["values"]:
                 self.values.pop(n, None)
             return {}, []
         raise ValueError(f"unknown request {op!r}")
+
+
+    def _restore_parts(self, header: dict[str, Any]) -> dict[str, Any]:
+        """Build the values of ``header["tree"]`` from a copy of this member's part (workers/gang_replicas.py)."""
+        from rallypoint.workers.gang_replicas import shard_key
+
+        self._finish_saves()
+        leaves = [(state, i, leaf, tuple(leaf["shape"]), self._layout(leaf))
+                  for state, ls in header["tree"].items() for i, leaf in enumerate(ls)]
+        need = _unique(shard_key(state, i, index_of(ix, shape)) for state, i, _, shape, sharding in leaves
+                       for ix in sharding.addressable_devices_indices_map(shape).values())
+        shards, holder, why = self.parts.fetch(header, need)
+        if shards is None:
+            return {"ok": False, "why": why}
+        for state, i, leaf, shape, sharding in leaves:
+            def shard(slices: tuple[slice, ...], state: str = state, i: int = i, shape: tuple[int, ...] = shape) -> Any:
+                return shards[shard_key(state, i, index_of(slices, shape))]
+
+            self.values[leaf["value"]] = self.jax.make_array_from_callback(shape, sharding, shard)
+        return {"ok": True, "holder": holder, "bytes": sum(int(shards[k].nbytes) for k in need)}
 
 
 def _digests(tree: dict[str, list[Any]]) -> list[list[Any]]:
@@ -354,6 +389,7 @@ def main(argv: list[str]) -> int:
         if header["op"] == "exit":
             try:
                 member._finish_saves()  # a save still writing is finished, not cut short
+                member.parts.finish()  # and so are the copies of its shards still being pushed
             finally:
                 write_frame(out, {})
             break

@@ -31,6 +31,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.workers import meter
+from rallypoint.workers.gang_checkpoint import GangCheckpointer
 from rallypoint.workers.checkpoint import CheckpointCorrupt, SliceCheckpointer, States, restore_commit
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.residency import Copies, to_host
@@ -247,6 +248,13 @@ class JobCheckpoints:
             return
         self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
                                                    for name, leaves in states.items()})
+
+    def settle_gangs(self, timeout_s: float) -> bool:
+        """Wait (bounded) until the multi-host slices' members have pushed the copies of every commit so far (a
+        drain, before unloading: the new gang restores from them); whether they did."""
+        end = time.monotonic() + timeout_s
+        return all([ck.settle(max(0.0, end - time.monotonic())) for s, ck in list(self._ckpt.items())
+                    if isinstance(ck, GangCheckpointer)])
 
     def set_cut(self, cut: int) -> None:
         """The newest consistent cut: checkpoints from it on are kept, older ones may go."""

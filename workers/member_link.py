@@ -54,9 +54,10 @@ class MemberRefused(ValueError):
     """A ``Member`` call's settings are not a member's (named, with what to send instead)."""
 
 
-def member_settings(start: str, host: str, platform: str = "cpu") -> MemberSettings:
-    """The settings a driver sent, checked, completed with this worker's ``host`` and (unless the driver named
-    one) its ``platform``."""
+def member_settings(start: str, host: str, platform: str = "cpu", tls: Sequence[str] = (),
+                    compile_cache: str = "") -> MemberSettings:
+    """The settings a driver sent, checked, completed with this worker's ``host``, its ``tls`` paths and
+    ``compile_cache`` (which a driver cannot set) and (unless the driver named one) its ``platform``."""
     try:
         given = json.loads(start or "{}")
     except json.JSONDecodeError as exc:
@@ -88,7 +89,8 @@ def member_settings(start: str, host: str, platform: str = "cpu") -> MemberSetti
         coordinator = f"{host}:{free_port(host)}"
     return MemberSettings(coordinator, given["processes"], given["process"], given["local_devices"],
                           given.get("platform") or platform, given.get("init_timeout_s", INIT_TIMEOUT_S),
-                          given.get("heartbeat_s", HEARTBEAT_S), host, tuple(ids))
+                          given.get("heartbeat_s", HEARTBEAT_S), host, tuple(ids), tuple(str(p) for p in tls),
+                          compile_cache)
 
 
 class MemberPool:
@@ -156,13 +158,15 @@ class MemberPool:
 
 
 def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str, worker: str,
-          platform: str = "cpu", pool: MemberPool | None = None) -> Iterator[pb.MemberChunk]:
-    """The daemon's side of one ``Member`` call (see the module doc); the caller checked ``to``."""
+          platform: str = "cpu", pool: MemberPool | None = None, tls: Sequence[str] = (),
+          compile_cache: str = "") -> Iterator[pb.MemberChunk]:
+    """The daemon's side of one ``Member`` call (see the module doc); the caller checked ``to``. ``tls``: the
+    worker's CA, certificate and key paths, with which the member pushes its shards' copies (workers/gang_replicas.py)."""
     first = next(requests, None)
     if first is None:
         return
     try:
-        settings = member_settings(first.start, host, platform)
+        settings = member_settings(first.start, host, platform, tls, compile_cache)
     except MemberRefused as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return

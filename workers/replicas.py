@@ -184,6 +184,11 @@ class Replicator:
         with self._lock:
             self._targets = {t.slice: t for t in targets}
 
+    def target(self, name: str) -> pb.ReplicaPeer | None:
+        """The holder of slice (or multi-host slice's part) ``name`` now, if any."""
+        with self._lock:
+            return self._targets.get(name)
+
     def submit(self, commit: CheckpointCommit, states: States) -> None:
         """Copy a commit's states to the slice's holder (returns at once)."""
         with self._lock:

@@ -64,6 +64,7 @@ from rallypoint.workers.job_checkpoints import CommitFn, restore_for_load
 from rallypoint.workers.code import CodeCache, CodeError
 from rallypoint.workers.gang import GangSlice
 from rallypoint.workers.gang_checkpoint import GangCheckpointer
+from rallypoint.workers.gang_replicas import part_targets
 from rallypoint.workers.host_source import start_host_sources
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.records import InstanceRecords
@@ -164,7 +165,8 @@ class JobRuntime:
 
         self.handoff = CheckpointHandoff(req, self.control, self.states, commit_factory=commit_factory, faults=faults,
                                          replicas=replicas, copies=self.copies,
-                                         gangs={s: functools.partial(GangCheckpointer, gang=g) for s, g in gangs.items()})
+                                         gangs={s: self._gang_checkpointer(g, replicas is not None, req.to.cluster)
+                                                for s, g in gangs.items()})
         self.records = InstanceRecords(self.handoff.checkpoints.root, worker=worker_id, incarnation=self.incarnation,
                                        slices=list(self._slice_nodes), start_step=start, job=self.job,
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
@@ -181,6 +183,12 @@ class JobRuntime:
         self.load_s = time.perf_counter() - t0
         self.log.info("job.loaded", slices=list(self._slice_nodes), nodes=len(self.nodes), states=list(self.states),
                       steps=self.steps, start_step=start, load_s=round(self.load_s, 3))
+
+    def _gang_checkpointer(self, g: GangSlice, tier: bool, cluster: str) -> Callable[..., GangCheckpointer]:
+        """The maker of a multi-host slice's checkpointer: with the in-memory tier, its members copy their shards
+        to their own workers and their parts' holders (workers/gang_replicas.py)."""
+        targets = (lambda j: part_targets(g, j, self.handoff.replicator)) if tier else None
+        return functools.partial(GangCheckpointer, gang=g, targets=targets, cluster=cluster)
 
     def _close_code(self) -> None:
         if self._own_code:
@@ -308,8 +316,11 @@ class JobRuntime:
                 for name, leaves in final.items()]
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every push submitted so far has ended (a drain, before unloading); whether they all did."""
-        return self.outbox.flush(timeout_s)
+        """Wait until every push submitted so far has ended, and the multi-host slices' copies of their commits
+        (a drain, before unloading); whether they all did."""
+        end = time.monotonic() + timeout_s
+        pushed = self.outbox.flush(timeout_s)
+        return self.handoff.checkpoints.settle_gangs(max(0.0, end - time.monotonic())) and pushed
 
     def abort_groups(self) -> None:
         """End the multi-host slices' groups now (any thread; takes no lock): a slice thread in a group request,

@@ -84,6 +84,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.member_host = "127.0.0.1"  # the host others reach this worker at (the daemon sets it): members listen there
         self.member_platform = "cpu"  # the platform of this worker's devices (the daemon sets it): its members' JAX
         self.member_pool = MemberPool()  # members started ahead (the daemon's --member-pool; empty: none)
+        self.member_tls = (str(tls.ca), str(tls.cert), str(tls.key)) if tls else ()  # its members push with them
+        self.member_compile_cache = ""  # the worker's persistent compilation cache (the daemon sets it): its members'
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -317,4 +319,5 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             return
         self._admit(first.to, context)
         yield from relay(chain([first], request_iterator), context, host=self.member_host,
-                         platform=self.member_platform, worker=self.worker_id, pool=self.member_pool)
+                         platform=self.member_platform, worker=self.worker_id, pool=self.member_pool,
+                         tls=self.member_tls, compile_cache=self.member_compile_cache)

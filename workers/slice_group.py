@@ -78,6 +78,9 @@ class MemberSettings:
     heartbeat_s: int = HEARTBEAT_S
     address: str = ""  # this member's host address, where its collectives listen ("": the host name's)
     device_ids: tuple[int, ...] = ()  # the worker's devices it uses (its leased ones); (): the first local_devices
+    tls: tuple[str, ...] = ()  # its worker's CA, certificate and key paths (the daemon's): pushes of its shards
+    compile_cache: str = ""  # its worker's persistent compilation cache ("": none): a gang formed again loads its
+    # programs' executables instead of compiling them
 
     def to_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in self.__dataclass_fields__}
@@ -322,12 +325,14 @@ class SliceGroup:
                 out[tuple(slice(x, y) for x, y in ix)] = a
         return out
 
-    def save(self, directory: str, tree: Mapping[str, Sequence[str]], *, wait: bool = True) -> list[list[Any]]:
+    def save(self, directory: str, tree: Mapping[str, Sequence[str]], *, wait: bool = True,
+             keep: bool = False) -> list[list[Any]]:
         """An Orbax multi-process checkpoint of ``{state: [value names]}`` in ``directory``, each member writing
         its own shards. The digest of every shard, each once (``[state, leaf, index, dtype, shape, sha256]``).
-        ``wait`` False: returns once the members hold their host copies; :meth:`saved` waits for the writing."""
+        ``wait`` False: returns once the members hold their host copies; :meth:`saved` waits for the writing.
+        ``keep``: each member also keeps a host copy of its shards for the in-memory tier (``stash``)."""
         answers = self.request({"op": "save", "dir": directory, "tree": {k: list(v) for k, v in tree.items()},
-                                "wait": wait})
+                                "wait": wait, "keep": keep})
         return [e for h, _ in answers for e in h["shards"]]
 
     def saved(self, directory: str, *, wait: bool = True) -> bool:

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.recovery.replicas import plan_replicas, replica_sources, worker_ring
+from rallypoint.recovery.replicas import part_name, plan_replicas, replica_sources, with_parts, worker_ring
 
 WORKERS = [f"w{i}" for i in range(6)]
 SLICES = [f"stage{i}" for i in range(6)]
@@ -64,3 +64,15 @@ def test_properties(placement: dict[str, str], spares: list[str]) -> None:
         assert (plan == {}) == (not spare_set)
         assert all(h in spare_set for h in plan.values())
     assert plan == plan_replicas(dict(reversed(list(placement.items()))), list(reversed(spares))), "order-free"
+
+
+def test_a_multi_host_slices_parts_are_held_off_their_members_workers() -> None:
+    """Each member's part of a gang is planned as a slice of its own, on its member's worker: its holder is
+    another worker, so with the member's own copy (workers/gang_replicas.py) two hosts hold every part."""
+    where = with_parts({"dp": "w0", "head": "w2"}, {"dp": ["w0", "w1"]})
+    assert where == {"dp": "w0", "dp#0": "w0", "dp#1": "w1", "head": "w2"}
+    plan = plan_replicas(where)
+    assert all(plan[part_name("dp", j)] != w for j, w in enumerate(["w0", "w1"])), plan
+    assert plan == {"dp": "w1", "dp#0": "w1", "dp#1": "w2", "head": "w0"}
+    # a gang alone: its two members hold each other's part
+    assert plan_replicas(with_parts({"dp": "w0"}, {"dp": ["w0", "w1"]})) == {"dp": "w1", "dp#0": "w1", "dp#1": "w0"}
