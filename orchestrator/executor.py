@@ -245,7 +245,7 @@ class JobExecutor:
                                              window_s=self.settings.failure_policy.window_s)
             self.recovery.configure(self.settings.failure_policy)
             self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term.term,
-                                      max_spares=self.settings.warm_spares, log=self.log)
+                                      max_spares=self.settings.warm_spares, log=self.log, gangs=self.places.gangs)
         except ValueError as exc:
             raise JobFailed(str(exc)) from None
         if self.resume:

@@ -76,6 +76,10 @@ class JobPlacement:
         """Slice -> where it runs now."""
         return MappingProxyType(self._places)
 
+    def gangs(self) -> list[str]:
+        """The slices placed as gangs now (multi-host slices)."""
+        return sorted(s for s, p in self._places.items() if p.members)
+
     def devices_of(self, slice_name: str) -> int:
         """How many devices the slice declares."""
         return self._need[slice_name]

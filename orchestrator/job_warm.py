@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ import numpy as np
 
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_records import ClusterSnapshot
+from rallypoint.orchestrator.devices import choose_gang
 from rallypoint.orchestrator.job_workers import RPC_TIMEOUT_S, JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import eligible
@@ -43,6 +44,7 @@ class SpareTarget:
     incarnation: int
     address: str
     held: Held
+    members: int = 0  # gang member processes it keeps started for the job's multi-host slices
 
 
 @dataclass
@@ -61,7 +63,7 @@ class SpareWarmer:
     """The warm spares of one job (see the module doc)."""
 
     def __init__(self, spec: pb.JobSpec, workers: JobWorkers, *, cluster: str, term: int, max_spares: int,
-                 log: Any) -> None:
+                 log: Any, gangs: Callable[[], Iterable[str]] = tuple) -> None:
         if max_spares < 0:
             raise ValueError(f"warm_spares must be >= 0 (0: no warm spares), got {max_spares}")
         self.spec, self.workers, self.cluster, self.term, self.max_spares = spec, workers, cluster, term, max_spares
@@ -75,6 +77,7 @@ class SpareWarmer:
         self._checked = float("-inf")
         self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
         self._shapes = {s.slice: s for s in spec.slices}
+        self._gangs = gangs  # the slices placed as gangs now (docs/multihost.md)
 
     @property
     def plan(self) -> dict[str, list[str]]:
@@ -123,29 +126,50 @@ class SpareWarmer:
         if self.max_spares <= 0 and not self.targets:
             return False
         spares = {w: snap.workers[w] for w in snap.spares if eligible(w, snap.workers[w], snap, exclude)}
-        plan = plan_warm({w: len(ws.free) for w, ws in spares.items()}, self._need, max_spares=self.max_spares)
+        gangs = set(self._gangs())
+        plan = plan_warm({w: len(ws.free) for w, ws in spares.items()},
+                         {s: n for s, n in self._need.items() if s not in gangs}, max_spares=self.max_spares)
+        members = self._members(snap, spares, gangs, plan)
         want = {w: SpareTarget(spares[w].info.incarnation, spares[w].info.address,
-                               tuple((s, warm_devices(spares[w].free, self._need[s])) for s in slices))
-                for w, slices in plan.items()}
+                               tuple((s, warm_devices(spares[w].free, self._need[s])) for s in plan.get(w, ())),
+                               members.get(w, 0))
+                for w in sorted({*plan, *members})}
         changed = {w: t for w, t in want.items() if self.targets.get(w) != t}
-        dropped = {w: t for w, t in self.targets.items() if w not in want and t.held}
+        dropped = {w: t for w, t in self.targets.items() if w not in want and (t.held or t.members)}
         if not changed and not dropped:
             return False
-        rnd = _Round(next(self._rounds), reason, time.monotonic(), {w: [s for s, _ in t.held] for w, t in want.items()},
+        rnd = _Round(next(self._rounds), reason, time.monotonic(),
+                     {w: [s for s, _ in t.held] + [f"member of {g}" for g in sorted(gangs)][:t.members]
+                      for w, t in want.items()},
                      waiting=set(changed) | set(dropped), dropped=sorted(dropped))
         self.targets = dict(want)
         with self._lock:
             self._open.add(rnd.number)
         self.log.info("job.warming", round=rnd.number, reason=reason, plan=rnd.plan, dropped=rnd.dropped)
         for w, t in sorted({**dropped, **changed}.items()):
-            req = self.request(w, SpareTarget(t.incarnation, t.address, () if w in dropped else t.held))
+            req = self.request(w, SpareTarget(t.incarnation, t.address, ()) if w in dropped else t)
             self.workers.warm(w, t.address, req, lambda w, resp, err, rnd=rnd: self._answered(rnd, w, resp, err))
         return True
+
+    def _members(self, snap: ClusterSnapshot, spares: Mapping[str, Any], gangs: set[str],
+                 plan: Mapping[str, list[str]]) -> dict[str, int]:
+        """Spare -> gang member processes it keeps started: no one spare compiles a multi-host slice's programs
+        (they compile for the whole group), so the spares a new gang would take (``choose_gang`` among them, for
+        each gang slice) keep a member started instead, within the budget of ``max_spares`` spares."""
+        out: dict[str, int] = {}
+        others = frozenset(snap.workers) - set(spares)
+        for s in sorted(gangs):
+            gang = choose_gang(snap, self._need[s], exclude=others)
+            for w, _ in gang or ():
+                if w in out or w in plan or len({*out, *plan}) < self.max_spares:
+                    out[w] = out.get(w, 0) + 1
+        return out
 
     def request(self, worker: str, target: SpareTarget) -> pb.WarmJobRequest:
         """The ``WarmJob`` request that asks ``worker`` to hold ``target`` (nothing held: drop the job)."""
         req = pb.WarmJobRequest(to=pb.Identity(cluster=self.cluster, worker_id=worker,
-                                               incarnation=target.incarnation, term=self.term), job=self.spec.job)
+                                               incarnation=target.incarnation, term=self.term), job=self.spec.job,
+                                members=target.members)
         slices = {s for s, _ in target.held}
         for s, devices in target.held:
             shape = self._shapes[s]
@@ -180,7 +204,7 @@ class SpareWarmer:
 
         ``registered``: worker -> its incarnation now (a spare that re-registered holds nothing of ours).
         """
-        held = {w: t for w, t in self.targets.items() if t.held
+        held = {w: t for w, t in self.targets.items() if (t.held or t.members)
                 and (registered is None or registered.get(w) == t.incarnation)}
         self.targets = {}
         if not held:

@@ -509,16 +509,18 @@ class MemberChunk(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., start: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WarmJobRequest(_message.Message):
-    __slots__ = ("to", "job", "slices", "nodes")
+    __slots__ = ("to", "job", "slices", "nodes", "members")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     slices: _containers.RepeatedCompositeFieldContainer[SliceAssignment]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeProgram]
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ...) -> None: ...
+    members: int
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., members: _Optional[int] = ...) -> None: ...
 
 class WarmJobResponse(_message.Message):
     __slots__ = ("compile_s", "failed", "warm_s")

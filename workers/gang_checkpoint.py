@@ -54,7 +54,8 @@ from rallypoint.workers.checksums import (SHARDED, SHARDS_FILE, checksum_of, rea
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replicas import part_name
 from rallypoint.workers.gang import GangSlice, GroupSharding, GroupValue
-from rallypoint.workers.gang_replicas import KEPT, peer_json, restore_from_parts
+from rallypoint.workers.gang_replicas import restore_from_parts
+from rallypoint.workers.member_parts import KEPT, peer_json
 from rallypoint.workers.runtime_state import LoadError, RestoreError
 from rallypoint.workers.slice_group import GroupError, GroupLost
 

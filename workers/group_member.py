@@ -167,7 +167,7 @@ class Member:
         self.layouts: dict[str, tuple[list[Any], list[Any]]] = {}  # program -> its (in, out) shardings
         self.values: dict[str, Any] = {}
         self.saving: dict[str, Any] = {}  # directory -> its save still writing (``save`` with ``wait`` false)
-        from rallypoint.workers.gang_replicas import Parts
+        from rallypoint.workers.member_parts import Parts
 
         self.parts = Parts(settings.get("tls") or (), index_of)  # copies of its shards (workers/gang_replicas.py)
 
@@ -318,7 +318,7 @@ class Member:
 
     def _restore_parts(self, header: dict[str, Any]) -> dict[str, Any]:
         """Build the values of ``header["tree"]`` from a copy of this member's part (workers/gang_replicas.py)."""
-        from rallypoint.workers.gang_replicas import shard_key
+        from rallypoint.workers.member_parts import shard_key
 
         self._finish_saves()
         leaves = [(state, i, leaf, tuple(leaf["shape"]), self._layout(leaf))

@@ -105,17 +105,36 @@ class MemberPool:
     def __init__(self, size: int = 0) -> None:
         self.size = max(0, size)
         self._idle: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self._held: dict[str, int] = {}  # job -> members its warm-spare plan asks this worker to keep started
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def target(self) -> int:
+        """Idle members kept per platform: ``size``, and those the warm-spare plans of jobs ask for."""
+        return self.size + sum(self._held.values())
+
     def fill(self, platform: str) -> None:
-        """Start members for ``platform`` until ``size`` are idle."""
+        """Start members for ``platform`` until :attr:`target` are idle."""
         with self._lock:
             idle = [p for p in self._idle.get(platform, []) if p.poll() is None]
-            while not self._closed and len(idle) < self.size:
+            while not self._closed and len(idle) < self.target:
                 idle.append(subprocess.Popen(POOLED_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
                 get_logger("rallypoint.member").info("member.pooled", pid=idle[-1].pid, platform=platform)
             self._idle[platform] = idle
+
+    def hold(self, job: str, members: int, platform: str) -> None:
+        """Keep ``members`` started for ``job`` (a warm spare of its multi-host slices; 0: no more), beside
+        ``size``: started now, or ended when no longer asked for."""
+        with self._lock:
+            if members > 0:
+                self._held[job] = members
+            else:
+                self._held.pop(job, None)
+            idle = [p for p in self._idle.get(platform, []) if p.poll() is None]
+            surplus, self._idle[platform] = idle[self.target:], idle[:self.target]
+        _end_idle(surplus)
+        self.fill(platform)
 
     def take(self, settings: MemberSettings) -> tuple[subprocess.Popen[bytes], bool]:
         """A member process for ``settings``, started: an idle one told them, or a new one; whether it was idle."""
@@ -131,7 +150,7 @@ class MemberPool:
                 proc.kill()
                 proc.wait()
                 proc = None
-        if self.size:
+        if self.target:
             self.fill(settings.platform)
         if proc is None:
             return subprocess.Popen(settings.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE), False
@@ -143,18 +162,23 @@ class MemberPool:
             self._closed = True
             idle = [p for ps in self._idle.values() for p in ps]
             self._idle.clear()
-        for p in idle:
-            try:
-                assert p.stdin is not None
-                p.stdin.close()
-            except OSError:
-                pass
-        for p in idle:
-            try:
-                p.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _end_idle(idle)
+
+
+def _end_idle(idle: Sequence[subprocess.Popen[bytes]]) -> None:
+    """End idle pooled members: their stdin closed, each exits unused (killed if it does not)."""
+    for p in idle:
+        try:
+            assert p.stdin is not None
+            p.stdin.close()
+        except OSError:
+            pass
+    for p in idle:
+        try:
+            p.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str, worker: str,

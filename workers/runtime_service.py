@@ -307,9 +307,13 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"job {request.job!r} runs on worker {self.worker_id}: it is no spare of that job")
         try:
-            return self.warm.warm(request, self._device_list())
+            resp = self.warm.warm(request, self._device_list())
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # a spare that may join a gang of the job keeps member processes started, JAX imported (their programs'
+        # executables are in the worker's compilation cache once any member compiled them)
+        self.member_pool.hold(request.job, max(0, int(request.members)), self.member_platform)
+        return resp
 
     def Member(self, request_iterator: Iterator[pb.MemberChunk],
                context: grpc.ServicerContext) -> Iterator[pb.MemberChunk]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rallypoint.workers.group_member import encode_frame
-from rallypoint.workers.member_link import FrameParser, MemberRefused, member_settings
+from rallypoint.workers.member_link import FrameParser, MemberPool, MemberRefused, member_settings
 
 
 def test_a_member_gets_this_workers_host_and_platform_and_member_0_a_coordinator_port_here() -> None:
@@ -23,6 +23,14 @@ def test_a_member_gets_this_workers_host_and_platform_and_member_0_a_coordinator
     two = member_settings(json.dumps({"processes": 2, "process": 1, "local_devices": 2, "coordinator": "h:1",
                                       "device_ids": [6, 7]}), "10.0.0.8", "cuda")
     assert two.device_ids == (6, 7) and json.loads(two.argv()[-1])["device_ids"] == [6, 7]
+    # the worker's TLS paths (its members push their shards' copies with them) and compilation cache come from the
+    # worker, never from the driver
+    three = member_settings(json.dumps({"processes": 2, "process": 0, "local_devices": 1}), "127.0.0.1", "cpu",
+                            ("ca.crt", "w.crt", "w.key"), "/cache")
+    assert json.loads(three.argv()[-1])["tls"] == ["ca.crt", "w.crt", "w.key"] and three.compile_cache == "/cache"
+    for key in ("tls", "compile_cache"):
+        with pytest.raises(MemberRefused, match=f"unknown member settings \\['{key}'\\]"):
+            member_settings(json.dumps({"processes": 2, "process": 0, "local_devices": 1, key: "x"}), "127.0.0.1")
 
 
 @pytest.mark.parametrize(("given", "says"), [
@@ -69,3 +77,20 @@ def test_a_header_line_past_the_limit_is_refused_not_read_into_memory(monkeypatc
         group_member.read_frame(io.BytesIO(b"\0" * 5000))
     frame = b"".join(bytes(p) for p in encode_frame({"op": "x"}, [np.arange(3, dtype=np.int8)]))
     assert group_member.read_frame(io.BytesIO(frame)) == ({"op": "x", "sizes": [3]}, [b"\x00\x01\x02"])
+
+
+@pytest.mark.processes
+def test_a_warm_spare_keeps_the_members_a_job_asks_for_started_beside_the_pools_own_and_ends_them_after() -> None:
+    pool = MemberPool(0)
+    try:
+        pool.hold("job-a", 1, "cpu")
+        pool.hold("job-b", 1, "cpu")
+        idle = list(pool._idle["cpu"])
+        assert len(idle) == 2 and all(p.poll() is None for p in idle)
+        pool.hold("job-a", 0, "cpu")  # job-a's plan no longer asks: one is ended, job-b's stays
+        assert pool.target == 1 and len(pool._idle["cpu"]) == 1
+        assert sum(p.poll() is not None for p in idle) == 1
+    finally:
+        pool.close()
+    assert all(p.poll() is not None for p in idle)
+
