@@ -360,8 +360,19 @@ class StragglerWatch:
         if snap is None:
             return None, False
         placement = self.port.placement()
-        need = {s: placement[s].count for s in slices}
         exclude = frozenset(self.port.loaded_workers()) | {worker}
+        for s in [s for s in slices if placement[s].members]:  # a gang moves whole, onto workers of none of its own
+            members = placement[s].members
+            each, gang = placement[s].count // len(members), {m.worker for m in members}
+            room = sorted(w for w, ws in snap.workers.items()
+                          if eligible(w, ws, snap, exclude | gang) and len(ws.free) >= each)
+            if len(room) < len(members) + KEEP_SPARES:
+                return (f"only {len(room)} workers ({', '.join(room)}) have room for a member of slice {s} "
+                        f"({len(members)} members of {each} devices); {KEEP_SPARES} more is kept for recoveries "
+                        "(a lost worker needs it more than a slow one)"), False
+        need = {s: placement[s].count for s in slices if not placement[s].members}
+        if not need:
+            return "", worker in snap.cordoned
         plan = plan_remap(snap, need, RemapPolicy(on_no_spare="fail"), exclude=exclude)
         if isinstance(plan, Remap):
             largest = max(need.values())

@@ -348,7 +348,7 @@ class RunStepsResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("job", "node", "output", "state", "step", "microbatch", "consumer_node", "arg", "leaves", "to", "from_worker", "from_incarnation")
+    __slots__ = ("job", "node", "output", "state", "step", "microbatch", "consumer_node", "arg", "leaves", "to", "from_worker", "from_incarnation", "pieces", "value_leaves")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,8 @@ class TransferHeader(_message.Message):
     TO_FIELD_NUMBER: _ClassVar[int]
     FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
     FROM_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    VALUE_LEAVES_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     output: str
@@ -373,7 +375,19 @@ class TransferHeader(_message.Message):
     to: Identity
     from_worker: str
     from_incarnation: int
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., leaves: _Optional[int] = ..., to: _Optional[_Union[Identity, _Mapping]] = ..., from_worker: _Optional[str] = ..., from_incarnation: _Optional[int] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[Piece]
+    value_leaves: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., leaves: _Optional[int] = ..., to: _Optional[_Union[Identity, _Mapping]] = ..., from_worker: _Optional[str] = ..., from_incarnation: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., value_leaves: _Optional[int] = ...) -> None: ...
+
+class Piece(_message.Message):
+    __slots__ = ("leaf", "start", "shape")
+    LEAF_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    leaf: int
+    start: _containers.RepeatedScalarFieldContainer[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leaf: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferChunk(_message.Message):
     __slots__ = ("header", "leaf", "dtype", "shape", "data")

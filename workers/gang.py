@@ -27,6 +27,7 @@ A member lost (its worker killed, hung or cut off) raises
 
 from __future__ import annotations
 
+import base64
 import itertools
 import threading
 import time
@@ -89,6 +90,27 @@ class GangSlice:
         self.group.put_as(v.name, a, layout)
         return v
 
+    def send(self, values: Sequence[GroupValue], address: str, header: pb.TransferHeader) -> bool:
+        """Send one value (``values``: its leaves, on this group) to the data plane at ``address``, shard by
+        shard: each member sends the shards it holds the first replica of, from its own host, and the receiver
+        puts the pieces together (:mod:`rallypoint.workers.pieces`). Whether the receiver had it already.
+
+        Raises:
+            DataPlaneError: a member's frame was refused, or its connection failed (the first such member's).
+            GroupLost: a member was lost meanwhile.
+        """
+        from rallypoint.workers.dataplane import DataPlaneError, Status
+
+        h = pb.TransferHeader()
+        h.CopyFrom(header)
+        h.value_leaves = len(values)
+        answers = self.group.request({"op": "send", "transfer": base64.b64encode(h.SerializeToString()).decode(),
+                                      "address": address, "values": [v.name for v in values]})
+        for j, (a, _) in enumerate(answers):
+            if "failed" in a:
+                raise DataPlaneError(Status[a["status"]] if a.get("status") else None, f"member {j}: {a['failed']}")
+        return any(bool(a.get("duplicate")) for a, _ in answers)
+
     def fetch(self, v: GroupValue) -> np.ndarray:
         return self.group.fetch(v.name)
 
@@ -97,6 +119,18 @@ class GangSlice:
 
     def abort(self) -> None:
         self.group.abort()
+
+
+def on_gang(value: Any) -> GangSlice | None:
+    """The group whose members hold ``value`` (a :class:`~rallypoint.workers.residency.HostCopy` not yet copied to
+    this host, every leaf a :class:`GroupValue` of one gang), or None."""
+    if getattr(value, "ready", True):
+        return None
+    leaves = value.leaves()
+    if not leaves or not all(isinstance(v, GroupValue) for v in leaves):
+        return None
+    gangs = {id(v.gang): v.gang for v in leaves}
+    return next(iter(gangs.values())) if len(gangs) == 1 else None
 
 
 class GroupValue:

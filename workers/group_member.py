@@ -303,6 +303,8 @@ class Member:
                 for leaf, v in zip(leaves, tree[state], strict=True):
                     self.values[leaf["value"]] = v
             return {"shards": _digests(tree)}, []
+        if op == "send":
+            return self._send(header), []
         if op == "stash":
             return self.parts.stash(header), []
         if op == "pushed":  # a drain: the copies under way arrive before the group ends
@@ -315,6 +317,36 @@ class Member:
             return {}, []
         raise ValueError(f"unknown request {op!r}")
 
+
+    def _send(self, header: dict[str, Any]) -> dict[str, Any]:
+        """Send the shards of ``header["values"]`` this process holds the first replica of to the data plane at
+        ``header["address"]``, as pieces of one value (workers/pieces.py): no process gathers the whole value."""
+        import base64
+
+        import numpy as np
+
+        from rallypoint.proto import rallypoint_pb2 as pb
+        from rallypoint.workers.dataplane import DataPlaneError
+
+        t = pb.TransferHeader.FromString(base64.b64decode(header["transfer"]))
+        arrays = []
+        for leaf, name in enumerate(header["values"]):
+            v = self.values[name]
+            for s in v.addressable_shards:
+                if s.replica_id == 0:
+                    t.pieces.append(pb.Piece(leaf=leaf, start=[a for a, _ in index_of(s.index, v.shape)],
+                                             shape=list(v.shape)))
+                    arrays.append(np.ascontiguousarray(np.asarray(s.data)))
+        if not arrays:  # every shard it holds is another member's first replica
+            return {"pieces": 0}
+        try:
+            duplicate = self.parts.data().send(str(header["address"]), t, arrays)
+        except DataPlaneError as exc:
+            return {"failed": str(exc), "status": exc.status.name if exc.status is not None else None}
+        nbytes = sum(int(a.nbytes) for a in arrays)
+        self.parts.log.info("value.sent", member=self.jax.process_index(), to=t.to.worker_id, node=t.node,
+                            output=t.output, step=t.step, microbatch=t.microbatch, pieces=len(arrays), bytes=nbytes)
+        return {"pieces": len(arrays), "duplicate": duplicate, "bytes": nbytes}
 
     def _restore_parts(self, header: dict[str, Any]) -> dict[str, Any]:
         """Build the values of ``header["tree"]`` from a copy of this member's part (workers/gang_replicas.py)."""

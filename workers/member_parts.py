@@ -60,7 +60,7 @@ def peer_json(p: pb.ReplicaPeer) -> dict[str, Any]:
 
 
 class Parts:
-    """A member process's side (:mod:`rallypoint.workers.group_member`): its kept shards, their pushes, fetches.
+    """A member process's connections to other workers (its copies' pushes, its outputs' pieces), and its side (:mod:`rallypoint.workers.group_member`): its kept shards, their pushes, fetches.
 
     ``tls``: the CA, certificate and key paths of its worker (its daemon fills them in), or empty: plain TCP."""
 
@@ -68,17 +68,31 @@ class Parts:
         self._tls = tuple(tls)
         self._index_of = index_of
         self._peers: Any = None
+        self._data: Any = None
         self.kept: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
         self._pushing: list[threading.Thread] = []
         self.log = get_logger("rallypoint.member")
 
+    def _tls_config(self) -> Any:
+        from rallypoint.basics.tls import TlsConfig
+
+        return TlsConfig(*map(Path, self._tls)) if self._tls else None
+
     def peers(self) -> Any:
         if self._peers is None:
-            from rallypoint.basics.tls import TlsConfig
             from rallypoint.workers.transfer import PeerChannels
 
-            self._peers = PeerChannels(TlsConfig(*map(Path, self._tls)) if self._tls else None)
+            self._peers = PeerChannels(self._tls_config())
         return self._peers
+
+    def data(self) -> Any:
+        """This member's data-plane connections, with its worker's TLS identity: a multi-host slice's outputs go
+        to their consumers from each member's own host (:mod:`rallypoint.workers.pieces`)."""
+        if self._data is None:
+            from rallypoint.workers.dataplane import DataPlaneClient
+
+            self._data = DataPlaneClient(tls=self._tls_config())
+        return self._data
 
     def keep(self, directory: str, tree: Mapping[str, Sequence[Any]]) -> None:
         """Keep a host copy of each shard of ``tree`` this process holds, until :meth:`stash` (the newest saves)."""

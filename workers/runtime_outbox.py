@@ -26,8 +26,11 @@ loop does not wait for the disk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.gang import on_gang
 from rallypoint.workers.outlog import OutputLog
 from rallypoint.workers.residency import Copies, HostCopy, host_copy
 from rallypoint.workers.runtime_control import JobControl
@@ -116,7 +119,13 @@ class Outbox:
 
     def _push(self, address: str, header: pb.TransferHeader, value: HostCopy, data_plane: bool) -> None:
         control = self._control
-        leaves: Leaves = value.get("transfer")  # off the device here, on the push's thread (once for all its pushes)
+        gang = on_gang(value) if data_plane else None
+        if gang is not None:  # a multi-host slice's output: each member sends its own shards (workers/pieces.py)
+            leaves: Leaves = value.leaves()
+            send: Callable[[], bool] | None = lambda: gang.send(leaves, address, header)  # noqa: E731
+        else:
+            leaves = value.get("transfer")  # off the device here, on the push's thread (once for all its pushes)
+            send = None
 
         def may_act() -> None:
             try:
@@ -130,5 +139,5 @@ class Outbox:
             return control.stopped or target not in self.targets
 
         self._peers.push(address, header, leaves, may_act=may_act, cancelled=cancelled, log=control.log,
-                         data_plane=data_plane)
+                         data_plane=data_plane, send=send)
         self.relieve()  # spill here, off the slice's loop: it then rarely finds the log over its limit

@@ -27,6 +27,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
 from rallypoint.workers.member_link import MemberPool, relay
+from rallypoint.workers.pieces import PieceAssembler, PieceError, whole_header
 from rallypoint.workers.code import CodeCache
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
@@ -83,6 +84,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.code = CodeCache()  # the jobs' code bundles, unpacked once per hash (host sources)
         self.member_host = "127.0.0.1"  # the host others reach this worker at (the daemon sets it): members listen there
         self.member_platform = "cpu"  # the platform of this worker's devices (the daemon sets it): its members' JAX
+        self.pieces = PieceAssembler()  # values arriving from a multi-host slice's members, each its shards
         self.member_pool = MemberPool()  # members started ahead (the daemon's --member-pool; empty: none)
         self.member_tls = (str(tls.ca), str(tls.cert), str(tls.key)) if tls else ()  # its members push with them
         self.member_compile_cache = ""  # the worker's persistent compilation cache (the daemon sets it): its members'
@@ -118,6 +120,14 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         if rt is None:
             return Status.NO_JOB, f"job {header.job!r} is not loaded on worker {self.worker_id}"
         meter.transferred("received", leaves)
+        if header.pieces:  # a multi-host slice's output, each member sending its shards (workers/pieces.py)
+            try:
+                whole = self.pieces.add(header, leaves)
+            except PieceError as exc:
+                return Status.INVALID, str(exc)
+            if whole is None:
+                return Status.DELIVERED, ""  # kept until the value's other pieces are here
+            header, leaves = whole_header(header), whole
         try:
             return (Status.DUPLICATE if rt.deliver(header, leaves) else Status.DELIVERED), ""
         except DeliveryError as exc:

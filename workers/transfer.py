@@ -75,17 +75,21 @@ class PeerChannels:
         return duplicate
 
     def push(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, may_act: Callable[[], None],
-             cancelled: Callable[[], bool], log: Any, data_plane: bool = False) -> bool | None:
+             cancelled: Callable[[], bool], log: Any, data_plane: bool = False,
+             send: Callable[[], bool] | None = None) -> bool | None:
         """Push with retries; returns ``duplicate``, or None when it was not delivered (logged).
 
         ``may_act`` raises :class:`NotAllowed` while the sender is fenced; ``cancelled``
-        ends the retries (the job was unloaded).
+        ends the retries (the job was unloaded). ``send``: one attempt made otherwise (a
+        multi-host slice's members each send their shards: :mod:`rallypoint.workers.pieces`).
         """
 
         def attempt() -> bool | None:
             if cancelled():
                 return None
             may_act()
+            if send is not None:
+                return send()
             return self.send(address, header, leaves, data_plane=data_plane)
 
         def retryable(exc: BaseException) -> bool:

@@ -139,6 +139,39 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
         else:
             assert r.get("tier") is None and missed, (r, missed)
 
+    # A gang's output to a slice on another worker goes shard by shard: each member sends the shards it holds from
+    # its own host and the consumer's worker puts the pieces together (workers/pieces.py); the lead never holds it.
+    out = compile_program(_gang_to_head(STEPS))
+    flowed = submit(out, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, new_run=True)
+    want = ReferenceExecutor(out).run()
+    np.testing.assert_allclose(np.asarray(flowed.states["acc"]), np.asarray(want.states["acc"]), rtol=1e-6)
+    placed = _record(lc, out.program.name)["placement"]
+    head, gang = placed["head"]["worker"], [m["worker"] for m in placed["dp"]["members"]]
+    assert head not in gang, placed
+    sent = [e for w in gang for e in read_events(lc.process(w).log, "value.sent") if e["ts"] > started]
+    assert sorted({e["member"] for e in sent}) == [0, 1] and all(e["pieces"] == 2 for e in sent), sent
+    assert len(sent) == 2 * STEPS, sent  # each member, each step: its half of the rows (2 shards), nothing gathered
+
+
+def _gang_to_head(steps: int) -> Any:
+    """A gang (4 devices on workers of 2) whose per-step output, sharded over its batch, feeds a slice elsewhere."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from rallypoint.client import Program
+
+    prog = Program("gang-to-head", steps=steps, checkpoint_every=2)
+    dp, head = prog.slice("dp", devices=4, mesh_axes=("data",)), prog.slice("head", devices=2)
+    w = prog.state("w", slice=dp, init=lambda: jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32).reshape(8, 4))
+    acc = prog.state("acc", slice=head, init=lambda: jnp.zeros((4,), jnp.float32))
+    batch = prog.source("batch", lambda step, mb: {"x": jnp.arange(64, dtype=jnp.float32).reshape(8, 8) + step},
+                        slice=dp, per="step", outputs=("x",), shardings={"x": P("data")})
+    fwd = prog.node("fwd", lambda w, x: (jnp.tanh(x @ w), w * 0.99), slice=dp, inputs={"w": w, "x": batch["x"]},
+                    outputs=("h", "w"), updates={"w": w}, shardings={"x": P("data"), "h": P("data")})
+    prog.node("sum", lambda acc, h: acc + h.sum(axis=0), slice=head, inputs={"acc": acc, "h": fwd["h"]},
+              outputs=("acc",), updates={"acc": acc})
+    return prog
+
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")

@@ -205,20 +205,24 @@ class FakeProgress:
 
 
 class FakePort:
-    """A scripted StragglerPort: s0 on w0, s1 on w1, spares w2 and w3 registered in a MemoryStore; it records the
-    cordons and drains the watch asks for (no executor)."""
+    """A scripted StragglerPort: s0 on w0, s1 on w1, spares w2 and w3 registered in a MemoryStore (``gang``: s1 is
+    a gang of w1 and w2, spares w3 to w3 + ``gang``); it records the cordons and drains the watch asks for (no
+    executor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gang: int = 0) -> None:
         from rallypoint.etcd.cluster_view import read_cluster
         from rallypoint.etcd.keys import Keys
         from rallypoint.orchestrator.placement import SlicePlace
         from tests.fakes import MemoryStore, register_worker
         self.progress = FakeProgress()
         self.store, self.keys = MemoryStore(), Keys("t")
-        for w in ("w0", "w1", "w2", "w3"):
-            register_worker(self.store, self.keys, w, 1)
+        for i in range(4 + gang):
+            register_worker(self.store, self.keys, f"w{i}", 1)
         self._read = lambda: read_cluster(self.store, self.keys)
         self.places = {"s0": SlicePlace("w0", "w0:1", 1, (0,)), "s1": SlicePlace("w1", "w1:1", 2, (0,))}
+        if gang:
+            members = (SlicePlace("w1", "w1:1", 2, (0,)), SlicePlace("w2", "w2:1", 3, (0,)))
+            self.places["s1"] = SlicePlace("w1", "w1:1", 2, (0,), members=members)
         self.said: list[tuple[str, dict[str, Any]]] = []
         self.cordoned: list[str] = []
         self.probations: list[Any] = []
@@ -233,7 +237,7 @@ class FakePort:
         return self.places
 
     def loaded_workers(self) -> list[str]:
-        return ["w0", "w1"]
+        return sorted({m.worker for p in self.places.values() for m in (p, *p.members)})
 
     def cluster(self) -> Any:
         return self._read()
@@ -331,3 +335,26 @@ def test_a_worker_moved_off_twice_in_the_window_stays_out_and_is_reported() -> N
     assert probation.lapse_s is None and len(probation.moves) == 2 and len(port.moves["w1"]) == 2
     kept = port.said[2][1]
     assert kept["worker"] == "w1" and "2 times within 600 s" in kept["reason"] and "uncordon" in kept["reason"]
+
+
+@pytest.mark.parametrize(("spares", "moved"), [(3, True), (2, False)])
+def test_a_slow_gang_moves_whole_by_a_drain_of_its_lead_when_a_whole_gang_has_room_beside_one_kept(
+        spares: int, moved: bool) -> None:
+    """A gang (s1 on w1 and w2, one device each) is slow: its lead's worker is drained (the drain moves the gang
+    whole, docs/multihost.md) when spares for a whole new gang and one more are free; with room for the gang alone
+    it is kept, said why. (Before, the room was looked for on one worker, which never has a gang's devices.)"""
+    from rallypoint.basics.clock import FakeClock
+    from rallypoint.recovery.stragglers import StragglerSettings
+    from tests.orchestrator.test_job_collaborators import Log
+    clock, port = FakeClock(), FakePort(gang=spares - 1)
+    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=Log())
+    watch.configure(StragglerSettings(), checkpoint_every=0)
+    drive(watch, port, clock, range(0, 20), {})
+    drive(watch, port, clock, range(20, 60), {"s1": 0.08})
+    decisions = [(d["decision"], d.get("reason", "")) for e, d in port.said if e == "job.straggler"]
+    if moved:
+        assert decisions[0][0] == "migrate" and port.drained == ["w1"] and port.cordoned == ["w1"], decisions
+    else:
+        assert port.drained == [] and decisions[0][0] == "no_spare", decisions
+        assert "only 2 workers (w3, w4) have room for a member of slice s1 (2 members of 1 devices)" in decisions[0][1]
+
