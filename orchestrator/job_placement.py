@@ -76,9 +76,9 @@ class JobPlacement:
         """Slice -> where it runs now."""
         return MappingProxyType(self._places)
 
-    def gangs(self) -> list[str]:
-        """The slices placed as gangs now (multi-host slices)."""
-        return sorted(s for s, p in self._places.items() if p.members)
+    def gangs(self) -> dict[str, list[str]]:
+        """The slices placed as gangs now (multi-host slices) -> their members' workers, in process order."""
+        return {s: [m.worker for m in p.members] for s, p in sorted(self._places.items()) if p.members}
 
     def devices_of(self, slice_name: str) -> int:
         """How many devices the slice declares."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +63,7 @@ class SpareWarmer:
     """The warm spares of one job (see the module doc)."""
 
     def __init__(self, spec: pb.JobSpec, workers: JobWorkers, *, cluster: str, term: int, max_spares: int,
-                 log: Any, gangs: Callable[[], Iterable[str]] = tuple) -> None:
+                 log: Any, gangs: Callable[[], Mapping[str, list[str]]] = dict) -> None:
         if max_spares < 0:
             raise ValueError(f"warm_spares must be >= 0 (0: no warm spares), got {max_spares}")
         self.spec, self.workers, self.cluster, self.term, self.max_spares = spec, workers, cluster, term, max_spares
@@ -77,7 +77,7 @@ class SpareWarmer:
         self._checked = float("-inf")
         self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
         self._shapes = {s.slice: s for s in spec.slices}
-        self._gangs = gangs  # the slices placed as gangs now (docs/multihost.md)
+        self._gangs = gangs  # the slices placed as gangs now -> their members' workers (docs/multihost.md)
 
     @property
     def plan(self) -> dict[str, list[str]]:
@@ -126,11 +126,11 @@ class SpareWarmer:
         if self.max_spares <= 0 and not self.targets:
             return False
         spares = {w: snap.workers[w] for w in snap.spares if eligible(w, snap.workers[w], snap, exclude)}
-        gangs = set(self._gangs())
+        gangs = dict(self._gangs())
         plan = plan_warm({w: len(ws.free) for w, ws in spares.items()},
                          {s: n for s, n in self._need.items() if s not in gangs}, max_spares=self.max_spares)
         members = self._members(snap, spares, gangs, plan)
-        want = {w: SpareTarget(spares[w].info.incarnation, spares[w].info.address,
+        want = {w: SpareTarget(snap.workers[w].info.incarnation, snap.workers[w].info.address,
                                tuple((s, warm_devices(spares[w].free, self._need[s])) for s in plan.get(w, ())),
                                members.get(w, 0))
                 for w in sorted({*plan, *members})}
@@ -151,17 +151,24 @@ class SpareWarmer:
             self.workers.warm(w, t.address, req, lambda w, resp, err, rnd=rnd: self._answered(rnd, w, resp, err))
         return True
 
-    def _members(self, snap: ClusterSnapshot, spares: Mapping[str, Any], gangs: set[str],
+    def _members(self, snap: ClusterSnapshot, spares: Mapping[str, Any], gangs: Mapping[str, list[str]],
                  plan: Mapping[str, list[str]]) -> dict[str, int]:
-        """Spare -> gang member processes it keeps started: no one spare compiles a multi-host slice's programs
-        (they compile for the whole group), so the spares a new gang would take (``choose_gang`` among them, for
-        each gang slice) keep a member started instead, within the budget of ``max_spares`` spares."""
+        """Worker -> gang member processes it keeps started for the job. No one spare compiles a multi-host slice's
+        programs (they compile for the whole group), so the workers a new gang would be formed on keep a member
+        started instead: the gang's own members' workers (a lost member's gang is formed again with the ones
+        left) and the spares a new gang would take (``choose_gang`` among them), these within the budget of
+        ``max_spares`` spares. A gang forms as fast as its slowest member starts: every one of them counts."""
+        if self.max_spares <= 0:
+            return {}
         out: dict[str, int] = {}
         others = frozenset(snap.workers) - set(spares)
-        for s in sorted(gangs):
+        for s, workers in sorted(gangs.items()):
+            for w in workers:
+                if w in snap.workers:
+                    out[w] = out.get(w, 0) + 1
             gang = choose_gang(snap, self._need[s], exclude=others)
             for w, _ in gang or ():
-                if w in out or w in plan or len({*out, *plan}) < self.max_spares:
+                if w in out or w in plan or len({*(set(out) & set(spares)), *plan}) < self.max_spares:
                     out[w] = out.get(w, 0) + 1
         return out
 

@@ -11,9 +11,11 @@ the runtime's existing paths (docs/multihost.md):
   group, formed at load, with the slice's global mesh;
 * :class:`GroupValue` stands where a ``jax.Array`` does (a state version, an output, an
   argument): the name of a global array on the members, each holding its shards.
-  ``np.asarray`` of one gathers it here from the members' shards (a metric, a push to
-  another worker, a checkpoint, the final state); a value no longer referenced is
-  dropped on the members with the next request;
+  ``np.asarray`` of one gathers it here from the members' shards (a metric, a value for a
+  consumer on this worker, the final state); a push to another worker goes shard by shard
+  instead (:meth:`GangSlice.send`), as do checkpoints
+  (:mod:`rallypoint.workers.gang_checkpoint`); a value no longer referenced is dropped on
+  the members with the next request;
 * :class:`GroupSharding` stands where a ``jax.sharding.Sharding`` does (a program's
   argument or output layout): :func:`rallypoint.workers.residency.place` hands a host
   value to it, and it is put on the members shard by shard, each member sent only its own.

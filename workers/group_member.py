@@ -11,7 +11,8 @@ anew as a unit.
 Started as ``python -m rallypoint.workers.group_member`` with the group's settings as
 JSON in ``argv[1]`` (``coordinator``, ``processes``, ``process``, ``local_devices``,
 ``platform``, ``init_timeout_s``, ``heartbeat_s``, ``address``: its own host's address, where
-its gloo transport listens, ``device_ids``), or ahead of need as ``... --pooled`` (a worker's
+its gloo transport listens, ``device_ids``, and from its daemon ``tls`` and ``compile_cache``:
+its worker's TLS paths and compilation cache), or ahead of need as ``... --pooled`` (a worker's
 member pool, :class:`rallypoint.workers.member_link.MemberPool`): it then imports JAX and
 Orbax at once and reads the settings as its first frame, ``{"settings": {...}}``, when a slice
 needs it. It joins the group, answers
@@ -38,7 +39,13 @@ Requests (``op``):
   its layout (as ``put``'s), each process reading its own shards. ``save`` and ``restore`` answer
   ``shards``: ``[state, leaf, index, dtype, shape, sha256]`` of every shard this process holds
   the first replica of (together the members' cover each leaf once).
-* ``free`` ``{values}``; ``exit``.
+* ``send`` ``{transfer, address, values}``: the shards of the value ``values`` (its leaves) this
+  process holds the first replica of, sent from here to the data plane at ``address`` as one
+  frame of pieces under the base64 ``TransferHeader`` given (workers/pieces.py); answers
+  ``pieces`` and ``duplicate``, or ``failed`` with the refusal's ``status``.
+* ``save`` with ``keep``, ``stash``, ``pushed``, ``restore_parts``: the in-memory tier's copies of
+  this process's shards (workers/member_parts.py, workers/gang_replicas.py).
+* ``free`` ``{values}``; ``exit`` (after the saves still writing and the copies still being pushed).
 
 The user's prints and JAX's logs go to stderr, never into the protocol; the process
 ends when stdin closes and with its daemon (``PR_SET_PDEATHSIG``).

@@ -48,6 +48,7 @@ CHUNK = 1 << 20  # bytes per message: under gRPC's 4 MiB default, whatever a val
 SETTINGS = {"processes": int, "process": int, "local_devices": int, "platform": str, "init_timeout_s": int,
             "heartbeat_s": int, "coordinator": str, "device_ids": list}
 STOP_WAIT_S = 5.0
+REFILL_S = 10.0  # how long after a job's warm member was taken the pool starts another
 
 
 class MemberRefused(ValueError):
@@ -150,7 +151,11 @@ class MemberPool:
                 proc.kill()
                 proc.wait()
                 proc = None
-        if self.target:
+        if self._held:  # a job's warm member was taken, by a recovery most likely: started again once it is over,
+            timer = threading.Timer(REFILL_S, self.fill, (settings.platform,))  # not competing with it for the CPU
+            timer.daemon = True
+            timer.start()
+        elif self.size:
             self.fill(settings.platform)
         if proc is None:
             return subprocess.Popen(settings.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE), False

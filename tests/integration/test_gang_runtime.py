@@ -41,7 +41,9 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
 ) -> None:
     lc = local_cluster(workers=4, spares=0, devices_per_worker=2, coordinators=1)
     compiled = compile_program(example("data_parallel").build(steps=STEPS, devices=4))  # no worker has 4
-    whole = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2)
+    cold = {"warm_spares": 0}  # no member processes started ahead but in the drained run, which checks them: each
+    # costs a JAX import of CPU on a machine of 2 cores
+    whole = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, **cold)
     placed = _record(lc, compiled.program.name)["placement"]["dp"]
     assert [m["worker"] for m in placed["members"]] == ["w0", "w1"] and placed["worker"] == "w0", placed
     reference = ReferenceExecutor(compiled).run()
@@ -55,7 +57,8 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     # nothing is fenced or replayed, and no recovery runs; the run ends bitwise equal. (A longer run, granted a
     # step at a time, so that the drain is taken up before every step is granted.)
     longer = compile_program(example("data_parallel").build(steps=DRAIN_STEPS, devices=4))
-    plain = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1, new_run=True)
+    plain = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1, new_run=True,
+                   **cold)
     before = snapshot(lc)
     asked: list[int] = []
 
@@ -109,7 +112,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
                 lc.signal(members[which], signal.SIGKILL)
 
         result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2,
-                        on_event=on_event, new_run=True)
+                        on_event=on_event, new_run=True, **cold)
         return result, killed
 
     # The lead is killed: the gang is lost as a unit, formed anew on the workers left, restored from the cut and
@@ -142,7 +145,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     # A gang's output to a slice on another worker goes shard by shard: each member sends the shards it holds from
     # its own host and the consumer's worker puts the pieces together (workers/pieces.py); the lead never holds it.
     out = compile_program(_gang_to_head(STEPS))
-    flowed = submit(out, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, new_run=True)
+    flowed = submit(out, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, new_run=True, **cold)
     want = ReferenceExecutor(out).run()
     np.testing.assert_allclose(np.asarray(flowed.states["acc"]), np.asarray(want.states["acc"]), rtol=1e-6)
     placed = _record(lc, out.program.name)["placement"]
@@ -197,7 +200,7 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
         compiled = compile_program(example("data_parallel").build(steps=STEPS, devices=4))
         if not _BASELINE:  # a gang of the same shape computes the same bits on any cluster: run once per module
             _BASELINE.append(submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster,
-                                    checkpoint_every=2).state_digest)
+                                    checkpoint_every=2, warm_spares=0).state_digest)
         store = lc.store()
         try:
             snap = read_cluster(store, lc.keys)
@@ -234,7 +237,7 @@ def _run_partitioning(lc: LocalCluster, control: Any, compiled: Any) -> Any:
 
     try:
         result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2,
-                        on_event=on_event, new_run=bool(_record_or_none(lc, compiled.program.name)))
+                        on_event=on_event, new_run=bool(_record_or_none(lc, compiled.program.name)), warm_spares=0)
     finally:
         if cut:
             control.heal("w1")

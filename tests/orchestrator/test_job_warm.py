@@ -134,3 +134,22 @@ def test_the_plan_is_made_again_a_step_after_it_was_asked_for_and_every_few_seco
     assert w.due(1.0 + WARM_CHECK_S, 9, True) is None  # the periodic check waits for the recovery
     assert w.due(1.0 + WARM_CHECK_S - 0.01, 9, False) is None
     assert w.due(1.0 + WARM_CHECK_S, 9, False) == "the spares changed"
+
+
+def test_a_gang_keeps_a_member_started_on_each_of_its_workers_and_on_the_spares_a_new_gang_would_take() -> None:
+    """No one spare compiles a multi-host slice's programs: every worker a new gang would be formed on (its own
+    members' workers, the spares ``choose_gang`` takes, within the budget) keeps a member process started."""
+    fake = FakeWorkers()
+    w = SpareWarmer(spec(), fake, cluster="c", term=7, max_spares=2,  # type: ignore[arg-type]
+                    log=structlog.get_logger("test"), gangs=lambda: {"big": ["g0", "g1"]})
+    snap = cluster(worker("g0", 1, held=[0]), worker("g1", 1, held=[0]), worker("s1", 1), worker("s2", 1),
+                   worker("s3", 1))
+    assert w.refresh(snap, "placed", exclude=frozenset({"g0", "g1"}))
+    asked = {name: (req.members, [sa.slice for sa in req.slices]) for name, _, req in fake.sent}
+    # "small" (1 device) is warmed as usual, on both spares of the budget; "big" is the gang: a member on each of
+    # its workers and on the spares of a new gang of two, s3 left out of the budget of 2 spares
+    assert asked == {"g0": (1, []), "g1": (1, []), "s1": (1, ["small"]), "s2": (1, ["small"])}, asked
+    for name in list(fake._done):
+        fake.answer(name, pb.WarmJobResponse())
+    w.release()
+    assert sorted(fake.now) == ["g0", "g1", "s1", "s2"]  # the job's end ends them all
