@@ -93,6 +93,11 @@ class GangSteps:
                 del self.written[old]
         return shards_checksum(entries)
 
+    def take_written(self, step: int) -> str | None:
+        """The directory the members saved ``step`` into (their key for its copies), once; None if not kept."""
+        with self._lock:
+            return self.written.pop(step, None)
+
     def wait_until_finished(self) -> None:
         """Finalize every step started: once each member has written its shards (a group request), its listing is
         written beside it and its directory renamed to the step. A step that fails is removed (not finalized)."""
@@ -152,7 +157,7 @@ class GangCheckpointer(SliceCheckpointer):
 
     def _stash_commit(self, c: CheckpointCommit) -> None:
         assert self._targets is not None
-        directory = self._manager.written.pop(c.step, None)
+        directory = self._manager.take_written(c.step)
         if directory is None:
             return
         members = self.gang.members

@@ -11,9 +11,8 @@ their own shards instead: member ``j``'s shards of a commit are the slice's **pa
 * the holder the coordinator plans for the part (``LoadJobRequest.replica_targets``:
   :func:`~rallypoint.recovery.replicas.plan_replicas` over the parts, on another worker).
 
-A single lost host therefore leaves a copy of every part. The flow:
-
-The members' side is :mod:`rallypoint.workers.member_parts`.
+A single lost host therefore leaves a copy of every part. The members' side is
+:mod:`rallypoint.workers.member_parts`. The flow:
 
 * **Save** (``save`` with ``keep``): each member keeps a host copy of every shard it holds
   (one per index: the replicas of a replicated leaf are one shard), keyed

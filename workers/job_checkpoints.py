@@ -138,6 +138,7 @@ class JobCheckpoints:
         self.next: dict[str, float] = {s: first for s in self.slices}
         self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
         self._extra: set[int] = set()  # steps a drain asked for, off the every-K schedule
+        self._saved: dict[str, int] = {}  # slice -> the newest step it saved
         self.cut = start
         self._ckpt: dict[str, SliceCheckpointer] = {}
         self._keep = int(req.keep_checkpoints) or None
@@ -222,13 +223,15 @@ class JobCheckpoints:
         """Every slice also saves at ``step`` (a drain's checkpoint; committed like any other).
 
         A slice already past ``step`` cannot save it; the executor asks only for a step no
-        instance of this worker has reached (its grant).
+        instance of this worker has reached (its grant). Every grant of a drain asks again: a slice
+        that saved ``step`` already is not asked to save it twice.
         """
         if not self.enabled or step >= self.steps:
             return
         self._extra.add(step)
         for s in self.slices:
-            self.next[s] = min(self.next[s], step)
+            if step > self._saved.get(s, -1):
+                self.next[s] = min(self.next[s], step)
 
     def _after(self, step: int) -> float:
         """The slice's next checkpoint step after saving ``step``: the schedule's, or an earlier extra one."""
@@ -242,12 +245,12 @@ class JobCheckpoints:
         self.faults.check_storage(str(self.root))  # fault injection: the disk is full or read-only
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
             self._on_commit(slice_name, step)
-            return
-        if slice_name in self.gangs:  # left on the members, each saving its own shards
+        elif slice_name in self.gangs:  # left on the members, each saving its own shards
             self._checkpointer(slice_name).save(step, states)
-            return
-        self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
-                                                   for name, leaves in states.items()})
+        else:
+            self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
+                                                       for name, leaves in states.items()})
+        self._saved[slice_name] = max(step, self._saved.get(slice_name, -1))  # a failed save may be asked again
 
     def settle_gangs(self, timeout_s: float) -> bool:
         """Wait (bounded) until the multi-host slices' members have pushed the copies of every commit so far (a

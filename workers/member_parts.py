@@ -60,7 +60,8 @@ def peer_json(p: pb.ReplicaPeer) -> dict[str, Any]:
 
 
 class Parts:
-    """A member process's connections to other workers (its copies' pushes, its outputs' pieces), and its side (:mod:`rallypoint.workers.group_member`): its kept shards, their pushes, fetches.
+    """A member process's side of the tier (its kept shards, their pushes, the fetch of its part) and its
+    connections to other workers (those pushes, and its outputs' pieces: :mod:`rallypoint.workers.pieces`).
 
     ``tls``: the CA, certificate and key paths of its worker (its daemon fills them in), or empty: plain TCP."""
 

@@ -87,7 +87,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.pieces = PieceAssembler()  # values arriving from a multi-host slice's members, each its shards
         self.member_pool = MemberPool()  # members started ahead (the daemon's --member-pool; empty: none)
         self.member_tls = (str(tls.ca), str(tls.cert), str(tls.key)) if tls else ()  # its members push with them
-        self.member_compile_cache = ""  # the worker's persistent compilation cache (the daemon sets it): its members'
+        self.member_compile_cache = ""  # the worker's compilation cache (the daemon sets it): its members' too
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -320,8 +320,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             resp = self.warm.warm(request, self._device_list())
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # a spare that may join a gang of the job keeps member processes started, JAX imported (their programs'
-        # executables are in the worker's compilation cache once any member compiled them)
+        # a worker that a new gang of the job may be formed on keeps member processes started, JAX imported (their
+        # programs' executables are in the worker's compilation cache once any member compiled them)
         self.member_pool.hold(request.job, max(0, int(request.members)), self.member_platform)
         return resp
 

@@ -145,3 +145,16 @@ def test_the_worker_command_hands_its_cache_and_hidden_fault_options_to_the_daem
     assert [c.compile_cache_dir for c in configs] == ["/shared/cache", ""]
     help_text = CliRunner().invoke(daemons.main, ["worker", "--help"]).output
     assert "--fault" not in help_text and "--compile-cache-dir" in help_text
+
+
+def test_a_drain_step_asked_again_with_every_grant_is_saved_once(checkpoints: Any) -> None:
+    """Every grant of a drain carries its step; once the slice saved it, asking again must not make the slice
+    save it a second time (which Orbax refuses: it was logged as a skipped checkpoint, an error)."""
+    ck = checkpoints()
+    ck.jc.save("s0", 4, STATES)  # the schedule's (every 2)
+    ck.jc.save_at(5)
+    assert ck.jc.due("s0", 5) == 5
+    ck.jc.save("s0", 5, STATES)
+    ck.jc.save_at(5)  # the next grant of the same drain
+    assert ck.jc.barrier("s0") == 6 and ck.jc.due("s0", 5) is None
+    wait_until(lambda: ck.counted == [4, 5], 30, "the commits")
