@@ -139,7 +139,7 @@ class SpareWarmer:
         if not changed and not dropped:
             return False
         rnd = _Round(next(self._rounds), reason, time.monotonic(),
-                     {w: [s for s, _ in t.held] + [f"member of {g}" for g in sorted(gangs)][:t.members]
+                     {w: [s for s, _ in t.held] + ([f"gang members: {t.members}"] if t.members else [])
                       for w, t in want.items()},
                      waiting=set(changed) | set(dropped), dropped=sorted(dropped))
         self.targets = dict(want)

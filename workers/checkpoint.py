@@ -318,6 +318,11 @@ class SliceCheckpointer:
             self._queue.append(_Pending(step, tree, started))
             self._cond.notify_all()
 
+    @property
+    def last_step(self) -> int | None:
+        """The newest step whose save started (None: none yet); a later save must be of a greater step."""
+        return self._last_step
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every save so far is finalized and committed (or failed).
 

@@ -138,7 +138,6 @@ class JobCheckpoints:
         self.next: dict[str, float] = {s: first for s in self.slices}
         self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
         self._extra: set[int] = set()  # steps a drain asked for, off the every-K schedule
-        self._saved: dict[str, int] = {}  # slice -> the newest step it saved
         self.cut = start
         self._ckpt: dict[str, SliceCheckpointer] = {}
         self._keep = int(req.keep_checkpoints) or None
@@ -230,7 +229,8 @@ class JobCheckpoints:
             return
         self._extra.add(step)
         for s in self.slices:
-            if step > self._saved.get(s, -1):
+            saved = self._ckpt[s].last_step if s in self._ckpt else None
+            if saved is None or step > saved:
                 self.next[s] = min(self.next[s], step)
 
     def _after(self, step: int) -> float:
@@ -250,7 +250,6 @@ class JobCheckpoints:
         else:
             self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
                                                        for name, leaves in states.items()})
-        self._saved[slice_name] = max(step, self._saved.get(slice_name, -1))  # a failed save may be asked again
 
     def settle_gangs(self, timeout_s: float) -> bool:
         """Wait (bounded) until the multi-host slices' members have pushed the copies of every commit so far (a

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,8 +67,9 @@ def value_key(header: pb.TransferHeader) -> bytes:
 class PieceAssembler:
     """The values this worker is receiving in pieces (see the module doc)."""
 
-    def __init__(self, *, limit_bytes: int = LIMIT_BYTES, ttl_s: float = TTL_S) -> None:
-        self.limit_bytes, self.ttl_s = limit_bytes, ttl_s
+    def __init__(self, *, limit_bytes: int = LIMIT_BYTES, ttl_s: float = TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_bytes, self.ttl_s, self._clock = limit_bytes, ttl_s, clock
         self._open: OrderedDict[bytes, _Assembly] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -89,7 +90,7 @@ class PieceAssembler:
         if n < 1:
             raise PieceError("a value in pieces must say how many leaves it has (TransferHeader.value_leaves)")
         key = value_key(header)
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._expire(now)
             a = self._open.get(key)

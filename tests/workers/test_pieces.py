@@ -61,7 +61,8 @@ def test_pieces_that_disagree_or_overlap_are_refused_and_an_abandoned_value_expi
     d.add(_frame([(0, [0, 0], [8, 4])], value_leaves=1), [np.zeros((4, 4), np.float32)])
     with pytest.raises(PieceError, match="disagree"):
         d.add(_frame([(0, [4, 0], [8, 4])], value_leaves=1), [np.zeros((4, 4), np.int32)])
-    a = PieceAssembler(ttl_s=0.0)
+    now = [0.0]
+    a = PieceAssembler(ttl_s=60.0, clock=lambda: now[0])
     a.add(_frame([(0, [0, 0], [8, 4])], value_leaves=1), [np.zeros((4, 4), np.float32)])
     b = PieceAssembler()
     b.add(_frame([(0, [0, 0], [8, 4])], value_leaves=1), [np.zeros((4, 4), np.float32)])
@@ -69,8 +70,9 @@ def test_pieces_that_disagree_or_overlap_are_refused_and_an_abandoned_value_expi
         b.add(_frame([(0, [2, 0], [8, 4])], value_leaves=1), [np.zeros((6, 4), np.float32)])
     with pytest.raises(PieceError, match="value_leaves"):
         PieceAssembler().add(_frame([(0, [0, 0], [8, 4])], value_leaves=0), [np.zeros((4, 4))])
-    import time
-
-    time.sleep(0.01)
+    now[0] = 59.0
+    a.add(_frame([(0, [0, 0], [2, 2])], value_leaves=1, step=8), [np.zeros((1, 2))])
+    assert a.in_progress == 2  # within the TTL: both kept
+    now[0] = 61.0
     a.add(_frame([(0, [0, 0], [2, 2])], value_leaves=1, step=9), [np.zeros((1, 2))])  # expires the first
-    assert a.in_progress == 1
+    assert a.in_progress == 2
