@@ -43,6 +43,8 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     _COORDINATOR + "SubmitJob": _CALLERS,
     _COORDINATOR + "ResumeJob": _CALLERS,
     _COORDINATOR + "WatchJob": _CALLERS,
+    _COORDINATOR + "CancelJob": _CALLERS,  # a user stops their own job
+    _COORDINATOR + "SuspendJob": frozenset({OPERATOR}),  # setting a job aside is the operator's call
     # A worker's control service: the leader's (a Ping carries a term, a fencing token, so
     # only the leader and an operator's health check may send one).
     _WORKER + "Ping": frozenset({COORDINATOR, OPERATOR}),

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from rallypoint.client import jobs_cli, plot_cli, run_cli
+from rallypoint.client import jobs_cli, lifecycle_cli, plot_cli, run_cli
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, cluster_options, store_and_keys
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
@@ -363,4 +363,8 @@ main.add_command(jobs_cli.status)
 main.add_command(jobs_cli.jobs)
 main.add_command(jobs_cli.resume)
 main.add_command(jobs_cli.delete_run)
+main.add_command(lifecycle_cli.watch)
+main.add_command(lifecycle_cli.cancel)
+main.add_command(lifecycle_cli.suspend)
+main.add_command(lifecycle_cli.logs)
 main.add_command(plot_cli.plot)

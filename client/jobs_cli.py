@@ -46,12 +46,18 @@ def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
     return record
 
 
-def job_rows(store: Any, keys: Any) -> list[dict[str, Any]]:
-    """One row per job of the cluster: priority, state, progress, devices held now, slices parked or moved."""
+def _recoveries(r: dict[str, Any]) -> int:
+    return len(r.get("recoveries") or []) + int((r.get("recoveries_earlier") or {}).get("count", 0))
+
+
+def job_rows(store: Any, keys: Any, *, history: bool = True) -> list[dict[str, Any]]:
+    """One row per run of the cluster's jobs: each job's current run (running, suspended, or ended and within
+    the leader's ``--keep-history-s``) and, with ``history``, its earlier runs kept in etcd. Each row: priority,
+    state, progress, start and end, recoveries, devices held now, placement, and who stopped it."""
     from collections import Counter
 
     from rallypoint.etcd.cluster_view import job_records, read_cluster
-    from rallypoint.orchestrator.runs import run_of
+    from rallypoint.orchestrator.runs import old_runs, run_of
 
     records = job_records(store, keys)
     snap = read_cluster(store, keys)
@@ -59,24 +65,49 @@ def job_rows(store: Any, keys: Any) -> list[dict[str, Any]]:
     yields, _ = store.get_prefix(keys.yields)
     asked = Counter(keys.tail(kv.key, keys.yields)[0] for kv in yields)
     rows = []
+
+    def row(job: str, r: dict[str, Any], current: bool) -> dict[str, Any]:
+        stop = r.get("stop") or {}
+        return {"job": job, "run": run_of(r), "current": current, "priority": int(r.get("priority", 0)),
+                "state": r.get("state", ""), "step_done": r.get("step_done", 0), "steps": r.get("steps", 0),
+                "started_at": r.get("started_at"), "ended_at": r.get("ended_at") or r.get("superseded_at"),
+                "devices_held": held.get(job, 0) if current else 0,
+                "slices": {s: {"worker": p["worker"], "devices": len(p["devices"])}
+                           for s, p in sorted((r.get("placement") or {}).items())} if current else {},
+                "asked_to_yield": asked.get(job, 0) if current else 0, "recoveries": _recoveries(r),
+                "drains": len(r.get("drains") or []), "reason": r.get("reason", ""),
+                **({"stopped_by": stop.get("by", ""), "auto_resume": bool(stop.get("auto_resume"))} if stop else {})}
+
     for job, r in sorted(records.items(), key=lambda kv: (-int(kv[1].get("priority", 0)), kv[0])):
-        rows.append({"job": job, "run": run_of(r), "priority": int(r.get("priority", 0)), "state": r.get("state", ""),
-                     "step_done": r.get("step_done", 0), "steps": r.get("steps", 0), "devices_held": held.get(job, 0),
-                     "slices": {s: {"worker": p["worker"], "devices": len(p["devices"])}
-                                for s, p in sorted((r.get("placement") or {}).items())},
-                     "asked_to_yield": asked.get(job, 0), "recoveries": len(r.get("recoveries") or []),
-                     "drains": len(r.get("drains") or [])})
+        rows.append(row(job, r, True))
+        if history:
+            rows += [row(job, old, False) for old in reversed(old_runs(store, keys, job))]
     return rows
+
+
+def _when(t: Any) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(float(t))) if t else "-"
+
+
+def _state_cell(r: dict[str, Any]) -> str:
+    state = r["state"] + ("" if r["current"] else " (earlier run)")
+    if r.get("stopped_by"):
+        state += f", by {r['stopped_by']}"
+        if r["state"] == "suspended" and r.get("auto_resume"):
+            state += "; resumes by itself when room returns"
+    return state
 
 
 @click.command()
 @cluster_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per job, per line.")
-def jobs(state_dir: Path, cluster: str | None, as_json: bool) -> None:
-    """List the cluster's jobs: priority, state, progress, devices held, placement."""
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run, per line.")
+@click.option("--current", is_flag=True, help="Only each job's current run (no earlier runs).")
+def jobs(state_dir: Path, cluster: str | None, as_json: bool, current: bool) -> None:
+    """List the cluster's jobs, running and past: run, priority, state (and who stopped it), progress, start and
+    end, recoveries, devices held, placement. Ended runs stay listed for the leader's --keep-history-s."""
     store, keys = store_and_keys(state_dir, cluster)
     try:
-        rows = job_rows(store, keys)
+        rows = job_rows(store, keys, history=not current)
     finally:
         store.close()
     if as_json:
@@ -86,14 +117,17 @@ def jobs(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"cluster {keys.cluster}: {len(rows)} jobs (highest priority first)")
-    for col in ("job", "run", "priority", "state", "step", "devices held", "placement", "asked to yield"):
+    table = Table(title=f"cluster {keys.cluster}: {len(rows)} runs of {len({r['job'] for r in rows})} jobs "
+                        "(highest priority first)")
+    for col in ("job", "run", "priority", "state", "step", "started", "ended", "recoveries", "devices held",
+                "placement", "asked to yield"):
         table.add_column(col)
     for r in rows:
         where = ", ".join(f"{s}@{p['worker']}x{p['devices']}" for s, p in r["slices"].items()) or "-"
-        table.add_row(r["job"], r["run"] or "-", str(r["priority"]), r["state"], f"{r['step_done']}/{r['steps']}",
-                      str(r["devices_held"]), where, str(r["asked_to_yield"] or "-"))
-    Console(width=140).print(table)
+        table.add_row(r["job"], r["run"] or "-", str(r["priority"]), _state_cell(r), f"{r['step_done']}/{r['steps']}",
+                      _when(r["started_at"]), _when(r["ended_at"]), str(r["recoveries"]), str(r["devices_held"]),
+                      where, str(r["asked_to_yield"] or "-"))
+    Console(width=200).print(table)
 
 
 @click.command()
@@ -146,17 +180,28 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
 @cluster_options
 @click.argument("job")
 @click.option("--checkpoint-dir", default="", help="The checkpoint root the job ran with (default: the coordinator's).")
+@click.option("--detach", is_flag=True, help="Return once the job runs again (`rallypoint watch JOB` follows it).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line.")
-def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, as_json: bool) -> None:
+def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, detach: bool, as_json: bool) -> None:
     """Restart every slice of JOB from its newest consistent cut and finish it.
 
-    For a cluster that lost everything (etcd included) or a job that failed: a job whose
-    leader died or was deposed needs no resume, the new leader adopts it by itself (if it
-    already runs, this follows it)."""
+    For a suspended or cancelled job (placed again on the devices free now, nothing replayed
+    after a suspend), a failed one, or a cluster that lost everything (etcd included): a job
+    whose leader died or was deposed needs no resume, the new leader adopts it by itself (if
+    it already runs, this follows it). Exit status as `rallypoint watch`."""
+    from rallypoint.client.lifecycle import resume_detached
+    from rallypoint.client.run_cli import stops
     from rallypoint.client.submit import resume as resume_job
 
     check_name("job", job)
     addr = resolve_cluster(state_dir, cluster)
+    root = str(Path(checkpoint_dir).absolute()) if checkpoint_dir else ""
+    if detach:
+        with stops(job, attached=True):
+            got = resume_detached(job, endpoints=addr.endpoints, cluster=addr.name, checkpoint_dir=root)
+        click.echo(json.dumps({"event": "job.detached", **got}) if as_json else
+                   f"job {job} runs again: run {got['run']} (`rallypoint watch {job}` follows it)")
+        return
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if as_json:
@@ -176,9 +221,9 @@ def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, 
             click.echo(json.dumps(line) if as_json else f"{job}: the new leader adopted it from the cut at step "
                                                         f"{ev.step}")
 
-    done = resume_job(job, endpoints=addr.endpoints, cluster=addr.name,
-                      checkpoint_dir=str(Path(checkpoint_dir).absolute()) if checkpoint_dir else "",
-                      on_step=on_step, on_event=on_event)
+    with stops(job, attached=True):
+        done = resume_job(job, endpoints=addr.endpoints, cluster=addr.name, checkpoint_dir=root, on_step=on_step,
+                          on_event=on_event)
     if as_json:
         click.echo(json.dumps({"event": "job.finished", **done}))
     else:

@@ -5,9 +5,11 @@ Added to the ``rallypoint`` group by :mod:`rallypoint.client.cli`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,8 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               help="The job name already has a run with checkpoints: start a new run anyway (the old run's files "
               "and commits stay under its run id, `rallypoint status NAME`). Without it such a run is refused; "
               "`rallypoint resume NAME` continues the old run.")
+@click.option("--detach", is_flag=True, help="With --cluster: return once the job runs, printing its name and run "
+              "id; `rallypoint watch NAME` follows it, `rallypoint logs NAME` prints its events.")
 @click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The directory shipped to the workers as the job's code (host sources run from it; default: the "
               "job file's directory). Limited in size; .rallypointignore leaves files out (docs/data.md).")
@@ -88,7 +92,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
         straggler_factor: float | None, warm_spares: int | None, max_faults: int | None, on_nonfinite: str | None,
         max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None, new_run: bool,
-        code_dir: Path | None) -> None:
+        detach: bool, code_dir: Path | None) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -97,6 +101,11 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     from rallypoint.client.jobfile import load_program
     from rallypoint.client.reference import ReferenceExecutor
 
+    if detach and not cluster:
+        raise ConfigError("--detach needs --cluster: an embedded cluster stops with this command, and the job with it "
+                          "(`rallypoint up` starts a cluster that stays)")
+    if detach and fail:
+        raise ConfigError("--fail acts as the job runs, from this command: it cannot be used with --detach")
     program = load_program(job_file, steps=steps)
     if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run):
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "
@@ -126,8 +135,11 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         from rallypoint.client.jobspec import job_spec
 
         job_spec(compiled, code_dir=code_dir)
+    if detach:
+        _detach(compiled, cluster, window, new_run, recovery, as_json)
+        return
     where = "reference"
-    say: Callable[[dict[str, Any]], None] = lambda d: click.echo(json.dumps(d))  # noqa: E731
+    says: list[Callable[[dict[str, Any]], None]] = [lambda d: click.echo(json.dumps(d))]  # the bar's console, once up
     if reference:
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
             return ReferenceExecutor(compiled, on_step=on_step).run()
@@ -136,8 +148,50 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
 
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
             return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
-                                   faults=faults, say=say, recovery=recovery, new_run=new_run)
+                                   faults=faults, say=lambda d: says[0](d), recovery=recovery,
+                                   new_run=new_run)
 
+    with stops(program.name, attached=bool(cluster)):
+        _show(program, runner, as_json, where, says)
+
+
+@contextlib.contextmanager
+def stops(job: str, *, attached: bool) -> Iterator[None]:
+    """A job suspended or cancelled exits 4 or 3 with why; Ctrl-C of a client of a cluster that stays detaches."""
+    from rallypoint.client.lifecycle_cli import EXIT, detached
+    from rallypoint.client.submit import JobStoppedError
+
+    try:
+        yield
+    except JobStoppedError as exc:
+        click.echo(f"job {job} {exc.state}: {exc}", err=True)
+        sys.exit(EXIT[exc.state])
+    except KeyboardInterrupt:
+        if not attached:
+            raise
+        detached(job)
+
+
+def _detach(compiled: Any, cluster: str | None, window: int, new_run: bool, recovery: dict[str, Any],
+            as_json: bool) -> None:
+    from rallypoint.client.lifecycle import submit_detached
+
+    addr = resolve_cluster(Path(DEFAULT_STATE_DIR), cluster)
+    with stops(compiled.program.name, attached=True):
+        got = submit_detached(compiled, endpoints=addr.endpoints, cluster=addr.name, window=window, new_run=new_run,
+                              **recovery)
+    if as_json:
+        click.echo(json.dumps({"event": "job.detached", **got}))
+        return
+    where = ", ".join(f"{s}@{p['worker']}" for s, p in sorted(got["placement"].items()))
+    click.echo(f"job {got['job']} runs: run {got['run']}, on {where or '-'}")
+    click.echo(f"  follow it: rallypoint watch {got['job']}    its events: rallypoint logs {got['job']}    "
+               f"stop it: rallypoint cancel {got['job']}")
+
+
+def _show(program: Any, runner: Callable[..., Any], as_json: bool, where: str,
+          says: list[Callable[[dict[str, Any]], None]]) -> None:
+    """Run ``runner`` showing its steps: JSON lines, or a progress bar whose console gets the fault lines."""
     if as_json:
         def on_step(step: int, metrics: dict[str, float]) -> None:
             click.echo(json.dumps({"event": "step", "job": program.name, "step": step, "metrics": metrics}))
@@ -150,7 +204,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn()) as bar:
         task = bar.add_task(f"{program.name} ({where})", total=program.steps, metrics="", rate="")
-        say = lambda d: bar.console.print(_describe(d))  # noqa: E731
+        says[0] = lambda d: bar.console.print(describe_event(d))
 
         first: list[float] = []
 
@@ -172,7 +226,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     click.echo(f"{program.name}: {result.steps} steps in {result.wall_s:.2f}s, state digest {result.state_digest}{extra}")
 
 
-def _describe(d: dict[str, Any]) -> str:
+def describe_event(d: dict[str, Any]) -> str:
     """One line for a fault or recovery event in the progress output."""
     ev = d.get("event", "")
     if ev == "fault.injected":
@@ -185,6 +239,18 @@ def _describe(d: dict[str, Any]) -> str:
         return (f"[green]recovered[/green] ({d.get('policy')}): {moved}; restored the cut at step "
                 f"{d.get('checkpoint_step')}, replaying {sum(d.get('planned_instances', {}).values())} instances of "
                 f"{', '.join(d.get('planned_instances', {})) or 'no node'}")
+    if ev == "job.stopping":
+        return (f"[yellow]{d.get('action')}[/yellow] asked by {d.get('by')}: every slice saves at step "
+                f"{d.get('boundary')}" if d.get("checkpoint") else f"[yellow]{d.get('action')}[/yellow] asked by "
+                f"{d.get('by')}: stopping at step {d.get('boundary')}")
+    if ev == "job.drained":
+        return f"[green]drained[/green] worker {d.get('worker')} at step {d.get('step')}: moved {d.get('moved')}"
+    if ev == "job.handed_off":
+        return f"[yellow]leader stepped down[/yellow] at step {d.get('step')}: following the job to the new leader"
+    if ev in ("job.adopted", "job.resumed"):
+        how = "the new leader adopted it" if ev == "job.adopted" else \
+            ("resumed by the leader (room returned)" if d.get("auto") else "resumed")
+        return f"[green]{how}[/green] from the cut at step {d.get('checkpoint_step', d.get('step'))}"
     if ev == "job.nonfinite":
         return plot_cli.describe_nonfinite(d)
     if ev == "job.waiting":

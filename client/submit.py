@@ -10,6 +10,7 @@ import itertools
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import EtcdStore
+from rallypoint.orchestrator.job_state import END_EVENTS
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of
 from rallypoint.proto import codec
@@ -32,6 +34,15 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 class JobError(RallypointError):
     """The job failed on the cluster; the message is the coordinator's reason."""
+
+
+class JobStoppedError(JobError):
+    """The job was suspended or cancelled (``state``) before it finished; the message says by whom and how to
+    go on."""
+
+    def __init__(self, state: str, message: str) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 FOLLOW_S = 120.0
@@ -70,6 +81,7 @@ def submit(
     """
     spec = job_spec(compiled, window=window, code_dir=code_dir, **recovery)
     spec.new_run = new_run
+    spec.submit_id = uuid.uuid4().hex  # a retried submit follows the run this one started (service.py)
     t0 = time.perf_counter()
     metrics_log: list[dict[str, float]] = []
 
@@ -108,8 +120,10 @@ class JobFollower:
                  on_event: Callable[[pb.JobEvent], None] | None = None,
                  on_step: Callable[[int, dict[str, float]], None] | None = None,
                  follow_s: float = FOLLOW_S, etcd_wait_s: float = ETCD_WAIT_S, open_wait_s: float = OPEN_WAIT_S,
-                 silent_switch_s: float = SILENT_SWITCH_S) -> None:
+                 silent_switch_s: float = SILENT_SWITCH_S,
+                 until: Callable[[pb.JobEvent], bool] = lambda ev: ev.event in END_EVENTS) -> None:
         self.job, self.endpoints, self.cluster = job, list(endpoints), cluster
+        self.until = until  # the event that ends the following (the job's end; a detached submit: its start too)
         self.on_event, self.on_step = on_event, on_step
         self.follow_s, self.etcd_wait_s, self.open_wait_s = follow_s, etcd_wait_s, open_wait_s
         self.silent_switch_s = silent_switch_s
@@ -279,7 +293,7 @@ class JobFollower:
                         self._steps.add(int(ev.step))
                         if self.on_step is not None:
                             self.on_step(int(ev.step), dict(ev.metrics))
-                elif ev.event in ("job.finished", "job.failed"):
+                elif self.until(ev):
                     return ev, ""
                 elif ev.event == "job.handed_off":
                     reason = json.loads(ev.detail or "{}").get("reason", "")
@@ -320,9 +334,23 @@ def _follow(job: str, endpoints: Sequence[str], cluster: str, call: Callable[[An
         JobError: the job failed, or it was lost (see :class:`JobFollower`).
     """
     ev = JobFollower(job, endpoints, cluster, on_event=on_event, on_step=on_step, follow_s=follow_s).follow(call)
-    if ev.event == "job.failed":
-        raise JobError(f"job {job!r} failed: {json.loads(ev.detail or '{}').get('reason', 'unknown')}")
+    ended(ev)
     return ev
+
+
+def ended(ev: pb.JobEvent) -> None:
+    """Raise for a job's end that is not its finish.
+
+    Raises:
+        JobError: ``job.failed`` (with the coordinator's reason).
+        JobStoppedError: ``job.suspended`` or ``job.cancelled`` (by whom, and how to go on).
+    """
+    reason = json.loads(ev.detail or "{}").get("reason", "unknown")
+    if ev.event == "job.failed":
+        raise JobError(f"job {ev.job!r} failed: {reason}")
+    if ev.event in ("job.suspended", "job.cancelled"):
+        state = ev.event.removeprefix("job.")
+        raise JobStoppedError(state, f"{reason}; its run is kept: `rallypoint resume {ev.job}` continues it")
 
 
 def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[str, Any]:

@@ -141,6 +141,10 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
 @click.option("--keep-runs", type=click.IntRange(min=0), default=0, show_default=True,
               help="When a new run of a job name starts (--new-run), keep this many of its earlier runs and delete "
               "older ones (0: keep all; `rallypoint delete-run` deletes one by hand).")
+@click.option("--keep-history-s", type=click.FloatRange(min=0), default=7 * 86400.0, show_default=True,
+              help="How long an ended run (succeeded, failed, cancelled, or an earlier run) stays listed by "
+              "`rallypoint jobs`; then the leader removes its record and commits from etcd, its files stay "
+              "(0: keep for ever).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the coordinator's gRPC service listens.")
 @click.option("--suspect-after-s", type=float, default=1.0, show_default=True,
               help="The leader fences a worker whose heartbeats stopped this long (hung or cut off), well before its "
@@ -159,7 +163,8 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
 def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str,
-                keep_runs: int, host: str, suspect_after_s: float, metrics_port: int | None, dashboard_host: str,
+                keep_runs: int, keep_history_s: float, host: str, suspect_after_s: float, metrics_port: int | None,
+                dashboard_host: str,
                 dashboard_port: int, max_watchers: int, test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
     from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
@@ -173,7 +178,7 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
     tls = tls_from_options(tls_dir, insecure, ident, "coordinator")
     c = Coordinator(CoordinatorConfig(tls=tls, cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, keep_runs=keep_runs,
-                                      host=host, hooks=hooks,
+                                      keep_history_s=keep_history_s, host=host, hooks=hooks,
                                       suspect_after_s=suspect_after_s, metrics_port=metrics_port,
                                       max_watchers=max_watchers))
     service = serve_jobs(c)

@@ -163,6 +163,14 @@ class Keys:
     def job(self, job: str) -> str:
         return f"{self.jobs}{job}"
 
+    @property
+    def controls(self) -> str:
+        return f"{self.prefix}control/"
+
+    def control(self, job: str) -> str:
+        """A suspend or cancel asked of the job and not yet carried out (orchestrator/job_control.py)."""
+        return f"{self.controls}{job}"
+
     def checkpoints(self, job: str) -> str:
         """Prefix of every checkpoint commit of ``job`` (a prefix read lists them by slice, then step)."""
         return f"{self.job(job)}/checkpoints/"

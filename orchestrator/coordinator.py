@@ -83,6 +83,9 @@ class CoordinatorConfig:
             (a filesystem every worker shares; "": such jobs run without checkpoints).
         keep_runs: when a new run of a job name starts, keep this many of the name's earlier
             runs (their commits, records and files) and delete older ones (0: keep all; docs/operations.md).
+        keep_history_s: how long an ended run (succeeded, failed, cancelled; an earlier run) stays in etcd
+            for ``rallypoint jobs`` after its end; then the leader removes its record and commits from etcd (its
+            files stay; 0: keep for ever; orchestrator/job_control.py).
         hooks: fault hooks for tests (:class:`ExecutorHooks`); the defaults break nothing.
         tls: this coordinator's certificate, key and CA: mutual TLS on its gRPC service, its
             channels to workers (executors take it from the store) and etcd (None: ``--insecure``).
@@ -106,6 +109,7 @@ class CoordinatorConfig:
     port: int = 0
     checkpoint_dir: str = ""
     keep_runs: int = 0
+    keep_history_s: float = 7 * 86400.0
     hooks: ExecutorHooks = field(default_factory=ExecutorHooks)
     tls: TlsConfig | None = None
     metrics_port: int | None = None
@@ -115,6 +119,8 @@ class CoordinatorConfig:
         check_name("coordinator", self.coordinator_id)
         if self.max_watchers < 1:
             raise ConfigError(f"max_watchers must be >= 1, got {self.max_watchers}")
+        if self.keep_history_s < 0:
+            raise ConfigError(f"keep_history_s must be >= 0 (0: keep for ever), got {self.keep_history_s:g}")
         if self.keep_runs < 0:
             raise ConfigError(f"keep_runs must be >= 0 (0: keep every earlier run), got {self.keep_runs}")
         if self.lease_ttl_s < 1:

@@ -43,29 +43,30 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import NotLeader, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import tls_of
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Put, Store
+from rallypoint.etcd.store import Delete, Put, Store
 from rallypoint.orchestrator.drain import DrainRecord
 from rallypoint.orchestrator.election import LeaderElection
 from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.goodput import StepTimes
 from rallypoint.orchestrator.hooks import ExecutorHooks
 from rallypoint.orchestrator.job_drains import JobDrains
+from rallypoint.orchestrator.job_finish import final_states
 from rallypoint.orchestrator.job_loads import JobLoads
 from rallypoint.orchestrator.job_metrics import JobMetrics
 from rallypoint.orchestrator.job_placement import JobPlacement
-from rallypoint.orchestrator.job_progress import JobProgress
-from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
-from rallypoint.orchestrator.job_recoveries import JobRecoveries
-from rallypoint.orchestrator.job_record import RecordHistory
 from rallypoint.orchestrator.job_ports import JobRecoveryPort, JobStragglerPort
-from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState
+from rallypoint.orchestrator.job_progress import JobProgress
+from rallypoint.orchestrator.job_record import EventLog, RecordHistory, record_of
+from rallypoint.orchestrator.job_recoveries import JobRecoveries
+from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job_state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
+from rallypoint.orchestrator.job_stop import JobStop, stop_request
 from rallypoint.orchestrator.job_term import JobTerm
 from rallypoint.orchestrator.job_warm import SpareWarmer
 from rallypoint.orchestrator.job_workers import JobWorkers
@@ -73,7 +74,7 @@ from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.orchestrator.recovery_machine import Recovery
 from rallypoint.orchestrator.runs import JOBSPEC_FILE, run_dir, start_run
 from rallypoint.orchestrator.stragglers import StragglerWatch
-from rallypoint.orchestrator.watchdog import ProgressWatchdog, lagging_nodes, laggards
+from rallypoint.orchestrator.watchdog import ProgressWatchdog, laggards, lagging_nodes
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail, Refence
@@ -121,6 +122,7 @@ class JobExecutor:
         self.run_dir: Path | None = None
         self.run_id = ""  # this run of the job name (orchestrator/runs.py)
         self.keep_runs = keep_runs
+        self.auto_resumed = False  # the leader resumed it once room returned (job_control.py)
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
         self.settings: RecoverySettings | None = None
@@ -135,7 +137,7 @@ class JobExecutor:
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=clock, log=self.log, event=self.event,
                                 grant=self._grant, running=lambda: self.state is JobState.RUNNING,
-                                record=lambda: self._record_quietly())
+                                record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
                                     progress=self.progress, on_restored=self._restored)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
@@ -147,7 +149,13 @@ class JobExecutor:
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
         self.job_metrics = JobMetrics(spec, progress=self.progress, workers=self.workers, term=self.term, log=self.log,
                                       event=self.event)  # <run dir>/metrics.jsonl, and non-finite metrics
-        self.emit = self.job_metrics.tee(emit)
+        self.event_log = EventLog(term=self.term.term, log=self.log)  # <run dir>/events.jsonl (rallypoint logs)
+        self.emit = self.event_log.tee(self.job_metrics.tee(emit))
+        self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job_stop.py)
+            spec.job, placed=lambda: {s: p.worker for s, p in self.placement.items() if p.worker in self.loads.loaded},
+            progress=self.progress, drains=self.drains, recovery=self.recovery, interrupt=self.term.interrupt,
+            set_state=self._set_state, event=self.event, log=self.log)
+        self.started_at = time.time()  # when the run began (an adopted or resumed run keeps its first start)
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
@@ -198,22 +206,10 @@ class JobExecutor:
             self._record_quietly(**fields)
 
     def record(self, **fields: Any) -> None:
-        """The job record in etcd (what a new leader adopts from), assembled from each owner and written once."""
-        p = self.progress
-        record = {
-            "job": self.spec.job, "state": self.state.value, "steps": self.spec.steps, "step_done": p.completed,
-            "term": self.term.term, "run": self.run_id, "run_dir": str(self.run_dir or ""), "cut": p.cut,
-            "policy": self.settings.policy if self.settings else "", "priority": self.spec.priority,
-            "code_sha256": self.spec.code.sha256,  # the code bundle every load of the run uses
-            "placement": {s: {"worker": q.worker, "devices": list(q.devices),
-                              **({"members": [{"worker": m.worker, "devices": list(m.devices)} for m in q.members]}
-                                 if q.members else {})} for s, q in self.placement.items()},
-            **self.history.fields(self.recovery.entries(), self.failures, self.drains.drain_records, self.run_dir,
-                                  final=self.state.is_terminal),  # bounded: the newest in full (job_record.py)
-            "replayed_instances": dict(p.replayed), "resharded": self.places.resharded,
-            "at": time.time(), **fields,
-        }
-        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record))])
+        """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
+        a suspend or cancel carried out goes from etcd with it."""
+        done = [Delete(self.keys.control(self.spec.job))] if self.state in (JobState.SUSPENDED, JobState.CANCELLED) else []
+        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record_of(self, **fields))), *done])
 
     def _record_quietly(self, **fields: Any) -> None:
         """Record progress, unless etcd is away (the next record catches up)."""
@@ -253,15 +249,20 @@ class JobExecutor:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
             self.run_id = self.run_dir.name
-            if self.adopted:  # the earlier term's recoveries go on in this term's record (docs/recovery.md)
-                earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
-                old = earlier.json() if earlier is not None else {}
-                self.recovery.adopt(old.get("recoveries", []), self.term.term)
+            earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
+            old = earlier.json() if earlier is not None else {}
+            if old.get("run") == self.run_id:  # the same run goes on: its first start, its recoveries so far
+                self.started_at = float(old.get("started_at") or self.started_at)
+                self.recovery.adopt(old.get("recoveries", []), self.term.term)  # docs/recovery.md
                 self.history.adopt(old.get("recoveries_earlier"))
+            asked = self.term.until_etcd("reading the job's control", lambda: self.store.get(self.keys.control(self.spec.job)))
+            if asked is not None and self.adopted:  # a suspend or cancel the lost leader had not carried out
+                self.stopper.request(stop_request(asked.value, self.log))
         else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
             self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
                                                   self.keep_runs, self.log)
         self.term.run_dir = self.loads.run_dir = self.run_dir
+        self.event_log.open(self.run_dir)
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
         for c in (self.places, self.loads, self.drains):
             c.settings = self.settings
@@ -276,7 +277,7 @@ class JobExecutor:
         """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
         c, commits, failed = self.port.load_newest_cut(self.budget)
         self.progress.begin(c, commits)
-        self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c)
+        self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c, auto=self.auto_resumed)
         return self.port.lost_at_load(self.budget, failed, c)
 
     # -- running ------------------------------------------------------------------------
@@ -300,8 +301,9 @@ class JobExecutor:
         self.log.info("job.grant_refused", worker=worker, code=failure.code.name, verdict=failure.verdict.value)
 
     def step(self, timeout_s: float = 0.25) -> None:
-        """One iteration of the running loop: hold the term, the periodic checks, one event."""
+        """One iteration of the running loop: hold the term, a stop asked, the periodic checks, one event."""
         self.term.hold()
+        self.stopper.check(self.state)
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
             lost, alive = self.places.as_lead_losses(self.term.gone(
@@ -318,7 +320,7 @@ class JobExecutor:
             if quiet is not None:
                 self._stalled(quiet)
                 return
-        if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S:
+        if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S and self.state is not JobState.STOPPING:
             self._drains_polled = self.clock.monotonic()
             self.drains.poll()
         if self.drains.drains:
@@ -426,11 +428,6 @@ class JobExecutor:
                    if (w := worker_of.get(sl, "")) in self.workers.generation}
         return self.watchdog.compiling(runtime, runtime.get)
 
-    def _preempted(self, lost: Mapping[str, str]) -> bool:
-        """Whether every lost worker had asked for a preemption drain it did not finish (a preemption, not a fault)."""
-        asked = {r.worker for r in self.drains.drain_records if r.reason == "preempted" and r.state != "done"}
-        return bool(lost) and set(lost) <= asked
-
     def _recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset()) -> None:
         """Recover ``lost`` until the lost slices run again; ``unload``: those alive (only the job's runtime ends)."""
         assert self.settings is not None
@@ -438,7 +435,7 @@ class JobExecutor:
         self.workers.gather_ended(lost, self.loss_grace_s)
         heard = self.loads.last_heard
         rec = self.recovery.open(lost, detection_s=max(now - heard.get(w, now) for w in lost),
-                                 preempted=self._preempted(lost))
+                                 preempted=self.drains.preempted(lost))
         parked = self.drains.abort(f"recovery {rec.number} started")
         frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
@@ -500,6 +497,8 @@ class JobExecutor:
         self._set_state(JobState.LOADING)
         lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
         self._set_state(JobState.RUNNING)
+        self.event("job.started", step=self.progress.completed, run=self.run_id, placement=self.places.to_json(),
+                   resumed=self.resume, adopted=self.adopted)
         self._warm_soon("placed")
         self.progress.widen(self.spec.window)
         if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
@@ -513,7 +512,7 @@ class JobExecutor:
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
         self._set_state(JobState.FINISHING)
-        states = self._final_states()
+        states = final_states(self)
         self.recovery.supersede("the job ended")
         self.drains.abort("the job ended")
         trees = {s.name: s.treedef for s in self.spec.states}
@@ -522,25 +521,6 @@ class JobExecutor:
                   "adopted": self.adopted, **self.summary()}
         return pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
                            detail=json.dumps(detail))
-
-    def _final_states(self) -> list[pb.StateValue]:
-        """Every worker's final states, fetched from all at once. A worker lost meanwhile is
-        recovered like any other (its slices replay to the end on a spare), then all are asked again."""
-        while True:
-            states, failed = self.workers.fetch_all()
-            if not failed:
-                return states
-            lost = {w: f"lost while its final state was fetched: {exc}" for w, exc in failed.items()
-                    if exc.verdict is Verdict.LOST}
-            lost.update(self.term.gone({w: self.workers.identity[w].incarnation for w in failed
-                                        if w in self.workers.identity}))
-            if not lost:
-                raise JobFailed(f"could not fetch the final state: {next(iter(failed.values()))}")
-            self.log.warning("job.lost_while_finishing", lost=sorted(lost))
-            self._recover(lost)
-            while self.recovery.active is not None:  # the lost slices replay to the end (step() sees to losses, stalls)
-                self.step()
-            self._set_state(JobState.FINISHING)
 
     def run(self) -> JobState:
         """Run the job to its end: :meth:`begin`, :meth:`step` until every step is done, :meth:`finish`.
@@ -558,6 +538,15 @@ class JobExecutor:
                 self.step()
             terminal = self.finish()
             final = JobState.SUCCEEDED
+        except JobStopped as exc:  # suspended or cancelled on request (job_stop.py): the run is kept
+            reason, final = str(exc), exc.state
+            self.log.warning("job.stopped", state=final.value, reason=reason, step=self.progress.completed)
+            self.recovery.supersede(reason)
+            self.drains.abort(reason)
+            terminal = pb.JobEvent(job=self.spec.job, event=f"job.{final.value}", step=self.progress.completed,
+                                   detail=json.dumps({"reason": reason, "run": self.run_id, "cut": self.progress.cut,
+                                                      "stop": self.stopper.pending.to_json() if self.stopper.pending
+                                                      else {}, **self.summary()}))
         except (HandedOff, NotLeader) as exc:
             reason = f"{exc}; the next leader adopts the job"
             self.log.warning("job.handed_off", reason=reason, step=self.progress.completed)
@@ -573,7 +562,7 @@ class JobExecutor:
             self.ended_mono = self.clock.monotonic()
             self._cleanup()
             try:
-                self._set_state(final, **({"reason": reason} if reason and final is JobState.FAILED else {}))
+                self._set_state(final, **({"reason": reason} if reason and final is not JobState.SUCCEEDED else {}))
             except (StoreError, NotLeader) as exc:
                 self.log.warning("job.record_failed", error=str(exc))
             self.emit(terminal)

@@ -13,6 +13,7 @@ the workers lost on the way: the executor recovers them, the drains never do.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from rallypoint.orchestrator.job_placement import JobPlacement
 from rallypoint.orchestrator.job_progress import JobProgress
 from rallypoint.orchestrator.job_recovery import RecoverySettings
 from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
+from rallypoint.orchestrator.job_stop import StopRequest
 from rallypoint.orchestrator.job_term import JobTerm
 from rallypoint.orchestrator.placement import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -46,17 +48,20 @@ class JobDrains(DrainPort):
         clock, log: the injected clock and the executor's logger.
         event: sends a job event; ``grant(workers)`` grants workers the window (holds applied);
         running: whether the job runs undisturbed (no yield or grow starts otherwise);
-        record: writes the job record (after a drain is done).
+        record: writes the job record (after a drain is done);
+        suspend: asks the job to suspend (:class:`~rallypoint.orchestrator.job_stop.JobStop`'s ``request``):
+            a higher-priority job asked for every slice it has.
     """
 
     def __init__(self, spec: pb.JobSpec, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
                  progress: JobProgress, clock: Clock, log: Any, event: Callable[..., None],
                  grant: Callable[[list[str]], None], running: Callable[[], bool],
-                 record: Callable[[], None]) -> None:
+                 record: Callable[[], None], suspend: Callable[[StopRequest], bool] = lambda _r: False) -> None:
         self.spec, self.graph, self.term, self.places, self.loads, self.progress = \
             spec, graph, term, placement, loads, progress
         self.clock, self.log, self.event, self._grant, self._running, self._record = \
             clock, log, event, grant, running, record
+        self._suspend = suspend
         self.settings: RecoverySettings | None = None  # set once the job's settings are checked
         self.checkpoints = False  # whether the job keeps checkpoints (a run directory)
         self.drains: dict[str, Drain] = {}  # worker -> the drain in flight
@@ -104,12 +109,23 @@ class JobDrains(DrainPort):
         return {self.term.keys.tail(kv.key, prefix)[0]: kv.json() for kv in kvs}
 
     def _poll_yields(self) -> None:
-        """A higher-priority job asked for some of this job's slices: park them (save, release, wait for room)."""
+        """A higher-priority job asked for some of this job's slices: park them (save, release, wait for room).
+        Asked for every slice, the job suspends instead, and the leader resumes it once room returns
+        (orchestrator/job_control.py)."""
         if self.drains or not self._running() or self.progress.all_granted:
             return
         try:
             asked = self._yields()
         except StoreError:
+            return
+        if asked and self.checkpoints and set(self.placement) <= set(asked):
+            why = asked[min(asked)]
+            req = StopRequest("suspend", checkpoint=True, by=f"job {why.get('for')} (priority {why.get('priority')})",
+                              reason=f"a higher-priority job needs every device of job {self.spec.job!r}",
+                              auto_resume=True)
+            if self._suspend(req):  # kept in etcd too: a new leader adopting the job carries it out
+                self.term.write_quietly("job.suspend_not_kept", [Put(self.term.keys.control(self.spec.job),
+                                                                     json.dumps(req.to_json()))])
             return
         by_worker: dict[str, list[str]] = {}
         for s in sorted(asked):
@@ -181,6 +197,11 @@ class JobDrains(DrainPort):
             d.abort(reason)
         self.drains.clear()
         return parked
+
+    def preempted(self, lost: Mapping[str, str]) -> bool:
+        """Whether every lost worker had asked for a preemption drain it did not finish (a preemption, not a fault)."""
+        asked = {r.worker for r in self.drain_records if r.reason == "preempted" and r.state != "done"}
+        return bool(lost) and set(lost) <= asked
 
     def busy(self) -> str:
         """Why the job is being moved by a drain now ("" when no drain runs)."""

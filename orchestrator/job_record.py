@@ -1,4 +1,5 @@
-"""The job record's lists, of a fixed size however long the job runs (``jobs/<job>`` in etcd).
+"""The job record's lists, of a fixed size however long the job runs (``jobs/<job>`` in etcd), and the
+run's event log beside its checkpoints (``events.jsonl``, what ``rallypoint logs`` prints).
 
 The executor writes the job record every few steps and on every change of state
 (:meth:`~rallypoint.orchestrator.executor.JobExecutor.record`). Its recoveries, failures and
@@ -16,7 +17,8 @@ leaves the window, never again.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ RECENT_RECOVERIES = 8  # recoveries the record carries in full (the newest)
 RECENT_FAILURES = 16  # worker failures it carries in full
 RECENT_DRAINS = 8  # drains it carries in full
 HISTORY_FILE = "recoveries.jsonl"  # in the run directory: one JSON line per recovery, oldest first
+EVENTS_FILE = "events.jsonl"  # in the run directory: one JSON line per job event but step.done (metrics.jsonl has those)
 
 
 class RecordHistory:
@@ -105,3 +108,62 @@ class RecordHistory:
                 f.write(json.dumps({"term": self.term, **r}) + "\n")
         except OSError as exc:  # the history is a record of the past; the job goes on without it
             self.log.warning("job.history_write_failed", path=str(run_dir / HISTORY_FILE), error=str(exc))
+
+
+class EventLog:
+    """``<run dir>/events.jsonl``: every event of the run but ``step.done``, one JSON object a line
+    (``{"t", "event", "step", "term", **detail}``), appended by each executor of the run (a resume, a
+    new leader). Writing never fails the job: a refused line is logged once and the next is tried."""
+
+    def __init__(self, *, term: int, log: Any) -> None:
+        self.term, self.log = term, log
+        self.path: Path | None = None
+        self._failed = False
+
+    def open(self, run_dir: Path | None) -> None:
+        self.path = run_dir / EVENTS_FILE if run_dir is not None else None
+
+    def tee(self, emit: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``emit`` that first writes the event (a :class:`pb.JobEvent`) to the log."""
+        def emit_and_log(ev: Any) -> None:
+            self.observe(ev.event, int(ev.step), ev.detail)
+            emit(ev)
+        return emit_and_log
+
+    def observe(self, event: str, step: int, detail: str) -> None:
+        if self.path is None or event == "step.done":
+            return
+        try:
+            fields = json.loads(detail or "{}")
+        except ValueError:
+            fields = {"detail": detail}
+        line = {"t": round(time.time(), 3), "event": event, "step": step, "term": self.term,
+                **(fields if isinstance(fields, dict) else {"detail": fields})}
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                self.log.warning("job.events_write_failed", path=str(self.path), error=str(exc))
+
+
+def record_of(x: Any, **fields: Any) -> dict[str, Any]:
+    """The job record of executor ``x`` now (``jobs/<job>`` in etcd), assembled from the owner of each fact:
+    what a new leader adopts from, and what ``rallypoint jobs`` and ``status`` show."""
+    p, stop = x.progress, x.stopper.pending
+    return {
+        "job": x.spec.job, "state": x.state.value, "steps": x.spec.steps, "step_done": p.completed,
+        "term": x.term.term, "run": x.run_id, "run_dir": str(x.run_dir or ""), "cut": p.cut,
+        "policy": x.settings.policy if x.settings else "", "priority": x.spec.priority,
+        "code_sha256": x.spec.code.sha256,  # the code bundle every load of the run uses
+        "placement": {s: {"worker": q.worker, "devices": list(q.devices),
+                          **({"members": [{"worker": m.worker, "devices": list(m.devices)} for m in q.members]}
+                             if q.members else {})} for s, q in x.placement.items()},
+        **x.history.fields(x.recovery.entries(), x.failures, x.drains.drain_records, x.run_dir,
+                           final=x.state.is_terminal),  # bounded: the newest in full
+        "replayed_instances": dict(p.replayed), "resharded": x.places.resharded,
+        "submit_id": x.spec.submit_id, "started_at": x.started_at,  # the run's first start (a resume keeps it)
+        **({"stop": stop.to_json()} if stop is not None else {}),
+        **({"ended_at": time.time()} if x.state.is_terminal else {}), "at": time.time(), **fields,
+    }

@@ -58,6 +58,7 @@ class JobTerm:
         self.run_dir: Path | None = None  # where commit records lie beside the checkpoints (resume without etcd's)
         self.resume = False
         self._stop_reason: str | None = None
+        self._interrupt: BaseException | None = None
         self._stop_lock = threading.Lock()
 
     # -- the term ---------------------------------------------------------------------------
@@ -68,11 +69,22 @@ class JobTerm:
             if self._stop_reason is None:
                 self._stop_reason = reason
 
+    def interrupt(self, exc: BaseException) -> None:
+        """End the job at its next :meth:`hold` with ``exc`` (a cancel at once; thread-safe). Every wait of
+        the job (placing, loading, a recovery) holds the term as it waits, so none outlasts it."""
+        with self._stop_lock:
+            if self._interrupt is None:
+                self._interrupt = exc
+
     @property
     def over(self) -> bool:
         return self.writer.over
 
     def _check(self) -> None:
+        with self._stop_lock:
+            exc, self._interrupt = self._interrupt, None
+        if exc is not None:  # raised once: the cleanup after it holds the term as usual
+            raise exc
         if self._stop_reason is not None:
             raise HandedOff(f"the coordinator stepped down: {self._stop_reason}")
         if self.writer.over:

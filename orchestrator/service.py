@@ -51,7 +51,8 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job_metrics import nonfinite_mode
-from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
+from rallypoint.orchestrator.job_control import JobControl, start_thread, watched
+from rallypoint.orchestrator.job_state import END_EVENTS, FINAL_RECORD_STATES, STREAM_END_EVENTS
 from rallypoint.orchestrator.job_timeline import TimelineRecorder
 from rallypoint.orchestrator.platforms import platform_refusal, pool_platforms
 from rallypoint.orchestrator.runs import adoptable_run_dir, check_spec_names, previous_run, refusal
@@ -62,10 +63,9 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from rallypoint.orchestrator.coordinator import Coordinator
 
-TERMINAL_EVENTS = frozenset({"job.finished", "job.failed"})
-"""The job is over (a client stops following it)."""
-STREAM_END_EVENTS = TERMINAL_EVENTS | {"job.handed_off"}
-"""The executor's last event: after ``job.handed_off`` the job goes on under the next leader."""
+TERMINAL_EVENTS = END_EVENTS  # the job stopped running (a client stops following it): job_state.py
+ENDED_STATE = {"job.finished": "succeeded", "job.failed": "failed", "job.suspended": "suspended",
+               "job.cancelled": "cancelled"}
 
 ADOPT_WAIT_S = 10.0  # WatchJob of a job recorded as running that this leader has not started yet: how long to wait
 HANDOFF_WAIT_S = 5.0  # on a final step-down: how long to wait for the executors to hand off
@@ -147,6 +147,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.timeline = TimelineRecorder()  # what the dashboard shows of the jobs run here
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
+        self.control = JobControl(self)  # cancel, suspend, the auto-resume, the history's retention (job_control.py)
         coordinator.add_leadership_listener(self.on_lead, self.on_step_down)
         coordinator.add_fence_listener(self.on_fenced)
 
@@ -168,7 +169,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                   "directory, and there is no checkpoint directory: give --checkpoint-dir")
         except (RallypointError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
-        self._refuse_a_resubmit(request, context)
+        if self._refuse_a_resubmit(request, context):  # the same submit again (its key): follow the run it started
+            self.log.info("job.submit_repeated", job=request.job, submit_id=request.submit_id)
+            yield from self._watch(request.job, context)
+            return
         self._refuse_other_platforms(request, context)
         try:
             run = self._start(request, resume=False, adopted=False)
@@ -202,6 +206,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"cannot resume job {request.job!r}: {exc}")
         if request.checkpoint_dir:
             spec.checkpoint_dir = root
+        self.control.refuse_settled(request.job, context)  # a succeeded run is complete; a stop asked is withdrawn
         self._refuse_other_platforms(spec, context)
         run = self._start(spec, resume=True, adopted=False)
         if run is None:  # it runs here already (this leader adopted it): follow it
@@ -230,6 +235,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             with self._lock:
                 self._watching -= 1
 
+    def CancelJob(self, request: pb.JobControlRequest, context: grpc.ServicerContext) -> pb.JobControlReply:
+        self._check_leader(context)
+        return self.control.stop(request, "cancel", context)
+
+    def SuspendJob(self, request: pb.JobControlRequest, context: grpc.ServicerContext) -> pb.JobControlReply:
+        self._check_leader(context)
+        return self.control.stop(request, "suspend", context)
+
     @property
     def watching(self) -> int:
         """WatchJob streams open now."""
@@ -240,6 +253,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _root(self) -> str:
         return self.c.config.checkpoint_dir
+
+    def running(self, job: str) -> _Run | None:
+        """The run of ``job`` this coordinator has now (None: it runs none)."""
+        with self._lock:
+            return self._runs.get(job)
+
+    def start_resumed(self, spec: pb.JobSpec, *, checkpoint_root: str, auto: bool) -> _Run | None:
+        """Resume ``spec``'s run with nobody following it (clients come through WatchJob); None: it runs here."""
+        run = self._start(spec, resume=True, adopted=False, checkpoint_root=checkpoint_root, auto_resumed=auto)
+        if run is not None:
+            if run.first is not None:
+                run.unsubscribe(run.first)
+        return run
 
     def _refuse_other_platforms(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> None:
         """A job with a slice whose programs were lowered for no platform the pool's workers have is
@@ -253,18 +279,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.log.warning("job.refused_platform", job=spec.job, reason=why)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {spec.job!r}: {why}")
 
-    def _refuse_a_resubmit(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> None:
+    def _refuse_a_resubmit(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> bool:
         """A job name whose run has commits is not started over unless the submit asks for a new run
-        (``new_run``): an accidental resubmit must not cost the way back to its checkpoints."""
+        (``new_run``): an accidental resubmit must not cost the way back to its checkpoints.
+
+        True: the submit repeats one that started the job's current run (the same ``submit_id``, e.g. retried
+        after a lost connection): the caller follows that run instead of starting another."""
         with self._lock:
-            if spec.job in self._runs:
-                return  # _start answers ALREADY_EXISTS
+            run = self._runs.get(spec.job)
+        if run is not None:
+            return bool(spec.submit_id) and getattr(run.executor.spec, "submit_id", "") == spec.submit_id
         root = spec.checkpoint_dir or self._root()
         try:
             prev = previous_run(self.c.store, self.c.keys, spec.job, Path(root).absolute() if root else None)
         except StoreError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the runs of job {spec.job!r}: {exc}")
         record = (prev.record if prev is not None else None) or {}
+        if spec.submit_id and record.get("submit_id") == spec.submit_id:
+            with self._lock:
+                ended = spec.job in self._ended
+            if record.get("state", "") not in FINAL_RECORD_STATES or ended:
+                return True
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"this submit of job {spec.job!r} ran already (run {prev.run if prev else ''}, "
+                          f"{record.get('state')}); `rallypoint status {spec.job}` shows it")
         if record.get("state", "") not in FINAL_RECORD_STATES and record.get("run_dir") and not spec.new_run:
             # Recorded as running under a lost leader: this leader adopts it (a client that retried its
             # submit after losing the old leader follows it: WatchJob).
@@ -275,6 +313,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if why and not spec.new_run:
             self.log.warning("job.resubmit_refused", job=spec.job, run=prev.run if prev else "")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        return False
 
     def _check_leader(self, context: grpc.ServicerContext) -> None:
         election = self.c.election
@@ -287,7 +326,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           f"coordinator {self.c.config.coordinator_id} does not lead (leader: "
                           f"{leader[0] if leader else 'none'})")
 
-    def _start(self, spec: pb.JobSpec, *, resume: bool, adopted: bool, checkpoint_root: str | None = None) -> _Run | None:
+    def _start(self, spec: pb.JobSpec, *, resume: bool, adopted: bool, checkpoint_root: str | None = None,
+               auto_resumed: bool = False) -> _Run | None:
         """Start an executor for ``spec`` in a thread and register it; None if the job runs here already.
 
         The run's first subscriber (``run.first``: the stream that asked for it) is
@@ -309,6 +349,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                    else checkpoint_root,
                                    resume=resume, adopted=adopted, hooks=self.c.config.hooks)
             executor.keep_runs = getattr(self.c.config, "keep_runs", 0)  # retention of earlier runs (runs.py)
+            executor.auto_resumed = auto_resumed  # resumed by the leader once room returned (job_control.py)
             run.executor = executor
             if getattr(self.c, "metrics", None) is not None:
                 self.c.metrics.job_started(executor)  # docs/metrics.md
@@ -380,11 +421,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                              for s, p in dict(getattr(x, "placement", {}) or {}).items()}
                 yield pb.JobEvent(job=job, event="job.watching", step=int(x.completed),
                                   detail=json.dumps({"state": x.state.value, "adopted": run.adopted,
-                                                     "term": run.term, "placement": placement}))
+                                                     "term": run.term, "placement": placement, **watched(x)}))
                 yield from self._stream(run, q, context)
                 return
             if ended is not None:  # it ended here moments ago: the client missed its end
-                state = "succeeded" if ended.event == "job.finished" else "failed"
+                state = ENDED_STATE.get(ended.event, "failed")
                 yield pb.JobEvent(job=job, event="job.watching", step=int(ended.step),
                                   detail=json.dumps({"state": state, "adopted": False}))
                 yield ended
@@ -418,8 +459,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- leadership ------------------------------------------------------------------------------
 
     def on_lead(self, term: int) -> None:
-        """This coordinator leads ``term``: adopt the jobs of a lost leader (in a thread)."""
+        """This coordinator leads ``term``: adopt the jobs of a lost leader (in a thread), and resume the jobs
+        suspended for higher-priority ones when room returns (another thread, for as long as the term leads)."""
         threading.Thread(target=self._adopt_all, args=(term,), name=f"adopt-{term}", daemon=True).start()
+        start_thread(self.control, term, lambda: self._term_holds(term))
 
     def _term_holds(self, term: int) -> bool:
         return self.c.election.term == term and not self.c.stopping

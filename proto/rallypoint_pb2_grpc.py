@@ -671,6 +671,16 @@ class CoordinatorStub:
                 request_serializer=proto_dot_rallypoint__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=proto_dot_rallypoint__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/rallypoint.v1.Coordinator/CancelJob',
+                request_serializer=proto_dot_rallypoint__pb2.JobControlRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.JobControlReply.FromString,
+                _registered_method=True)
+        self.SuspendJob = channel.unary_unary(
+                '/rallypoint.v1.Coordinator/SuspendJob',
+                request_serializer=proto_dot_rallypoint__pb2.JobControlRequest.SerializeToString,
+                response_deserializer=proto_dot_rallypoint__pb2.JobControlReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -697,6 +707,22 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelJob(self, request, context):
+        """Stop a job: at its next step boundary (with a final cut if asked), every slice unloaded, every device
+        released; CANCELLED, its run kept (`rallypoint resume` continues it). Answers once the request is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SuspendJob(self, request, context):
+        """Set a job aside: every slice saved at its next step boundary, every device released; SUSPENDED until
+        `rallypoint resume` (ResumeJob) places it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -714,6 +740,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=proto_dot_rallypoint__pb2.WatchJobRequest.FromString,
                     response_serializer=proto_dot_rallypoint__pb2.JobEvent.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.JobControlRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.JobControlReply.SerializeToString,
+            ),
+            'SuspendJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuspendJob,
+                    request_deserializer=proto_dot_rallypoint__pb2.JobControlRequest.FromString,
+                    response_serializer=proto_dot_rallypoint__pb2.JobControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -797,6 +833,60 @@ class Coordinator:
             '/rallypoint.v1.Coordinator/WatchJob',
             proto_dot_rallypoint__pb2.WatchJobRequest.SerializeToString,
             proto_dot_rallypoint__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.Coordinator/CancelJob',
+            proto_dot_rallypoint__pb2.JobControlRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.JobControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuspendJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.v1.Coordinator/SuspendJob',
+            proto_dot_rallypoint__pb2.JobControlRequest.SerializeToString,
+            proto_dot_rallypoint__pb2.JobControlReply.FromString,
             options,
             channel_credentials,
             insecure,

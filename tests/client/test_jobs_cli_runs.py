@@ -16,5 +16,8 @@ def test_status_and_jobs_show_the_current_run_and_the_earlier_ones(tmp_path: Pat
     assert rec["earlier_runs"] == [{"run": first.x.run_id, "state": "succeeded", "step_done": 20, "steps": 20,
                                     "commits": 8, "run_dir": str(first.x.run_dir)}]
     assert {s: c["step"] for s, c in rec["last_commits"].items()} == {"s0": 15, "s1": 15}
-    (row,) = job_rows(first.store, first.keys)
-    assert row["job"] == "pipe" and row["run"] == second.x.run_id
+    row, earlier = job_rows(first.store, first.keys)  # the current run, then the history
+    assert row["job"] == "pipe" and row["run"] == second.x.run_id and row["current"]
+    assert earlier["run"] == first.x.run_id and not earlier["current"] and earlier["state"] == "succeeded"
+    assert earlier["started_at"] <= earlier["ended_at"] <= row["started_at"] and earlier["steps"] == 20
+    assert [r["run"] for r in job_rows(first.store, first.keys, history=False)] == [second.x.run_id]

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.client.cli import main
-from rallypoint.client.run_cli import _describe
+from rallypoint.client.run_cli import describe_event
 from rallypoint.client.plot_cli import draw, find_run, keep_run_metrics, plot_data
 from rallypoint.orchestrator.job_metrics import parse_metrics
 from tests.client.test_cli import ROOT
@@ -112,7 +112,7 @@ def test_on_nonfinite_is_a_choice_of_rallypoint_run_and_reaches_the_job_spec() -
     assert "--on-nonfinite [stop|warn]" in CliRunner().invoke(main, ["run", "--help"]).output
     spec = job_spec(compile_program(example("rl_loop").build(steps=2)), on_nonfinite="warn")
     assert spec.on_nonfinite == "warn"
-    line = _describe({"event": "job.nonfinite", "step": 7, "metric": "loss", "value": "nan", "node": "train",
+    line = describe_event({"event": "job.nonfinite", "step": 7, "metric": "loss", "value": "nan", "node": "train",
                       "action": "warn"})
     assert line == ("[red]non-finite[/red] metric 'loss' is nan at step 7 (node train): the job goes on "
                     "(--on-nonfinite warn)")

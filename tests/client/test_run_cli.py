@@ -69,9 +69,9 @@ def test_a_straggler_factor_of_one_or_less_is_refused_before_anything_runs() -> 
 
 
 def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
-    from rallypoint.client.run_cli import _describe
+    from rallypoint.client.run_cli import describe_event
 
-    line = _describe({"event": "job.straggler", "slice": "stage3", "worker": "w3", "decision": "migrate",
+    line = describe_event({"event": "job.straggler", "slice": "stage3", "worker": "w3", "decision": "migrate",
                       "reason": "moving slices ['stage3'] off worker w3 by drain 1",
                       "evidence": {"slices": {"stage3": {"slowdown": 3.48, "peers_slowdown": 1.23}}}})
     assert line == ("[yellow]straggler[/yellow] stage3 on w3 (3.5x its baseline, peers 1.2x): migrate: "

@@ -98,7 +98,7 @@ def test_begin_places_loads_and_grants_then_steps_complete_the_job(tmp_path: Pat
 def test_run_drives_begin_step_finish_and_ends_with_one_terminal_event(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     assert h.x.run() is JobState.SUCCEEDED
-    assert h.names() == ["job.placed", "job.finished"]
+    assert h.names() == ["job.placed", "job.started", "job.finished"]
     assert [e.step for e in h.events if e.event == "step.done"] == list(range(20))
     assert h.record()["state"] == "succeeded" and h.leases() == []
     assert sorted(h.workers.unloaded) == sorted({h.worker_of("s0"), h.worker_of("s1")})

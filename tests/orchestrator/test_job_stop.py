@@ -1,0 +1,149 @@
+"""Suspend and cancel, one executor step at a time (MemoryStore, FakeWorkers, FakeClock): the job stops at a
+step boundary with every slice saved there, releases every device, and ends SUSPENDED or CANCELLED through its
+transition table; tests/integration/test_lifecycle.py runs the same on a real cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint.orchestrator.job_record import EVENTS_FILE
+from rallypoint.orchestrator.job_state import RECORD_TRANSITIONS, TRANSITIONS, JobState, JobStateError, \
+    record_transition
+from rallypoint.orchestrator.job_stop import StopRequest
+from rallypoint.proto import rallypoint_pb2 as pb
+from tests.orchestrator.test_executor import Harness
+
+
+class AskAt(list[pb.JobEvent]):
+    """The executor's event list; at ``step.done`` of ``step`` it hands the executor ``request`` (as the service
+    does from a gRPC thread), once."""
+
+    def __init__(self, step: int, request: StopRequest, h: Any = None) -> None:
+        super().__init__()
+        self.step, self.request, self.h = step, request, h
+        self.on = "step.done"
+        self.kill: tuple[int, Any] | None = None
+
+    def append(self, ev: pb.JobEvent) -> None:
+        super().append(ev)
+        if self.kill is not None and ev.event == "step.done" and ev.step == self.kill[0]:
+            self.kill[1]()
+            self.kill = None
+        if ev.event == self.on and (ev.step == self.step or self.on != "step.done") and self.h is not None:
+            self.h.x.stopper.request(self.request)
+            self.h = None
+
+
+def harness(tmp_path: Path, at: int, request: StopRequest) -> tuple[Harness, AskAt]:
+    h = Harness(tmp_path)
+    events = AskAt(at, request, h)
+    h.events = events
+    h.x.emit = h.x.event_log.tee(h.x.job_metrics.tee(events.append))
+    return h, events
+
+
+def test_every_new_state_has_its_moves_in_the_tables() -> None:
+    S = JobState
+    assert S.STOPPING in TRANSITIONS[S.RUNNING] and TRANSITIONS[S.STOPPING] >= {S.SUSPENDED, S.CANCELLED, S.RECOVERING}
+    assert S.SUSPENDED not in TRANSITIONS[S.RUNNING]  # a suspend always saves first: through STOPPING
+    assert all(S.CANCELLED in TRANSITIONS[s] for s in (S.PLACING, S.LOADING, S.RUNNING, S.RECOVERING, S.FINISHING))
+    assert TRANSITIONS[S.SUSPENDED] == TRANSITIONS[S.CANCELLED] == frozenset()  # the executor ends there
+    assert RECORD_TRANSITIONS[S.SUSPENDED] == {S.CANCELLED, S.PLACING}
+    record_transition("cancelled", S.PLACING, "j")  # a resume of a cancelled run
+    with pytest.raises(JobStateError, match="job 'j' is succeeded: it cannot become placing"):
+        record_transition("succeeded", S.PLACING, "j")
+    with pytest.raises(JobStateError, match="no state of a job"):
+        record_transition("paused", S.CANCELLED, "j")
+
+
+def test_a_suspend_saves_every_slice_at_the_next_boundary_releases_every_device_and_ends_suspended(
+    tmp_path: Path,
+) -> None:
+    req = StopRequest("suspend", by="operator ann", reason="maintenance")
+    h, events = harness(tmp_path, 6, req)
+    h.store.put(h.keys.control("pipe"), json.dumps(req.to_json()))  # as the service keeps it
+    assert h.x.run() is JobState.SUSPENDED
+    stopping = next(e for e in events if e.event == "job.stopping")
+    boundary = json.loads(stopping.detail)["boundary"]
+    assert 7 <= boundary <= 9  # the grant when it was asked: no instance of it had started anywhere
+    assert h.x.completed == boundary and h.x.progress.cut == boundary  # every slice committed the boundary
+    for s in ("s0", "s1"):
+        assert h.store.get(h.keys.checkpoint("pipe", s, boundary)) is not None
+    end = events[-1]
+    assert end.event == "job.suspended" and json.loads(end.detail)["cut"] == boundary
+    assert "by operator ann: maintenance" in json.loads(end.detail)["reason"]
+    rec = h.record()
+    assert rec["state"] == "suspended" and rec["cut"] == boundary and rec["stop"]["by"] == "operator ann"
+    assert rec["ended_at"] >= rec["started_at"] > 0
+    assert h.leases() == [] and sorted(h.workers.unloaded) == sorted({h.worker_of("s0"), h.worker_of("s1")})
+    assert h.store.get(h.keys.control("pipe")) is None  # carried out: gone with the final record
+    assert h.x.recovery.records == []  # nothing lost, nothing to replay
+    logged = [json.loads(line) for line in (h.x.run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert [e["event"] for e in logged] == ["job.placed", "job.started", "job.stopping", "job.suspended"]
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_cancel_ends_cancelled_at_a_saved_boundary_or_at_once_without_a_checkpoint(tmp_path: Path,
+                                                                                   checkpoint: bool) -> None:
+    h, events = harness(tmp_path, 6, StopRequest("cancel", checkpoint=checkpoint, by="operator bo"))
+    assert h.x.run() is JobState.CANCELLED
+    names = [e.event for e in events if e.event != "step.done"]
+    assert names[-1] == "job.cancelled" and ("job.stopping" in names) is checkpoint
+    rec = h.record()
+    assert rec["state"] == "cancelled" and rec["stop"]["checkpoint"] is checkpoint and h.leases() == []
+    if checkpoint:
+        assert rec["cut"] == h.x.completed > 6
+    else:
+        assert rec["cut"] == 5 and "without a final checkpoint" in rec["reason"]  # the last scheduled commit
+
+
+def test_a_suspend_asked_during_a_recovery_waits_for_it_and_then_saves_at_a_boundary(tmp_path: Path) -> None:
+    h, events = harness(tmp_path, -1, StopRequest("suspend", by="operator cy"))
+    events.on = "job.recovering"  # asked as the recovery starts
+    events.kill = (6, lambda: h.workers.end(h.worker_of("s1")))  # its process dies after step 6
+    assert h.x.run() is JobState.SUSPENDED
+    assert not h.x.stopper.request(StopRequest("cancel", by="operator dee"))  # the first request stands
+    assert len(h.x.recovery.records) == 1 and h.x.recovery.active is None
+    names = h.names()
+    assert names.index("job.recovering") < names.index("job.recovered") < names.index("job.stopping")
+    assert h.record()["state"] == "suspended" and h.leases() == []
+
+
+def test_a_stop_asked_when_every_step_is_granted_lets_the_job_finish(tmp_path: Path) -> None:
+    h, _events = harness(tmp_path, 19, StopRequest("suspend", by="operator ed"))
+    assert h.x.run() is JobState.SUCCEEDED
+
+
+def test_a_new_leader_adopting_a_job_carries_out_the_stop_its_record_asks(tmp_path: Path) -> None:
+    first = Harness(tmp_path)
+    first.x.begin()
+    first.steps_until(4)
+    first.x.record()
+    req = StopRequest("suspend", by="operator fay")
+    first.store.put(first.keys.control("pipe"), json.dumps(req.to_json()))  # the old leader took it, then died
+    first.election.depose()
+    second = Harness(tmp_path, store=first.store, adopted=True)
+    assert second.x.run() is JobState.SUSPENDED
+    assert second.record()["stop"]["by"] == "operator fay" and second.store.get(second.keys.control("pipe")) is None
+
+
+def test_a_higher_priority_job_asking_for_every_slice_suspends_the_job_to_resume_by_itself(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    h.steps_until(4)
+    why = json.dumps({"for": "urgent", "priority": 9, "slice": "only"})
+    for s in ("s0", "s1"):
+        h.store.put(h.keys.yield_slice("pipe", s), why)
+    with pytest.raises(Exception) as stopped:
+        for _ in range(500):
+            h.clock.advance(0.6)  # the drain poll's period
+            h.x.step(timeout_s=0.0)
+    assert stopped.value.state is JobState.SUSPENDED  # type: ignore[attr-defined]
+    assert not any(e.event == "job.yielded" for e in h.events)  # suspended whole, not parked slice by slice
+    req = h.x.stopper.pending
+    assert req is not None and req.auto_resume and req.by == "job urgent (priority 9)"
+    assert json.loads(h.store.get(h.keys.control("pipe")).value)["auto_resume"] is True  # type: ignore[union-attr]
