@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) bench/elastic.py
 	$(PY) bench/mttr.py
 	$(PY) bench/multihost.py
+	$(PY) bench/lifecycle.py
 
 # Every scenario once (the campaign scenarios are for `make soak`: they vary by seed).
 chaos: $(STAMP)

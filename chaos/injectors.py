@@ -35,6 +35,10 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
 * ``disk_full`` / ``disk_readonly``: the checkpoint directory fills up or turns
   read-only (:class:`rallypoint.chaos.storage.Storage`: a small tmpfs when root, else an error
   injected at the storage layer).
+* ``suspend``: an operator's suspend of the whole job (``SuspendJob``, as ``rallypoint
+  suspend``; refused, and recorded as an injection error, when the leader refuses it). The job
+  saves at its next step boundary (after a recovery under way) and ends SUSPENDED; the runner
+  then resumes it (:meth:`~rallypoint.chaos.runner.ScenarioRun._follow`, ``resume_after_s``).
 """
 
 from __future__ import annotations
@@ -387,3 +391,17 @@ class Injectors:
         st = self._storage()
         detail = st.freeze()
         return detail, st.thaw
+
+    # -- the operator ----------------------------------------------------------------------------
+
+    def suspend(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        from rallypoint.client.lifecycle import control
+        from rallypoint.client.submit import JobError
+
+        try:
+            reply = control(self.t.job, "suspend", endpoints=self.t.lc.endpoints, cluster=self.t.lc.keys.cluster,
+                            by="chaos", reason=f"chaos harness: {spec.describe()}")
+        except JobError as exc:
+            raise InjectionError(str(exc)) from None
+        return {"state_when_asked": reply.state, "run": reply.run, "message": reply.message,
+                "resume_after_s": spec.resume_after_s}, None

@@ -188,3 +188,38 @@ def check_outcome(state: str, reason: str, wall_s: float, *, expect: str, expect
         return Check("outcome", False, f"{state} after {wall_s:.1f}s, past the bound of {time_bound_s:.0f}s")
     return Check("outcome", True, f"{state} in {wall_s:.1f}s (bound {time_bound_s:.0f}s)"
                  + (f": {reason}" if reason else ""))
+
+
+def check_suspends(suspends: Sequence[Mapping[str, Any]], leases_left: Sequence[str]) -> Check:
+    """6. (Scenarios with ``kind = "suspend"``.) Each suspend ended the job SUSPENDED (its etcd record too) with
+    no device lease of the job left, the resume restored the cut the suspend saved, and no lease of the job
+    outlived it (``leases_left``: its leases once it ended). ``suspends``: the runner's records, in order."""
+    problems: list[str] = []
+    said: list[str] = []
+    for i, sp in enumerate(suspends, 1):
+        what = f"suspend #{i} (asked at step {sp['asked_step']})"
+        if sp.get("error"):
+            problems.append(f"{what} was refused: {sp['error']}")
+        elif sp.get("suspended_at") is None:
+            problems.append(f"{what}: the job never ended suspended")
+        elif sp.get("record_state") != "suspended":
+            problems.append(f"{what}: the job's record says {sp.get('record_state')!r}, not 'suspended'")
+        elif sp["leases_held"]:
+            problems.append(f"{what}: {len(sp['leases_held'])} device leases still held while suspended: "
+                            f"{list(sp['leases_held'])[:4]}")
+        elif sp.get("resumed_at") is None:
+            problems.append(f"{what}: never resumed")
+        elif sp.get("resumed_from") is None or sp["resumed_from"] != sp["cut"]:
+            problems.append(f"{what}: saved its cut at step {sp['cut']} but the resume restored "
+                            f"{sp.get('resumed_from')}")
+        else:
+            said.append(f"suspended at step {sp['step']} (cut {sp['cut']}; asked at step {sp['asked_step']}, "
+                        f"{sp.get('state_when_asked') or '?'} then), no lease held, resumed "
+                        f"{sp['resumed_at'] - sp['suspended_at']:.1f}s later from step {sp['resumed_from']}")
+    if not suspends:
+        problems.append("the scenario suspends the job but no suspend was asked (the job ended first?)")
+    if leases_left:
+        problems.append(f"{len(leases_left)} device leases of the job outlived it: {list(leases_left)[:4]}")
+    if problems:
+        return Check("suspend-resume", False, "; ".join(problems))
+    return Check("suspend-resume", True, "; ".join(said) + "; no device lease outlived the job")

@@ -5,7 +5,9 @@
 fills or freezes the disk), records the etcd watch history of device leases,
 submits the job and fires the scheduled faults as the job reaches their steps or
 times, follows the job through leader losses (the new leader adopts it, the harness follows
-it there with ``WatchJob``; nobody resumes it), then checks the invariants of
+it there with ``WatchJob``; nobody resumes it) and, when the scenario suspends it as an operator
+would (``kind = "suspend"``), resumes it once it is SUSPENDED (``ResumeJob``, after
+``resume_after_s``) and follows it on to its end, then checks the invariants of
 :mod:`rallypoint.chaos.invariants` against a fault-free run of the same job (the in-process
 reference, bitwise equal to a fault-free cluster run) and writes the report
 (:mod:`rallypoint.chaos.report`).
@@ -29,7 +31,7 @@ import grpc
 
 from rallypoint.chaos.injectors import InjectionError, Injectors, Target
 from rallypoint.chaos.invariants import (Check, NodeInfo, check_applied_once, check_checkpoints, check_digest,
-                              check_lease_history, check_outcome)
+                              check_lease_history, check_outcome, check_suspends)
 from rallypoint.chaos.report import write_report
 from rallypoint.chaos.scenario import FaultSpec, Scenario
 from rallypoint.chaos.storage import Storage
@@ -101,6 +103,9 @@ class ScenarioRun:
         self.drains: list[dict[str, Any]] = []
         self.stragglers: list[dict[str, Any]] = []  # job.straggler events: each decision with its evidence
         self.resumes: list[dict[str, Any]] = []
+        # The scenario's suspends, each with its resume (the summary's ``suspends``), in the order asked
+        self.suspends: list[dict[str, Any]] = []
+        self._suspends_lock = threading.Lock()
         self.outcome: dict[str, Any] = {"state": "failed", "reason": "not run"}
         self.detail: dict[str, Any] = {}
         self._channel: grpc.Channel | None = None
@@ -140,6 +145,11 @@ class ScenarioRun:
                 detail["uncordoned"] = self.injectors.uncordon_straggler(w)  # its fault healed before the move ended
         elif ev.event in ("job.resumed", "job.adopted", "job.watching"):
             self.completed = max(self.completed, int(ev.step))
+            if ev.event == "job.resumed":
+                with self._suspends_lock:
+                    for sp in self.suspends:
+                        if sp.get("resumed_at") is not None and sp.get("resumed_from") is None:
+                            sp["resumed_from"] = int(detail.get("checkpoint_step", ev.step))
         if ev.event in ("job.handed_off", "job.adopted"):
             self.say({"event": f"chaos.{ev.event.split('.')[1]}", "step": int(ev.step), **detail})
 
@@ -155,31 +165,87 @@ class ScenarioRun:
                       wait_timeout_s=s.wait_timeout_s, priority=s.priority)
 
     def _follow(self, spec: pb.JobSpec) -> None:
-        """Submit, then follow the job to its end through leader losses.
+        """Submit, then follow the job to its end through leader losses (and the scenario's suspends).
 
-        No operator steps in: a new leader adopts the job by itself and the client
-        follows it there (``WatchJob``, :class:`~rallypoint.client.submit.JobFollower`).
-        ``self.resumes`` (the summary's ``resumes``) stays empty: nothing here resumes.
+        No operator steps in after a leader loss: a new leader adopts the job by itself and the
+        client follows it there (``WatchJob``, :class:`~rallypoint.client.submit.JobFollower`).
+        ``self.resumes`` (the summary's ``resumes``) stays empty: nothing resumes a lost job.
+        A job that ends SUSPENDED by the scenario's own suspend (``kind = "suspend"``) is resumed
+        after that suspend's ``resume_after_s`` (``ResumeJob``, as
+        :func:`~rallypoint.client.submit.resume` calls it, followed by the same follower, so that the
+        final event still carries the final states) and followed on; ``self.suspends`` keeps each.
         """
         from rallypoint.client.submit import JobError, JobFollower
 
         lc = self.lc
-        follower = JobFollower(spec.job, lc.endpoints, lc.keys.cluster, on_event=self._on_event,
-                               follow_s=FOLLOW_S, open_wait_s=60)
-        self._follower = follower
-        try:
-            ev = follower.follow(lambda stub: stub.SubmitJob(spec))
-        except (JobError, RallypointError) as exc:
-            if not self.done.is_set():  # the watchdog's verdict (timed out) stands when it cancelled
-                self.outcome = {"state": "failed", "reason": str(exc)}
+        call: Callable[[Any], Any] = lambda stub: stub.SubmitJob(spec)
+        while True:
+            follower = JobFollower(spec.job, lc.endpoints, lc.keys.cluster, on_event=self._on_event,
+                                   follow_s=FOLLOW_S, open_wait_s=60)
+            self._follower = follower
+            if self.done.is_set():  # the watchdog ended the run while the job was suspended
+                return
+            try:
+                ev = follower.follow(call)
+            except (JobError, RallypointError) as exc:
+                if not self.done.is_set():  # the watchdog's verdict (timed out) stands when it cancelled
+                    self.outcome = {"state": "failed", "reason": str(exc)}
+                return
+            finally:
+                for sw in follower.switches:
+                    self.say({"event": "chaos.leader_switch", "why": sw["why"], "from": sw["from"]})
+            if ev.event != "job.suspended" or not self._suspended(spec.job, ev):
+                break
+            call = lambda stub: stub.ResumeJob(pb.ResumeRequest(job=spec.job))
+        if ev.event == "job.suspended" and self.done.is_set():  # timed out while suspended: the watchdog's verdict
             return
-        finally:
-            for sw in follower.switches:
-                self.say({"event": "chaos.leader_switch", "why": sw["why"], "from": sw["from"]})
         self.detail = json.loads(ev.detail or "{}")
         self.final_states = {v.state: [codec.from_tensor(t) for t in v.leaves] for v in ev.states}
         state = "finished" if ev.event == "job.finished" else "failed"
         self.outcome = {"state": state, "reason": self.detail.get("reason", "")}
+
+    def _suspended(self, job: str, ev: pb.JobEvent) -> bool:
+        """The job ended SUSPENDED: when one of the scenario's suspends asked it, record what the cluster
+        holds now (the job's record, its device leases: none may be left), wait that suspend's
+        ``resume_after_s`` and return True (resume it); False: nobody here asked (the job's end)."""
+        detail = json.loads(ev.detail or "{}")
+        with self._suspends_lock:
+            sp = next((x for x in self.suspends if x.get("suspended_at") is None and not x.get("error")), None)
+            if sp is None or (detail.get("stop") or {}).get("by") != "chaos":
+                return False
+            sp.update(suspended_at=time.time(), step=int(ev.step), cut=detail.get("cut"),
+                      reason=detail.get("reason", ""))
+        store = self.lc.store()
+        try:
+            record = store.get(self.lc.keys.job(job))
+            sp["record_state"] = record.json().get("state") if record is not None else None
+            sp["record_cut"] = record.json().get("cut") if record is not None else None
+            sp["leases_held"] = self._leases_of(store, job)
+        except StoreError as exc:  # the suspend-resume check fails on it; the job is still resumed
+            sp.update(record_state=f"unread (etcd: {exc})", leases_held=["unread"])
+        finally:
+            store.close()
+        self.say({"event": "chaos.suspended", "step": sp["step"], "cut": sp["cut"], "record": sp["record_state"],
+                  "leases_held": len(sp["leases_held"]), "resume_after_s": sp["resume_after_s"]})
+        if self.done.wait(sp["resume_after_s"]):
+            return False
+        sp["resumed_at"] = time.time()
+        self.say({"event": "chaos.resume", "job": job})
+        return True
+
+    def _leases_of(self, store: Any, job: str) -> list[str]:
+        """The device leases ``job`` holds now (their keys)."""
+        from rallypoint.etcd.cluster_records import Holder
+
+        kvs, _ = store.get_prefix(self.lc.keys.leases)
+        out: list[str] = []
+        for kv in kvs:
+            try:
+                if Holder.from_json(kv.value).job == job:
+                    out.append(kv.key)
+            except (ValueError, KeyError, TypeError):
+                out.append(kv.key)  # an unreadable lease is reported, not ignored
+        return sorted(out)
 
     def _second_job(self) -> None:
         """Submit the scenario's second job once the first reaches its step; follow it to its end."""
@@ -237,14 +303,24 @@ class ScenarioRun:
                     pending.remove(f)
                     rec: dict[str, Any] = {"kind": f.kind, "target": f.target, "origin": f.origin, "at": time.time(),
                                            "step": self.completed, "healed_at": None, "scheduled": f.describe()}
+                    sp: dict[str, Any] | None = None
+                    if f.kind == "suspend":  # kept before it is asked: the job may end suspended before fire returns
+                        sp = {"asked_at": rec["at"], "asked_step": self.completed, "resume_after_s": f.resume_after_s,
+                              "suspended_at": None, "resumed_at": None, "resumed_from": None}
+                        with self._suspends_lock:
+                            self.suspends.append(sp)
                     try:
                         detail, heal = self.injectors.fire(f)
+                        if sp is not None:
+                            sp["state_when_asked"] = detail.get("state_when_asked")
                         rec["worker"] = detail.get("worker", detail.get("coordinator", ""))
                         rec["detail"] = detail
                         if heal is not None:
                             heals.append((f, time.monotonic() + f.duration_s, rec, heal))
                     except (InjectionError, OSError, RallypointError) as exc:
                         rec["error"] = str(exc)
+                        if sp is not None:
+                            sp["error"] = str(exc)
                     self.faults.append(rec)
                     self.say({"event": "chaos.fault", **{k: v for k, v in rec.items() if k != "detail"}})
                 for h in [h for h in heals if (self.completed >= h[0].until_step if h[0].until_step is not None
@@ -357,6 +433,8 @@ class ScenarioRun:
         ]
         if self.second is not None:
             checks.append(self._check_second())
+        if "suspend" in s.kinds:
+            checks.append(check_suspends(self.suspends, evidence["leases_left"]))
         if s.expect_outcome == "failed":  # the state of a job expected to fail is not compared
             checks[0] = Check("final-state-digest", True, "not compared: the scenario expects the job to fail")
             checks[1] = Check("applied-exactly-once", True, "not checked: the scenario expects the job to fail")
@@ -367,6 +445,7 @@ class ScenarioRun:
         try:
             record = store.get(self.lc.keys.job(self.program.name))
             commits = read_commits(store, self.lc.keys, self.program.name)
+            leases_left = self._leases_of(store, self.program.name) if "suspend" in self.s.kinds else []
         finally:
             store.close()
         run_dir = Path(record.json()["run_dir"]) if record and record.json().get("run_dir") else None
@@ -379,7 +458,8 @@ class ScenarioRun:
                 except CheckpointCorrupt as exc:
                     results.append((sl, c.step, str(exc)))
         runtimes = read_records(run_dir) if run_dir else []
-        return {"commits": results, "runtimes": runtimes, "record": record.json() if record else {}}
+        return {"commits": results, "runtimes": runtimes, "record": record.json() if record else {},
+                "leases_left": leases_left}
 
     def _summary(self, started: float, wall: float, fault_free_wall: float, checks: list[Check],
                  evidence: dict[str, Any], network: Any, storage: Any) -> dict[str, Any]:
@@ -419,6 +499,7 @@ class ScenarioRun:
                         "time_bound_s": s.time_bound_s},
             "faults": self.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
             "resumes": self.resumes, "recoveries": recoveries,
+            **({"suspends": self.suspends} if "suspend" in s.kinds else {}),
             "second_job": self.second_outcome or None,
             "drains": self.detail.get("drains") or self.drains, "resharded": self.detail.get("resharded") or [],
             "stragglers": self.stragglers, "replayed_instances": self.detail.get("replayed_instances", {}),

@@ -43,6 +43,11 @@ at_step = 12                        # or at_s = 5.0
 # until_step = 100                  # or: in force until the job reaches this step (instead of duration_s)
 # devices = 2                       # tenant: devices of the target worker another holder takes (default: all free)
 
+[[faults]]                          # an operator's suspend (no target): saved at the next step boundary, every
+kind = "suspend"                    # device released; once the job is SUSPENDED the harness waits resume_after_s
+at_step = 12                        # and resumes it (ResumeJob), then follows it to its end
+resume_after_s = 1.0                # default 1.0; 0 to 600
+
 [random]                            # optional: faults at random, the same schedule for the same seed
 seed = 7
 mtbf_s = 8.0                        # mean time between failures
@@ -76,8 +81,11 @@ KINDS = {
     "corrupt_checkpoint": (True, False), "truncate_checkpoint": (True, False),
     "disk_full": (False, True), "disk_readonly": (False, True),
     "tenant": (True, True),
+    "suspend": (False, False),  # an operator's action, not a fault: the harness resumes the job (resume_after_s)
 }
 DEFAULT_DURATION_S = 3.0
+DEFAULT_RESUME_AFTER_S = 1.0  # a suspend: how long the job stays SUSPENDED before the harness resumes it
+OPERATOR_KINDS = frozenset({"suspend"})  # scheduled only: never drawn at random ([random].kinds refuses them)
 
 
 @dataclass(frozen=True)
@@ -90,11 +98,13 @@ class FaultSpec:
     origin: str = "fixed"  # or "random"
     devices: int = 0  # tenant: how many of the worker's free devices it takes (0: all)
     until_step: int | None = None  # in force until the job reaches this step (instead of duration_s)
+    resume_after_s: float | None = None  # suspend: seconds the job stays SUSPENDED before the harness resumes it
 
     def describe(self) -> str:
         when = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:.2f}s"
         until = f" until step {self.until_step}" if self.until_step is not None else ""
-        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}{until}"
+        resume = f", resumed {self.resume_after_s:g}s after" if self.resume_after_s is not None else ""
+        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}{until}{resume}"
 
 
 @dataclass(frozen=True)
@@ -259,13 +269,25 @@ def load_scenario(path: Path) -> Scenario:
         where = f"{w} [[faults]] #{i + 1}"
         if not isinstance(f, dict):
             raise ConfigError(f"{where}: expected a table")
-        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "until_step", "devices"}, where)
+        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "until_step", "devices", "resume_after_s"},
+                 where)
         kind = _get(f, "kind", str, where, "")
         if kind not in KINDS:
             raise ConfigError(f"{where}.kind: {kind!r} is not one of {sorted(KINDS)}")
         target = _get(f, "target", str, where, "")
         if KINDS[kind][0] and not target:
             raise ConfigError(f"{where}.target: a {kind} fault needs a target (a slice, node or worker)")
+        if kind in OPERATOR_KINDS and target:
+            raise ConfigError(f"{where}.target: a {kind} acts on the whole job; drop target ({target!r})")
+        resume_after: float | None = None
+        if kind == "suspend":
+            resume_after = float(_get(f, "resume_after_s", (int, float), where, DEFAULT_RESUME_AFTER_S))
+            if not 0 <= resume_after <= 600:
+                raise ConfigError(f"{where}.resume_after_s: seconds the job stays suspended before the harness "
+                                  f"resumes it, 0 to 600; got {resume_after:g}")
+        elif "resume_after_s" in f:
+            raise ConfigError(f"{where}.resume_after_s: only a suspend is resumed; a {kind} fault takes no "
+                              "resume_after_s")
         at_step, at_s = _get(f, "at_step", int, where), _get(f, "at_s", (int, float), where)
         if (at_step is None) == (at_s is None):
             raise ConfigError(f"{where}: give exactly one of at_step and at_s")
@@ -286,16 +308,17 @@ def load_scenario(path: Path) -> Scenario:
         if devices < 0 or (devices and kind != "tenant"):
             raise ConfigError(f"{where}.devices: only a tenant fault takes devices (>= 1; 0 or absent: all free ones)")
         faults.append(FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), duration,
-                                devices=devices, until_step=until_step))
+                                devices=devices, until_step=until_step, resume_after_s=resume_after))
     rnd = None
     if "random" in data:
         r = _get(data, "random", dict, w)
         where = f"{w} [random]"
         _unknown(r, {"seed", "mtbf_s", "duration_s", "kinds", "targets", "fault_duration_s"}, where)
         kinds = tuple(_get(r, "kinds", list, where, ["kill"]))
-        bad = [k for k in kinds if k not in KINDS]
+        bad = [k for k in kinds if k not in KINDS or k in OPERATOR_KINDS]
         if bad or not kinds:
-            raise ConfigError(f"{where}.kinds: {bad or 'empty'}: pick from {sorted(KINDS)}")
+            raise ConfigError(f"{where}.kinds: {bad or 'empty'}: pick from {sorted(set(KINDS) - OPERATOR_KINDS)} "
+                              f"({sorted(OPERATOR_KINDS)}: [[faults]] only, never at random)")
         mtbf = float(_get(r, "mtbf_s", (int, float), where, 10.0))
         if mtbf <= 0:
             raise ConfigError(f"{where}.mtbf_s must be > 0")
@@ -326,4 +349,10 @@ def load_scenario(path: Path) -> Scenario:
         raise ConfigError(f"{w}: faults {sorted(etcd_kinds)} need [cluster].etcd_members = 3")
     if {"leader_kill", "leader_hang"} & s.kinds and s.coordinators < 2:
         raise ConfigError(f"{w}: leader faults need [cluster].coordinators >= 2 (a standby to take over)")
+    if "suspend" in s.kinds and s.expect_outcome != "finished":
+        raise ConfigError(f"{w}: a suspend is resumed by the harness and its job must end finished; "
+                          f"[expect].outcome is {s.expect_outcome!r}")
+    if "suspend" in s.kinds and s.checkpoint_every == 0:
+        raise ConfigError(f"{w}: a suspend saves the job at a step boundary; [job].checkpoint_every = 0 keeps no "
+                          "checkpoints (the leader refuses the suspend)")
     return s

@@ -24,7 +24,7 @@ from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
-from rallypoint.client.submit import FOLLOW_S, JobError, JobFollower, ended
+from rallypoint.client.submit import FOLLOW_S, JobError, JobFollower, JobStoppedError, ended
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.orchestrator.job_state import END_EVENTS
@@ -79,16 +79,53 @@ def _until_started(job: str, endpoints: Sequence[str], cluster: str, call: Calla
 def watch(job: str, *, endpoints: Sequence[str], cluster: str,
           on_step: Callable[[int, dict[str, float]], None] | None = None,
           on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S) -> pb.JobEvent:
-    """Follow ``job`` to its end; return the end event (``job.finished`` carries the final state).
+    """Follow ``job`` to its end; return the end event (``job.finished`` carries the final state). A job
+    suspended for a higher-priority one is waited for (the leader resumes it once room returns) and followed on.
 
     Raises:
         JobError: the leader has no such job running, or the job failed.
         JobStoppedError: it was suspended or cancelled.
     """
-    follower = JobFollower(job, endpoints, cluster, on_event=on_event, on_step=on_step, follow_s=follow_s)
-    ev = follower.follow(lambda stub: stub.WatchJob(pb.WatchJobRequest(job=job)))
-    ended(ev)
-    return ev
+    while True:
+        follower = JobFollower(job, endpoints, cluster, on_event=on_event, on_step=on_step, follow_s=follow_s)
+        ev = follower.follow(lambda stub: stub.WatchJob(pb.WatchJobRequest(job=job)))
+        try:
+            ended(ev)
+            return ev
+        except JobStoppedError as exc:
+            if exc.state != "suspended" or not _resumes_by_itself(job, endpoints, cluster):
+                raise
+        # Suspended for a higher-priority job: the leader resumes it once room returns; follow it then.
+        _until_resumed(job, endpoints, cluster)
+
+
+def _record(store: EtcdStore, job: str, cluster: str) -> dict[str, Any]:
+    kv = store.get(Keys(cluster).job(job))
+    return kv.json() if kv is not None else {}
+
+
+def _resumes_by_itself(job: str, endpoints: Sequence[str], cluster: str) -> bool:
+    store = EtcdStore(list(endpoints))
+    try:
+        r = _record(store, job, cluster)
+    finally:
+        store.close()
+    return r.get("state") == "suspended" and bool((r.get("stop") or {}).get("auto_resume"))
+
+
+def _until_resumed(job: str, endpoints: Sequence[str], cluster: str, poll_s: float = 0.5) -> None:
+    """Wait until the job's record leaves SUSPENDED (the leader resumed it, or an operator cancelled it)."""
+    store = EtcdStore(list(endpoints))
+    try:
+        while True:
+            try:
+                if _record(store, job, cluster).get("state") != "suspended":
+                    return
+            except StoreError:
+                pass  # etcd away a moment: ask again
+            time.sleep(poll_s)
+    finally:
+        store.close()
 
 
 def control(job: str, action: str, *, endpoints: Sequence[str], cluster: str, checkpoint: bool = False,

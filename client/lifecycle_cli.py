@@ -28,6 +28,12 @@ DETACHED = 130  # Ctrl-C: the client went, the job goes on
 FOLLOW_POLL_S = 0.5
 
 
+def say(line: str) -> None:
+    """One line out, flushed: a reader on a pipe (`watch --json | ...`, `logs --follow`) gets each as it comes."""
+    click.echo(line)
+    sys.stdout.flush()
+
+
 def detached(job: str, step: int | None = None) -> None:
     """Ctrl-C of a following client: say so, and exit 130; the job is not touched."""
     at = f" at step {step}" if step is not None else ""
@@ -96,19 +102,19 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
         if ev.event == "step.done":
             seen["step"] = int(ev.step)
             if as_json:
-                click.echo(json.dumps({"event": "step", "job": job, "step": int(ev.step), "metrics": dict(ev.metrics)}))
+                say(json.dumps({"event": "step", "job": job, "step": int(ev.step), "metrics": dict(ev.metrics)}))
             return
         if as_json:
-            click.echo(json.dumps({"event": ev.event, "job": job, "step": int(ev.step), **d}))
+            say(json.dumps({"event": ev.event, "job": job, "step": int(ev.step), **d}))
         elif ev.event == "job.watching":
-            click.echo(f"watching job {job} (run {d.get('run') or record.get('run')}): {d.get('state')}, step "
+            say(f"watching job {job} (run {d.get('run') or record.get('run')}): {d.get('state')}, step "
                        f"{ev.step}/{record.get('steps')}")
             past = describe_past(d)
             if past:
-                click.echo("before this watch:\n" + "\n".join(past))
+                say("before this watch:\n" + "\n".join(past))
         elif ev.event in ("job.handed_off", "job.adopted", "job.stopping", "job.drained", "job.recovering",
                           "job.recovered", "job.waiting", "job.straggler", "job.resumed"):
-            click.echo(describe_event({"event": ev.event, "step": int(ev.step), **d}))
+            say(describe_event({"event": ev.event, "step": int(ev.step), **d}))
 
     try:
         end = follow(job, endpoints=addr.endpoints, cluster=addr.name, on_event=on_event)
@@ -118,10 +124,9 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
         click.echo(json.dumps({"event": f"job.{exc.state}", "job": job, "reason": str(exc)}) if as_json
                    else f"job {job} {exc.state}: {exc}")
         sys.exit(EXIT[exc.state])
-    d = json.loads(end.detail or "{}")
-    click.echo(json.dumps({"event": "job.finished", "job": job, "steps": int(end.step),
-                           "state_digest": d.get("state_digest")}) if as_json
-               else f"job {job} finished: {end.step} steps, state digest {d.get('state_digest')}")
+    if not as_json:  # as JSON, job.finished was the last event printed
+        d = json.loads(end.detail or "{}")
+        click.echo(f"job {job} finished: {end.step} steps, state digest {d.get('state_digest')}")
 
 
 def _stop(action: str, state_dir: Path, cluster: str | None, job: str, checkpoint: bool, reason: str, no_wait: bool,
@@ -245,6 +250,6 @@ def logs(state_dir: Path, cluster: str | None, job: str, follow: bool, checkpoin
                               "another machine's file system: give --checkpoint-dir)")
     try:
         for ev in _lines(path, follow, END_EVENTS):
-            click.echo(json.dumps(ev) if as_json else describe_line(ev))
+            say(json.dumps(ev) if as_json else describe_line(ev))
     except KeyboardInterrupt:
         sys.exit(DETACHED)

@@ -64,6 +64,16 @@ def write(tmp_path: Path, body: str) -> Path:
      r"#1: give at most one of duration_s and until_step"),
     ('[[faults]]\nkind = "hang"\ntarget = "w0"\nat_s = 3\nuntil_step = 9\n', r"#1\.until_step: needs at_step"),
     ('[[faults]]\nkind = "hang"\ntarget = "w0"\nat_step = 9\nuntil_step = 9\n', r"must be past it"),
+    ('[[faults]]\nkind = "suspend"\nat_step = 5\nresume_after_s = -1\n', r"#1\.resume_after_s: .*0 to 600; got -1"),
+    ('[[faults]]\nkind = "suspend"\nat_step = 5\nresume_after_s = "soon"\n',
+     r"#1\.resume_after_s: expected int or float, got 'soon'"),
+    ('[[faults]]\nkind = "suspend"\nat_step = 5\nresume_after_s = true\n', r"#1\.resume_after_s: expected int or float"),
+    ('[[faults]]\nkind = "kill"\ntarget = "stage0"\nat_step = 5\nresume_after_s = 1\n',
+     r"#1\.resume_after_s: only a suspend is resumed; a kill fault takes no resume_after_s"),
+    ('[[faults]]\nkind = "suspend"\ntarget = "stage0"\nat_step = 5\n', r"#1\.target: a suspend acts on the whole job"),
+    ('[[faults]]\nkind = "suspend"\n', r"#1: give exactly one of at_step and at_s"),
+    ('[expect]\noutcome = "failed"\n[[faults]]\nkind = "suspend"\nat_step = 5\n', r"its job must end finished"),
+    ('[random]\nkinds = ["kill", "suspend"]\n', r"\[random\]\.kinds: \['suspend'\].*never at random"),
 ])
 def test_a_bad_scenario_is_refused_naming_the_field(tmp_path: Path, body: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -75,6 +85,27 @@ def test_a_fault_may_last_until_a_step_instead_of_a_duration(tmp_path: Path) -> 
                                          'until_step = 50\n')).faults
     assert (f.until_step, f.duration_s) == (50, 0.0)
     assert f.describe() == "tenant w1 at step 2 until step 50"
+
+
+def test_a_suspend_is_parsed_with_its_resume_delay_and_needs_checkpoints(tmp_path: Path) -> None:
+    s = load_scenario(write(tmp_path, '[[faults]]\nkind = "kill"\ntarget = "stage2"\nat_step = 12\n'
+                                      '[[faults]]\nkind = "suspend"\nat_step = 12\nresume_after_s = 2.5\n'
+                                      '[[faults]]\nkind = "suspend"\nat_s = 20\n'))
+    kill, first, second = s.faults
+    assert (first.kind, first.target, first.at_step, first.resume_after_s, first.duration_s) == ("suspend", "", 12, 2.5, 0.0)
+    assert (second.at_s, second.resume_after_s) == (20.0, 1.0)  # the default delay
+    assert kill.resume_after_s is None and "suspend" in s.kinds
+    assert first.describe() == "suspend at step 12, resumed 2.5s after"
+    assert load_scenario(write(tmp_path, '[[faults]]\nkind = "suspend"\nat_step = 3\nresume_after_s = 0\n'
+                               )).faults[0].resume_after_s == 0.0
+    shipped = load_scenario(ROOT / "scenarios" / "suspend-resume.toml")
+    assert [f.kind for f in shipped.faults] == ["kill", "suspend", "leader_kill"]
+    assert shipped.coordinators >= 2 and shipped.expect_outcome == "finished"
+    p = tmp_path / "no-checkpoints.toml"
+    p.write_text('[job]\nfile = "examples/pipeline_mlp.py"\ncheckpoint_every = 0\n'
+                 '[[faults]]\nkind = "suspend"\nat_step = 5\n')
+    with pytest.raises(ConfigError, match=r"checkpoint_every = 0 keeps no checkpoints"):
+        load_scenario(p)
 
 
 def test_the_compilation_cache_is_on_unless_the_scenario_turns_it_off(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The chaos suite: every shipped scenario, short, on real processes with real faults.
 
-Each run must pass all five invariants, and each injector must have fired (and
+Each run must pass all five invariants (six with a suspend), and each injector must have fired (and
 healed) what its scenario scheduled. A deliberately broken recovery (replay turned
 off by a test-only switch) must be caught. ``make chaos`` runs the full set, the
 long soak included. Random faults run here in tests/chaos/test_campaign.py (one
@@ -117,6 +117,16 @@ def check_scenario_run(name: str, s: Scenario, summary: dict[str, Any], folder: 
         assert summary["resumes"] == [], f"nobody may resume a job after a leader loss: {summary['resumes']}"
     if "partition" in kinds:
         assert summary["cluster"]["network"] in ("netns", "proxy")
+    if "suspend" in kinds:
+        # An operator's suspend: the job ended SUSPENDED (its etcd record too) holding no device, the harness
+        # resumed it from the cut the suspend saved, and it finished; no lease of the job outlived it.
+        suspends = summary["suspends"]
+        assert len(suspends) == scheduled(s)["suspend"], suspends
+        assert all(sp["record_state"] == "suspended" and sp["leases_held"] == [] and sp["cut"] is not None
+                   and sp["resumed_from"] == sp["cut"] and sp["resumed_at"] - sp["suspended_at"] >= sp["resume_after_s"]
+                   for sp in suspends), suspends
+        assert next(c for c in summary["invariants"] if c["name"] == "suspend-resume")["ok"]
+        assert summary["outcome"]["state"] == "finished", summary["outcome"]
     if kinds & {"corrupt_checkpoint", "truncate_checkpoint"}:
         (fault,) = [f for f in summary["faults"] if "checkpoint" in f["kind"]]
         # The damaged step is never restored from disk: an older cut is used, or (when the in-memory

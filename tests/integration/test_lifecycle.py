@@ -6,14 +6,11 @@ nothing changed. One cluster serves the module (its start costs more than most o
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +31,7 @@ from tests.integration.test_drain import cluster_args
 pytestmark = pytest.mark.processes
 
 STEPS = 40
+LONG = 200
 EVERY = 5
 QUIET = {"warm_spares": 0, "checkpoint_every": EVERY}  # no spare compiles beside the job: this machine has 2 cores
 
@@ -124,3 +122,231 @@ def test_a_detached_job_is_suspended_listed_resumed_with_nothing_replayed_and_lo
     assert names.index("job.stopping") < names.index("job.suspended") < names.index("job.resumed")
     text = cli(lc, "logs", job).output
     assert "job.suspended" in text and "by operator test: maintenance" in text
+
+
+def placed_on(lc: LocalCluster, job: str, slice_name: str) -> str:
+    return str(record(lc, job)["placement"][slice_name]["worker"])
+
+
+def cordon(lc: LocalCluster, workers: list[str], on: bool) -> None:
+    from rallypoint.orchestrator.devices import DeviceLeases
+
+    store = lc.store()
+    try:
+        leases = DeviceLeases(store, lc.keys)
+        for w in workers:
+            leases.cordon(w) if on else leases.uncordon(w)
+    finally:
+        store.close()
+
+
+def free_workers(lc: LocalCluster) -> list[str]:
+    store = lc.store()
+    try:
+        return sorted(w for w, s in read_cluster(store, lc.keys).workers.items() if not s.holders)
+    finally:
+        store.close()
+
+
+def respawn(lc: LocalCluster, name: str, role: str = "worker") -> None:
+    lc.reap(name)
+    lc.spawn(role, name)
+    if role == "worker":
+        lc.wait_for_workers(5)
+
+
+def test_a_suspend_asked_while_a_recovery_waits_for_room_takes_effect_once_the_job_runs_again(
+    lc: LocalCluster, pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = pipeline
+    job = submit_detached(compiled, new_run=True, **where(lc), **QUIET)["job"]
+    spare = free_workers(lc)
+    cordon(lc, spare, True)  # the recovery has nowhere to go until the lost worker comes back
+    try:
+        until_step(lc, job, 8)
+        victim = placed_on(lc, job, "stage1")
+        lc.signal(victim, signal.SIGKILL)
+        wait_until(lambda: record(lc, job).get("state") == "recovering", 30, "the recovery waiting for room", 0.1)
+        reply = control(job, "suspend", **where(lc), by="operator test")
+        assert reply.state == "recovering"
+        time.sleep(1.0)
+        assert record(lc, job)["state"] == "recovering"  # the stop waits for the recovery; nothing saved yet
+        respawn(lc, victim)  # room again: the recovery ends, then the job saves at a boundary and stops
+        with pytest.raises(JobStoppedError) as stopped:
+            watch(job, **where(lc))
+        assert stopped.value.state == "suspended"
+    finally:
+        cordon(lc, spare, False)
+    rec = record(lc, job)
+    assert rec["state"] == "suspended" and len(rec["recoveries"]) == 1 and rec["cut"] == rec["step_done"]
+    assert held(lc, job) == 0
+    done = resume(job, **where(lc))
+    assert done["state_digest"] == reference and done["start_step"] == rec["cut"]
+    assert done["replayed_instances"] == {}  # what the recovery replayed, it replayed before the suspend
+
+
+def test_a_cancel_during_a_drain_lets_the_drain_finish_then_ends_cancelled_at_a_saved_cut(
+    lc: LocalCluster, pipeline: tuple[CompiledProgram, str],
+) -> None:
+    from rallypoint.client.drains import begin_drain
+
+    compiled, reference = pipeline
+    job = submit_detached(compiled, new_run=True, **where(lc), **QUIET)["job"]
+    until_step(lc, job, 8)
+    worker = placed_on(lc, job, "stage2")
+    store = lc.store()
+    try:
+        begin_drain(store, lc.keys, worker, by="operator test")
+        wait_until(lambda: record(lc, job).get("drains"), 30, "the drain under way", 0.05)
+        reply = control(job, "cancel", checkpoint=True, **where(lc), by="operator test")
+        with pytest.raises(JobStoppedError) as stopped:
+            watch(job, **where(lc))
+        assert stopped.value.state == "cancelled"
+    finally:
+        store.delete(lc.keys.drain(worker))
+        store.close()
+        cordon(lc, [worker], False)
+    assert reply.state in ("running", "stopping")
+    rec = record(lc, job)
+    assert rec["state"] == "cancelled" and rec["stop"]["checkpoint"] and rec["cut"] == rec["step_done"]
+    (drain,) = rec["drains"]
+    assert drain["state"] == "done" and held(lc, job) == 0  # the drain ended first; then every lease went
+    again = cli(lc, "cancel", job)
+    assert again.exit_code == 1 and "already cancelled" in again.output and "nothing changed" in again.output
+    assert record(lc, job) == rec
+    done = resume(job, **where(lc))  # a cancelled run is kept: resume continues it
+    assert done["state_digest"] == reference and done["start_step"] == rec["cut"] and done["replayed_instances"] == {}
+
+
+@pytest.fixture(scope="module")
+def long_pipeline() -> tuple[CompiledProgram, str]:
+    """Long enough to outlast a CLI's start, a Ctrl-C and a leader's kill and adoption."""
+    compiled = compile_program(example("pipeline_mlp").build(steps=LONG))
+    return compiled, ReferenceExecutor(compiled).run().state_digest
+
+
+def test_a_watch_follows_a_detached_job_across_a_leader_kill_and_ctrl_c_detaches_without_stopping_it(
+    lc: LocalCluster, long_pipeline: tuple[CompiledProgram, str],
+) -> None:
+    compiled, reference = long_pipeline
+    job = submit_detached(compiled, new_run=True, **where(lc), **QUIET)["job"]
+    argv = [sys.executable, "-m", "rallypoint.cli", "watch", job, "--json", *cluster_args(lc)]
+    # A terminal's Ctrl-C is SIGINT with Python's handler in place (a suite run in the background ignores SIGINT,
+    # and its children inherit that).
+    interactive = [sys.executable, "-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, "
+                   "signal.default_int_handler); sys.argv[0] = 'rallypoint'; runpy.run_module('rallypoint.cli', "
+                   "run_name='__main__')", *argv[3:]]
+    detaching = subprocess.Popen(interactive, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watching = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(detaching.stdout.readline())["event"] == "job.watching"  # type: ignore[union-attr]
+        assert json.loads(detaching.stdout.readline())["event"] == "step"  # type: ignore[union-attr]
+        detaching.send_signal(signal.SIGINT)  # Ctrl-C while it follows the job
+        _out, err = detaching.communicate(timeout=30)
+        assert detaching.returncode == 130 and f"detached from job {job}" in err and "it goes on" in err, err
+        assert json.loads(watching.stdout.readline())["event"] == "job.watching"  # type: ignore[union-attr]
+        until_step(lc, job, 10)
+        store = lc.store()
+        try:
+            leader = store.get(lc.keys.leader).json()["coordinator"]  # type: ignore[union-attr]
+        finally:
+            store.close()
+        lc.signal(leader, signal.SIGKILL)
+        out, err = watching.communicate(timeout=120)
+    finally:
+        for p in (detaching, watching):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert watching.returncode == 0, err
+    events = [e["event"] for e in lines]
+    assert events.count("job.watching") == 1, events  # followed to the new leader, which adopted it (the first: read)
+    assert lines[-1]["event"] == "job.finished" and lines[-1]["state_digest"] == reference
+    assert record(lc, job)["state"] == "succeeded"
+    respawn(lc, leader, "coordinator")
+
+
+def counter(name: str, steps: int) -> CompiledProgram:
+    import jax.numpy as jnp
+
+    from rallypoint.client import Program
+
+    prog = Program(name, steps=steps, checkpoint_every=EVERY)
+    s = prog.slice("only", devices=1)
+    total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
+    src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",
+                      outputs=("x",))
+    prog.node("add", lambda total, x: {"total": total + x}, slice=s, inputs={"total": total, "x": src["x"]},
+              outputs=("total",), updates={"total": total})
+    return compile_program(prog)
+
+
+def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_the_lower_resumes_by_itself(
+    lc: LocalCluster,
+) -> None:
+    from rallypoint.client.submit import submit
+
+    low, high = counter("background", 400), counter("urgent", 60)
+    low_reference = ReferenceExecutor(low).run().state_digest
+    lc.wait_for_workers(5)
+    others = free_workers(lc)[1:]
+    cordon(lc, others, True)  # one worker is the whole pool: the urgent job needs the background job's only device
+    listed: list[list[dict[str, Any]]] = []
+
+    def on_event(ev: pb.JobEvent) -> None:
+        if ev.event == "step.done" and ev.step == 1 and not listed:
+            listed.append([json.loads(line) for line in cli(lc, "jobs", "--json", "--current").output.splitlines()])
+
+    try:
+        submit_detached(low, priority=0, **where(lc), **QUIET)
+        until_step(lc, "background", 6)
+        urgent = submit(high, priority=10, on_event=on_event, **where(lc), **QUIET)
+        assert urgent.steps == 60
+        (rows,) = listed
+        row = {r["job"]: r for r in rows}["background"]
+        assert row["state"] == "suspended" and row["stopped_by"] == "job urgent (priority 10)" and row["auto_resume"]
+        assert row["devices_held"] == 0
+        end = watch("background", **where(lc))  # resumed by the leader once the urgent job ended
+    finally:
+        cordon(lc, others, False)
+    assert json.loads(end.detail)["state_digest"] == low_reference
+    log = [json.loads(line) for line in cli(lc, "logs", "background", "--json").output.splitlines()]
+    resumed = [e for e in log if e["event"] == "job.resumed"]
+    assert [e["auto"] for e in resumed] == [True] and json.loads(end.detail)["replayed_instances"] == {}
+    assert log[-1]["event"] == "job.finished"
+
+
+def test_bad_lifecycle_requests_are_refused_with_what_to_do_and_change_nothing(lc: LocalCluster) -> None:
+    from rallypoint.client.submit import submit
+
+    assert submit(counter("tiny", 6), **where(lc), **QUIET).steps == 6  # a job that is over
+    store = lc.store()
+    try:
+        before = {kv.key: kv.mod_revision for kv in store.get_prefix(lc.keys.prefix)[0]}
+    finally:
+        store.close()
+    for args, says in [
+        (("cancel", "nosuch"), "has no job 'nosuch'"),
+        (("suspend", "nosuch"), "has no job 'nosuch'"),
+        (("cancel", "a/b"), "job name"),
+        (("watch", "nosuch"), "has no job 'nosuch'"),
+        (("logs", "nosuch"), "has no job 'nosuch'"),
+        (("cancel", "tiny"), "already succeeded: there is nothing to cancel; nothing changed"),
+        (("suspend", "tiny"), "already succeeded: there is nothing to suspend; nothing changed"),
+        (("resume", "tiny"), "cannot resume: job 'tiny' is succeeded"),
+    ]:
+        out = cli(lc, *args)
+        assert out.exit_code == 1 and says in out.output, (args, out.output)
+    shown = cli(lc, "watch", "tiny")
+    assert shown.exit_code == 0 and "is succeeded" in shown.output
+    store = lc.store()
+    try:
+        assert {kv.key: kv.mod_revision for kv in store.get_prefix(lc.keys.prefix)[0]
+                if not kv.key.startswith((lc.keys.workers, lc.keys.leader, lc.keys.prefix + "coordinators/"))} == {
+            k: v for k, v in before.items()
+            if not k.startswith((lc.keys.workers, lc.keys.leader, lc.keys.prefix + "coordinators/"))}
+    finally:
+        store.close()
+    detach = CliRunner().invoke(cli_main, ["run", "examples/pipeline_mlp.py", "--detach"], catch_exceptions=False)
+    assert detach.exit_code == 1 and "--detach needs --cluster" in detach.output
