@@ -154,6 +154,14 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
               f"{rec.get('policy') or '-'}, consistent cut {rec.get('consistent_cut')}, updated {age:.0f}s ago")
     if rec.get("reason"):
         con.print(f"reason: {rec['reason']}")
+    stop = rec.get("stop") or {}
+    if stop:
+        con.print(f"{stop.get('action')} asked by {stop.get('by')} at {_when(stop.get('at'))}"
+                  + (f": {stop['reason']}" if stop.get("reason") else "")
+                  + ("; it resumes by itself when room returns" if stop.get("auto_resume") and
+                     rec["state"] == "suspended" else "")
+                  + (f"; `rallypoint resume {job}` continues it" if rec["state"] in ("suspended", "cancelled")
+                     else ""))
     table = Table(title="placement and last commits")
     for col in ("slice", "worker", "devices", "last commit", "checkpoint"):
         table.add_column(col)

@@ -507,7 +507,8 @@ class JobExecutor:
             self._grant()
 
     def _place(self) -> None:
-        self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted)
+        self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
+                          resuming=self.resume and not self.adopted)
 
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""

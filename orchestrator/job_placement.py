@@ -131,12 +131,16 @@ class JobPlacement:
 
     # -- placing the job ---------------------------------------------------------------------------
 
-    def place(self, snapshot: Callable[[], ClusterSnapshot], *, adopting: bool = False) -> None:
+    def place(self, snapshot: Callable[[], ClusterSnapshot], *, adopting: bool = False,
+              resuming: bool = False) -> None:
         """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be.
 
         ``adopting``: a new leader places a job that was running (its workers may have been lost with the old
         leader); a slice that finds no room then waits, shrinks or fails as the job's ``on_no_spare`` says, like
-        a recovery's remap (:meth:`_no_room_adopting`). A new job that finds no room fails at once.
+        a recovery's remap (:meth:`_no_room_adopting`). ``resuming`` (a suspended, cancelled or failed run goes
+        on): as adopting, but a slice declared ``devices=(min, max)`` first takes the most devices free for it
+        within its counts, whatever ``on_no_spare`` says: a resume runs on whatever is free (within the reshard
+        tolerance when a count changed). A new job that finds no room fails at once.
         """
         leases = self.term.leases()
         gangs: dict[str, tuple[Placement, ...]] = {}
@@ -154,9 +158,10 @@ class JobPlacement:
                 try:
                     p = self._take_from_lower_priority(s.slice)
                 except NoSpareDevices as exc:
-                    if not adopting:
+                    if not (adopting or resuming):
                         raise
-                    p = self._no_room_adopting(s.slice, exc)
+                    p = (self._shrunk(s.slice, "resumed with no worker with all its devices free") if resuming
+                         else None) or self._no_room_adopting(s.slice, exc)
             self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
         snap = snapshot()
 
@@ -175,20 +180,30 @@ class JobPlacement:
                                             lead.data_address, members)
         self.event("job.placed", **self.to_json())
 
+    def _shrunk(self, slice_name: str, why: str, counts: Sequence[int] | None = None) -> Placement | None:
+        """The slice leased on the most devices free for it below its full count, among ``counts`` (default: the
+        counts its programs were exported for); recorded in ``resharded``. None: no worker has room for any."""
+        need = self.devices_of(slice_name)
+        for count in sorted((c for c in (counts or self.device_counts.get(slice_name) or ()) if c < need),
+                            reverse=True):
+            try:
+                p = self.term.leases().allocate(self.spec.job, slice_name, count)
+            except NoSpareDevices:
+                continue
+            self.resharded.append({"slice": slice_name, "from": need, "to": count, "at": time.time(), "why": why})
+            self.log.warning("job.shrunk", slice=slice_name, devices=count, had=need)
+            return p
+        return None
+
     def _no_room_adopting(self, slice_name: str, none: NoSpareDevices) -> Placement:
         """Adopting, ``slice_name`` finds no room: wait for a worker (up to ``wait_timeout_s``), shrink or fail."""
         assert self.settings is not None
         leases, need, on = self.term.leases(), self.devices_of(slice_name), self.settings.on_no_spare
         if on == "shrink":
             counts = self.device_counts.get(slice_name) or [d for d in range(1, need + 1) if need % d == 0]
-            for count in sorted((c for c in counts if c < need), reverse=True):
-                try:
-                    p = leases.allocate(self.spec.job, slice_name, count)
-                except NoSpareDevices:
-                    continue
-                self.resharded.append({"slice": slice_name, "from": need, "to": count, "at": time.time(),
-                                       "why": f"adopted with no worker with {need} free devices (on_no_spare='shrink')"})
-                self.log.warning("job.shrunk", slice=slice_name, devices=count, had=need)
+            p = self._shrunk(slice_name, f"adopted with no worker with {need} free devices (on_no_spare='shrink')",
+                             counts)
+            if p is not None:
                 return p
             raise JobFailed(f"{none}; on_no_spare='shrink' found no worker with room for any of its device counts "
                             f"{sorted(counts)} either") from None

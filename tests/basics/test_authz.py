@@ -26,11 +26,19 @@ def test_every_grpc_method_has_an_entry_and_nothing_else_does() -> None:
         assert roles and roles <= set(authz.ROLES) - {authz.ETCD}, method
 
 
-@pytest.mark.parametrize("method", ["SubmitJob", "ResumeJob", "WatchJob"])
+@pytest.mark.parametrize("method", ["SubmitJob", "ResumeJob", "WatchJob", "CancelJob"])
 def test_only_clients_and_operators_use_the_job_service(method: str) -> None:
     m = f"/rallypoint.v1.Coordinator/{method}"
     assert authz.refusal(m, "client") is None and authz.refusal(m, "operator") is None
     for role in ("worker", "coordinator", "etcd", None):
+        why = authz.refusal(m, role)
+        assert why is not None and m in why
+
+
+def test_only_an_operator_sets_a_job_aside() -> None:
+    m = "/rallypoint.v1.Coordinator/SuspendJob"
+    assert authz.refusal(m, "operator") is None
+    for role in ("client", "worker", "coordinator", "etcd", None):
         why = authz.refusal(m, role)
         assert why is not None and m in why
 

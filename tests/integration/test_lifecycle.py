@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -171,15 +172,30 @@ def test_a_suspend_asked_while_a_recovery_waits_for_room_takes_effect_once_the_j
         assert reply.state == "recovering"
         time.sleep(1.0)
         assert record(lc, job)["state"] == "recovering"  # the stop waits for the recovery; nothing saved yet
+        seen: list[pb.JobEvent] = []
+        ended: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                watch(job, on_event=seen.append, **where(lc))
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                ended.append(exc)
+
+        watcher = threading.Thread(target=follow)
+        watcher.start()  # a watch that comes while the recovery waits
+        wait_until(lambda: seen, 30, "the watch's first event")
         respawn(lc, victim)  # room again: the recovery ends, then the job saves at a boundary and stops
-        with pytest.raises(JobStoppedError) as stopped:
-            watch(job, **where(lc))
-        assert stopped.value.state == "suspended"
+        watcher.join(60)
+        (stopped,) = ended
+        assert isinstance(stopped, JobStoppedError) and stopped.state == "suspended"
     finally:
         cordon(lc, spare, False)
     rec = record(lc, job)
     assert rec["state"] == "suspended" and len(rec["recoveries"]) == 1 and rec["cut"] == rec["step_done"]
     assert held(lc, job) == 0
+    before = json.loads(seen[0].detail)  # what the watch was told happened before it came
+    assert seen[0].event == "job.watching" and before["state"] == "recovering"
+    assert before["stop"]["by"] == "operator test" and [sorted(r["lost"]) for r in before["recoveries"]] == [[victim]]
     done = resume(job, **where(lc))
     assert done["state_digest"] == reference and done["start_step"] == rec["cut"]
     assert done["replayed_instances"] == {}  # what the recovery replayed, it replayed before the suspend

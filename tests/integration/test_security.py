@@ -238,8 +238,20 @@ def test_a_worker_or_client_certificate_is_refused_what_its_role_may_not_call(
         with pytest.raises(grpc.RpcError) as answered:
             next(pb_grpc.CoordinatorStub(client).WatchJob(pb.WatchJobRequest(job="nope"), timeout=5))
         assert answered.value.code() is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as answered:  # a user stops their own job ...
+            pb_grpc.CoordinatorStub(client).CancelJob(pb.JobControlRequest(job="nope"), timeout=5)
+        assert answered.value.code() is grpc.StatusCode.NOT_FOUND
+        _denied(lambda: pb_grpc.CoordinatorStub(client).SuspendJob(pb.JobControlRequest(job="nope"), timeout=5),
+                "/rallypoint.v1.Coordinator/SuspendJob", "client")  # ... setting one aside is the operator's call
     finally:
         client.close()
+    operator = channel(before["leader"], role["operator"])
+    try:
+        with pytest.raises(grpc.RpcError) as answered:
+            pb_grpc.CoordinatorStub(operator).SuspendJob(pb.JobControlRequest(job="nope"), timeout=5)
+        assert answered.value.code() is grpc.StatusCode.NOT_FOUND
+    finally:
+        operator.close()
     assert_unchanged(lc, before)
 
 

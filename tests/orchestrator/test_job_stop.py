@@ -147,3 +147,36 @@ def test_a_higher_priority_job_asking_for_every_slice_suspends_the_job_to_resume
     req = h.x.stopper.pending
     assert req is not None and req.auto_resume and req.by == "job urgent (priority 9)"
     assert json.loads(h.store.get(h.keys.control("pipe")).value)["auto_resume"] is True  # type: ignore[union-attr]
+
+
+def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_it(tmp_path: Path) -> None:
+    from rallypoint.orchestrator.executor import JobExecutor
+    from tests.fakes import FakeElection, FakeWorkers, MemoryStore, register_worker
+    from tests.orchestrator.test_executor import pipeline_spec
+
+    spec = pipeline_spec()
+    spec.slices[0].mesh_shape[:] = [2]  # s0 declares devices=(1, 2): its programs exist for 1 device too
+    spec.nodes[0].variants.add(devices=1, mesh_shape=[1])
+    spec.states[0].init_variants.add(devices=1, mesh_shape=[1])
+    store = MemoryStore()
+    h = Harness(tmp_path, spec=spec, store=store)
+    for w, n in (("w0", 2), ("w1", 1), ("w2", 1), ("w3", 1)):
+        register_worker(store, h.keys, w, n)
+    events = AskAt(6, StopRequest("suspend", by="operator gus"), h)
+    h.events = events
+    h.x.emit = events.append
+    assert h.x.run() is JobState.SUSPENDED and h.x.placement["s0"].count == 2
+    store.put(h.keys.cordon("w0"), "{}")  # only one-device workers are free now
+    election = FakeElection(store, h.keys, h.clock)
+    resumed: list[pb.JobEvent] = []
+    x = JobExecutor(spec, store=store, keys=h.keys, election=election, emit=resumed.append, clock=h.clock,
+                    checkpoint_root=str(tmp_path), resume=True, loss_grace_s=0.0,
+                    workers=FakeWorkers(spec.job, spec, store, h.keys))
+    assert x.run() is JobState.SUCCEEDED
+    assert x.placement["s0"].count == 1 and x.placement["s0"].worker != "w0"
+    (change,) = x.places.resharded
+    assert change["from"] == 2 and change["to"] == 1 and "resumed" in change["why"]
+    done = json.loads(resumed[-1].detail)
+    assert resumed[-1].event == "job.finished" and done["exact"] is False  # within the reshard tolerance
+    (back,) = [e for e in resumed if e.event == "job.resumed"]
+    assert back.step == json.loads(events[-1].detail)["cut"] == done["start_step"]
