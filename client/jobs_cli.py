@@ -198,7 +198,7 @@ def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, 
     whose leader died or was deposed needs no resume, the new leader adopts it by itself (if
     it already runs, this follows it). Exit status as `rallypoint watch`."""
     from rallypoint.client.lifecycle import resume_detached
-    from rallypoint.client.run_cli import stops
+    from rallypoint.client.job_output import stops
     from rallypoint.client.submit import resume as resume_job
 
     check_name("job", job)

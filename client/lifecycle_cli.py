@@ -1,8 +1,6 @@
 """Operator commands for a job's life: ``rallypoint watch``, ``cancel``, ``suspend`` and ``logs``.
 
-Exit status, for ``watch``, ``run`` and ``resume`` alike (:data:`EXIT`): 0 the job finished,
-1 it failed (or the command was refused), 3 it was cancelled, 4 it was suspended; 130 a
-watching client detached with Ctrl-C (the job goes on).
+Exit status, for ``watch``, ``run`` and ``resume`` alike: :data:`~rallypoint.client.job_output.EXIT`.
 
 Added to the ``rallypoint`` group by :mod:`rallypoint.client.cli`.
 """
@@ -21,26 +19,10 @@ import click
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client.clusters import cluster_options, resolve_cluster, store_and_keys
+from rallypoint.client.job_output import DETACHED, EXIT, describe_event, detached, say
 from rallypoint.etcd.keys import check_name
 
-EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "suspended": 4}
-DETACHED = 130  # Ctrl-C: the client went, the job goes on
-FOLLOW_POLL_S = 0.5
-
-
-def say(line: str) -> None:
-    """One line out, flushed: a reader on a pipe (`watch --json | ...`, `logs --follow`) gets each as it comes."""
-    click.echo(line)
-    sys.stdout.flush()
-
-
-def detached(job: str, step: int | None = None) -> None:
-    """Ctrl-C of a following client: say so, and exit 130; the job is not touched."""
-    at = f" at step {step}" if step is not None else ""
-    click.echo(f"\ndetached from job {job}{at}; it goes on (`rallypoint watch {job}` follows it again, "
-               f"`rallypoint cancel {job}` stops it)", err=True)
-    sys.exit(DETACHED)
-
+FOLLOW_POLL_S = 0.5  # logs --follow: how often the log is read again
 
 def _record(state_dir: Path, cluster: str | None, job: str) -> tuple[dict[str, Any], Any]:
     store, keys = store_and_keys(state_dir, cluster)
@@ -80,7 +62,6 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
     Shows what happened before (recoveries, drains), then its progress. Ctrl-C detaches: the
     job goes on. Exit status: 0 finished, 1 failed, 3 cancelled, 4 suspended, 130 detached."""
     from rallypoint.client.lifecycle import watch as follow
-    from rallypoint.client.run_cli import describe_event
     from rallypoint.client.submit import JobStoppedError
     from rallypoint.orchestrator.job_state import FINAL_RECORD_STATES
 

@@ -5,11 +5,9 @@ Added to the ``rallypoint`` group by :mod:`rallypoint.client.cli`.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import click
 from rallypoint.basics.errors import ConfigError
 from rallypoint.basics.logs import configure as configure_logs
 from rallypoint.client import plot_cli
+from rallypoint.client.job_output import describe_event, stops
 from rallypoint.client.clusters import DEFAULT_STATE_DIR, export_platforms_for, insecure, resolve_cluster, tls_options
 
 # -- running jobs ---------------------------------------------------------------------------
@@ -155,23 +154,6 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         _show(program, runner, as_json, where, says)
 
 
-@contextlib.contextmanager
-def stops(job: str, *, attached: bool) -> Iterator[None]:
-    """A job suspended or cancelled exits 4 or 3 with why; Ctrl-C of a client of a cluster that stays detaches."""
-    from rallypoint.client.lifecycle_cli import EXIT, detached
-    from rallypoint.client.submit import JobStoppedError
-
-    try:
-        yield
-    except JobStoppedError as exc:
-        click.echo(f"job {job} {exc.state}: {exc}", err=True)
-        sys.exit(EXIT[exc.state])
-    except KeyboardInterrupt:
-        if not attached:
-            raise
-        detached(job)
-
-
 def _detach(compiled: Any, cluster: str | None, window: int, new_run: bool, recovery: dict[str, Any],
             as_json: bool) -> None:
     from rallypoint.client.lifecycle import submit_detached
@@ -224,44 +206,6 @@ def _show(program: Any, runner: Callable[..., Any], as_json: bool, where: str,
                  + (f" (MTTR {', '.join(f'{m:.2f}s' for m in mttr)})" if mttr else "")
                  + f", replayed {sum(rec.get('replayed_instances', {}).values())} instances")
     click.echo(f"{program.name}: {result.steps} steps in {result.wall_s:.2f}s, state digest {result.state_digest}{extra}")
-
-
-def describe_event(d: dict[str, Any]) -> str:
-    """One line for a fault or recovery event in the progress output."""
-    ev = d.get("event", "")
-    if ev == "fault.injected":
-        what = f"pid {d['pid']} SIGKILL" if "pid" in d else f"not fired: {d.get('error')}"
-        return f"[red]fault[/red] {d['fault']}: worker {d.get('worker')} ({what}) at step {d['step']}"
-    if ev == "job.recovering":
-        return f"[yellow]lost[/yellow] {', '.join(d.get('lost', {}))} at step {d.get('step')}: recovering"
-    if ev == "job.recovered":
-        moved = ", ".join(f"{s} -> {w}" for s, w in d.get("moved", {}).items())
-        return (f"[green]recovered[/green] ({d.get('policy')}): {moved}; restored the cut at step "
-                f"{d.get('checkpoint_step')}, replaying {sum(d.get('planned_instances', {}).values())} instances of "
-                f"{', '.join(d.get('planned_instances', {})) or 'no node'}")
-    if ev == "job.stopping":
-        return (f"[yellow]{d.get('action')}[/yellow] asked by {d.get('by')}: every slice saves at step "
-                f"{d.get('boundary')}" if d.get("checkpoint") else f"[yellow]{d.get('action')}[/yellow] asked by "
-                f"{d.get('by')}: stopping at step {d.get('boundary')}")
-    if ev == "job.drained":
-        return f"[green]drained[/green] worker {d.get('worker')} at step {d.get('step')}: moved {d.get('moved')}"
-    if ev == "job.handed_off":
-        return f"[yellow]leader stepped down[/yellow] at step {d.get('step')}: following the job to the new leader"
-    if ev in ("job.adopted", "job.resumed"):
-        how = "the new leader adopted it" if ev == "job.adopted" else \
-            ("resumed by the leader (room returned)" if d.get("auto") else "resumed")
-        return f"[green]{how}[/green] from the cut at step {d.get('checkpoint_step', d.get('step'))}"
-    if ev == "job.nonfinite":
-        return plot_cli.describe_nonfinite(d)
-    if ev == "job.waiting":
-        return f"[yellow]waiting[/yellow] {d.get('reason')}"
-    if ev == "job.straggler":
-        n = d.get("evidence", {}).get("slices", {}).get(d.get("slice"), {})
-        numbers = (f" ({n['slowdown']:.1f}x its baseline, peers {n['peers_slowdown']:.1f}x)"
-                   if "slowdown" in n else "")
-        return f"[yellow]straggler[/yellow] {d.get('slice')} on {d.get('worker')}{numbers}: {d.get('decision')}: " \
-               f"{d.get('reason')}"
-    return json.dumps(d)
 
 
 def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spares: int,

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -54,9 +54,6 @@ from rallypoint.orchestrator.runs import JOBSPEC_FILE, adoptable_run_dir, check_
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, Shrink, plan_remap
 
-if TYPE_CHECKING:
-    from rallypoint.orchestrator.service import CoordinatorService
-
 AUTO_RESUME_POLL_S = 1.0  # how often the leader looks for suspended jobs to resume by themselves
 HISTORY_SWEEP_S = 60.0  # how often the leader removes expired history
 DEFAULT_KEEP_HISTORY_S = 7 * 86400.0  # CoordinatorConfig.keep_history_s
@@ -67,10 +64,21 @@ def _past(action: str) -> str:
     return "suspended" if action == "suspend" else "cancelled"
 
 
+class JobService(Protocol):
+    """What the verbs need of the coordinator's job service (:class:`~rallypoint.orchestrator.service.CoordinatorService`)."""
+
+    c: Any  # the coordinator: store, keys, election, config
+    log: Any
+
+    def running(self, job: str) -> Any: ...
+
+    def start_resumed(self, spec: pb.JobSpec, *, checkpoint_root: str, auto: bool) -> Any: ...
+
+
 class JobControl:
     """Cancel, suspend and the auto-resume of one coordinator's job service (see the module doc)."""
 
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: JobService) -> None:
         self.s, self.c, self.log = service, service.c, service.log
 
     # -- cancel and suspend ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.client.cli import main
-from rallypoint.client.run_cli import describe_event
+from rallypoint.client.job_output import describe_event
 from rallypoint.client.plot_cli import draw, find_run, keep_run_metrics, plot_data
 from rallypoint.orchestrator.job_metrics import parse_metrics
 from tests.client.test_cli import ROOT

@@ -69,7 +69,7 @@ def test_a_straggler_factor_of_one_or_less_is_refused_before_anything_runs() -> 
 
 
 def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
-    from rallypoint.client.run_cli import describe_event
+    from rallypoint.client.job_output import describe_event
 
     line = describe_event({"event": "job.straggler", "slice": "stage3", "worker": "w3", "decision": "migrate",
                       "reason": "moving slices ['stage3'] off worker w3 by drain 1",
