@@ -345,12 +345,16 @@ def ended(ev: pb.JobEvent) -> None:
         JobError: ``job.failed`` (with the coordinator's reason).
         JobStoppedError: ``job.suspended`` or ``job.cancelled`` (by whom, and how to go on).
     """
-    reason = json.loads(ev.detail or "{}").get("reason", "unknown")
+    detail = json.loads(ev.detail or "{}")
+    reason = detail.get("reason", "unknown")
     if ev.event == "job.failed":
         raise JobError(f"job {ev.job!r} failed: {reason}")
     if ev.event in ("job.suspended", "job.cancelled"):
         state = ev.event.removeprefix("job.")
-        raise JobStoppedError(state, f"{reason}; its run is kept: `rallypoint resume {ev.job}` continues it")
+        then = (f"the leader resumes it by itself once room returns (`rallypoint watch {ev.job}` follows it)"
+                if (detail.get("stop") or {}).get("auto_resume") else
+                f"its run is kept: `rallypoint resume {ev.job}` continues it")
+        raise JobStoppedError(state, f"{reason}; {then}")
 
 
 def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[str, Any]:

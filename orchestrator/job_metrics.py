@@ -43,12 +43,12 @@ from typing import IO, Any
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.commits import consistent_cut
-from rallypoint.orchestrator.job_state import JobFailed
+from rallypoint.orchestrator.job_state import STREAM_END_EVENTS, JobFailed
 from rallypoint.proto import rallypoint_pb2 as pb
 
 METRICS_FILE = "metrics.jsonl"
 ON_NONFINITE = ("stop", "warn")
-END_EVENTS = frozenset({"job.finished", "job.failed", "job.handed_off"})
+END_EVENTS = STREAM_END_EVENTS  # the executor's last event: the file closes (a resume opens it again)
 
 
 def nonfinite_mode(spec: Any) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.basics.logs import get_logger
+from rallypoint.orchestrator.job_state import STREAM_END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 
 MAX_POINTS = 600  # progress points kept per job (all nodes together)
@@ -37,7 +38,7 @@ MAX_MARKS = 40  # faults, stalls and non-finite values marked on the metric curv
 KEEP_ENDED = 8  # ended jobs kept
 SAMPLE_S = 0.1  # per-node progress is sampled at most this often on step.done (always on other events)
 RATE_WINDOW_S = 5.0  # steps/s is measured over the steps done in the last this many seconds
-END_EVENTS = frozenset({"job.finished", "job.failed", "job.handed_off"})
+END_EVENTS = STREAM_END_EVENTS  # the executor's last event (job_state.py)
 
 
 @dataclass
@@ -165,7 +166,8 @@ class TimelineRecorder:
             t.drains.append(detail)
         elif name in END_EVENTS:
             t.ended_at = now
-            t.state = {"job.finished": "succeeded", "job.failed": "failed"}.get(name, "handed_off")
+            t.state = {"job.finished": "succeeded", "job.failed": "failed", "job.suspended": "suspended",
+                       "job.cancelled": "cancelled"}.get(name, "handed_off")
             t.reason = str(detail.get("reason", ""))
             if name == "job.finished":
                 t.step_done = int(ev.step)

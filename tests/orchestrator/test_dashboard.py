@@ -241,3 +241,15 @@ def test_a_port_in_use_is_a_clear_error() -> None:
             DashboardServer("127.0.0.1", server.port)
     finally:
         server.stop()
+
+
+def test_a_suspended_or_cancelled_job_ends_its_timeline_in_that_state_and_a_resume_starts_it_afresh() -> None:
+    rec = TimelineRecorder(keep_ended=2)
+    x = FakeExecutor()
+    for job, end in (("a", "job.suspended"), ("b", "job.cancelled")):
+        rec.observe(x, pb.JobEvent(job=job, event="job.placed"))
+        rec.observe(x, pb.JobEvent(job=job, event=end, step=7, detail=json.dumps({"reason": "by operator ann"})))
+    states = {j["job"]: (j["state"], j["reason"], j["ended_at"] is not None) for j in rec.jobs()}
+    assert states == {"a": ("suspended", "by operator ann", True), "b": ("cancelled", "by operator ann", True)}
+    rec.observe(FakeExecutor(), pb.JobEvent(job="a", event="job.placed"))  # resumed
+    assert {j["job"]: j["state"] for j in rec.jobs()}["a"] == "running"
