@@ -366,3 +366,21 @@ def test_bad_lifecycle_requests_are_refused_with_what_to_do_and_change_nothing(l
         store.close()
     detach = CliRunner().invoke(cli_main, ["run", "examples/pipeline_mlp.py", "--detach"], catch_exceptions=False)
     assert detach.exit_code == 1 and "--detach needs --cluster" in detach.output
+
+
+def test_run_detach_prints_the_run_and_a_cancel_without_a_checkpoint_stops_it_at_once(lc: LocalCluster) -> None:
+    out = cli(lc, "run", "examples/pipeline_mlp.py", "--steps", str(LONG), "--detach", "--new-run", "--warm-spares", "0")
+    assert out.exit_code == 0, out.output
+    run = record(lc, "pipeline-mlp")["run"]
+    assert f"job pipeline-mlp runs: run {run}, on stage0@" in out.output and "rallypoint watch pipeline-mlp" in out.output
+    until_step(lc, "pipeline-mlp", 3)
+    cancelled = cli(lc, "cancel", "pipeline-mlp", "--json")
+    assert cancelled.exit_code == 0, cancelled.output
+    line = json.loads(cancelled.output.splitlines()[-1])
+    assert line["state"] == "cancelled" and "without a final checkpoint" in line["reason"] and line["run"] == run
+    rec = record(lc, "pipeline-mlp")
+    assert rec["state"] == "cancelled" and rec["step_done"] < LONG and held(lc, "pipeline-mlp") == 0
+    names = [json.loads(line)["event"] for line in cli(lc, "logs", "pipeline-mlp", "--json").output.splitlines()]
+    assert names[-1] == "job.cancelled" and "job.stopping" not in names  # it did not wait for a boundary
+    status = cli(lc, "status", "pipeline-mlp")
+    assert "cancelled" in status.output and "cancel asked by operator" in status.output
