@@ -25,6 +25,10 @@ handle one event. A lost worker starts a :class:`~rallypoint.orchestrator.recove
 job's programs (:mod:`rallypoint.orchestrator.job_warm`) once the job has moved after its
 placement or a recovery, and again whenever the spares change.
 
+A suspend or cancel (:mod:`~rallypoint.orchestrator.job_stop`) is looked at on every
+iteration: the job stops at a step boundary with every slice saved there, and ends
+SUSPENDED or CANCELLED with its run kept (a cancel without a final cut ends it at once).
+
 The executor writes only under its own term (:class:`~rallypoint.orchestrator.election.TermWriter`);
 when that term ends (:meth:`JobExecutor.stop`, or a newer term, or the lease gone) it
 ends with ``job.handed_off``: the job is not failed, the next leader adopts it
