@@ -211,8 +211,8 @@ class JobExecutor:
 
     def record(self, **fields: Any) -> None:
         """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
-        a suspend or cancel carried out goes from etcd with it."""
-        done = [Delete(self.keys.control(self.spec.job))] if self.state in (JobState.SUSPENDED, JobState.CANCELLED) else []
+        the final one takes a suspend or cancel asked from etcd with it (carried out, or moot)."""
+        done = [Delete(self.keys.control(self.spec.job))] if self.state.is_terminal else []  # moot, or carried out
         self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record_of(self, **fields))), *done])
 
     def _record_quietly(self, **fields: Any) -> None:

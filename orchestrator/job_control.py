@@ -101,12 +101,6 @@ class JobControl:
             context.abort(grpc.StatusCode.NOT_FOUND, f"cluster {keys.cluster!r} has no job {job!r}; nothing changed "
                                                      "(`rallypoint jobs` lists the jobs)")
         state = run.executor.state.value if run is not None else str(record.get("state", ""))
-        if asked is not None:
-            prev = stop_request(asked.value, self.log)
-            who = f" by {prev.by} at {time.strftime('%H:%M:%S', time.localtime(prev.at))}" if prev else ""
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job!r} is already being {_past(prev.action) if prev else 'stopped'} (asked{who}); "
-                          f"nothing changed: `rallypoint watch {job}` follows it")
         if state in ENDED or (state == JobState.SUSPENDED.value and action == "suspend"):
             then = {"cancelled": f"`rallypoint resume {job}` continues its run from its last cut",
                     "failed": f"`rallypoint resume {job}` continues its run from its last cut",
@@ -114,6 +108,12 @@ class JobControl:
                     "succeeded": "its run is complete"}.get(state, "")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job!r} is already {state}: there is nothing to {action}; nothing changed ({then})")
+        if asked is not None and state != JobState.SUSPENDED.value:  # (a suspended job's was carried out)
+            prev = stop_request(asked.value, self.log)
+            who = f" by {prev.by} at {time.strftime('%H:%M:%S', time.localtime(prev.at))}" if prev else ""
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job!r} is already being {_past(prev.action) if prev else 'stopped'} (asked{who}); "
+                          f"nothing changed: `rallypoint watch {job}` follows it")
         saves = action == "suspend" or request.checkpoint
         has_run_dir = (run.executor.run_dir is not None) if run is not None else bool(record.get("run_dir"))
         if saves and not has_run_dir:

@@ -128,6 +128,7 @@ def test_a_job_that_is_over_refuses_every_verb_and_a_succeeded_one_refuses_a_res
     rd.mkdir(parents=True)
     (rd / JOBSPEC_FILE).write_bytes(spec().SerializeToString())
     (tmp_path / "a" / "LATEST").write_text("run-1\n")
+    c.store.put(c.keys.control("a"), json.dumps(StopRequest("suspend").to_json()))  # left by a lost leader
     for state in ("succeeded", "failed", "cancelled"):
         c.store.put(c.keys.job("a"), json.dumps({"job": "a", "state": state, "run": "run-1", "run_dir": str(rd)}))
         before = snapshot(c)

@@ -114,8 +114,11 @@ def test_a_suspend_asked_during_a_recovery_waits_for_it_and_then_saves_at_a_boun
 
 
 def test_a_stop_asked_when_every_step_is_granted_lets_the_job_finish(tmp_path: Path) -> None:
-    h, _events = harness(tmp_path, 19, StopRequest("suspend", by="operator ed"))
+    req = StopRequest("suspend", by="operator ed")
+    h, _events = harness(tmp_path, 19, req)
+    h.store.put(h.keys.control("pipe"), json.dumps(req.to_json()))
     assert h.x.run() is JobState.SUCCEEDED
+    assert h.store.get(h.keys.control("pipe")) is None  # moot: it goes with the final record
 
 
 def test_a_new_leader_adopting_a_job_carries_out_the_stop_its_record_asks(tmp_path: Path) -> None:
