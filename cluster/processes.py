@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -227,12 +228,21 @@ class Supervisor:
             proc.wait(timeout=timeout_s)
 
     def stop_all(self) -> None:
-        """Stop every recorded process: workers, then coordinators, then etcd."""
-        for rec in sorted(self.records, key=lambda p: STOP_ORDER.get(p.role, 3)):
-            stop_process(rec)
-            proc = self._popen.get(rec.name)
-            if proc is not None:
-                try:
-                    proc.wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    pass
+        """Stop every recorded process: workers, then coordinators, then etcd; the processes of one role
+        together (each may take its grace to leave cleanly: one after another, a cluster of N workers took N)."""
+        for order in sorted({STOP_ORDER.get(p.role, 3) for p in self.records}):
+            threads = [threading.Thread(target=self._stop_one, args=(rec,), name=f"stop-{rec.name}")
+                       for rec in self.records if STOP_ORDER.get(rec.role, 3) == order]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+    def _stop_one(self, rec: ProcessRecord) -> None:
+        stop_process(rec)
+        proc = self._popen.get(rec.name)
+        if proc is not None:
+            try:
+                proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import jax
 import pytest
 
 from rallypoint.etcd.server import EtcdCluster
-from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running, stop_process
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from rallypoint.etcd.store import EtcdStore
 from rallypoint.workers.programs import configure_compile_cache
 
@@ -36,6 +35,15 @@ configure_compile_cache(JAX_CACHE)
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(JAX_CACHE, ignore_errors=True)
+
+
+# A worker in a network namespace of its own (the chaos netns partitions: tests/chaos, the gang's netns test in
+# tests/integration/test_gang_runtime.py) reaches no DNS server, and binding its metrics server (http.server calls
+# socket.getfqdn on the address) waits out the resolver's default of 2 tries of 5 s before the worker registers:
+# 10 s on every netns cluster's start and on every worker restarted in one. One try of 1 s here (glibc's
+# RES_OPTIONS, inherited by every process the tests start: the clusters' and the CLIs'). A lookup that has an
+# answer is not slower; an RES_OPTIONS of the caller's own is kept.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 
 SESSION_NOTES: list[str] = []
@@ -171,14 +179,7 @@ def local_cluster(tmp_path: Path, compile_cache: Path) -> Iterator[Callable[...,
 
 
 def stop_cluster(lc: LocalCluster) -> None:
-    """:meth:`LocalCluster.stop` in the same order (workers, then coordinators, then etcd), but the processes
-    of a role stopped together rather than one after another (each takes up to a second to leave cleanly)."""
-    for role in ("worker", "coordinator"):
-        threads = [threading.Thread(target=stop_process, args=(p,)) for p in lc.processes if p.role == role]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    """:meth:`LocalCluster.stop`: workers, then coordinators, then etcd, the processes of a role together."""
     lc.stop()
 
 

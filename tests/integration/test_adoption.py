@@ -25,8 +25,7 @@ import grpc
 import pytest
 
 from rallypoint.chaos.runner import LeaseHistory
-from rallypoint.client.compile import CompiledProgram, compile_program
-from rallypoint.client.reference import ReferenceExecutor
+from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.submit import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.basics.clock import FakeClock
@@ -41,9 +40,9 @@ from rallypoint.orchestrator.job_metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until
-from tests.examples import example
 from tests.fakes import MemoryStore
 from tests.integration.test_leader_ha import _leader
+from tests.integration.test_recovery import pipeline_and_digest
 
 STEPS = 24
 EVERY = 5
@@ -51,8 +50,7 @@ EVERY = 5
 
 @pytest.fixture(scope="module")
 def pipeline() -> tuple[CompiledProgram, str]:
-    compiled = compile_program(example("pipeline_mlp").build(steps=STEPS))
-    return compiled, ReferenceExecutor(compiled).run().state_digest
+    return pipeline_and_digest(STEPS)  # made once for the session's modules of the same pipeline
 
 
 def _record(lc: LocalCluster, job: str) -> dict[str, Any]:

@@ -29,7 +29,9 @@ from tests.integration.test_recovery import assert_settled, pipeline  # noqa: F4
 
 
 def counter_job(steps: int) -> Program:
-    prog = Program("urgent", steps=steps, checkpoint_every=10)
+    # Few checkpoints: each commit waits the cluster's commit_delay_s (1 s) below, one after another, and the job
+    # ends once the last one is in: with one every 10 steps the urgent job would hold the slice ~10 s for nothing.
+    prog = Program("urgent", steps=steps, checkpoint_every=100)
     s = prog.slice("only", devices=1)
     total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
     src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",

@@ -7,6 +7,7 @@ re-ran (instances counted per node by the executor).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import pytest
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.faults import Fault, FaultInjector
 from rallypoint.client.reference import ReferenceExecutor, RunResult
+from rallypoint.client import submit as submit_module
 from rallypoint.client.submit import JobError, submit
 from rallypoint.etcd.commits import consistent_cut, read_commits
 from rallypoint.etcd.cluster_view import read_cluster
@@ -44,10 +46,17 @@ def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:
     return {n for n, spec in compiled.program.nodes.items() if spec.slice == slice_name}
 
 
+@functools.cache
+def pipeline_and_digest(steps: int = STEPS) -> tuple[CompiledProgram, str]:
+    """The 4-stage pipeline of ``steps`` steps compiled, and the digest of its in-process reference run: made once
+    per session (the modules that take the ``pipeline`` fixture from here, and test_adoption.py's, share it)."""
+    compiled = compile_program(example("pipeline_mlp").build(steps=steps))
+    return compiled, ReferenceExecutor(compiled).run().state_digest
+
+
 @pytest.fixture(scope="module")
 def pipeline() -> tuple[CompiledProgram, str]:
-    compiled = compile_program(example("pipeline_mlp").build(steps=STEPS))
-    return compiled, ReferenceExecutor(compiled).run().state_digest
+    return pipeline_and_digest(STEPS)
 
 
 def run(lc: LocalCluster, compiled: CompiledProgram, faults: list[Fault], *,
@@ -314,12 +323,15 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
 
 
 def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
-    tmp_path: Path, pipeline: tuple[CompiledProgram, str], compile_cache: Path,
+    tmp_path: Path, pipeline: tuple[CompiledProgram, str], compile_cache: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """SIGKILL every process of the cluster (etcd, coordinator, workers) mid-job; a new
     cluster on the same state dir (a fresh etcd: the commits come from their copies
     beside the checkpoints) resumes the job from the newest consistent cut."""
     compiled, reference = pipeline
+    # The client that lost the whole cluster gives up once etcd stayed away for etcd_wait_s (15 s by default,
+    # for a cluster that may come back): 1 s here, where nothing comes back until the test restarts it.
+    monkeypatch.setattr(submit_module, "JobFollower", functools.partial(submit_module.JobFollower, etcd_wait_s=1.0))
     config = LocalClusterConfig(state_dir=tmp_path / "cluster", workers=4, spares=0, devices_per_worker=1,
                                 coordinators=1, compile_cache_dir=compile_cache)
     lc = LocalCluster.start(config)
@@ -332,11 +344,12 @@ def test_whole_cluster_loss_then_resume_finishes_bitwise_equal(
                     except ProcessLookupError:
                         pass
 
-        with pytest.raises(JobError):
+        with pytest.raises(JobError, match="etcd stayed unreachable"):
             submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=on_event,
                    checkpoint_every=EVERY)
     finally:
         lc.stop()
+    monkeypatch.undo()  # the resumed run and the runs after it follow with the defaults
     lc2 = LocalCluster.start(config)
     try:
         out = rp("resume", "--json", "--state-dir", str(config.state_dir), compiled.program.name, timeout=300)
