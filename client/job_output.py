@@ -51,6 +51,15 @@ def stops(job: str, *, attached: bool) -> Iterator[None]:
         detached(job)
 
 
+def progress_bar() -> Any:
+    """The progress bar of a job followed in a terminal: name, bar, steps done of all, metrics, elapsed time
+    (a task's ``metrics`` field). Used as a context manager; its ``console`` prints lines above it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[metrics]}"), TimeElapsedColumn())
+
+
 def describe_event(d: dict[str, Any]) -> str:
     """One line for a fault or recovery event in the progress output."""
     ev = d.get("event", "")

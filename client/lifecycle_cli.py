@@ -7,6 +7,7 @@ Added to the ``rallypoint`` group by :mod:`rallypoint.client.cli`.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import sys
@@ -19,10 +20,11 @@ import click
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client.clusters import cluster_options, resolve_cluster, store_and_keys
-from rallypoint.client.job_output import DETACHED, EXIT, describe_event, detached, say
+from rallypoint.client.job_output import DETACHED, EXIT, describe_event, detached, progress_bar, say
 from rallypoint.etcd.keys import check_name
 
 FOLLOW_POLL_S = 0.5  # logs --follow: how often the log is read again
+
 
 def _record(state_dir: Path, cluster: str | None, job: str) -> tuple[dict[str, Any], Any]:
     store, keys = store_and_keys(state_dir, cluster)
@@ -68,7 +70,8 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
     check_name("job", job)
     record, _keys = _record(state_dir, cluster, job)
     state = str(record.get("state", ""))
-    if state in FINAL_RECORD_STATES:  # nothing runs: its end, from the record
+    waits = state == "suspended" and bool((record.get("stop") or {}).get("auto_resume"))  # the leader resumes it
+    if state in FINAL_RECORD_STATES and not waits:  # nothing runs: its end, from the record
         line = {"event": "job.watching", "job": job, "state": state, "run": record.get("run"),
                 "step": record.get("step_done"), "steps": record.get("steps"), "reason": record.get("reason", "")}
         click.echo(json.dumps(line) if as_json else f"job {job} (run {record.get('run')}) is {state} at step "
@@ -77,6 +80,9 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
         sys.exit(EXIT.get(state, 1))
     addr = resolve_cluster(state_dir, cluster)
     seen: dict[str, int] = {"step": int(record.get("step_done") or 0)}
+    bar = None if as_json else progress_bar()
+    task = bar.add_task(job, total=int(record.get("steps") or 0), completed=seen["step"], metrics="") if bar else None
+    out = bar.console.print if bar is not None else say
 
     def on_event(ev: Any) -> None:
         d = json.loads(ev.detail or "{}")
@@ -84,21 +90,27 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
             seen["step"] = int(ev.step)
             if as_json:
                 say(json.dumps({"event": "step", "job": job, "step": int(ev.step), "metrics": dict(ev.metrics)}))
+            elif bar is not None and task is not None:
+                bar.update(task, completed=int(ev.step) + 1,
+                           metrics=" ".join(f"{k} {v:.4f}" for k, v in sorted(ev.metrics.items())))
             return
         if as_json:
             say(json.dumps({"event": ev.event, "job": job, "step": int(ev.step), **d}))
         elif ev.event == "job.watching":
-            say(f"watching job {job} (run {d.get('run') or record.get('run')}): {d.get('state')}, step "
-                       f"{ev.step}/{record.get('steps')}")
+            out(f"watching job {job} (run {d.get('run') or record.get('run')}): {d.get('state')}, step "
+                f"{ev.step}/{record.get('steps')}")
+            if bar is not None and task is not None:
+                bar.update(task, completed=int(ev.step))
             past = describe_past(d)
             if past:
-                say("before this watch:\n" + "\n".join(past))
+                out("before this watch:\n" + "\n".join(past))
         elif ev.event in ("job.handed_off", "job.adopted", "job.stopping", "job.drained", "job.recovering",
                           "job.recovered", "job.waiting", "job.straggler", "job.resumed"):
-            say(describe_event({"event": ev.event, "step": int(ev.step), **d}))
+            out(describe_event({"event": ev.event, "step": int(ev.step), **d}))
 
     try:
-        end = follow(job, endpoints=addr.endpoints, cluster=addr.name, on_event=on_event)
+        with bar if bar is not None else contextlib.nullcontext():
+            end = follow(job, endpoints=addr.endpoints, cluster=addr.name, on_event=on_event)
     except KeyboardInterrupt:
         detached(job, seen["step"])
     except JobStoppedError as exc:
@@ -149,7 +161,8 @@ def _stop(action: str, state_dir: Path, cluster: str | None, job: str, checkpoin
 @click.option("--json", "as_json", is_flag=True, help="The outcome as one JSON object.")
 def cancel(state_dir: Path, cluster: str | None, job: str, checkpoint: bool, reason: str, no_wait: bool,
            as_json: bool) -> None:
-    """Stop JOB at its next step boundary, unload it and release its devices: CANCELLED.
+    """Stop JOB, unload it and release its devices: CANCELLED. At once; with --checkpoint at its
+    next step boundary, every slice saved there.
 
     Its run directory and commits stay: `rallypoint resume JOB` continues it. A job that
     is over, or asked to stop already, is refused with nothing changed."""

@@ -323,13 +323,15 @@ def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_t
         row = {r["job"]: r for r in rows}["background"]
         assert row["state"] == "suspended" and row["stopped_by"] == "job urgent (priority 10)" and row["auto_resume"]
         assert row["devices_held"] == 0
-        end = watch("background", **where(lc))  # resumed by the leader once the urgent job ended
+        shown = cli(lc, "watch", "background")  # the progress bar: it waits through the suspend
     finally:
         cordon(lc, others, False)
-    assert json.loads(end.detail)["state_digest"] == low_reference
+    assert shown.exit_code == 0, shown.output
+    assert f"job background finished: 400 steps, state digest {low_reference}" in shown.output
+    assert "watching job background" in shown.output  # it followed the job, not its record
     log = [json.loads(line) for line in cli(lc, "logs", "background", "--json").output.splitlines()]
     resumed = [e for e in log if e["event"] == "job.resumed"]
-    assert [e["auto"] for e in resumed] == [True] and json.loads(end.detail)["replayed_instances"] == {}
+    assert [e["auto"] for e in resumed] == [True] and record(lc, "background")["replayed_instances"] == {}
     assert log[-1]["event"] == "job.finished"
 
 
