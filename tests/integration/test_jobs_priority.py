@@ -28,10 +28,10 @@ from tests.integration.test_drain import cluster_args
 from tests.integration.test_recovery import assert_settled, pipeline  # noqa: F401 (fixture)
 
 
-def counter_job(steps: int) -> Program:
+def counter_job(steps: int, name: str = "urgent", checkpoint_every: int = 100) -> Program:
     # Few checkpoints: each commit waits the cluster's commit_delay_s (1 s) below, one after another, and the job
     # ends once the last one is in: with one every 10 steps the urgent job would hold the slice ~10 s for nothing.
-    prog = Program("urgent", steps=steps, checkpoint_every=100)
+    prog = Program(name, steps=steps, checkpoint_every=checkpoint_every)
     s = prog.slice("only", devices=1)
     total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
     src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",

@@ -28,6 +28,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import stop_cluster, wait_until
 from tests.examples import example
 from tests.integration.test_drain import cluster_args
+from tests.integration.test_jobs_priority import counter_job
 
 pytestmark = pytest.mark.processes
 
@@ -284,18 +285,7 @@ def test_a_watch_follows_a_detached_job_across_a_leader_kill_and_ctrl_c_detaches
 
 
 def counter(name: str, steps: int) -> CompiledProgram:
-    import jax.numpy as jnp
-
-    from rallypoint.client import Program
-
-    prog = Program(name, steps=steps, checkpoint_every=EVERY)
-    s = prog.slice("only", devices=1)
-    total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
-    src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",
-                      outputs=("x",))
-    prog.node("add", lambda total, x: {"total": total + x}, slice=s, inputs={"total": total, "x": src["x"]},
-              outputs=("total",), updates={"total": total})
-    return compile_program(prog)
+    return compile_program(counter_job(steps, name, EVERY))
 
 
 def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_the_lower_resumes_by_itself(

@@ -62,6 +62,15 @@ def spec(job: str = "a", submit_id: str = "") -> pb.JobSpec:
     return s
 
 
+def saved_run(root: Path, job: str) -> Path:
+    """``<root>/<job>/run-1`` with the job's spec, the newest run on disk (what a resume reads)."""
+    rd = root / job / "run-1"
+    rd.mkdir(parents=True)
+    (rd / JOBSPEC_FILE).write_bytes(spec(job).SerializeToString())
+    (root / job / "LATEST").write_text("run-1\n")
+    return rd
+
+
 def snapshot(c: Any) -> dict[str, int]:
     return {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.prefix)[0]}
 
@@ -124,10 +133,7 @@ def test_a_job_that_is_over_refuses_every_verb_and_a_succeeded_one_refuses_a_res
     svc: tuple[Any, Any], tmp_path: Path,
 ) -> None:
     s, c = svc
-    rd = tmp_path / "a" / "run-1"
-    rd.mkdir(parents=True)
-    (rd / JOBSPEC_FILE).write_bytes(spec().SerializeToString())
-    (tmp_path / "a" / "LATEST").write_text("run-1\n")
+    rd = saved_run(tmp_path, "a")
     c.store.put(c.keys.control("a"), json.dumps(StopRequest("suspend").to_json()))  # left by a lost leader
     for state in ("succeeded", "failed", "cancelled"):
         c.store.put(c.keys.job("a"), json.dumps({"job": "a", "state": state, "run": "run-1", "run_dir": str(rd)}))
@@ -148,10 +154,7 @@ def test_a_cancel_of_a_suspended_job_moves_its_record_and_a_resume_continues_the
     svc: tuple[Any, Any], tmp_path: Path,
 ) -> None:
     s, c = svc
-    rd = tmp_path / "a" / "run-1"
-    rd.mkdir(parents=True)
-    (rd / JOBSPEC_FILE).write_bytes(spec().SerializeToString())
-    (tmp_path / "a" / "LATEST").write_text("run-1\n")
+    rd = saved_run(tmp_path, "a")
     c.store.put(c.keys.job("a"), json.dumps({"job": "a", "state": "suspended", "run": "run-1", "run_dir": str(rd),
                                              "stop": StopRequest("suspend", by="operator cy").to_json()}))
     before = snapshot(c)
@@ -190,9 +193,7 @@ def test_a_job_suspended_for_a_higher_priority_one_resumes_once_that_job_ended_a
     svc: tuple[Any, Any], tmp_path: Path,
 ) -> None:
     s, c = svc
-    rd = tmp_path / "low" / "run-1"
-    rd.mkdir(parents=True)
-    (rd / JOBSPEC_FILE).write_bytes(spec("low").SerializeToString())
+    rd = saved_run(tmp_path, "low")
     stop = StopRequest("suspend", by="job high (priority 5)", auto_resume=True).to_json()
     c.store.put(c.keys.job("low"), json.dumps({"job": "low", "state": "suspended", "run": "run-1",
                                                "run_dir": str(rd), "stop": stop}))
