@@ -46,7 +46,7 @@ browser:
 # installs it (grimp needs one folder holding all of `rallypoint`; the repository maps
 # the layer folders onto it, see pyproject.toml).
 layers: $(STAMP)
-	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp" build' EXIT && \
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp" "$(CURDIR)/build"' EXIT; rm -rf build && \
 	$(PY) -m pip install --quiet --no-deps --target "$$tmp/site" . >/dev/null && \
 	cd "$$tmp" && PYTHONPATH="$$tmp/site" $(CURDIR)/$(VENV)/bin/lint-imports --no-logo --no-cache $(CURDIR)/.importlinter
 

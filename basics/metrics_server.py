@@ -5,7 +5,7 @@ Each coordinator and worker serves its own :class:`prometheus_client.CollectorRe
 prometheus_client's HTTP server on ``--metrics-port`` (0: a free port). The address it
 got goes into the process's etcd record, where
 :func:`rallypoint.etcd.metrics_targets.read_metrics_targets` finds it. The metrics
-themselves are in ``docs/metrics.md``; the collectors in ``orchestrator/metrics.py`` and
+themselves are in ``docs/metrics.md``; the collectors in ``orchestrator/observe/metrics.py`` and
 ``workers/metrics.py``.
 
 The server is prometheus_client's WSGI app on the standard library's threading WSGI

@@ -55,7 +55,7 @@ ensure_host_devices(8)
 from bench.dispatch import pipeline_module  # noqa: E402
 from rallypoint.basics.logs import configure  # noqa: E402
 from rallypoint.client.compile import CompiledProgram, compile_program  # noqa: E402
-from rallypoint.client.faults import Fault, FaultInjector  # noqa: E402
+from rallypoint.client.commands.faults import Fault, FaultInjector  # noqa: E402
 from rallypoint.client.lifecycle import control, submit_detached, watch  # noqa: E402
 from rallypoint.client.reference import ReferenceExecutor  # noqa: E402
 from rallypoint.client.submit import JobStoppedError, resume, submit  # noqa: E402

@@ -3,7 +3,7 @@
 Starts one real etcd (temp dir), ``--hosts`` child processes ("hosts") that
 together hold ``--workers`` lightweight registered workers (threads: one etcd
 lease + :class:`~rallypoint.etcd.lease.LeaseKeeper` + worker record each; no JAX, no
-gRPC server), and a :class:`~rallypoint.orchestrator.membership.MembershipMonitor` in this
+gRPC server), and a :class:`~rallypoint.orchestrator.control.membership.MembershipMonitor` in this
 process. After a steady-state window (where keepalive cost is measured) it
 SIGKILLs the host processes holding ``--kill`` workers, then SIGSTOPs the host
 holding ``--stop`` workers, and times each worker's ``lost`` event against the
@@ -285,7 +285,7 @@ def parent_main(args: argparse.Namespace) -> int:
     from rallypoint.basics import logs
     from rallypoint.etcd.server import EtcdCluster
     from rallypoint.etcd.keys import Keys
-    from rallypoint.orchestrator.membership import MembershipMonitor
+    from rallypoint.orchestrator.control.membership import MembershipMonitor
     from rallypoint.etcd.store import EtcdStore
 
     logs.configure(stream=sys.stderr, level="warning")

@@ -2,7 +2,7 @@
 
 One exported train step (an MLP layer, the batch sharded over the slice's 4 devices, the
 weights replicated, so every step's gradient is an all-reduce) runs on a slice's JAX
-distributed group (:mod:`rallypoint.workers.slice_group`: member processes joined by
+distributed group (:mod:`rallypoint.workers.gang.group`: member processes joined by
 ``jax.distributed``, gloo on CPU), in one run:
 
 * **steady state**: steps/s of the group of 2 members x 2 devices (the all-reduce crosses
@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from rallypoint.basics.logs import configure  # noqa: E402
-from rallypoint.workers.slice_group import GroupLost, SliceGroup  # noqa: E402
+from rallypoint.workers.gang.group import GroupLost, SliceGroup  # noqa: E402
 
 QUIET = subprocess.DEVNULL  # the members' stderr (gloo's connection lines); a member that fails to join says why
 
@@ -125,7 +125,7 @@ def gang_lease_s(workers: int, base: Path) -> float:
     from rallypoint.etcd.keys import Keys
     from rallypoint.etcd.server import EtcdCluster
     from rallypoint.etcd.store import EtcdStore
-    from rallypoint.orchestrator.devices import DeviceLeases
+    from rallypoint.orchestrator.control.devices import DeviceLeases
     from rallypoint.workers.registration import try_register
 
     cluster = EtcdCluster.start(members=1, base_dir=base / "etcd")

@@ -174,7 +174,7 @@ class Injectors:
         return {"worker": w, "pid": self._signal(w, signal.SIGTERM), "signal": "SIGTERM"}, None
 
     def drain(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
-        from rallypoint.client.drains import DrainRefused, begin_drain
+        from rallypoint.client.commands.drains import DrainRefused, begin_drain
 
         w = self.t.worker_of(spec.target)
         store = self.t.lc.store()
@@ -188,7 +188,7 @@ class Injectors:
 
     def tenant(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         from rallypoint.etcd.cluster_view import read_cluster
-        from rallypoint.orchestrator.devices import DeviceLeases
+        from rallypoint.orchestrator.control.devices import DeviceLeases
 
         w = self.t.worker_of(spec.target)
         holder = f"t{sum(self.fired.values())}"
@@ -269,7 +269,7 @@ class Injectors:
     def uncordon_straggler(self, worker: str) -> bool:
         """The host of a healed straggler is fixed: take back the cordon a straggler migration put on it, as the
         operator would (``rallypoint uncordon``); an operator's cordon stays. Returns whether one was taken back."""
-        from rallypoint.orchestrator.stragglers import CORDON_BY
+        from rallypoint.orchestrator.job.stragglers import CORDON_BY
 
         store = self.t.lc.store()
         try:

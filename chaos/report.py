@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint.basics.errors import RallypointError
-from rallypoint.orchestrator.job_recovery import PHASES
-from rallypoint.orchestrator.timeline_svg import timeline_svg as _svg
+from rallypoint.orchestrator.job.recovery import PHASES
+from rallypoint.orchestrator.observe.timeline_svg import timeline_svg as _svg
 
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.html"

@@ -38,13 +38,13 @@ from rallypoint.chaos.storage import Storage
 from rallypoint.etcd.commits import read_commits
 from rallypoint.basics.errors import RallypointError, StoreError, WatchCompacted
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
-from rallypoint.orchestrator.hooks import ExecutorHooks
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.etcd.store import EtcdStore, WatchEvent
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoint import CheckpointCorrupt, restore_commit
+from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, restore_commit
 from rallypoint.workers.faults import NO_FAULTS
-from rallypoint.workers.records import read_records
+from rallypoint.workers.runtime.records import read_records
 
 FOLLOW_S = 120.0  # after a leader loss, how long the harness looks for the job on the new leader
 

@@ -256,7 +256,7 @@ def host_sample(node: NodeSpec) -> tuple[Any, ...]:
     """A host source's output shapes and dtypes, from calling it for step 0, microbatch 0 on the client."""
     import jax
 
-    from rallypoint.workers.host_values import HostValueError, flat_leaves
+    from rallypoint.workers.sources.values import HostValueError, flat_leaves
 
     what = f"host source {node.name!r}"
     try:

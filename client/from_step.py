@@ -143,7 +143,7 @@ def _sample_host(where: str, source: Callable[[int, int], Any]) -> Any:
     """A host source's batch for step 0 as shapes and dtypes, flattened as workers flatten it."""
     import jax
 
-    from rallypoint.workers.host_values import HostValueError, flat_leaves
+    from rallypoint.workers.sources.values import HostValueError, flat_leaves
 
     try:
         result = source(0, 0)

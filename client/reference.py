@@ -19,7 +19,7 @@ from typing import Any
 
 from rallypoint.client.compile import CompiledProgram, compile_program, slice_mesh
 from rallypoint.client.program import Gathered, Program, Ref, StateRef
-from rallypoint.workers.host_values import flat_leaves
+from rallypoint.workers.sources.values import flat_leaves
 from rallypoint.workers.programs import load_exported
 
 

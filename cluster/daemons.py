@@ -167,10 +167,10 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
                 dashboard_host: str,
                 dashboard_port: int, max_watchers: int, test_skip_replay: bool) -> None:
     """Run a coordinator (several run; one leads)."""
-    from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
-    from rallypoint.orchestrator.dashboard import start_dashboard
-    from rallypoint.orchestrator.hooks import ExecutorHooks
-    from rallypoint.orchestrator.service import serve_jobs
+    from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig
+    from rallypoint.orchestrator.service.dashboard import start_dashboard
+    from rallypoint.orchestrator.job.hooks import ExecutorHooks
+    from rallypoint.orchestrator.service.jobs import serve_jobs
 
     configure_logs()
     name, endpoints = parse_cluster(cluster)

@@ -12,7 +12,7 @@ from rallypoint.basics.errors import RallypointError
 
 class RallypointGroup(click.Group):
     """A command group that turns every RallypointError into one clear line and exit status 1
-    (the daemons' commands, and the ``rallypoint`` command's: ``rallypoint.client.cli``)."""
+    (the daemons' commands, and the ``rallypoint`` command's: ``rallypoint.client.commands.main``)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
-from rallypoint.orchestrator.hooks import ExecutorHooks
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 
 NETWORKS = ("loopback", "netns", "proxy")
@@ -51,7 +51,7 @@ class LocalClusterConfig:
         worker_faults: test fault hooks every worker starts with (hidden ``--fault-*``
             options, :mod:`rallypoint.workers.faults`); none by default.
         coordinator_hooks: test fault hooks every coordinator starts with (hidden
-            ``--test-*`` options, :class:`rallypoint.orchestrator.hooks.ExecutorHooks`); none by default.
+            ``--test-*`` options, :class:`rallypoint.orchestrator.job.hooks.ExecutorHooks`); none by default.
         tls: mutual TLS everywhere and etcd auth (the default); False runs every process
             ``--insecure`` (plain TCP, etcd without auth): ``rallypoint up --insecure``.
         metrics: every coordinator and worker serves Prometheus metrics on a free port

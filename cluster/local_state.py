@@ -17,7 +17,7 @@ from typing import Any
 from rallypoint.basics.errors import ClusterNotFound
 from rallypoint.cluster.local_config import LocalClusterConfig, WorkerNetwork
 from rallypoint.cluster.processes import ProcessRecord
-from rallypoint.orchestrator.hooks import ExecutorHooks
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.workers.faults import WorkerFaults
 
 STATE_FILE = "cluster.json"

@@ -22,9 +22,9 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     jobs/<job>                  the job record (JSON: state, term, run_dir, placement,
                                 cut, failures, recoveries): what a new leader adopts from
     jobs/<job>/checkpoints/<slice>/<step:012d>
-                                a committed slice checkpoint of the job's current run (rallypoint.workers.checkpoint)
+                                a committed slice checkpoint of the job's current run (rallypoint.workers.checkpoints.checkpointer)
     jobs/<job>/runs/<run>/record, jobs/<job>/runs/<run>/checkpoints/<slice>/<step:012d>
-                                an earlier run of the job name, kept under its run id (rallypoint.orchestrator.runs)
+                                an earlier run of the job name, kept under its run id (rallypoint.orchestrator.job.runs)
 
 See ``docs/keys.md``.
 """
@@ -168,7 +168,7 @@ class Keys:
         return f"{self.prefix}control/"
 
     def control(self, job: str) -> str:
-        """A suspend or cancel asked of the job and not yet carried out (orchestrator/job_control.py)."""
+        """A suspend or cancel asked of the job and not yet carried out (orchestrator/service/verbs.py)."""
         return f"{self.controls}{job}"
 
     def checkpoints(self, job: str) -> str:
@@ -180,7 +180,7 @@ class Keys:
         return f"{self.checkpoints(job)}{slice_name}/{step:012d}"
 
     def runs(self, job: str) -> str:
-        """Prefix of the job name's earlier runs, each kept under its run id (rallypoint.orchestrator.runs)."""
+        """Prefix of the job name's earlier runs, each kept under its run id (rallypoint.orchestrator.job.runs)."""
         return f"{self.job(job)}/runs/"
 
     def old_run(self, job: str, run: str) -> str:

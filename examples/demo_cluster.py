@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from rallypoint.client.cli import worker_rows  # noqa: E402
+from rallypoint.client.commands.main import worker_rows  # noqa: E402
 from rallypoint.etcd.cluster_view import read_cluster  # noqa: E402
-from rallypoint.orchestrator.devices import DeviceLeases  # noqa: E402
+from rallypoint.orchestrator.control.devices import DeviceLeases  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 from rallypoint.basics.logs import configure  # noqa: E402
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rallypoint.chaos.cli import chaos
-from rallypoint.client.cli import main
+from rallypoint.client.commands.main import main
 
 main.add_command(chaos)
 

@@ -1,6 +1,6 @@
 """What a recovery does when something goes wrong: one pure function over plain data.
 
-A recovery (``rallypoint.orchestrator.recovery_machine``) runs its states; when one of
+A recovery (``rallypoint.orchestrator.job.recovery_machine``) runs its states; when one of
 them meets a **setback** (a worker lost again, a checkpoint that does not restore, a
 live worker that refuses, an output log that does not reach back, a job making no
 progress) it asks :func:`decide`, which answers with one :class:`Decision`:

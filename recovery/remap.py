@@ -157,7 +157,7 @@ def plan_remap(
     on one replacement host), then the name; a worker partly leased to another job
     is used only when no such spare has room.
 
-    Unlike :func:`rallypoint.orchestrator.devices.choose_devices`, which packs new jobs onto
+    Unlike :func:`rallypoint.orchestrator.control.devices.choose_devices`, which packs new jobs onto
     partly leased workers to keep spares whole, recovery replaces a lost host by
     spare hosts: packing a recovered slice beside another job's slices would tie
     their failures together and take the room that job may need to grow or recover

@@ -18,7 +18,7 @@ slices do not change.
 A multi-host slice's states are never whole on one worker: each member's shards are its
 **part** (:func:`part_name`), placed on that member's worker (:func:`with_parts`) and
 planned as a slice of its own, so a part's holder is never its member's worker. (The
-member's own worker keeps a copy too: ``workers/gang_replicas.py``.)
+member's own worker keeps a copy too: ``workers/gang/replicas.py``.)
 """
 
 from __future__ import annotations

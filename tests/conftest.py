@@ -33,8 +33,22 @@ JAX_CACHE = Path(tempfile.mkdtemp(prefix="rallypoint-tests-jax-cache-"))
 configure_compile_cache(JAX_CACHE)
 
 
+# Matplotlib's config and font cache for the session, in a temporary directory of its own (inherited by every
+# process the tests start): a home that never ran matplotlib makes its first import run `fc-list` in a
+# subprocess, which the fast tier's process guard below refuses, so a suite that passed on a warm home failed on
+# a fresh one. The font cache is built here, once, before any guard is in place; no cache outside the checkout
+# is read or written.
+MPL_CONFIG = Path(tempfile.mkdtemp(prefix="rallypoint-tests-mpl-"))
+os.environ["MPLCONFIGDIR"] = str(MPL_CONFIG)
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.font_manager  # noqa: E402,F401  (builds the font cache: fc-list runs here)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(JAX_CACHE, ignore_errors=True)
+    shutil.rmtree(MPL_CONFIG, ignore_errors=True)
 
 
 # A worker in a network namespace of its own (the chaos netns partitions: tests/chaos, the gang's netns test in

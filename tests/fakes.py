@@ -3,9 +3,9 @@
 * :class:`MemoryStore` is a :class:`~rallypoint.etcd.store.Store` in memory: revisions,
   compare-and-swap transactions, leases that delete their keys when revoked. No
   watches (what uses them is tested against a real etcd).
-* :class:`FakeElection` is a :class:`~rallypoint.orchestrator.election.LeaderElection`
+* :class:`FakeElection` is a :class:`~rallypoint.orchestrator.control.election.LeaderElection`
   that holds a term by writing the leader key itself; the fenced writes are the real ones.
-* :class:`FakeWorkers` is a :class:`~rallypoint.orchestrator.job_workers.JobWorkers`
+* :class:`FakeWorkers` is a :class:`~rallypoint.orchestrator.job.workers.JobWorkers`
   whose RPCs are answered in memory: granted steps complete at once (one ``done``
   event per instance, checkpoint commits every K steps), and tests script failures.
 
@@ -27,9 +27,9 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.errors import LeaseNotFound, NotLeader
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Compare, Delete, Get, KeyValue, LeaseGrant, Op, Put, Store, TxnResult, Watch
-from rallypoint.orchestrator.election import LeaderElection
-from rallypoint.orchestrator.failures import WorkerCallFailed
-from rallypoint.orchestrator.job_workers import JobWorkers
+from rallypoint.orchestrator.control.election import LeaderElection
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 
 

@@ -47,18 +47,18 @@ from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.checkpoint import etcd_commit
+from rallypoint.workers.checkpoints.checkpointer import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
-from rallypoint.workers.job_checkpoints import CommitFn
+from rallypoint.workers.runtime.checkpoints import CommitFn
 from rallypoint.workers.metrics import WorkerMetrics
-from rallypoint.workers.member_link import MemberPool
+from rallypoint.workers.gang.link import MemberPool
 from rallypoint.workers.platform import PlatformInfo, check_platform, device_record, pin_jax_platform, platform_info
 from rallypoint.workers.platform import prepare_environment
 from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
-from rallypoint.workers.runtime_service import WorkerRuntimeService
+from rallypoint.workers.runtime.service import WorkerRuntimeService
 
 
 class WorkerState(enum.Enum):
@@ -120,7 +120,7 @@ class WorkerConfig:
             the worker's etcd record (docs/metrics.md).
         member_pool: gang member processes kept started ahead, with JAX imported, so that a
             multi-host slice's group forms without waiting for them to load (0: none; each idle
-            one holds its memory: :class:`rallypoint.workers.member_link.MemberPool`).
+            one holds its memory: :class:`rallypoint.workers.gang.link.MemberPool`).
     """
 
     cluster: str

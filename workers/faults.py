@@ -5,7 +5,7 @@ hidden options (``--fault-commit-delay-s``, ``--fault-storage-flag``,
 ``--fault-corrupt-replicas``), the local
 cluster passes :attr:`rallypoint.cluster.local.LocalClusterConfig.worker_faults` to
 every worker it starts, and the daemon hands them through the runtime to each job's
-checkpoints (:mod:`rallypoint.workers.job_checkpoints`).
+checkpoints (:mod:`rallypoint.workers.runtime.checkpoints`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class WorkerFaults:
             errno named in it (``ENOSPC``, ``EROFS``; empty or unknown: ``EIO``). This is
             how ``chaos/storage.py`` fills or freezes the disk without root ("": off).
         corrupt_replicas: every checkpoint copy this worker holds in memory for a peer
-            (:mod:`rallypoint.workers.replicas`) gets one byte flipped when stored, so a
+            (:mod:`rallypoint.workers.checkpoints.replicas`) gets one byte flipped when stored, so a
             restore from it fails its checksum and reads the disk.
     """
 

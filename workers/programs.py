@@ -48,7 +48,7 @@ class PlatformMismatch(ValueError):
     """An exported program was not lowered for the platform of the devices it is to run on.
 
     A ``ValueError``: the program's fault, not the worker's
-    (:func:`rallypoint.workers.runtime_load.program_fault`), so the job fails and no worker is blamed."""
+    (:func:`rallypoint.workers.runtime.load.program_fault`), so the job fails and no worker is blamed."""
 
 
 def check_exported_platform(exp: Any, mesh: Any) -> None:

@@ -114,7 +114,7 @@ def place(leaves: Sequence[Any], shardings: Sequence[Any], copies: Copies | None
     here, placed when an instance takes it) or ``"call"`` (left on the host for the call to
     copy on, and counted now: an instance's arguments).
     """
-    if shardings and hasattr(shardings[0], "place_leaf"):  # a multi-host slice's layouts (workers/gang.py)
+    if shardings and hasattr(shardings[0], "place_leaf"):  # a multi-host slice's layouts (workers/gang/lead.py)
         return [s.place_leaf(x, copies, purpose, small) for x, s in zip(leaves, shardings, strict=True)]
     import jax
 
@@ -149,7 +149,7 @@ def replicated(mesh: Any) -> Any:
 
 def unstacked(sharding: Any, mesh: Any) -> Any:
     """The sharding of one part of a value stacked on a new axis 0 laid out as ``sharding``."""
-    if hasattr(sharding, "unstacked"):  # a multi-host slice's layout (workers/gang.py)
+    if hasattr(sharding, "unstacked"):  # a multi-host slice's layout (workers/gang/lead.py)
         return sharding.unstacked()
     import jax
 

@@ -81,7 +81,7 @@ class PeerChannels:
 
         ``may_act`` raises :class:`NotAllowed` while the sender is fenced; ``cancelled``
         ends the retries (the job was unloaded). ``send``: one attempt made otherwise (a
-        multi-host slice's members each send their shards: :mod:`rallypoint.workers.pieces`).
+        multi-host slice's members each send their shards: :mod:`rallypoint.workers.gang.pieces`).
         """
 
         def attempt() -> bool | None:

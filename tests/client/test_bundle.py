@@ -16,7 +16,7 @@ from rallypoint.client.compile import compile_program
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.program import ProgramError
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.runs import check_code, keep_code
+from rallypoint.orchestrator.job.runs import check_code, keep_code
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.code import CodeCache, CodeError
 

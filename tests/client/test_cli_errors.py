@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from rallypoint.client.cli import main, os_error_message
+from rallypoint.client.commands.main import main, os_error_message
 
 
 def invoke(*args: str) -> tuple[int, str]:

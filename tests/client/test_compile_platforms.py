@@ -17,10 +17,10 @@ from rallypoint.client.compile import compile_program, export_platforms
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
-from rallypoint.orchestrator.placement import SlicePlace, load_requests
+from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.workers.programs import PlatformMismatch, load_exported, slice_mesh
-from rallypoint.workers.runtime_load import program_fault
+from rallypoint.workers.runtime.load import program_fault
 from rallypoint.workers.warm import NodeExecutable
 from tests.workers.test_runtime import Worker, started_workers
 
@@ -92,7 +92,7 @@ def test_a_worker_asked_to_load_a_tpu_only_job_fails_the_job_not_itself_and_serv
 
 def test_rallypoint_run_exports_for_what_it_is_told_cpu_for_the_embedded_cluster_and_its_own_for_the_reference(
 ) -> None:
-    from rallypoint.client.clusters import export_platforms_for
+    from rallypoint.client.commands.clusters import export_platforms_for
 
     assert export_platforms_for("cuda,cpu", reference=False, cluster="c@127.0.0.1:1") == ("cuda", "cpu")
     assert export_platforms_for(None, reference=False, cluster=None) == ("cpu",)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rallypoint.basics.errors import StoreUnavailable
-from rallypoint.client.faults import Fault, FaultInjector
+from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.etcd.keys import Keys
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import MemoryStore, register_worker

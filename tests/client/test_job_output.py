@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rallypoint.client.job_output import describe_event
-from rallypoint.client.lifecycle_cli import describe_line, describe_past
+from rallypoint.client.commands.output import describe_event
+from rallypoint.client.commands.lifecycle import describe_line, describe_past
 
 
 def test_a_watch_says_what_happened_before_it_came() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rallypoint.client.jobs_cli import job_rows, job_status
+from rallypoint.client.commands.jobs import job_rows, job_status
 from tests.orchestrator.test_runs import a_run
 
 

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from rallypoint.basics.errors import ConfigError
-from rallypoint.client.cli import main
-from rallypoint.client.job_output import describe_event
-from rallypoint.client.plot_cli import draw, find_run, keep_run_metrics, plot_data
-from rallypoint.orchestrator.job_metrics import parse_metrics
+from rallypoint.client.commands.main import main
+from rallypoint.client.commands.output import describe_event
+from rallypoint.client.commands.plot import draw, find_run, keep_run_metrics, plot_data
+from rallypoint.orchestrator.job.metrics import parse_metrics
 from tests.client.test_cli import ROOT
 
 RUN = "run-20260101T000000-abcdef"

@@ -69,7 +69,7 @@ def test_a_straggler_factor_of_one_or_less_is_refused_before_anything_runs() -> 
 
 
 def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
-    from rallypoint.client.job_output import describe_event
+    from rallypoint.client.commands.output import describe_event
 
     line = describe_event({"event": "job.straggler", "slice": "stage3", "worker": "w3", "decision": "migrate",
                       "reason": "moving slices ['stage3'] off worker w3 by drain 1",
@@ -81,7 +81,7 @@ def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
 def test_the_failure_policy_options_reach_the_job_spec_and_bad_values_are_refused_naming_them() -> None:
     from click.testing import CliRunner
 
-    from rallypoint.client.cli import main
+    from rallypoint.client.commands.main import main
     from rallypoint.client.compile import compile_program
     from rallypoint.client.jobspec import job_spec
     from tests.examples import example

@@ -32,11 +32,11 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.tls import channel as tls_channel
-from rallypoint.orchestrator import service as service_mod
-from rallypoint.orchestrator.devices import DeviceLeases
-from rallypoint.orchestrator.executor import JOBSPEC_FILE
-from rallypoint.orchestrator.hooks import ExecutorHooks
-from rallypoint.orchestrator.job_metrics import METRICS_FILE, read_metrics
+from rallypoint.orchestrator.service import jobs as service_mod
+from rallypoint.orchestrator.control.devices import DeviceLeases
+from rallypoint.orchestrator.job.executor import JOBSPEC_FILE
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
+from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from rallypoint.client.compile import compile_program
-from rallypoint.client.faults import Fault
+from rallypoint.client.commands.faults import Fault
 from rallypoint.cluster.local import LocalCluster
 from tests.conftest import SESSION_NOTES, wait_until
 from tests.examples import example

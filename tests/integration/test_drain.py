@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from rallypoint.client.compile import CompiledProgram, compile_program
-from rallypoint.client.faults import Fault
+from rallypoint.client.commands.faults import Fault
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.cluster.local import LocalCluster, is_running
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.orchestrator.devices import DeviceLeases
+from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults
 from tests.client.test_cli import ROOT, rp
@@ -107,7 +107,7 @@ def test_rallypoint_drain_refuses_what_cannot_work_and_changes_nothing(
 DRAIN_WHEN_TOLD = """
 import sys
 from rallypoint.cli import main
-import rallypoint.client.drains  # what the command imports when it runs
+import rallypoint.client.commands.drains  # what the command imports when it runs
 worker = sys.stdin.readline().strip()
 sys.argv = ["rallypoint", "drain", worker, *sys.argv[1:]]
 main()

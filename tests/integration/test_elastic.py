@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from rallypoint.client.compile import compile_program
-from rallypoint.client.faults import Fault
+from rallypoint.client.commands.faults import Fault
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.cluster.local import LocalCluster
-from rallypoint.orchestrator.devices import DeviceLeases
+from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE, states_close
 from tests.examples import example
@@ -88,7 +88,7 @@ def test_shrink_is_refused_at_submit_for_a_job_whose_slices_cannot_run_on_fewer_
 
 def test_the_wire_never_carries_every_variant_to_a_worker() -> None:
     from rallypoint.client.jobspec import job_spec
-    from rallypoint.orchestrator.placement import SlicePlace, load_requests
+    from rallypoint.recovery.load_plan import SlicePlace, load_requests
 
     compiled = compile_program(example("data_parallel").build(steps=2))
     spec = job_spec(compiled)

@@ -83,11 +83,11 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     assert all(after.workers[w].info.incarnation == before.workers[w].info.incarnation for w in before.workers)
     assert not after.workers["w1"].holders and not after.workers["w0"].holders, "the old gang's devices were kept"
     # The new gang's members read the drain step's checkpoint back, each its own shards, checked against the
-    # digests the old gang's members wrote (workers/gang_checkpoint.py).
+    # digests the old gang's members wrote (workers/gang/checkpoint.py).
     # They read it from memory: before unloading, the old gang's members pushed the copies of their shards of the
-    # drain step's commit to their own workers and their parts' holders (workers/gang_replicas.py).
+    # drain step's commit to their own workers and their parts' holders (workers/gang/replicas.py).
     # The new gang's workers were its warm spares: each kept a member process started for the job's gang (with its
-    # imports done), and the drain's new group took them (orchestrator/job_warm.py).
+    # imports done), and the drain's new group took them (orchestrator/job/warm.py).
     for w in ("w2", "w3"):
         started_there = [e for e in read_events(lc.process(w).log, "member.started") if e["ts"] > drain_run]
         assert started_there and started_there[0]["pooled"] is True, (w, started_there)
@@ -126,7 +126,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
     assert len(members) == 2 and killed[0] not in members, (killed, members)
     # Its checkpoints: each member saved its own shards, one commit for the slice over their digests
-    # (workers/gang_checkpoint.py), nothing gathered on the lead.
+    # (workers/gang/checkpoint.py), nothing gathered on the lead.
     committed = [e for w in ("w0", "w1", "w2", "w3") for e in read_events(lc.process(w).log, "checkpoint.committed")]
     assert committed and all(e["checksum"].startswith("sha256-shards:") for e in committed), committed
     # The new gang restored from memory: each part's copy survived the lead's host on its other holder (the lead's
@@ -143,7 +143,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
             assert r.get("tier") is None and missed, (r, missed)
 
     # A gang's output to a slice on another worker goes shard by shard: each member sends the shards it holds from
-    # its own host and the consumer's worker puts the pieces together (workers/pieces.py); the lead never holds it.
+    # its own host and the consumer's worker puts the pieces together (workers/gang/pieces.py); the lead never holds it.
     out = compile_program(_gang_to_head(STEPS))
     flowed = submit(out, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, new_run=True, **cold)
     want = ReferenceExecutor(out).run()
@@ -182,7 +182,7 @@ def _now() -> str:
 
 def _copied(lc: LocalCluster, step: int, parts: int, since: str, until: str, lost: str) -> bool:
     """Whether a copy of every part of the commit at ``step`` was stored on a worker other than ``lost`` between
-    ``since`` and ``until`` (workers/gang_replicas.py)."""
+    ``since`` and ``until`` (workers/gang/replicas.py)."""
     stored = {e["slice"] for w in ("w0", "w1", "w2", "w3") if w != lost
               for e in read_events(lc.process(w).log, "replica.stored") if since < e["ts"] < until and e["step"] == step}
     return stored >= {f"dp#{j}" for j in range(parts)}

@@ -32,13 +32,13 @@ import numpy as np
 import pytest
 
 from rallypoint.client.compile import compile_program
-from rallypoint.client.faults import Fault
+from rallypoint.client.commands.faults import Fault
 from rallypoint.client.jobfile import load_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submit import JobError
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.orchestrator.devices import DeviceLeases
+from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto.digest import RESHARD_TOLERANCE, states_close
 from tests.examples import example
 from tests.integration.test_recovery import run

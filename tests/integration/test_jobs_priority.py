@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from rallypoint.client import Program
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.client.jobs_cli import job_rows
+from rallypoint.client.commands.jobs import job_rows
 from rallypoint.client.submit import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb

@@ -74,7 +74,7 @@ def test_hung_leader_is_deposed_its_writes_refused_and_it_steps_down_on_resume(
 def test_leadership_listeners_hear_every_lead_and_step_down_and_a_failing_one_changes_nothing(
     etcd: EtcdCluster,
 ) -> None:
-    from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
+    from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig
 
     heard: list[tuple[str, str, Any]] = []
     coordinators = [Coordinator(CoordinatorConfig(cluster="ha", coordinator_id=f"c{i}", endpoints=tuple(etcd.endpoints),

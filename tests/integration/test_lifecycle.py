@@ -131,7 +131,7 @@ def placed_on(lc: LocalCluster, job: str, slice_name: str) -> str:
 
 
 def cordon(lc: LocalCluster, workers: list[str], on: bool) -> None:
-    from rallypoint.orchestrator.devices import DeviceLeases
+    from rallypoint.orchestrator.control.devices import DeviceLeases
 
     store = lc.store()
     try:
@@ -205,7 +205,7 @@ def test_a_suspend_asked_while_a_recovery_waits_for_room_takes_effect_once_the_j
 def test_a_cancel_during_a_drain_lets_the_drain_finish_then_ends_cancelled_at_a_saved_cut(
     lc: LocalCluster, pipeline: tuple[CompiledProgram, str],
 ) -> None:
-    from rallypoint.client.drains import begin_drain
+    from rallypoint.client.commands.drains import begin_drain
 
     compiled, reference = pipeline
     job = submit_detached(compiled, new_run=True, **where(lc), **QUIET)["job"]

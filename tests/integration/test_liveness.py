@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from rallypoint.orchestrator.devices import DeviceLeases
+from rallypoint.orchestrator.control.devices import DeviceLeases
 
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.basics.errors import StoreError

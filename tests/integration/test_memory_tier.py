@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from rallypoint.client.compile import CompiledProgram
-from rallypoint.client.faults import Fault
+from rallypoint.client.commands.faults import Fault
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.workers.faults import WorkerFaults
 from tests.conftest import read_events

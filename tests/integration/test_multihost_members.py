@@ -17,8 +17,8 @@ from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.member_link import RemoteMember, form_on_workers
-from rallypoint.workers.slice_group import GroupLost
+from rallypoint.workers.gang.link import RemoteMember, form_on_workers
+from rallypoint.workers.gang.group import GroupLost
 from tests.conftest import read_events, wait_until
 from tests.workers.test_slice_group import W0, _gone, _run, _setup, _train_step_bytes
 

@@ -27,9 +27,9 @@ from rallypoint.client.submit import JobError, submit
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import read_commit_records, read_commits
-from rallypoint.orchestrator.job_metrics import METRICS_FILE, read_metrics
+from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoint import restore_commit
+from rallypoint.workers.checkpoints.checkpointer import restore_commit
 from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
 

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from rallypoint.client.compile import CompiledProgram, compile_program
-from rallypoint.client.faults import Fault, FaultInjector
+from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.reference import ReferenceExecutor, RunResult
 from rallypoint.client import submit as submit_module
 from rallypoint.client.submit import JobError, submit
@@ -34,7 +34,7 @@ from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
 from tests.examples import example
 from tests.workers.test_checkpoint import largest_file
-from rallypoint.workers.checkpoint import state_checksum
+from rallypoint.workers.checkpoints.checkpointer import state_checksum
 from rallypoint.workers.faults import WorkerFaults
 
 STEPS = 24

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from rallypoint.client.compile import CompiledProgram, compile_program
-from rallypoint.client.faults import Fault, FaultInjector
+from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import ReferenceExecutor, RunResult

@@ -1,6 +1,6 @@
 """One coordinator serves 100 concurrent ``WatchJob`` streams and still takes a submission.
 
-A real etcd and a real :class:`~rallypoint.orchestrator.coordinator.Coordinator` with its gRPC server,
+A real etcd and a real :class:`~rallypoint.orchestrator.service.coordinator.Coordinator` with its gRPC server,
 leading; the executor is the service's stand-in (:class:`tests.integration.test_adoption.StandInExecutor`),
 so no worker process starts: what is under test is the server's threads, the watch cap and the fan-out.
 """
@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from rallypoint.etcd.server import EtcdCluster
-from rallypoint.orchestrator import service as service_mod
-from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig
-from rallypoint.orchestrator.service import serve_jobs
+from rallypoint.orchestrator.service import jobs as service_mod
+from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig
+from rallypoint.orchestrator.service.jobs import serve_jobs
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import wait_until

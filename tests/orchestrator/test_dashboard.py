@@ -12,11 +12,11 @@ import pytest
 
 from rallypoint.etcd.cluster_records import ClusterSnapshot, Holder, WorkerInfo, WorkerSnapshot
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.dashboard import DashboardServer, cluster_json, jobs_json, json_response, workers_json
-from rallypoint.orchestrator.dashboard_page import PAGE
-from rallypoint.orchestrator.job_timeline import TimelineRecorder
-from rallypoint.orchestrator.metrics_svg import metrics_svg
-from rallypoint.orchestrator.timeline_svg import timeline_svg
+from rallypoint.orchestrator.service.dashboard import DashboardServer, cluster_json, jobs_json, json_response, workers_json
+from rallypoint.orchestrator.observe.page import PAGE
+from rallypoint.orchestrator.observe.timeline import TimelineRecorder
+from rallypoint.orchestrator.observe.metrics_svg import metrics_svg
+from rallypoint.orchestrator.observe.timeline_svg import timeline_svg
 from rallypoint.proto import rallypoint_pb2 as pb
 
 EVIL = '<script>alert("x")</script>&<img src=x onerror=alert(1)>'

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from rallypoint.chaos.invariants import check_exclusive_device_leases
-from rallypoint.orchestrator.devices import DeviceLeases, Placement
+from rallypoint.orchestrator.control.devices import DeviceLeases, Placement
 from rallypoint.etcd.cluster_view import Holder, read_cluster
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, UnknownWorker
 from rallypoint.etcd.keys import Keys
@@ -244,7 +244,7 @@ def test_a_gang_whose_member_lost_a_device_meanwhile_leases_nothing_at_all(store
 
 
 def test_choose_gang_keeps_one_platform_and_equal_shares(store: EtcdStore) -> None:
-    from rallypoint.orchestrator.devices import choose_gang
+    from rallypoint.orchestrator.control.devices import choose_gang
 
     for w in ("a", "b", "c"):
         register(store, w, 3)

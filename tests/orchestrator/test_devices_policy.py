@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.orchestrator.devices import choose_devices
+from rallypoint.orchestrator.control.devices import choose_devices
 
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, WorkerSnapshot
 from rallypoint.etcd.cluster_view import WorkerInfo

@@ -9,9 +9,9 @@ import pytest
 
 from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.drains import DrainRequest
-from rallypoint.orchestrator.drain import TRANSITIONS, Drain, DrainPhase, DrainPort
-from rallypoint.orchestrator.failures import WorkerCallFailed
-from rallypoint.orchestrator.placement import SlicePlace
+from rallypoint.orchestrator.job.drain import TRANSITIONS, Drain, DrainPhase, DrainPort
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.recovery.load_plan import SlicePlace
 
 D = DrainPhase
 

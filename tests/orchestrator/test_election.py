@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rallypoint.orchestrator.election import LeaderElection
+from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.basics.errors import NotLeader
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore, Put

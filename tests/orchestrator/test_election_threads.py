@@ -14,9 +14,9 @@ import pytest
 from rallypoint.basics.errors import NotLeader
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Put
-from rallypoint.orchestrator import coordinator as coordinator_module
-from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig, CoordinatorState
-from rallypoint.orchestrator.election import LeaderElection
+from rallypoint.orchestrator.service import coordinator as coordinator_module
+from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig, CoordinatorState
+from rallypoint.orchestrator.control.election import LeaderElection
 from tests.fakes import MemoryStore
 
 KEYS = Keys("t")

@@ -17,8 +17,8 @@ import pytest
 from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
-from rallypoint.orchestrator.executor import JOBSPEC_FILE, JobExecutor, run_dir
-from rallypoint.orchestrator.job_state import HandedOff, JobFailed, JobState
+from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, JobExecutor, run_dir
+from rallypoint.orchestrator.job.state import HandedOff, JobFailed, JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker

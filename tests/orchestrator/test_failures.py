@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rallypoint.orchestrator.failures import PROCESS_GONE_MARKERS, Verdict, classify_rpc_error
+from rallypoint.orchestrator.job.failures import PROCESS_GONE_MARKERS, Verdict, classify_rpc_error
 
 C = grpc.StatusCode
 
@@ -54,7 +54,7 @@ def test_what_a_worker_refuses_for_a_reason_gets_its_own_verdict(code: grpc.Stat
 
 
 def test_a_corrupt_checkpoint_is_read_from_the_typed_error_not_the_message() -> None:
-    from rallypoint.orchestrator.failures import WorkerCallFailed
+    from rallypoint.orchestrator.job.failures import WorkerCallFailed
     from rallypoint.proto.errors import ERROR_KEY, corrupt_checkpoint_metadata
 
     f = WorkerCallFailed("w1", "LoadJob", C.DATA_LOSS, "anything at all", corrupt_checkpoint_metadata("stage2", 40))
@@ -66,7 +66,7 @@ def test_a_corrupt_checkpoint_is_read_from_the_typed_error_not_the_message() -> 
 
 
 def test_the_programs_own_failure_is_read_from_the_typed_error_and_blames_no_worker() -> None:
-    from rallypoint.orchestrator.failures import WorkerCallFailed
+    from rallypoint.orchestrator.job.failures import WorkerCallFailed
     from rallypoint.proto.errors import ERROR_KEY, ProgramFailure, program_failed_metadata
 
     meta = program_failed_metadata("state 'w' init", "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory")

@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rallypoint.orchestrator.failures import WorkerCallFailed
-from rallypoint.orchestrator.job_state import JobFailed, JobState
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.state import JobFailed, JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.orchestrator.test_executor import Harness
 

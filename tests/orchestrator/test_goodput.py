@@ -1,4 +1,4 @@
-"""The goodput buckets, step times and histograms of orchestrator/goodput.py: plain arithmetic."""
+"""The goodput buckets, step times and histograms of orchestrator/job/goodput.py: plain arithmetic."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from rallypoint.orchestrator.goodput import (Histogram, StepTimes, goodput_buckets, goodput_ratio, histogram_of,
+from rallypoint.orchestrator.job.goodput import (Histogram, StepTimes, goodput_buckets, goodput_ratio, histogram_of,
                                              phase_seconds, recovery_seconds, steps_per_s)
-from rallypoint.orchestrator.job_recovery import RecoveryRecord
+from rallypoint.orchestrator.job.recovery import RecoveryRecord
 
 
 def record(number: int = 1, *, detection: float = 0.1, marks: dict[str, float] | None = None,

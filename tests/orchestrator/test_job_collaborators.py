@@ -20,15 +20,15 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.keys import Keys
-from rallypoint.orchestrator.job_drains import JobDrains
-from rallypoint.orchestrator.job_loads import JobLoads
-from rallypoint.orchestrator.job_placement import JobPlacement
-from rallypoint.orchestrator.job_ports import JobRecoveryPort, JobStragglerPort
-from rallypoint.orchestrator.job_progress import JobProgress
-from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
-from rallypoint.orchestrator.job_state import HandedOff, JobFailed
-from rallypoint.orchestrator.job_term import JobTerm
-from rallypoint.orchestrator.placement import SlicePlace
+from rallypoint.orchestrator.job.drains import JobDrains
+from rallypoint.orchestrator.job.loads import JobLoads
+from rallypoint.orchestrator.job.placement import JobPlacement
+from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
+from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.state import HandedOff, JobFailed
+from rallypoint.orchestrator.job.term import JobTerm
+from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
 from rallypoint.recovery.stragglers import Probation, StragglerSettings, probation
@@ -305,8 +305,8 @@ def test_loads_start_each_slice_from_the_cut_and_name_the_newer_commits() -> Non
 
 
 def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -> None:
-    from rallypoint.orchestrator.job_recoveries import JobRecoveries
-    from rallypoint.orchestrator.watchdog import ProgressWatchdog
+    from rallypoint.orchestrator.job.recoveries import JobRecoveries
+    from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
     from rallypoint.recovery.decide import Budget, Fail, Refence
     p = Parts()
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,

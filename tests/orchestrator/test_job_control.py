@@ -1,4 +1,4 @@
-"""The leader's side of cancel, suspend, resume and history (orchestrator/job_control.py), on a MemoryStore
+"""The leader's side of cancel, suspend, resume and history (orchestrator/service/verbs.py), on a MemoryStore
 with stand-in executors: each refusal names what is wrong and what to do and changes nothing; a request taken is
 kept in etcd and handed to the job's executor; a cancel of a suspended job moves its record; a retried submit
 follows the run it started; the auto-resume waits for the asking job and for room; ended history expires."""
@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.orchestrator import service as service_mod
-from rallypoint.orchestrator.job_control import expired, room_to_resume
-from rallypoint.orchestrator.job_stop import StopRequest
-from rallypoint.orchestrator.runs import JOBSPEC_FILE
+from rallypoint.orchestrator.service import jobs as service_mod
+from rallypoint.orchestrator.service.verbs import expired, room_to_resume
+from rallypoint.orchestrator.job.stop import StopRequest
+from rallypoint.orchestrator.job.runs import JOBSPEC_FILE
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import register_worker
 from tests.integration.test_adoption import Aborted, Context, StandInExecutor, _service

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from rallypoint.etcd.commits import read_commits
-from rallypoint.orchestrator.executor import run_dir
-from rallypoint.orchestrator.job_metrics import (METRICS_FILE, JobMetrics, MetricsLog, nonfinite_mode, parse_metrics,
+from rallypoint.orchestrator.job.executor import run_dir
+from rallypoint.orchestrator.job.metrics import (METRICS_FILE, JobMetrics, MetricsLog, nonfinite_mode, parse_metrics,
                                                  read_metrics)
-from rallypoint.orchestrator.job_recovery import RecoverySettings
-from rallypoint.orchestrator.job_state import JobState
+from rallypoint.orchestrator.job.recovery import RecoverySettings
+from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import FakeWorkers
 from tests.orchestrator import test_executor

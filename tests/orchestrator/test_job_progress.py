@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.orchestrator.job_progress import JobProgress
+from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
 from tests.orchestrator.test_executor import pipeline_spec

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from rallypoint.orchestrator.executor import JobState, run_dir
-from rallypoint.orchestrator.job_record import HISTORY_FILE, RECENT_FAILURES, RECENT_RECOVERIES
-from rallypoint.orchestrator.recovery_machine import Recovery
+from rallypoint.orchestrator.job.executor import JobState, run_dir
+from rallypoint.orchestrator.job.record import HISTORY_FILE, RECENT_FAILURES, RECENT_RECOVERIES
+from rallypoint.orchestrator.job.recovery_machine import Recovery
 from tests.fakes import register_worker
 from tests.orchestrator.test_executor import Harness, pipeline_spec, recovered
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from rallypoint.client.faults import Fault, parse_faults
+from rallypoint.client.commands.faults import Fault, parse_faults
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.job_recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
 from rallypoint.proto import rallypoint_pb2 as pb
 
 

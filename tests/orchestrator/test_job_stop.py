@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from rallypoint.orchestrator.job_record import EVENTS_FILE
-from rallypoint.orchestrator.job_state import RECORD_TRANSITIONS, TRANSITIONS, JobState, JobStateError, \
+from rallypoint.orchestrator.job.record import EVENTS_FILE
+from rallypoint.orchestrator.job.state import RECORD_TRANSITIONS, TRANSITIONS, JobState, JobStateError, \
     record_transition
-from rallypoint.orchestrator.job_stop import StopRequest
+from rallypoint.orchestrator.job.stop import StopRequest
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.orchestrator.test_executor import Harness
 
@@ -153,7 +153,7 @@ def test_a_higher_priority_job_asking_for_every_slice_suspends_the_job_to_resume
 
 
 def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_it(tmp_path: Path) -> None:
-    from rallypoint.orchestrator.executor import JobExecutor
+    from rallypoint.orchestrator.job.executor import JobExecutor
     from tests.fakes import FakeElection, FakeWorkers, MemoryStore, register_worker
     from tests.orchestrator.test_executor import pipeline_spec
 

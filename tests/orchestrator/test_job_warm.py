@@ -1,4 +1,4 @@
-"""The executor's warm spares (orchestrator/job_warm.py) over fake clusters and a fake worker stub."""
+"""The executor's warm spares (orchestrator/job/warm.py) over fake clusters and a fake worker stub."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import structlog
 
-from rallypoint.orchestrator.job_warm import WARM_CHECK_S, SpareWarmer
+from rallypoint.orchestrator.job.warm import WARM_CHECK_S, SpareWarmer
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.recovery.test_remap import cluster, worker
 

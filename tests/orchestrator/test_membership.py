@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.errors import StoreError
-from rallypoint.orchestrator.membership import MembershipChange, MembershipMonitor, MembershipView
+from rallypoint.orchestrator.control.membership import MembershipChange, MembershipMonitor, MembershipView
 from tests.fakes import MemoryStore
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.store import KeyValue, WatchBatch, WatchEvent

@@ -8,7 +8,7 @@ import pytest
 
 from rallypoint.client.compile import compile_program
 from rallypoint.client.jobspec import job_spec
-from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
+from rallypoint.recovery.load_plan import SlicePlace, instances_per_step, load_requests
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.examples import example
 

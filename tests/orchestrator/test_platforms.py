@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from rallypoint.client.cli import device_cell, worker_rows
+from rallypoint.client.commands.main import device_cell, worker_rows
 from rallypoint.etcd.cluster_records import ClusterSnapshot, WorkerInfo, WorkerSnapshot
-from rallypoint.orchestrator.platforms import platform_refusal, pool_platforms, slice_platforms
+from rallypoint.recovery.platforms import platform_refusal, pool_platforms, slice_platforms
 from rallypoint.proto import rallypoint_pb2 as pb
 
 GIB = 2**30

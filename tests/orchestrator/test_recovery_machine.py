@@ -15,12 +15,12 @@ import pytest
 
 from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut
-from rallypoint.orchestrator.failures import WorkerCallFailed
-from rallypoint.orchestrator.hooks import ExecutorHooks
-from rallypoint.orchestrator.job_recovery import RecoveryRecord
-from rallypoint.orchestrator.job_state import JobFailed
-from rallypoint.orchestrator.placement import SlicePlace
-from rallypoint.orchestrator.recovery_machine import (TRANSITIONS, CatchingUp, Done, Recovery, RecoveryPhase,
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
+from rallypoint.orchestrator.job.recovery import RecoveryRecord
+from rallypoint.orchestrator.job.state import JobFailed
+from rallypoint.recovery.load_plan import SlicePlace
+from rallypoint.orchestrator.job.recovery_machine import (TRANSITIONS, CatchingUp, Done, Recovery, RecoveryPhase,
                                                       RecoveryPort)
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.recovery.decide import Budget, Source

@@ -12,8 +12,8 @@ import pytest
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
-from rallypoint.orchestrator.job_state import JobFailed, JobState
-from rallypoint.orchestrator.runs import (
+from rallypoint.orchestrator.job.state import JobFailed, JobState
+from rallypoint.orchestrator.job.runs import (
     LATEST_FILE, adoptable_run_dir, check_spec_names, delete_run, old_runs, previous_run, refusal,
     request_checkpoint_dir, run_dir,
 )

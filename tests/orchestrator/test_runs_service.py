@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rallypoint.orchestrator.runs import JOBSPEC_FILE, LATEST_FILE
+from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, LATEST_FILE
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.integration.test_adoption import Aborted, Context, StandInExecutor, _service
 

@@ -10,7 +10,7 @@ import pytest
 from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.coordinator import Coordinator, CoordinatorConfig, WorkerLink
+from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig, WorkerLink
 from tests.fakes import MemoryStore
 
 LIMIT = 1.0

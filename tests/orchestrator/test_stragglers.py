@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from rallypoint.orchestrator import stragglers
-from rallypoint.orchestrator.job_state import JobState
+from rallypoint.orchestrator.job import stragglers
+from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.orchestrator.test_executor import Harness, pipeline_spec
 
@@ -212,7 +212,7 @@ class FakePort:
     def __init__(self, gang: int = 0) -> None:
         from rallypoint.etcd.cluster_view import read_cluster
         from rallypoint.etcd.keys import Keys
-        from rallypoint.orchestrator.placement import SlicePlace
+        from rallypoint.recovery.load_plan import SlicePlace
         from tests.fakes import MemoryStore, register_worker
         self.progress = FakeProgress()
         self.store, self.keys = MemoryStore(), Keys("t")
@@ -257,7 +257,7 @@ class FakePort:
         self.cordoned.remove(worker)
 
     def drain(self, worker: str) -> Any:
-        from rallypoint.orchestrator.drain import DrainRecord
+        from rallypoint.orchestrator.job.drain import DrainRecord
         self.drained.append(worker)
         self.busy_reason = f"drain 1 of worker {worker} (straggler) runs"
         return DrainRecord(1, worker, "straggler", 0, 0.0)

@@ -1,6 +1,6 @@
 """A job's event fan-out: bounded per-stream queues; a slow stream is dropped with a message, never the job.
 
-Pure logic: :class:`~rallypoint.orchestrator.service._Run` and the service's stream loop with a stand-in
+Pure logic: :class:`~rallypoint.orchestrator.service.jobs._Run` and the service's stream loop with a stand-in
 gRPC context (the 100-watcher test against a real coordinator server is in tests/integration/test_watchers.py).
 """
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from rallypoint.orchestrator import service as service_mod
+from rallypoint.orchestrator.service import jobs as service_mod
 from rallypoint.proto import rallypoint_pb2 as pb
 
 

@@ -68,7 +68,7 @@ def test_properties(placement: dict[str, str], spares: list[str]) -> None:
 
 def test_a_multi_host_slices_parts_are_held_off_their_members_workers() -> None:
     """Each member's part of a gang is planned as a slice of its own, on its member's worker: its holder is
-    another worker, so with the member's own copy (workers/gang_replicas.py) two hosts hold every part."""
+    another worker, so with the member's own copy (workers/gang/replicas.py) two hosts hold every part."""
     where = with_parts({"dp": "w0", "head": "w2"}, {"dp": ["w0", "w1"]})
     assert where == {"dp": "w0", "dp#0": "w0", "dp#1": "w1", "head": "w2"}
     plan = plan_replicas(where)

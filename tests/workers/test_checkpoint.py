@@ -25,7 +25,7 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import configure
 from rallypoint.etcd.store import EtcdStore, Put, created_at, key_missing
 from tests.conftest import wait_until
-from rallypoint.workers.checkpoint import (
+from rallypoint.workers.checkpoints.checkpointer import (
     CheckpointCommit,
     CheckpointCorrupt,
     CheckpointError,

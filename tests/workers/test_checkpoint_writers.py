@@ -17,10 +17,10 @@ from rallypoint.basics.errors import StoreUnavailable
 from rallypoint.basics.logs import configure
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore, created_at
-from rallypoint.orchestrator.job_state import JobFailed
-from rallypoint.orchestrator.runs import run_dir
+from rallypoint.orchestrator.job.state import JobFailed
+from rallypoint.orchestrator.job.runs import run_dir
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoint import (
+from rallypoint.workers.checkpoints.checkpointer import (
     COMMIT_RETRY_S,
     CheckpointCommit,
     CheckpointCorrupt,
@@ -31,8 +31,8 @@ from rallypoint.workers.checkpoint import (
     read_commits,
     restore_commit,
 )
-from rallypoint.workers.job_checkpoints import restore_for_load
-from rallypoint.workers.runtime_state import RestoreError
+from rallypoint.workers.runtime.checkpoints import restore_for_load
+from rallypoint.workers.errors import RestoreError
 from tests.fakes import MemoryStore, register_worker
 from tests.workers.test_checkpoint import Recorder, assert_bitwise, register, states_at
 

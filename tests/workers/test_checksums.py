@@ -1,5 +1,5 @@
 """The two kinds of checkpoint checksum: whole leaves (one worker), and a multi-host slice's shard listing,
-which whole leaves read back in one process must match whatever their layout (workers/checksums.py)."""
+which whole leaves read back in one process must match whatever their layout (workers/checkpoints/checksums.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rallypoint.workers.checksums import (SHARDED, SHARDS_FILE, checksum_of, digest, shard_entries,
+from rallypoint.workers.checkpoints.checksums import (SHARDED, SHARDS_FILE, checksum_of, digest, shard_entries,
                                           shards_checksum, state_checksum)
 
 

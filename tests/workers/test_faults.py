@@ -22,7 +22,7 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.errors import ConfigError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
-from rallypoint.workers.job_checkpoints import JobCheckpoints
+from rallypoint.workers.runtime.checkpoints import JobCheckpoints
 from tests.conftest import wait_until
 
 STATES = {"w": [np.arange(16, dtype=np.float32)]}

@@ -1,6 +1,6 @@
 """A host source's process on its own: read ahead in order, checksums kept, a crash is the job's error.
 
-Real child processes (``rallypoint.workers.source_child``) over a real unpacked bundle
+Real child processes (``rallypoint.workers.sources.child``) over a real unpacked bundle
 directory; no cluster.
 """
 
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from rallypoint.workers.host_source import HostSource, SourceError, SourceLedger, instance_order
+from rallypoint.workers.sources.host import HostSource, SourceError, SourceLedger, instance_order
 from rallypoint.workers.residency import Copies
 
 pytestmark = pytest.mark.processes

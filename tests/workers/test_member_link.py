@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from rallypoint.workers.group_member import encode_frame
-from rallypoint.workers.member_link import FrameParser, MemberPool, MemberRefused, member_settings
+from rallypoint.workers.gang.member import encode_frame
+from rallypoint.workers.gang.link import FrameParser, MemberPool, MemberRefused, member_settings
 
 
 def test_a_member_gets_this_workers_host_and_platform_and_member_0_a_coordinator_port_here() -> None:
@@ -70,7 +70,7 @@ def test_a_header_line_past_the_limit_is_refused_not_read_into_memory(monkeypatc
     # (/dev/zero piped in by mistake grew one past 2 GB here) is refused at the limit.
     import io
 
-    from rallypoint.workers import group_member
+    from rallypoint.workers.gang import member as group_member
 
     monkeypatch.setattr(group_member, "MAX_HEADER", 1024)
     with pytest.raises(ValueError, match="runs past 1024 bytes"):

@@ -1,12 +1,12 @@
-"""A multi-host slice's in-memory copies are trusted only through the commit (workers/member_parts.py): each
+"""A multi-host slice's in-memory copies are trusted only through the commit (workers/gang/member_parts.py): each
 shard a member rebuilds its values from must be the listing's, which the commit's checksum covers."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from rallypoint.workers.checksums import digest, shard_entries
-from rallypoint.workers.member_parts import check_part, shard_key
+from rallypoint.workers.checkpoints.checksums import digest, shard_entries
+from rallypoint.workers.gang.member_parts import check_part, shard_key
 
 
 def _part() -> tuple[dict[str, np.ndarray], list[str], list[dict]]:

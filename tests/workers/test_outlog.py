@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.outlog import OutputLog
-from rallypoint.workers.runtime_state import NodeProgress, StateVersions
+from rallypoint.workers.runtime.outlog import OutputLog
+from rallypoint.workers.runtime.state import NodeProgress, StateVersions
 
 
 def header(consumer: str, step: int, mb: int = -1, arg: str = "x", leaves: int = 1) -> pb.TransferHeader:

@@ -1,5 +1,5 @@
 """A multi-host slice's output arrives in pieces, one frame per member, and is handed on whole only once every
-leaf is covered (workers/pieces.py; pure logic: the members' frames on a real cluster are in
+leaf is covered (workers/gang/pieces.py; pure logic: the members' frames on a real cluster are in
 tests/integration/test_gang_runtime.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.pieces import PieceAssembler, PieceError, whole_header
+from rallypoint.workers.gang.pieces import PieceAssembler, PieceError, whole_header
 
 
 def _frame(pieces: list[tuple[int, list[int], list[int]]], value_leaves: int = 2, step: int = 3) -> pb.TransferHeader:

@@ -19,11 +19,11 @@ import pytest
 from rallypoint.client import Program
 from rallypoint.client.compile import compile_program
 from rallypoint.client.jobspec import job_spec
-from rallypoint.orchestrator.failures import Verdict, WorkerCallFailed
-from rallypoint.orchestrator.placement import SlicePlace, load_requests
+from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import ProgramFailure, parse_error
-from rallypoint.workers.runtime_load import ProgramFailed, program_fault
+from rallypoint.workers.runtime.load import ProgramFailed, program_fault
 from tests.workers.test_runtime import Worker, started_workers
 
 TIB = 2**38  # float32s: 1 TiB

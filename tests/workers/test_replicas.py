@@ -1,4 +1,4 @@
-"""The in-memory checkpoint tier on one worker (workers/replicas.py): the store's bounds,
+"""The in-memory checkpoint tier on one worker (workers/checkpoints/replicas.py): the store's bounds,
 eviction and lifetime, the corrupt fault, the checksum check on fetch, and a copy pushed
 and fetched over real gRPC between two worker runtime services."""
 
@@ -15,11 +15,11 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.checkpoint import CheckpointCorrupt, state_checksum
+from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, state_checksum
 from rallypoint.workers.faults import WorkerFaults
-from rallypoint.workers.job_checkpoints import restore
-from rallypoint.workers.replicas import Replica, ReplicaStore, Replicator
-from rallypoint.workers.runtime_service import WorkerRuntimeService
+from rallypoint.workers.runtime.checkpoints import restore
+from rallypoint.workers.checkpoints.replicas import Replica, ReplicaStore, Replicator
+from rallypoint.workers.runtime.service import WorkerRuntimeService
 from tests.conftest import wait_until
 
 LOG = get_logger("test")

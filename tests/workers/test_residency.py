@@ -18,11 +18,11 @@ import pytest
 
 from rallypoint.client.reference import state_digest
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.orchestrator.placement import instances_per_step
+from rallypoint.recovery.load_plan import instances_per_step
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers import residency
 from rallypoint.workers.residency import Copies, HostCopy, place, to_host
-from rallypoint.workers.runtime import JobRuntime
+from rallypoint.workers.runtime.runtime import JobRuntime
 from tests.conftest import wait_until
 from tests.workers.test_runtime import PLACEMENTS, Job, compiled_and_reference, load, started_workers
 

@@ -26,19 +26,20 @@ from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import ReferenceExecutor, RunResult, state_digest
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.errors import Fenced
-from rallypoint.orchestrator.placement import SlicePlace, instances_per_step, load_requests
+from rallypoint.recovery.load_plan import SlicePlace, instances_per_step, load_requests
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from rallypoint.workers.daemon import StaleIncarnation
-from rallypoint.workers.outlog import OutputLog
-from rallypoint.workers.runtime_control import JobControl
-from rallypoint.workers.runtime_inputs import Inputs
-from rallypoint.workers.runtime_load import LoadedNode
-from rallypoint.workers.runtime_routes import Router
-from rallypoint.workers.runtime_service import WorkerRuntimeService
-from rallypoint.workers.runtime_state import DeliveryError, LoadError, NodeProgress, StateVersions
+from rallypoint.workers.runtime.outlog import OutputLog
+from rallypoint.workers.runtime.control import JobControl
+from rallypoint.workers.runtime.inputs import Inputs
+from rallypoint.workers.runtime.load import LoadedNode
+from rallypoint.workers.runtime.routes import Router
+from rallypoint.workers.runtime.service import WorkerRuntimeService
+from rallypoint.workers.errors import DeliveryError, LoadError
+from rallypoint.workers.runtime.state import NodeProgress, StateVersions
 from tests.examples import example
 
 STEPS = {"pipeline_mlp": 4, "rl_loop": 7, "data_parallel": 4}

@@ -14,15 +14,16 @@ import pytest
 from rallypoint.client.reference import state_digest
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.dataplane import DataPlaneServer, Status
-from rallypoint.workers.outlog import OutputLog
-from rallypoint.workers.records import InstanceRecords
-from rallypoint.workers.runtime_control import JobControl
-from rallypoint.workers.runtime_inputs import Inputs
-from rallypoint.workers.runtime_load import LoadedNode
-from rallypoint.workers.runtime_outbox import Outbox
-from rallypoint.workers.runtime_routes import Router
-from rallypoint.workers.runtime_scheduler import SliceScheduler
-from rallypoint.workers.runtime_state import LoadError, NodeProgress
+from rallypoint.workers.runtime.outlog import OutputLog
+from rallypoint.workers.runtime.records import InstanceRecords
+from rallypoint.workers.runtime.control import JobControl
+from rallypoint.workers.runtime.inputs import Inputs
+from rallypoint.workers.runtime.load import LoadedNode
+from rallypoint.workers.runtime.outbox import Outbox
+from rallypoint.workers.runtime.routes import Router
+from rallypoint.workers.runtime.scheduler import SliceScheduler
+from rallypoint.workers.errors import LoadError
+from rallypoint.workers.runtime.state import NodeProgress
 from rallypoint.workers.transfer import PeerChannels
 from tests.conftest import wait_until
 from tests.workers.test_runtime import Worker, _Outbox, compiled_and_reference, load, workers  # noqa: F401

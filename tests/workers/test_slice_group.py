@@ -19,12 +19,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.workers.checkpoint import CheckpointCorrupt, restore_commit
-from rallypoint.workers.checksums import SHARDED, read_listing
-from rallypoint.workers.gang import GangSlice, GroupSharding, GroupValue
-from rallypoint.workers.gang_checkpoint import GangSteps, restore_on_gang
+from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, restore_commit
+from rallypoint.workers.checkpoints.checksums import SHARDED, read_listing
+from rallypoint.workers.gang.lead import GangSlice, GroupSharding, GroupValue
+from rallypoint.workers.gang.checkpoint import GangSteps, restore_on_gang
 from rallypoint.workers.programs import load_exported
-from rallypoint.workers.slice_group import GroupError, GroupLost, SliceGroup
+from rallypoint.workers.gang.group import GroupError, GroupLost, SliceGroup
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.processes
@@ -153,7 +153,7 @@ def _checkpoint_of_a_sharded_value(group: SliceGroup, x: np.ndarray, root: Path)
     """A gang's checkpoint of the value ``probe`` (``x``, its rows split between the members): each member writes
     its own shards, the commit's checksum is over their digests; one process reads it back whole and checked, the
     group reads it back in the same layout (its digests compared) and in another (checked whole on the lead), and
-    bytes that are not the committed ones are refused (workers/gang_checkpoint.py)."""
+    bytes that are not the committed ones are refused (workers/gang/checkpoint.py)."""
     gang = GangSlice("s", group, [4], ["d"])
     probe = GroupValue(gang, "probe", np.dtype(np.float32), x.shape)
     steps = GangSteps(root / "s" / "w", gang)

@@ -1,7 +1,7 @@
 """Retries of calls between workers: one set of transient codes, the shared policy on the injected clock.
 
 A push of a value (workers/transfer.py) retries until it is delivered or cancelled (its
-stop condition); a copy of a checkpoint to its holder (workers/replicas.py) retries for at
+stop condition); a copy of a checkpoint to its holder (workers/checkpoints/replicas.py) retries for at
 most ``PUSH_RETRY_S`` of its clock. Both on ``TRANSIENT_RPC_CODES``; neither on a cancellation.
 No test here waits: the clock is a FakeClock.
 """
@@ -18,7 +18,7 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.basics.retry import TRANSIENT_RPC_CODES
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.replicas import PUSH_RETRY_S, Replicator
+from rallypoint.workers.checkpoints.replicas import PUSH_RETRY_S, Replicator
 from rallypoint.workers.transfer import PeerChannels
 
 C = grpc.StatusCode

@@ -1,0 +1,594 @@
+"""The graph executor: runs one job on the cluster, from the leader, through host losses.
+
+The executor owns its collaborators and is the only place that wires them; each piece
+of the job's state has one owner that writes it and the others read it through that
+owner: the progress and the cut (:mod:`~rallypoint.orchestrator.job.progress`), the
+placement and its device leases (:mod:`~rallypoint.orchestrator.job.placement`), loads
+(:mod:`~rallypoint.orchestrator.job.loads`), the etcd writes of the term
+(:mod:`~rallypoint.orchestrator.job.term`), drains, recoveries, stragglers, warm spares.
+``docs/runtime.md`` ("The executor: one owner per fact") has the table of who writes what.
+
+It places every virtual slice on a worker's devices (device leases, fenced on the
+term that started the job), records the placement in etcd, loads each worker with the
+exported programs of its slices and its routes, and then only **grants steps**:
+workers run instances as their inputs arrive and push outputs straight to each other,
+and a bounded window of steps is in flight. The executor hears completions (and
+scalar metrics, and checkpoint commits), never tensors, until it fetches the final state.
+
+The job's lifecycle is :class:`~rallypoint.orchestrator.job.state.JobState`, moved only
+by :meth:`JobExecutor._set_state` (which refuses what :data:`job_state.TRANSITIONS`
+does not allow). :meth:`JobExecutor.step` is one iteration of the running loop: hold
+the term, check registrations and the progress watchdog every ``ETCD_CHECK_S``,
+handle one event. A lost worker starts a :class:`~rallypoint.orchestrator.job.recovery_machine.Recovery`
+(docs/recovery.md); a stall (no progress for the job's ``stall_timeout_s``) is a
+``job.stalled`` event and a recovery of the workers the job waits on. Spares warm the
+job's programs (:mod:`rallypoint.orchestrator.job.warm`) once the job has moved after its
+placement or a recovery, and again whenever the spares change.
+
+A suspend or cancel (:mod:`~rallypoint.orchestrator.job.stop`) is looked at on every
+iteration: the job stops at a step boundary with every slice saved there, and ends
+SUSPENDED or CANCELLED with its run kept (a cancel without a final cut ends it at once).
+
+The executor writes only under its own term (:class:`~rallypoint.orchestrator.control.election.TermWriter`);
+when that term ends (:meth:`JobExecutor.stop`, or a newer term, or the lease gone) it
+ends with ``job.handed_off``: the job is not failed, the next leader adopts it
+(``adopted=True``: from its etcd record and newest consistent cut). Device leases
+and loaded runtimes are released in ``finally``, whatever ended the run.
+"""
+
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.errors import NotLeader, RallypointError, StoreError
+from rallypoint.basics.logs import get_logger
+from rallypoint.basics.tls import tls_of
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.orchestrator.job.drain import DrainRecord
+from rallypoint.orchestrator.control.election import LeaderElection
+from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.goodput import StepTimes
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
+from rallypoint.orchestrator.job.drains import JobDrains
+from rallypoint.orchestrator.job.finish import final_states
+from rallypoint.orchestrator.job.loads import JobLoads
+from rallypoint.orchestrator.job.metrics import JobMetrics
+from rallypoint.orchestrator.job.placement import JobPlacement
+from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
+from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.record import EventLog, RecordHistory, record_of
+from rallypoint.orchestrator.job.recoveries import JobRecoveries
+from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
+from rallypoint.orchestrator.job.stop import JobStop, stop_request
+from rallypoint.orchestrator.job.term import JobTerm
+from rallypoint.orchestrator.job.warm import SpareWarmer
+from rallypoint.orchestrator.job.workers import JobWorkers
+from rallypoint.recovery.load_plan import SlicePlace
+from rallypoint.orchestrator.job.recovery_machine import Recovery
+from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, run_dir, start_run
+from rallypoint.orchestrator.job.stragglers import StragglerWatch
+from rallypoint.orchestrator.job.watchdog import ProgressWatchdog, laggards, lagging_nodes
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto.digest import flat_state_digest
+from rallypoint.recovery.decide import Budget, Fail, Refence
+from rallypoint.recovery.replay import Graph
+
+__all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
+
+LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
+ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
+STEP_WAIT_S = 0.1  # the running loop's wait for an event: a drain under way advances at least this often
+DRAIN_POLL_S = 0.5  # how often drain and yield requests are read (three etcd reads each): a drain starts within 0.5 s
+RECORD_EVERY = 10  # steps between job records while the job runs
+
+
+class JobExecutor:
+    """Runs one submitted, resumed or adopted job to its end; reports through ``emit``.
+
+    Args:
+        spec: the job, as the client submitted it (or as saved, to resume or adopt).
+        store, keys: the coordination store and the cluster's key schema.
+        election: the leader's election; the executor writes under the term it has now.
+        emit: receives each :class:`pb.JobEvent`.
+        checkpoint_root: where runs keep checkpoints when the spec names no directory
+            ("": the job runs without checkpoints; recovery then replays from step 0).
+        resume: start every slice from the newest consistent cut of the job's last run.
+        adopted: as ``resume``, for a job a lost or deposed leader ran (``job.adopted``).
+        hooks: fault hooks for tests.
+        budget: setbacks each recovery absorbs, by source.
+        loss_grace_s: after one loss, how long to gather others that happened with it.
+        workers: the RPCs to the job's workers (default: gRPC with the store's TLS identity).
+        keep_runs: retention of the job name's earlier runs when a new run starts (0: keep all).
+    """
+
+    def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
+                 emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
+                 resume: bool = False, adopted: bool = False, hooks: ExecutorHooks = ExecutorHooks(),
+                 budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S,
+                 workers: JobWorkers | None = None, keep_runs: int = 0) -> None:
+        self.spec, self.store, self.keys, self.clock, self.emit = spec, store, keys, clock, emit
+        self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
+        self.resume, self.adopted = resume or adopted, adopted
+        self.hooks, self.budget, self.loss_grace_s = hooks, budget, loss_grace_s
+        root = spec.checkpoint_dir or checkpoint_root
+        self.checkpoint_root = Path(root).absolute() if root else None
+        self.run_dir: Path | None = None
+        self.run_id = ""  # this run of the job name (orchestrator/job/runs.py)
+        self.keep_runs = keep_runs
+        self.auto_resumed = False  # the leader resumed it once room returned (service/verbs.py)
+        self.graph = Graph.from_spec(spec)
+        self.state = JobState.PLACING
+        self.settings: RecoverySettings | None = None
+        # The collaborators, each the one owner of its part of the job (docs/runtime.md has the table).
+        self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
+                            on_unpaused=self._unpaused)
+        self.term.resume = self.resume
+        self.progress = JobProgress(spec, self.graph)
+        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
+        self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store))
+        self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
+        self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
+                                progress=self.progress, clock=clock, log=self.log, event=self.event,
+                                grant=self._grant, running=lambda: self.state is JobState.RUNNING,
+                                record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
+        self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
+                                    progress=self.progress, on_restored=self._restored)
+        self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
+        self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
+                                      microbatches=spec.microbatches, hooks=hooks)
+        self.stragglers = StragglerWatch(spec, JobStragglerPort(  # docs/elastic.md
+            spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
+            drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
+        self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
+        self.job_metrics = JobMetrics(spec, progress=self.progress, workers=self.workers, term=self.term, log=self.log,
+                                      event=self.event)  # <run dir>/metrics.jsonl, and non-finite metrics
+        self.event_log = EventLog(term=self.term.term, log=self.log)  # <run dir>/events.jsonl (rallypoint logs)
+        self.emit = self.event_log.tee(self.job_metrics.tee(emit))
+        self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
+            spec.job, placed=lambda: {s: p.worker for s, p in self.placement.items() if p.worker in self.loads.loaded},
+            progress=self.progress, drains=self.drains, recovery=self.recovery, interrupt=self.term.interrupt,
+            set_state=self._set_state, event=self.event, log=self.log)
+        self.started_at = time.time()  # when the run began (an adopted or resumed run keeps its first start)
+        self.watchdog: ProgressWatchdog | None = None
+        self.warmer: SpareWarmer | None = None
+        self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
+        self._ungranted: set[str] = set()
+        self._checked = self._drains_polled = float("-inf")
+        self.started_mono = clock.monotonic()
+        self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
+
+    # -- read-only views of what the collaborators own ------------------------------------------
+
+    @property
+    def completed(self) -> int:
+        return self.progress.completed
+
+    @property
+    def placement(self) -> Mapping[str, SlicePlace]:
+        return self.places.slices
+
+    @property
+    def recoveries(self) -> list[RecoveryRecord]:
+        return self.recovery.records
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        return self.port.failures
+
+    @property
+    def drain_records(self) -> list[DrainRecord]:
+        return self.drains.drain_records
+
+    def done_through(self, node: str) -> int:
+        return self.progress.done_through(node)
+
+    # -- state and record --------------------------------------------------------------------------
+
+    def _set_state(self, new: JobState, **fields: Any) -> None:
+        """The one way the job's state moves; records it in etcd (a handed-off job writes nothing)."""
+        old = self.state
+        if new not in TRANSITIONS[old]:
+            raise AssertionError(f"job {self.spec.job}: no transition {old.value} -> {new.value}")
+        self.state = new
+        self.log.info("job.state", previous=old.value, state=new.value, **fields)
+        if new is JobState.HANDED_OFF:
+            return
+        if new.is_terminal:
+            self.record(**fields)
+        else:
+            self._record_quietly(**fields)
+
+    def record(self, **fields: Any) -> None:
+        """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
+        the final one takes a suspend or cancel asked from etcd with it (carried out, or moot)."""
+        done = [Delete(self.keys.control(self.spec.job))] if self.state.is_terminal else []  # moot, or carried out
+        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record_of(self, **fields))), *done])
+
+    def _record_quietly(self, **fields: Any) -> None:
+        """Record progress, unless etcd is away (the next record catches up)."""
+        try:
+            self.record(**fields)
+        except (StoreError, NotLeader) as exc:
+            self.log.warning("job.record_failed", error=str(exc))
+
+    def event(self, event: str, step: int = 0, **detail: Any) -> None:
+        self.emit(pb.JobEvent(job=self.spec.job, event=event, step=step, detail=json.dumps(detail)))
+
+    def stop(self, reason: str) -> None:
+        """This coordinator's term ended: end the run soon with ``job.handed_off`` (thread-safe)."""
+        self.term.stop(reason)
+        self.log.info("job.stop_requested", reason=reason)
+
+    def _unpaused(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progressed()  # a pause is not a stall: the quiet period starts again
+        self._grant()
+
+    # -- start ------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        try:
+            self.settings = RecoverySettings.from_spec(self.spec)
+            self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
+                                             compile_timeout_s=self.settings.compile_timeout_s,
+                                             window_s=self.settings.failure_policy.window_s)
+            self.recovery.configure(self.settings.failure_policy)
+            self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term.term,
+                                      max_spares=self.settings.warm_spares, log=self.log, gangs=self.places.gangs)
+        except ValueError as exc:
+            raise JobFailed(str(exc)) from None
+        if self.resume:
+            if self.checkpoint_root is None:
+                raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
+            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
+            self.run_id = self.run_dir.name
+            earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
+            old = earlier.json() if earlier is not None else {}
+            if old.get("run") == self.run_id:  # the same run goes on: its first start, its recoveries so far
+                self.started_at = float(old.get("started_at") or self.started_at)
+                self.recovery.adopt(old.get("recoveries", []), self.term.term)  # docs/recovery.md
+                self.history.adopt(old.get("recoveries_earlier"))
+            asked = self.term.until_etcd("reading the job's control", lambda: self.store.get(self.keys.control(self.spec.job)))
+            if asked is not None and self.adopted:  # a suspend or cancel the lost leader had not carried out
+                self.stopper.request(stop_request(asked.value, self.log))
+        else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
+            self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
+                                                  self.keep_runs, self.log)
+        self.term.run_dir = self.loads.run_dir = self.run_dir
+        self.event_log.open(self.run_dir)
+        self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
+        for c in (self.places, self.loads, self.drains):
+            c.settings = self.settings
+        keeps = self.run_dir is not None and self.settings.checkpoint_every > 0
+        self.drains.checkpoints = keeps
+        self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
+        if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
+            self.term.leases().release(self.spec.job)
+            self.loads.unload_everywhere(read_cluster(self.store, self.keys))
+
+    def _load_all_from_cut(self) -> dict[str, str]:
+        """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
+        c, commits, failed = self.port.load_newest_cut(self.budget)
+        self.progress.begin(c, commits)
+        self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c, auto=self.auto_resumed)
+        return self.port.lost_at_load(self.budget, failed, c)
+
+    # -- running ------------------------------------------------------------------------
+
+    def _grant(self, workers: list[str] | None = None) -> None:
+        """Grant every worker (or ``workers``) the current window and cut.
+
+        Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
+        Workers held for a drain get no step at or past their drain step.
+        """
+        self.workers.grant(self.progress.granted, self.progress.cut, workers, holds=self.drains.holds)
+
+    def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
+        """A worker whose process is gone is lost; any other refusal is granted again later
+        (``_ungranted``): one that does not answer (hung, partitioned) is lost once its etcd
+        registration is gone, which the periodic check sees."""
+        if failure.verdict is Verdict.LOST:
+            self._recover({worker: str(failure)})
+            return
+        self._ungranted.add(worker)
+        self.log.info("job.grant_refused", worker=worker, code=failure.code.name, verdict=failure.verdict.value)
+
+    def step(self, timeout_s: float = 0.25) -> None:
+        """One iteration of the running loop: hold the term, a stop asked, the periodic checks, one event."""
+        self.term.hold()
+        self.stopper.check(self.state)
+        if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
+            self._checked = self.clock.monotonic()
+            lost, alive = self.places.as_lead_losses(self.term.gone(
+                {w: self.workers.identity[w].incarnation for w in self.workers.workers} | self.places.gang_members()))
+            if lost:
+                self._recover(lost, unload=alive)
+                return
+            if self._ungranted:
+                retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
+                self._grant(retry)
+            self._warm_check()
+            assert self.watchdog is not None
+            quiet = self.watchdog.check(self._compiling())
+            if quiet is not None:
+                self._stalled(quiet)
+                return
+        if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S and self.state is not JobState.STOPPING:
+            self._drains_polled = self.clock.monotonic()
+            self.drains.poll()
+        if self.drains.drains:
+            if self.drains.parked_waiting and self.watchdog is not None:
+                self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
+            lost = self.drains.step()
+            if lost:
+                self._recover(lost)
+                return
+        try:
+            kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, STEP_WAIT_S))
+        except queue.Empty:
+            return
+        self._handle(kind, worker, gen, item)
+
+    def worker_fenced(self, worker: str, incarnation: int, reason: str) -> None:
+        """The leader fenced ``worker`` (any thread): if this job runs on that incarnation, recover it."""
+        to, gen = self.workers.identity.get(worker), self.workers.generation.get(worker)
+        if to is not None and gen is not None and to.incarnation == incarnation:
+            self.workers.events.put(("fenced", (worker, gen, reason)))
+
+    def _handle(self, kind: str, worker: str, gen: int, item: Any) -> None:
+        if kind == "warmed":  # a round of WarmJob requests answered (job/warm.py)
+            self.log.info("job.warmed", **item)
+            self.event("job.warmed", step=self.progress.completed, **item)
+            return
+        if not self.workers.current(worker, gen):
+            return  # a runtime given up on
+        if kind == "grant_failed":
+            self._grant_failed(worker, item)
+            return
+        if kind == "fenced":
+            self._recover({worker: f"fenced by the leader ({item})"})
+            return
+        self.loads.heard(worker)
+        if kind == "ended":
+            self._recover({worker: f"event stream ended: {item}"})
+            return
+        assert self.watchdog is not None
+        self.watchdog.progressed()
+        if item.checkpoint_slice:
+            if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
+                self.log.info("job.cut", step=self.progress.cut)
+                self._grant()
+            return
+        if "GroupLost: " in item.error:  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
+            lost, alive = self.places.group_lost(worker, f"node {item.node!r} at step {item.step}: {item.error}")
+            self._recover(lost, unload=alive)
+            return
+        if item.error:
+            where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"
+            raise JobFailed(f"{where} on worker {worker}: {item.error}")
+        self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
+        self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
+        self.job_metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
+        self._count(worker, gen, item)
+        self._advance()
+
+    def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
+        step, node = int(item.step), item.node
+        self.recovery.observe(worker, gen, node, step)
+        assert self.watchdog is not None
+        self.watchdog.ran(node, (worker, gen))
+        self.drains.observe(worker, node, step)
+        if item.program_source:  # a node's first call on this runtime: where its executable came from
+            self.recovery.first_call(worker, gen, self.graph.node(node).slice, item.program_source, item.compile_s)
+        if self.progress.instance(item):
+            self.stragglers.instance(item)
+            self.step_times.instance(node, step, item.compute_s)
+
+    def _advance(self) -> None:
+        for done in self.progress.complete():
+            self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=done.step, metrics=done.metrics))
+            self.step_times.step_done(done.step)
+            if self.adopted:
+                self.recovery.adopted_running(done.step)
+            if self.progress.completed % RECORD_EVERY == 0:
+                self._record_quietly()
+        self.recovery.progressed()
+        if self.progress.widen(self.spec.window):
+            self._grant()
+        self.stragglers.advanced()
+
+    # -- losses and stalls ----------------------------------------------------------------------
+
+    def _stalled(self, quiet: float) -> None:
+        """No progress for the stall timeout: report it, and recover the workers the job waits on."""
+        assert self.watchdog is not None
+        blamed = laggards([(n.name, n.slice) for n in self.graph.nodes], self.progress.done_through,
+                          {s: p.worker for s, p in self.placement.items()}, self.spec.steps)
+        reason, decision = self.recovery.stalled(quiet, self.watchdog, blamed, self.progress.completed)
+        self.event("job.stalled", step=self.progress.completed, reason=reason, workers=sorted(blamed),
+                   stalls=self.watchdog.stalls, limit=self.budget.stall)
+        if isinstance(decision, Refence):
+            self._recover({w: f"stalled: {why}" for w, why in decision.lost.items()})
+        elif isinstance(decision, Fail):
+            raise JobFailed(decision.reason)
+
+    def _compiling(self) -> bool:
+        """Whether a node the job waits on has not yet run on its runtime: it compiles (watchdog.py)."""
+        assert self.watchdog is not None
+        worker_of = {s: p.worker for s, p in self.placement.items()}
+        lag = lagging_nodes([(n.name, n.slice) for n in self.graph.nodes], self.progress.done_through, self.spec.steps)
+        runtime = {n: (w, self.workers.generation[w]) for n, sl in lag
+                   if (w := worker_of.get(sl, "")) in self.workers.generation}
+        return self.watchdog.compiling(runtime, runtime.get)
+
+    def _recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset()) -> None:
+        """Recover ``lost`` until the lost slices run again; ``unload``: those alive (only the job's runtime ends)."""
+        assert self.settings is not None
+        now = self.clock.monotonic()
+        self.workers.gather_ended(lost, self.loss_grace_s)
+        heard = self.loads.last_heard
+        rec = self.recovery.open(lost, detection_s=max(now - heard.get(w, now) for w in lost),
+                                 preempted=self.drains.preempted(lost))
+        parked = self.drains.abort(f"recovery {rec.number} started")
+        frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
+        self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
+        self.event("job.recovering", step=self.progress.completed, recovery=rec.number, lost=lost)
+        self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked, unload=unload)
+
+    def _restored(self, recovery: Recovery) -> None:
+        """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""
+        rec = recovery.record
+        rec.generations = dict(self.workers.generation)
+        self._set_state(JobState.RUNNING, recovery=rec.number)
+        assert self.watchdog is not None
+        self.watchdog.progressed()
+        self.event("job.recovered", step=self.progress.completed, **rec.to_json(), placement=self.places.to_json())
+        self.log.info("recovery.restored", **rec.to_json())
+        self._warm_soon(f"recovery {rec.number}")
+        self._grant()
+
+    # -- what slows the job, and the warm spares ------------------------------------------------------
+
+    def busy(self) -> str:
+        """Why the job is not running undisturbed now ("" when it is): no straggler is judged meanwhile."""
+        if self.state is not JobState.RUNNING:
+            return f"the job is {self.state.value}"
+        drain = self.drains.busy()
+        if drain:
+            return drain
+        active = self.recovery.active
+        if active is not None:
+            return f"recovery {active.record.number} runs"
+        if self.warmer is not None and self.warmer.warming:
+            # Compiling takes CPU and memory bandwidth; where spares share hosts with the job's workers (the local
+            # cluster) the job's slices slow unevenly while it lasts: no slice is judged on those steps.
+            return "spares are compiling the job's programs"
+        if self.progress.all_granted:
+            return "every step is granted: the job ends soon"
+        return ""
+
+    def _warm_soon(self, reason: str) -> None:
+        if self.warmer is not None:
+            self.warmer.soon(reason, self.progress.completed)
+
+    def _warm_check(self) -> None:
+        if self.warmer is not None:
+            self.warmer.check(self.clock.monotonic(), self.progress.completed, self.recovery.active is not None,
+                              lambda: read_cluster(self.store, self.keys), exclude=frozenset(self.workers.workers))
+
+    # -- the whole run ----------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """PLACING -> LOADING -> RUNNING: place, load (from the newest cut when resuming or adopting), grant."""
+        self.started_mono = self.clock.monotonic()
+        self._prepare()
+        self._set_state(JobState.PLACING, adopted=self.adopted, resumed=self.resume)
+        try:
+            self._place()
+        finally:
+            self.places.withdraw_yields()
+        self._set_state(JobState.LOADING)
+        lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
+        self._set_state(JobState.RUNNING)
+        self.event("job.started", step=self.progress.completed, run=self.run_id, placement=self.places.to_json(),
+                   resumed=self.resume, adopted=self.adopted)
+        self._warm_soon("placed")
+        self.progress.widen(self.spec.window)
+        if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
+            self._recover(lost)
+        else:
+            self._grant()
+
+    def _place(self) -> None:
+        self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
+                          resuming=self.resume and not self.adopted)
+
+    def finish(self) -> pb.JobEvent:
+        """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
+        self._set_state(JobState.FINISHING)
+        states = final_states(self)
+        self.recovery.supersede("the job ended")
+        self.drains.abort("the job ended")
+        trees = {s.name: s.treedef for s in self.spec.states}
+        detail = {"wall_s": round(self.clock.monotonic() - self.started_mono, 3),
+                  "state_digest": flat_state_digest(states, trees), "start_step": self.progress.start,
+                  "adopted": self.adopted, **self.summary()}
+        return pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps, states=states,
+                           detail=json.dumps(detail))
+
+    def run(self) -> JobState:
+        """Run the job to its end: :meth:`begin`, :meth:`step` until every step is done, :meth:`finish`.
+
+        Never raises: the end is a ``job.finished``, ``job.failed`` or ``job.handed_off``
+        event and state. The terminal event goes out last, after the devices are released
+        and the final state is recorded in etcd, so a client that sees it sees a settled cluster.
+        """
+        terminal = pb.JobEvent(job=self.spec.job, event="job.failed",
+                               detail=json.dumps({"reason": "the executor ended without a result"}))
+        final, reason = JobState.FAILED, ""
+        try:
+            self.begin()
+            while self.progress.completed < self.spec.steps:
+                self.step()
+            terminal = self.finish()
+            final = JobState.SUCCEEDED
+        except JobStopped as exc:  # suspended or cancelled on request (job/stop.py): the run is kept
+            reason, final = str(exc), exc.state
+            self.log.warning("job.stopped", state=final.value, reason=reason, step=self.progress.completed)
+            self.recovery.supersede(reason)
+            self.drains.abort(reason)
+            terminal = pb.JobEvent(job=self.spec.job, event=f"job.{final.value}", step=self.progress.completed,
+                                   detail=json.dumps({"reason": reason, "run": self.run_id, "cut": self.progress.cut,
+                                                      "stop": self.stopper.pending.to_json() if self.stopper.pending
+                                                      else {}, **self.summary()}))
+        except (HandedOff, NotLeader) as exc:
+            reason = f"{exc}; the next leader adopts the job"
+            self.log.warning("job.handed_off", reason=reason, step=self.progress.completed)
+            terminal = pb.JobEvent(job=self.spec.job, event="job.handed_off", step=self.progress.completed,
+                                   detail=json.dumps({"reason": reason}))
+            final = JobState.HANDED_OFF
+        except (RallypointError, grpc.RpcError) as exc:
+            reason = str(exc) if isinstance(exc, RallypointError) else f"{exc.code().name} {exc.details()}"
+            self.log.error("job.failed", reason=reason)
+            terminal = pb.JobEvent(job=self.spec.job, event="job.failed",
+                                   detail=json.dumps({"reason": reason, **self.summary()}))
+        finally:
+            self.ended_mono = self.clock.monotonic()
+            self._cleanup()
+            try:
+                self._set_state(final, **({"reason": reason} if reason and final is not JobState.SUCCEEDED else {}))
+            except (StoreError, NotLeader) as exc:
+                self.log.warning("job.record_failed", error=str(exc))
+            self.emit(terminal)
+        return final
+
+    def summary(self) -> dict[str, Any]:
+        """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
+        return {"failures": self.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
+                "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
+                "stalls": self.watchdog.stalls if self.watchdog else 0,
+                "output_log_peak": self.log_peak, "stragglers": self.stragglers.decisions}
+
+    def _cleanup(self) -> None:
+        """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""
+        try:
+            self.workers.close()
+        except Exception as exc:  # closing must not hide why the run ended
+            self.log.warning("job.close_failed", error=repr(exc))
+        if self.term.over:
+            return  # the next leader releases what this term held (and plans the warm spares again)
+        if self.warmer is not None:
+            self.warmer.release()  # best effort, bounded: the spares drop what they hold for the job
+        self.places.release_all()
+

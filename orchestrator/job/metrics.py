@@ -1,0 +1,362 @@
+"""A job's per-step metrics: ``metrics.jsonl`` in its run directory, and what a non-finite value does.
+
+:class:`JobMetrics` sees every event the executor emits (:meth:`JobMetrics.tee` wraps its
+``emit``) and appends to ``<run dir>/metrics.jsonl`` (``orchestrator/job/runs.py``), one JSON
+object a line (docs/metrics.md, "Per-step metrics"):
+
+* ``{"step": 12, "t": 1796354594.4, "metrics": {"loss": 0.53}}``: a completed step and its
+  metrics (the mean over microbatches, as ``step.done`` carries them); a value that is not
+  finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers);
+* ``{"event": "fault", "t", "step", "recovery", "workers", "cause"}``: workers lost at ``step`` (``job.recovering``);
+* ``{"event": "recovery", "recovery", "t", "ended_t", "step", "from_step", "cause", "replayed"}``:
+  the lost slices run again (``job.recovered``): hit at ``step``, restored from the cut at
+  ``from_step``, ``replayed`` instances planned to run again, detected at ``t``, running at ``ended_t``;
+* ``{"event": "stall", "t", "step", "cause"}``, ``{"event": "nonfinite", "t", "step", "metric",
+  "value", "action"}``, and ``{"event": "resumed" | "adopted", "t", "step"}`` (a run that goes on
+  from the cut at ``step``: ``rallypoint resume``, or a new leader).
+
+The file is a log: a step replayed after a recovery or an adoption may complete again and
+is written again; readers (:func:`read_metrics`) take the last value per step. A new
+leader adopting the job, or a resume, appends to the same file. Writing never fails the
+job: a file system that refuses a line is logged once (``job.metrics_write_failed``) and
+the next lines are tried again.
+
+A metric value of an instance that is not finite (each ``InstanceDone`` is checked as it
+arrives, :meth:`JobMetrics.check`): with ``on_nonfinite = "warn"`` a ``job.nonfinite`` event,
+once per metric, and the job goes on; with ``"stop"`` (the default) the job stops there:
+no grant widens, no commit past that step moves the cut (:meth:`JobProgress.halt`), every
+worker unloads the job (a save in flight finishes and commits before its UnloadJob
+returns), the commits past that step are dropped (etcd and the copies beside the
+checkpoints), and the job fails naming the metric, the value, the step and the cut kept.
+That failure blames no worker and starts no recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from rallypoint.basics.errors import RallypointError
+from rallypoint.etcd.commits import consistent_cut
+from rallypoint.orchestrator.job.state import STREAM_END_EVENTS, JobFailed
+from rallypoint.proto import rallypoint_pb2 as pb
+
+METRICS_FILE = "metrics.jsonl"
+ON_NONFINITE = ("stop", "warn")
+END_EVENTS = STREAM_END_EVENTS  # the executor's last event: the file closes (a resume opens it again)
+
+
+def nonfinite_mode(spec: Any) -> str:
+    """``spec.on_nonfinite`` checked ("" is "stop"). Raises ValueError naming the value and the choices."""
+    mode = spec.on_nonfinite or "stop"
+    if mode not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite {spec.on_nonfinite!r} is not one of {list(ON_NONFINITE)}")
+    return mode
+
+
+def encode_value(v: float) -> float | str:
+    """A metric value as JSON can carry it: a number, or "nan" / "inf" / "-inf"."""
+    return float(v) if math.isfinite(v) else repr(float(v))
+
+
+def decode_value(v: Any) -> float | None:
+    """A value written by :func:`encode_value` (None: not a number at all)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    return None
+
+
+# -- the file -----------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """Appends JSON lines to one file; never raises (the first failure is logged, later lines tried again)."""
+
+    def __init__(self, path: Path | None, log: Any) -> None:
+        self.path, self.log = path, log
+        self._file: IO[str] | None = None
+        self.failures = 0
+
+    def write(self, record: Mapping[str, Any]) -> bool:
+        if self.path is None:
+            return False
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open for the run)
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+            return True
+        except (OSError, ValueError) as exc:
+            self.failures += 1
+            if self.failures == 1:
+                self.log.warning("job.metrics_write_failed", path=str(self.path), error=str(exc),
+                                 hint="the job goes on; later lines are tried again")
+            self.close()
+            return False
+
+    def close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@dataclass
+class MetricsRun:
+    """What a run's ``metrics.jsonl`` holds, read back: the last value per step of each metric, and the marks."""
+
+    values: dict[str, dict[int, float]] = field(default_factory=dict)  # metric -> step -> its last value
+    times: dict[int, float] = field(default_factory=dict)  # step -> when it (last) completed
+    marks: list[dict[str, Any]] = field(default_factory=list)  # faults, recoveries, stalls, ... (event lines)
+    skipped: int = 0  # lines that were not a record (a line cut short by a crash)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.values)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.times)
+
+    def curve(self, metric: str) -> list[tuple[int, float]]:
+        """``(step, value)`` of ``metric`` by step, the last value written for each step."""
+        return sorted(self.values.get(metric, {}).items())
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The recoveries, one per number (its ``recovery`` line, else its ``fault`` line), oldest first."""
+        by_number: dict[Any, dict[str, Any]] = {}
+        for m in self.marks:
+            if m.get("event") == "recovery" or (m.get("event") == "fault" and m.get("recovery") not in by_number):
+                by_number[m.get("recovery", len(by_number))] = m
+        return list(by_number.values())
+
+    def plot_marks(self) -> list[dict[str, Any]]:
+        """What a plot marks, oldest first, each ``{kind, step, label}`` (``kind`` "recovery" also has
+        ``from_step``: a band from the cut it restored to the step it was hit at): the shape
+        :func:`rallypoint.orchestrator.observe.metrics_svg.metrics_svg` draws."""
+        out: list[dict[str, Any]] = []
+        for m in self.marks:
+            kind, step = str(m.get("event", "")), m.get("step")
+            if not isinstance(step, int):
+                continue
+            if kind == "fault":
+                workers = ", ".join(map(str, m.get("workers") or []))
+                out.append({"kind": "fault", "step": step, "label": f"lost {workers}".strip()})
+            elif kind == "recovery":
+                out.append({"kind": "recovery", "step": step, "from_step": int(m.get("from_step") or 0),
+                            "label": f"recovery {m.get('recovery', '')}".strip()})
+            elif kind == "nonfinite":
+                out.append({"kind": "nonfinite", "step": step, "label": f"{m.get('metric', '')} {m.get('value', '')}"})
+            elif kind in ("stall", "resumed", "adopted"):
+                out.append({"kind": kind, "step": step, "label": kind})
+        return out
+
+
+def parse_metrics(lines: Iterable[str]) -> MetricsRun:
+    """The records of ``metrics.jsonl`` lines (see the module doc); unreadable lines are counted, not raised."""
+    run = MetricsRun()
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            run.skipped += 1
+            continue
+        if not isinstance(rec, dict):
+            run.skipped += 1
+        elif "event" in rec:
+            run.marks.append(rec)
+        elif isinstance(rec.get("step"), int) and isinstance(rec.get("metrics"), dict):
+            step = int(rec["step"])
+            run.times[step] = float(rec.get("t") or 0.0)
+            for name, v in rec["metrics"].items():
+                value = decode_value(v)
+                if value is not None:
+                    run.values.setdefault(str(name), {})[step] = value
+        else:
+            run.skipped += 1
+    return run
+
+
+def read_metrics(path: Path) -> MetricsRun:
+    """:func:`parse_metrics` of the file at ``path`` (OSError when it cannot be read)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return parse_metrics(f)
+
+
+# -- the executor's collaborator ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """A metric value of an instance that is not finite."""
+
+    metric: str
+    value: float
+    step: int
+    node: str
+    microbatch: int
+
+
+def nonfinite(item: pb.InstanceDone) -> list[NonFinite]:
+    """The metric values of ``item`` that are not finite, by metric name."""
+    return [NonFinite(name, float(v), int(item.step), item.node, int(item.microbatch))
+            for name, v in sorted(item.metrics.items()) if not math.isfinite(v)]
+
+
+class JobMetrics:
+    """One job's ``metrics.jsonl`` and its non-finite guard (see the module doc).
+
+    Args:
+        spec: the job.
+        progress, workers, term: the job's progress, its workers' RPCs and its term's etcd writes
+            (what stopping the job at a non-finite value acts on).
+        log: the executor's logger.
+        event: the executor's ``event(name, step, **detail)``.
+    """
+
+    def __init__(self, spec: pb.JobSpec, *, progress: Any, workers: Any, term: Any, log: Any,
+                 event: Callable[..., None], wall: Callable[[], float] = time.time) -> None:
+        self.spec, self.progress, self.workers, self.term, self.log = spec, progress, workers, term, log
+        self.event, self.wall = event, wall
+        self.mode = "stop"
+        self.file = MetricsLog(None, log)
+        self.warned: set[str] = set()
+        self._hit: dict[int, int] = {}  # recovery -> the step it was detected at
+        self._observe_failed = False
+
+    def open(self, run_dir: Path | None, mode: str) -> None:
+        """The run's directory (None: the job keeps no files) and its ``on_nonfinite`` mode."""
+        self.mode = mode
+        self.file = MetricsLog(run_dir / METRICS_FILE if run_dir is not None else None, self.log)
+
+    def tee(self, emit: Callable[[pb.JobEvent], None]) -> Callable[[pb.JobEvent], None]:
+        """``emit`` that first writes what ``metrics.jsonl`` keeps of each event."""
+        def emit_and_keep(ev: pb.JobEvent) -> None:
+            self.observe(ev)
+            emit(ev)
+        return emit_and_keep
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def observe(self, ev: pb.JobEvent) -> None:
+        """One event of the job; never raises (the file must never break the job)."""
+        try:
+            self._observe(ev)
+        except Exception as exc:  # noqa: BLE001
+            if not self._observe_failed:
+                self._observe_failed = True
+                self.log.warning("job.metrics_observe_failed", event_name=ev.event, error=repr(exc))
+
+    def _observe(self, ev: pb.JobEvent) -> None:
+        name, now, step = ev.event, self.wall(), int(ev.step)
+        if name == "step.done":
+            self.file.write({"step": step, "t": round(now, 3),
+                             "metrics": {k: encode_value(v) for k, v in sorted(ev.metrics.items())}})
+            return
+        if name in END_EVENTS:
+            self.file.close()
+            return
+        if name not in ("job.recovering", "job.recovered", "job.stalled", "job.nonfinite", "job.resumed",
+                        "job.adopted"):
+            return
+        d = json.loads(ev.detail or "{}")
+        if name == "job.recovering":
+            n = int(d.get("recovery", 0))
+            self._hit[n] = step
+            self.file.write({"event": "fault", "t": round(now, 3), "step": step, "recovery": n,
+                             "workers": sorted(d.get("lost") or {}), "cause": _cause(d.get("lost") or {})})
+        elif name == "job.recovered":
+            n = int(d.get("recovery", 0))
+            self.file.write({"event": "recovery", "recovery": n, "t": round(float(d.get("detected_at") or now), 3),
+                             "ended_t": round(now, 3), "step": self._hit.get(n, step),
+                             "from_step": int(d.get("checkpoint_step", 0)), "cause": _cause(d.get("reasons") or {}),
+                             "replayed": int(sum((d.get("planned_instances") or {}).values())),
+                             "policy": d.get("policy", "")})
+        elif name == "job.stalled":
+            self.file.write({"event": "stall", "t": round(now, 3), "step": step, "cause": str(d.get("reason", ""))})
+        elif name == "job.nonfinite":
+            self.file.write({"event": "nonfinite", "t": round(now, 3), "step": step, "metric": d.get("metric"),
+                             "value": d.get("value"), "node": d.get("node"), "action": d.get("action")})
+        else:
+            self.file.write({"event": name.removeprefix("job."), "t": round(now, 3), "step": step})
+
+    # -- non-finite values ----------------------------------------------------------------------
+
+    def check(self, item: pb.InstanceDone) -> None:
+        """An instance's metrics as they arrive: a value that is not finite warns once per metric
+        (``warn``) or stops the job there (``stop``: raises :class:`JobFailed`)."""
+        if not item.metrics:
+            return
+        for bad in nonfinite(item):
+            detail = {"metric": bad.metric, "value": repr(bad.value), "node": bad.node,
+                      "microbatch": bad.microbatch, "action": self.mode}
+            if self.mode == "warn":
+                if bad.metric in self.warned:
+                    continue
+                self.warned.add(bad.metric)
+                self.log.warning("job.nonfinite", step=bad.step, **detail)
+                self.event("job.nonfinite", step=bad.step, **detail)
+                continue
+            self.log.error("job.nonfinite", step=bad.step, **detail)
+            self.event("job.nonfinite", step=bad.step, **detail)
+            raise JobFailed(self.stop(bad))
+
+    def stop(self, bad: NonFinite) -> str:
+        """Stop the job at ``bad.step``: no cut past it counts, the workers unload, the commits past it go.
+        Returns the failure's reason (naming the metric, its value, the step and the cut kept)."""
+        s = bad.step
+        self.progress.halt(s)
+        for w in list(self.workers.workers):  # a save in flight finishes (and commits) before UnloadJob returns
+            self.workers.unload(w)
+        head = f"metric {bad.metric!r} is {bad.value!r} at step {s} (--on-nonfinite stop): the job stopped there; "
+        try:
+            kept = self._drop_commits_past(s)
+        except (RallypointError, OSError) as exc:  # etcd away or the term over: the reason says so
+            self.log.warning("job.nonfinite_commits_not_dropped", step=s, error=str(exc))
+            return head + (f"the commits past it could not be dropped ({exc}): before resuming, check with "
+                           f"`rallypoint status {self.spec.job}` that its consistent cut is not past step {s}")
+        if kept is None:
+            return head + ("no consistent cut was committed at or before it: fix the cause and run the job again "
+                           "(--new-run)")
+        return head + f"the last committed cut, step {kept}, is kept: fix the cause and resume from it"
+
+    def _drop_commits_past(self, step: int) -> int | None:
+        """Drop every commit past ``step`` (etcd and the copies beside the checkpoints); the newest consistent
+        cut left at or before it (None: none), which the progress's cut becomes (the job record's ``cut``)."""
+        slices = sorted({st.slice for st in self.spec.states})
+        if not slices:
+            return None
+        commits = self.term.commits()
+        kept: dict[str, list[Any]] = {}
+        for slice_name, cs in commits.items():
+            for c in cs:
+                if c.step > step:
+                    self.term.drop_commit(slice_name, c.step)
+            kept[slice_name] = [c for c in cs if c.step <= step]
+        cut = consistent_cut(kept, slices)
+        # The job's cut is the one kept: up to it when its commit landed while the workers unloaded, down to it
+        # when the cut had passed the step (only possible when the metric's slice keeps no states).
+        if (cut if cut is not None else min(self.progress.cut, step)) != self.progress.cut:
+            self.progress.restored(cut or 0, {sl: [c.step for c in cs] for sl, cs in kept.items()})
+        return cut
+
+
+def _cause(reasons: Mapping[str, Any]) -> str:
+    """``{worker: why}`` (or ``{worker: [slices]}``) as one line."""
+    return "; ".join(f"{w}: {why if isinstance(why, str) else ', '.join(map(str, why))}"
+                     for w, why in sorted(reasons.items()))
+

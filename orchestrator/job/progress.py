@@ -1,0 +1,227 @@
+"""A job's progress: the one owner of what has been done, granted and committed.
+
+:class:`JobProgress` alone writes each of these facts; every other part of the job reads
+them through its properties and methods (a read-only view), the way raft alone writes
+its log and the application only reads ``Storage``:
+
+* ``completed``: steps ``0 .. completed-1`` are done by every node (every instance heard);
+* ``granted``: workers may run instances of steps below it (the window in flight);
+* ``start``: the step the job's runtimes started from (0, or the cut it resumed from);
+* ``cut``: the newest consistent cut: the newest step every slice with states has a
+  commit at. It goes **up** as commits are heard and **down** when a commit is dropped
+  (a checkpoint that did not restore) or a recovery restores from an older cut, so the
+  workers are never told to protect a step that no longer counts while releasing the
+  one the job now stands on;
+* ``log_floor``: node -> the first step its output log holds, where that is past the
+  cut (a drained slice's spare logs from the drain step only);
+* the per-step bookkeeping of instances heard, their metrics, and what re-ran
+  (``replayed``, ``redone_s``) or ran first (``compute_s``);
+* ``halted``: the step a metric was not finite at (``on_nonfinite = "stop"``,
+  :mod:`~rallypoint.orchestrator.job.metrics`): from then on no grant widens and no commit
+  past it moves the cut, whatever arrives after.
+
+It does no I/O: the executor feeds it what the workers report and carries out what it
+returns (grant the new window, tell the workers the new cut).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from rallypoint.recovery.load_plan import instances_per_step
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.replay import Graph
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step every node finished, with its metrics (the mean over microbatches)."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class JobProgress:
+    """The progress of one job (see the module doc). Single-threaded: the executor's loop calls it."""
+
+    def __init__(self, spec: pb.JobSpec, graph: Graph) -> None:
+        self.spec, self.graph = spec, graph
+        self._ckpt_slices = sorted({s.slice for s in spec.states})
+        self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
+        self._completed = self._granted = self._start = self._cut = 0
+        self._halted: int | None = None
+        self._committed: dict[str, set[int]] = {s: set() for s in self._ckpt_slices}  # commit steps heard, >= cut
+        self._saved: set[tuple[str, int]] = set()  # (slice, step) commits heard (a drain waits for its own)
+        self._floor: dict[str, int] = {}
+        self._done: dict[tuple[str, int], set[int]] = defaultdict(set)  # (node, step) -> microbatches heard
+        self._step_count: Counter[int] = Counter()
+        self._metrics: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
+        self.replayed: Counter[str] = Counter()  # node -> instances that ran again (replay)
+        self.redone_s = 0.0  # device-seconds of those
+        self.compute_s: Counter[str] = Counter()  # node -> device-seconds of first runs
+
+    # -- the read-only view ------------------------------------------------------------------
+
+    @property
+    def completed(self) -> int:
+        return self._completed
+
+    @property
+    def granted(self) -> int:
+        return self._granted
+
+    @property
+    def start(self) -> int:
+        return self._start
+
+    @property
+    def cut(self) -> int:
+        return self._cut
+
+    @property
+    def halted(self) -> int | None:
+        return self._halted
+
+    @property
+    def log_floor(self) -> Mapping[str, int]:
+        return MappingProxyType(self._floor)
+
+    @property
+    def all_granted(self) -> bool:
+        return self._granted >= self.spec.steps
+
+    def summary(self) -> dict[str, Any]:
+        """What re-ran and what ran first, as ``job.finished`` reports it."""
+        return {"replayed_instances": dict(sorted(self.replayed.items())), "redone_s": round(self.redone_s, 4),
+                "compute_s": {n: round(v, 4) for n, v in sorted(self.compute_s.items())}}
+
+    def done_through(self, node: str) -> int:
+        """Every instance of ``node`` at steps below this has been reported done."""
+        n = self.graph.node(node)
+        s = self._completed
+        while s < self.spec.steps:
+            if s % n.every == 0 and len(self._done.get((node, s), ())) < self._mb[node]:
+                return s
+            s += 1
+        return self.spec.steps
+
+    def saved(self, slice_name: str, step: int) -> bool:
+        """Whether the slice's commit at ``step`` was heard."""
+        return (slice_name, step) in self._saved
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def begin(self, start: int, commits: Mapping[str, Iterable[int]] = MappingProxyType({})) -> None:
+        """The runtimes start from ``start`` (0, or the cut resumed from), with the job's ``commits`` (slice -> steps)."""
+        self._start = self._completed = self._granted = start
+        self._cut = start
+        self._committed = {s: {int(c) for c in commits.get(s, ()) if int(c) >= start} for s in self._ckpt_slices}
+
+    # -- instances and steps ---------------------------------------------------------------------
+
+    def instance(self, item: pb.InstanceDone) -> bool:
+        """An instance reported done. True when it ran for the first time (False: a replay re-ran it)."""
+        step, node = int(item.step), item.node
+        if step < self._completed or item.microbatch in self._done[(node, step)]:
+            self.replayed[node] += 1
+            self.redone_s += item.compute_s
+            return False
+        self._done[(node, step)].add(item.microbatch)
+        self._step_count[step] += 1
+        self.compute_s[node] += item.compute_s
+        self._metrics[step].extend((name, item.microbatch, v) for name, v in item.metrics.items())
+        return True
+
+    def complete(self) -> list[StepDone]:
+        """Every step that is now done by every node, in order (``completed`` moves past them)."""
+        out = []
+        while (self._completed < self.spec.steps
+               and self._step_count[self._completed] == instances_per_step(self.spec, self._completed)):
+            s = self._completed
+            by_name: dict[str, list[tuple[int, float]]] = defaultdict(list)
+            for name, mb, v in self._metrics.pop(s, []):
+                by_name[name].append((mb, v))
+            out.append(StepDone(s, {name: float(np.mean([v for _, v in sorted(vals)]))
+                                    for name, vals in by_name.items()}))
+            for n in self.spec.nodes:
+                self._done.pop((n.name, s), None)
+            del self._step_count[s]
+            self._completed += 1
+        return out
+
+    def widen(self, window: int) -> bool:
+        """Move the grant to ``completed + window`` when it fell short of that. True: workers are to be granted."""
+        if self._halted is not None:
+            return False
+        if self._completed + max(1, window) > self._granted and self._granted < self.spec.steps:
+            self._granted = min(self._completed + max(1, window), self.spec.steps)
+            return True
+        return False
+
+    def halt(self, step: int) -> None:
+        """A metric of ``step`` is not finite and the job stops there: no grant widens from now on and no
+        commit past ``step`` counts (one racing in is ignored); the job's commits past it are dropped by
+        the caller (:meth:`JobMetrics.stop <rallypoint.orchestrator.job.metrics.JobMetrics.stop>`)."""
+        self._halted = step if self._halted is None else min(self._halted, step)
+
+    # -- the cut ----------------------------------------------------------------------------------
+
+    def commit(self, slice_name: str, step: int) -> int | None:
+        """A slice's checkpoint commit was heard. Returns the new cut when it moved (None: it did not).
+        Once halted, a commit past the halting step does not count."""
+        if self._halted is not None and step > self._halted:
+            return None
+        self._saved.add((slice_name, step))
+        if slice_name in self._committed and step >= self._cut:
+            self._committed[slice_name].add(step)
+        return self._recut()
+
+    def drop_commit(self, slice_name: str, step: int) -> None:
+        """A commit stops counting (its checkpoint did not restore); the recovery that found it restores
+        from an older cut and says so (:meth:`restored`), which lowers the cut."""
+        self._saved.discard((slice_name, step))
+        self._committed.get(slice_name, set()).discard(step)
+
+    def restored(self, cut: int, commits: Mapping[str, Iterable[int]]) -> int | None:
+        """Runtimes restored from ``cut``; ``commits`` (slice -> steps) are those that still count (etcd's, less
+        any at or past a cut that did not restore).
+
+        The cut becomes ``cut``: lower than before when a recovery fell back past a commit
+        that did not restore. Commits heard before and not in ``commits`` stop counting.
+        Returns the new cut when it moved.
+        """
+        self._committed = {s: {int(c) for c in commits.get(s, ()) if int(c) >= cut} for s in self._ckpt_slices}
+        self._saved = {(s, c) for s, c in self._saved if c in self._committed.get(s, {c})}
+        old, self._cut = self._cut, cut
+        self._floor = {n: f for n, f in self._floor.items() if f > cut}
+        return None if cut == old else cut
+
+    def _recut(self) -> int | None:
+        """Raise the cut to the newest step every slice with states has a commit at (None: it stays)."""
+        if not self._ckpt_slices:
+            return None
+        cut = max(set.intersection(*(self._committed[s] for s in self._ckpt_slices)), default=self._cut)
+        if cut <= self._cut:
+            return None
+        self._cut = cut
+        for s in self._ckpt_slices:
+            self._committed[s] = {c for c in self._committed[s] if c >= cut}
+        self._floor = {n: f for n, f in self._floor.items() if f > cut}
+        return cut
+
+    # -- output logs --------------------------------------------------------------------------------
+
+    def floor(self, nodes: Iterable[str], step: int) -> None:
+        """The output logs of ``nodes`` start at ``step`` (their slices moved there by a drain)."""
+        for n in nodes:
+            self._floor[n] = step
+
+    def reset_floor(self) -> None:
+        """Every runtime restarts from the cut: no log starts past it."""
+        self._floor = {}

@@ -1,0 +1,188 @@
+"""A job's etcd, under the term that started it: fenced writes, outages ridden out, hand-off.
+
+:class:`JobTerm` is how every part of a job reaches etcd. Every write goes through
+the job's :class:`~rallypoint.orchestrator.control.election.TermWriter`, so only the term that
+started the job writes for it; :meth:`JobTerm.until_etcd` retries a call through an
+etcd outage (tenacity on the injected clock) while the term holds; :meth:`JobTerm.hold`
+returns while the term holds, waits out an outage, and raises
+:class:`~rallypoint.orchestrator.job.state.HandedOff` once the term is over. It also
+reads and drops the job's checkpoint commits, fences lost workers and checks
+registrations: the etcd facts a recovery acts on.
+
+It owns ``stop_reason`` (the coordinator stepped down) and nothing of the job's progress
+or placement.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rallypoint.basics.clock import Clock
+from rallypoint.basics.errors import NotLeader, StoreError
+from rallypoint.basics.retry import retrying
+from rallypoint.etcd.commits import CheckpointCommit, commit_record_path, consistent_cut, read_commit_records, \
+    read_commits
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import Delete, Op, Store
+from rallypoint.orchestrator.control.devices import DeviceLeases, fence_worker
+from rallypoint.orchestrator.control.election import LeaderElection, TermWriter
+from rallypoint.orchestrator.job.state import HandedOff, JobFailed
+
+ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
+
+T = TypeVar("T")
+Commits = Mapping[str, list[CheckpointCommit]]
+
+
+class JobTerm:
+    """One job's etcd access under its term (see the module doc).
+
+    Args:
+        job: the job's name.
+        store, keys: the coordination store and the cluster's key schema.
+        election: the leader's election; the job writes under the term it has now.
+        clock: the injected clock (outage retries sleep on it).
+        log: the executor's bound logger.
+        on_unpaused: called when a pause (etcd away) ends with the term still held.
+    """
+
+    def __init__(self, job: str, *, store: Store, keys: Keys, election: LeaderElection, clock: Clock, log: Any,
+                 on_unpaused: Callable[[], None] = lambda: None) -> None:
+        self.job, self.store, self.keys, self.election, self.clock, self.log = job, store, keys, election, clock, log
+        self.term = election.term or 0
+        self.writer = TermWriter(election, self.term)  # this job writes under the term that started it, or not at all
+        self.on_unpaused = on_unpaused
+        self.run_dir: Path | None = None  # where commit records lie beside the checkpoints (resume without etcd's)
+        self.resume = False
+        self._stop_reason: str | None = None
+        self._interrupt: BaseException | None = None
+        self._stop_lock = threading.Lock()
+
+    # -- the term ---------------------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """This coordinator's term ended: the job hands off at its next :meth:`hold` (thread-safe)."""
+        with self._stop_lock:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+
+    def interrupt(self, exc: BaseException) -> None:
+        """End the job at its next :meth:`hold` with ``exc`` (a cancel at once; thread-safe). Every wait of
+        the job (placing, loading, a recovery) holds the term as it waits, so none outlasts it."""
+        with self._stop_lock:
+            if self._interrupt is None:
+                self._interrupt = exc
+
+    @property
+    def over(self) -> bool:
+        return self.writer.over
+
+    def _check(self) -> None:
+        with self._stop_lock:
+            exc, self._interrupt = self._interrupt, None
+        if exc is not None:  # raised once: the cleanup after it holds the term as usual
+            raise exc
+        if self._stop_reason is not None:
+            raise HandedOff(f"the coordinator stepped down: {self._stop_reason}")
+        if self.writer.over:
+            raise HandedOff(f"term {self.term} is over")
+        if not self.writer.holds:
+            raise NotLeader(f"job {self.job}", f"term {self.term} is not held right now")
+        self.election.check()
+
+    def hold(self) -> None:
+        """Return while the term holds; wait out an etcd outage; hand off when the term is over.
+
+        A leader whose lease deadline passed (etcd unreachable, or its quorum lost) is
+        not deposed yet: if etcd answers before the lease expires, the coordinator takes
+        the same term again and the job goes on where it was (``on_unpaused``).
+        """
+        try:
+            self._check()
+            return
+        except NotLeader as exc:
+            self.log.warning("job.paused", reason=exc.reason)
+        try:
+            retrying(clock=self.clock, what="holding the term", log=self.log, retry_on=NotLeader,
+                     stop_after_s=ETCD_OUTAGE_S, initial_s=0.25, max_s=0.25, jitter_s=0.0)(self._check)
+        except NotLeader as exc:
+            raise JobFailed(f"etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({exc.reason}); the next leader "
+                            f"adopts the job, or resume it with `rallypoint resume {self.job}`") from None
+        self.log.info("job.unpaused")
+        self.on_unpaused()
+
+    def until_etcd(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried while etcd is unreachable (up to ``ETCD_OUTAGE_S``) and the term holds."""
+        try:
+            return retrying(clock=self.clock, what=what, log=self.log, retry_on=StoreError, stop_after_s=ETCD_OUTAGE_S,
+                            initial_s=0.25, max_s=1.0, before_sleep=lambda _s: self.hold())(fn)
+        except StoreError as exc:
+            raise JobFailed(f"{what}: etcd stayed unreachable for {ETCD_OUTAGE_S:.0f}s ({exc})") from None
+
+    def txn(self, success: list[Op]) -> None:
+        """A fenced write of this term (raises :class:`NotLeader` or :class:`StoreError`)."""
+        self.writer.txn([], success)
+
+    def write_quietly(self, what: str, success: list[Op]) -> bool:
+        """A fenced write that may fail (etcd away, term lost): logged, not raised. False when it failed."""
+        try:
+            self.writer.txn([], success)
+            return True
+        except (StoreError, NotLeader) as exc:
+            self.log.warning(what, error=str(exc))
+            return False
+
+    def leases(self) -> DeviceLeases:
+        return DeviceLeases(self.store, self.keys, fenced_txn=self.writer.txn, term=self.term)
+
+    # -- commits ------------------------------------------------------------------------------
+
+    def commits(self) -> dict[str, list[CheckpointCommit]]:
+        """The commits of this run: etcd's, or (etcd lost them: a new cluster) the copies beside the checkpoints."""
+        def read() -> dict[str, list[CheckpointCommit]]:
+            commits = read_commits(self.store, self.keys, self.job)
+            if not commits and self.resume and self.run_dir is not None:
+                commits = read_commit_records(self.run_dir)
+            return commits
+        return self.until_etcd("reading checkpoint commits", read)
+
+    @staticmethod
+    def cut_of(commits: Commits, slices: list[str], before: int | None) -> int:
+        """The newest consistent cut of ``commits`` over ``slices`` below ``before`` (0: the inits)."""
+        if not slices:
+            return 0
+        return consistent_cut(commits, slices, before=before) or 0
+
+    def drop_commit(self, slice_name: str, step: int) -> None:
+        """The commit stops counting in etcd and beside the checkpoints (it did not restore)."""
+        self.until_etcd("dropping a corrupt commit", lambda: self.writer.txn(
+            [], [Delete(self.keys.checkpoint(self.job, slice_name, step))], []))
+        if self.run_dir is not None:
+            commit_record_path(self.run_dir, slice_name, step).unlink(missing_ok=True)
+        self.log.warning("checkpoint.decommitted", slice=slice_name, step=step)
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def fence(self, worker: str, incarnation: int) -> None:
+        self.until_etcd(f"fencing worker {worker}",
+                        lambda: fence_worker(self.store, self.keys, self.writer.txn, worker, incarnation))
+
+    def registered(self, worker: str, incarnations: set[int]) -> bool:
+        """Whether ``worker`` is registered as one of ``incarnations``."""
+        kv = self.until_etcd(f"reading worker {worker}", lambda: self.store.get(self.keys.worker(worker)))
+        return kv is not None and kv.create_revision in incarnations
+
+    def gone(self, incarnations: Mapping[str, int]) -> dict[str, str]:
+        """The workers (worker -> incarnation) whose registration is gone from etcd; none while etcd is away."""
+        lost = {}
+        for w, inc in sorted(incarnations.items()):
+            try:
+                kv = self.store.get(self.keys.worker(w))
+            except StoreError:
+                return {}  # etcd is away: nobody is declared lost because of that
+            if kv is None or kv.create_revision != inc:
+                lost[w] = "its etcd registration is gone (lease expired or fenced)"
+        return lost

@@ -1,0 +1,577 @@
+"""Checkpoints of a slice's state: Orbax on disk, a checksum, a commit in etcd.
+
+One :class:`SliceCheckpointer` per (job, slice) on a worker. ``save(step, states)``
+hands Orbax the values of the slice's states after ``step`` and returns once Orbax
+holds its own host copy; Orbax writes and finalizes in the background. A checkpoint
+**counts only after** Orbax has finalized it (the step directory renamed from its
+temporary name) and its commit (job, slice, step, path, checksum, state names) has
+been handed to ``commit``, which :func:`etcd_commit` writes to etcd guarded on the
+worker's incarnation. A save killed half-way therefore leaves the previous commit
+in force. Commits are made by one background thread, in step order.
+
+Orbax checks no content checksums: :func:`state_checksum` (sha256 over every state
+name, leaf dtype, shape and bytes) is recorded with each commit and checked on
+restore; :func:`latest_committed` falls back to older commits past a corrupt one.
+
+On disk each checkpointer writes its own Orbax ``CheckpointManager`` directory,
+``<slice dir>/<writer>/`` (a name unique to it), so two writers of one slice (a zombie
+and its successor, or a replay of a step that already counts) never share a step or
+a temporary directory; each step is a plain Orbax step (item ``default``,
+``StandardSave`` of ``{state name: [leaf arrays]}``): see ``docs/checkpoints.md``.
+Retention deletes a step directory only after the commit naming it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+from tenacity import Retrying
+
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
+from rallypoint.basics.clock import Clock, SystemClock
+from rallypoint.basics.errors import ConfigError, Fenced, RallypointError, WriteIndeterminate
+from rallypoint.basics.retry import retrying
+from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.basics.logs import get_logger
+from rallypoint.etcd.store import Compare, Delete, Put, Store, key_missing, unchanged_since
+from rallypoint.workers import meter
+from rallypoint.workers.checkpoints.checksums import checksum_of, state_checksum
+
+__all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
+           "EtcdCommitter", "checkpoint_within", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
+
+States = dict[str, list[np.ndarray]]
+"""A slice's states: state name -> its value as flat leaves (host arrays)."""
+
+COMMIT_RETRY_S = 30.0
+"""How long a commit is retried while etcd is unreachable."""
+
+
+class CheckpointError(RallypointError):
+    """A checkpoint could not be saved, committed or read."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint does not restore to the state its checksum names."""
+
+    def __init__(self, commit: CheckpointCommit, actual: str | None, reason: str = "") -> None:
+        got = actual if actual is not None else f"none: unreadable ({reason})"
+        super().__init__(
+            f"checkpoint of job {commit.job!r} slice {commit.slice_name!r} at step {commit.step} "
+            f"at {commit.path} is corrupt: committed checksum {commit.checksum}, restored {got}"
+        )
+        self.commit = commit
+        self.actual = actual
+
+
+class CommitRefused(Fenced):
+    """etcd refused a commit: the worker incarnation that made the checkpoint is over."""
+
+
+def metadata_tree(item_dir: Path) -> Any:
+    """The Orbax metadata of a saved ``{state: [leaves]}`` item: each leaf's shape and dtype (and how it was split)."""
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        meta = ckptr.metadata(item_dir)
+    tree = getattr(meta, "item_metadata", meta)
+    return getattr(tree, "tree", tree)
+
+
+def _restore_dir(step_dir: Path) -> States:
+    """Read one step directory with Orbax alone, whole, into host arrays: one written by a slice on one worker, or
+    by the members of a multi-host slice (saved over devices this process does not have: Orbax restores that only
+    into a target it is given, here host arrays of the saved dtypes and shapes, 64-bit ones included)."""
+    import jax
+
+    target = jax.tree_util.tree_map(lambda m: np.empty(tuple(m.shape), np.dtype(m.dtype)),
+                                    metadata_tree(step_dir / "default"))
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        tree = ckptr.restore(step_dir / "default", args=ocp.args.StandardRestore(target))
+    return {name: [np.asarray(x) for x in leaves] for name, leaves in tree.items()}
+
+
+def checkpoint_within(commit: CheckpointCommit, slice_dir: Path) -> Path:
+    """The directory ``commit.path`` names, resolved, once it is checked to lie inside ``slice_dir``.
+
+    A commit comes from etcd (or a commit record on disk): its path is refused when it is
+    relative, has a ``..`` part, or resolves (symlinks followed) outside the slice's
+    checkpoint directory. Raises :class:`CheckpointCorrupt` then, before anything is read.
+    """
+    def refuse(why: str) -> CheckpointCorrupt:
+        get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name).warning(
+            "checkpoint.path_refused", step=commit.step, path=commit.path, slice_dir=str(slice_dir), reason=why)
+        return CheckpointCorrupt(commit, None, f"its path {why}; a commit may only name a step directory "
+                                               f"inside the slice's checkpoint directory {slice_dir}")
+
+    try:
+        check_name("slice", commit.slice_name)
+    except ConfigError as e:
+        raise refuse(f"is of an invalid slice name ({e})") from e
+    p = Path(commit.path)
+    if not p.is_absolute():
+        raise refuse("is not absolute")
+    if ".." in p.parts:
+        raise refuse("has a '..' part")
+    real, base = p.resolve(), Path(slice_dir).absolute().resolve()
+    if real == base or not real.is_relative_to(base):
+        raise refuse(f"resolves to {real}, outside {base}")
+    return real
+
+
+def restore_commit(commit: CheckpointCommit, slice_dir: Path | None = None) -> States:
+    """The states a commit names, read from ``commit.path`` and checked against its checksum.
+
+    With ``slice_dir`` (the slice's checkpoint directory; a worker restoring a commit
+    always passes it), a path outside it is refused unread (:func:`checkpoint_within`).
+
+    Raises :class:`CheckpointCorrupt` when the checkpoint cannot be read, its checksum
+    differs, or its path is refused.
+    """
+    log = get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name)
+    step_dir = checkpoint_within(commit, slice_dir) if slice_dir is not None else Path(commit.path)
+    try:
+        states = _restore_dir(step_dir)
+    except Exception as e:  # any failure to read is a corrupt checkpoint
+        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
+                    actual=None, error=f"{type(e).__name__}: {e}")
+        raise CheckpointCorrupt(commit, None, f"{type(e).__name__}: {e}") from e
+    actual = checksum_of(states, commit.checksum, step_dir)
+    if actual != commit.checksum:
+        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
+                    actual=actual)
+        raise CheckpointCorrupt(commit, actual)
+    return states
+
+
+@dataclass
+class LatestCommitted:
+    """What :func:`latest_committed` found: the newest good commit and what it skipped."""
+
+    commit: CheckpointCommit | None
+    states: States | None
+    skipped: list[tuple[CheckpointCommit, str]] = field(default_factory=list)
+
+
+def latest_committed(commits: Iterable[CheckpointCommit], slice_dir: Path | None = None) -> LatestCommitted:
+    """Restore the newest of one slice's ``commits`` that reads back with its checksum.
+
+    Corrupt or unreadable ones (and, with ``slice_dir``, ones whose path lies outside
+    it: :func:`checkpoint_within`) are skipped (logged ``checkpoint.corrupt``, listed in
+    ``skipped`` with the reason), falling back to older commits; ``commit`` is None
+    when none restores.
+    """
+    found = LatestCommitted(None, None)
+    ordered = sorted(commits, key=lambda c: c.step, reverse=True)
+    if len({(c.job, c.slice_name) for c in ordered}) > 1:
+        raise ValueError("latest_committed takes the commits of one slice of one job")
+    for c in ordered:
+        try:
+            found.states, found.commit = restore_commit(c, slice_dir), c
+            return found
+        except CheckpointCorrupt as e:
+            found.skipped.append((c, str(e)))
+    return found
+
+
+@dataclass
+class _Pending:
+    step: int
+    states: States | None
+    started: float
+
+
+_ORBAX_SAVES = threading.Lock()
+"""Held around every ``CheckpointManager.save`` of the process. Orbax keys the signals between a save's threads
+by a process-wide operation id, which each save bumps and its threads read when they are made: two managers saving
+at once (the slices of one worker) took each other's ids, and one save then waited for a signal never sent (a
+hang), or both wrote into one temporary directory. The lock covers only the synchronous part of a save; the
+writing goes on in the background, as before."""
+
+
+class SliceCheckpointer:
+    """Asynchronous Orbax checkpoints of one slice's states, committed in step order.
+
+    Args:
+        slice_dir: the slice's checkpoint directory (e.g. ``<run>/<slice>``); this
+            checkpointer's Orbax directory is ``slice_dir/<writer>`` (:attr:`directory`)
+            and step ``s`` is written to ``slice_dir/<writer>/<s>``.
+        job, slice_name: whose state this is (in commits and log events).
+        max_to_keep: committed checkpoints kept on disk (None: all). Older ones are
+            deleted after a newer commit, except steps held with :meth:`protect`; so are
+            other writers' finalized steps that old (a step whose commit names another
+            directory is kept by ``forget``).
+        commit: called (on a background thread, in step order) once a checkpoint is
+            finalized; it makes the checkpoint count, e.g. :func:`etcd_commit`. An
+            exception means the checkpoint does not count; :meth:`wait` raises it.
+        log_fields: extra fields bound to every log event (worker, incarnation).
+        forget: called with a step and its directory before retention deletes it: it deletes
+            the step's commit if (and only if) that commit names this directory, and raises
+            (:class:`CommitRefused`) when this writer is fenced; the directory then stays.
+        writer: the name of this checkpointer's directory in ``slice_dir`` (default: a new
+            unique ``w-<hex>``); it must be unique to this checkpointer.
+        replicate: called with each commit and its states once it counts (the in-memory
+            tier copies them to a peer: :mod:`rallypoint.workers.checkpoints.replicas`); must not block.
+    """
+
+    def __init__(self, slice_dir: Path, *, job: str, slice_name: str, max_to_keep: int | None,
+                 commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None,
+                 forget: Callable[[int, str], None] | None = None,
+                 replicate: Callable[[CheckpointCommit, States], None] | None = None,
+                 writer: str | None = None) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise CheckpointError(f"max_to_keep must be None or at least 1, got {max_to_keep}")
+        self.job, self.slice_name = check_name("job", job), check_name("slice", slice_name)
+        self.writer = check_name("checkpoint writer", writer if writer is not None else f"w-{uuid.uuid4().hex[:12]}")
+        self.slice_dir = Path(slice_dir).absolute()
+        self.directory = self.slice_dir / self.writer
+        if self.directory.exists():
+            raise CheckpointError(f"checkpoint writer directory {self.directory} exists: each checkpointer of "
+                                  f"{self.job}/{self.slice_name} needs a writer name of its own")
+        self.max_to_keep = max_to_keep
+        self._commit = commit
+        self._forget = forget
+        self._replicate = replicate
+        self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, writer=self.writer,
+                              **(log_fields or {}))
+        # Orbax's temporary-directory clean-up at start-up sees only this writer's (new, empty) directory:
+        # it never touches another writer's save in flight, a zombie's included.
+        self._manager = self._make_manager()
+        self._orbax = threading.RLock()  # every CheckpointManager call; taken before _cond, never after
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._errors: list[BaseException] = []
+        self._committed: list[int] = []
+        self._protected: Counter[int] = Counter()
+        self._last_step: int | None = None
+        self._closing = False
+        self._closed = False
+        self.commits: list[CheckpointCommit] = []
+        self._thread = threading.Thread(target=self._commit_loop, daemon=True,
+                                        name=f"checkpoint-{job}-{slice_name}")
+        self._thread.start()
+
+    def _make_manager(self) -> Any:
+        return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def _host_tree(self, states: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+        """What is saved of ``states``: here host arrays (Orbax copies them before :meth:`save` returns)."""
+        return {str(name): [np.asarray(x) for x in leaves] for name, leaves in states.items()}
+
+    def _save_step(self, step: int, tree: dict[str, list[Any]]) -> None:
+        """Start Orbax's save of ``tree`` as ``step``; it finalizes in the background."""
+        with _ORBAX_SAVES:
+            self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
+
+    def _checksum(self, item: _Pending) -> str:
+        """The commit's checksum of a finalized save (on the commit thread)."""
+        assert item.states is not None
+        return state_checksum(item.states)
+
+    def save(self, step: int, states: Mapping[str, Sequence[Any]]) -> None:
+        """Start saving the slice's states after ``step`` (version ``step + 1``).
+
+        Returns once Orbax has its host copy of every leaf; it writes and finalizes in
+        the background, then the commit is made. Steps must increase. Orbax runs one
+        save at a time: if the previous one is still writing, this waits for it.
+        """
+        if self._closing:
+            raise CheckpointError(f"checkpointer of {self.job}/{self.slice_name} is closed")
+        tree = self._host_tree(states)
+        empty = [f"{name}[{i}]" for name, leaves in tree.items() for i, x in enumerate(leaves) if x.size == 0]
+        if empty:
+            # Orbax refuses zero size arrays only after it created the step's tmp directory, and
+            # cleaning that up races a retry of the same step: refuse before touching the disk.
+            raise CheckpointError(f"checkpoint of {self.job}/{self.slice_name} after step {step}: leaves "
+                                  f"{empty} have zero size, which Orbax cannot save")
+        started = time.monotonic()
+        with self._orbax:
+            if step < 0 or (self._last_step is not None and step <= self._last_step):
+                raise CheckpointError(f"checkpoint steps of {self.job}/{self.slice_name} must increase: "
+                                      f"{step} after {self._last_step}")
+            # A step that exists is never replaced in place: steps increase within this writer's directory, and a
+            # step saved again by a later writer (a replay) goes to that writer's directory, while the commit an
+            # earlier writer made keeps naming its own until the new commit replaces it.
+            try:
+                self._save_step(step, tree)
+            except Exception as e:
+                self.log.error("checkpoint.save_failed", step=step, error=f"{type(e).__name__}: {e}")
+                raise CheckpointError(f"saving {self.job}/{self.slice_name} after step {step} failed: {e}") from e
+            self._last_step = step
+        blocking_s = time.monotonic() - started
+        meter.checkpoint_blocking(self.job, blocking_s)  # the goodput bucket checkpoint_blocking (docs/metrics.md)
+        self.log.debug("checkpoint.started", step=step, blocking_s=round(blocking_s, 4))
+        with self._cond:
+            self._queue.append(_Pending(step, tree, started))
+            self._cond.notify_all()
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest step whose save started (None: none yet); a later save must be of a greater step."""
+        return self._last_step
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every save so far is finalized and committed (or failed).
+
+        Raises the first error since the last call (a failed save or a refused commit).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._queue, timeout=timeout_s):
+                raise CheckpointError(f"checkpoints of {self.job}/{self.slice_name} still pending "
+                                      f"after {timeout_s}s: steps {[p.step for p in self._queue]}")
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Finish pending saves and commits (errors are logged, not raised), then close Orbax."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._orbax:
+            self._manager.close()
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps saved but not yet finalized and committed."""
+        with self._cond:
+            return [p.step for p in self._queue]
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            try:
+                self._finish(item)
+                self._apply_retention()
+            except Exception as e:  # noqa: BLE001 - reported through wait()
+                with self._cond:
+                    self._errors.append(e)
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def _finish(self, item: _Pending) -> None:
+        try:
+            self._manager.wait_until_finished()  # no lock: joins Orbax's finalize thread
+        except Exception as e:  # noqa: BLE001 - the directory check below decides
+            self.log.warning("checkpoint.finalize_error", step=item.step, error=f"{type(e).__name__}: {e}")
+        path = self._finalized_path(item.step)
+        if path is None:
+            self.log.error("checkpoint.save_failed", step=item.step, reason="not finalized by Orbax")
+            raise CheckpointError(f"Orbax did not finalize the checkpoint of {self.job}/{self.slice_name} "
+                                  f"after step {item.step} in {self.directory}")
+        assert item.states is not None
+        nbytes = sum(int(x.nbytes) for v in item.states.values() for x in v)
+        finalized = time.monotonic()
+        meter.checkpoint_saved(self.job, finalized - item.started)
+        self.log.info("checkpoint.saved", step=item.step, path=str(path), bytes=nbytes,
+                      save_s=round(finalized - item.started, 4))
+        c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), self._checksum(item),
+                             tuple(sorted(item.states)))
+        states, item.states = item.states, None
+        try:
+            self._commit(c)
+        except Exception as e:
+            self.log.error("checkpoint.commit_failed", step=c.step, error=f"{type(e).__name__}: {e}")
+            raise
+        meter.checkpoint_committed(self.job, time.monotonic() - finalized)
+        with self._cond:
+            self._committed.append(c.step)
+            self.commits.append(c)
+        self.log.info("checkpoint.committed", step=c.step, path=c.path, checksum=c.checksum,
+                      commit_s=round(time.monotonic() - item.started, 4))
+        if self._replicate is not None:  # it counts: a peer may now keep a copy in memory
+            self._replicate(c, states)
+
+    def _finalized_path(self, step: int) -> Path | None:
+        for p in ocp.path.step.checkpoint_steps_paths(self.directory):
+            if ocp.path.step.step_from_checkpoint_name(p.name) == step:
+                return Path(str(p))
+        return None
+
+    # -- retention ------------------------------------------------------------------------
+
+    def protect(self, step: int) -> None:
+        """Never delete ``step`` until as many :meth:`release` calls (a log or a restore needs it)."""
+        with self._cond:
+            self._protected[step] += 1
+
+    def release(self, step: int) -> None:
+        """Drop one :meth:`protect` of ``step``; retention may then delete it."""
+        with self._cond:
+            if self._protected[step] <= 0:
+                raise CheckpointError(f"step {step} of {self.job}/{self.slice_name} is not protected")
+            self._protected[step] -= 1
+            if not self._protected[step]:
+                del self._protected[step]
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Delete every step older than the ``max_to_keep``-th newest commit, unless protected:
+        this writer's, then other writers' finalized ones in the slice directory.
+
+        Each goes only after ``forget`` dropped its commit (or found that the commit names
+        another directory); when ``forget`` refuses (this writer is fenced), nothing more is
+        deleted: a zombie never deletes what a live commit names.
+        """
+        if self.max_to_keep is None:
+            return
+        with self._orbax:
+            with self._cond:
+                if len(self._committed) < self.max_to_keep:
+                    return
+                keep_from = sorted(self._committed)[-self.max_to_keep]
+                held = set(self._protected) | {p.step for p in self._queue}
+            try:
+                for s in [s for s in self._manager.all_steps() if s < keep_from and s not in held]:
+                    if self._forget is not None:
+                        self._forget(s, str(self.directory / str(s)))  # it stops counting before its data goes
+                    self._manager.delete(s)
+                    self.log.info("checkpoint.deleted", step=s)
+                    with self._cond:
+                        self._committed = [c for c in self._committed if c != s]
+                for s, path in self._other_writers_steps():
+                    if s >= keep_from or s in held:
+                        continue
+                    if self._forget is not None:
+                        self._forget(s, str(path))
+                    try:
+                        shutil.rmtree(path)
+                    except OSError as e:
+                        self.log.warning("checkpoint.delete_failed", step=s, path=str(path), error=str(e))
+                        continue
+                    self.log.info("checkpoint.deleted", step=s, path=str(path))
+            except CommitRefused as e:
+                self.log.warning("checkpoint.retention_refused", error=str(e))
+
+    def _other_writers_steps(self) -> list[tuple[int, Path]]:
+        """Finalized steps of the slice's other writers (earlier incarnations, replays): (step, directory)."""
+        out: list[tuple[int, Path]] = []
+        try:
+            writers = [d for d in self.slice_dir.iterdir()
+                       if d.name != self.writer and not d.is_symlink() and d.is_dir()]
+            for d in writers:
+                out += [(int(p.name), p) for p in d.iterdir() if p.name.isdigit() and not p.is_symlink() and p.is_dir()]
+        except OSError as e:
+            self.log.warning("checkpoint.list_failed", path=str(self.slice_dir), error=str(e))
+        return sorted(out)
+
+    def steps_on_disk(self) -> list[int]:
+        """Steps Orbax has finalized in this writer's directory."""
+        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, step: int, expected_checksum: str) -> States:
+        """The states this checkpointer saved after ``step``, checked against the checksum.
+
+        Raises :class:`CheckpointCorrupt` (naming both checksums) on a mismatch or when
+        the checkpoint cannot be read.
+        """
+        c = CheckpointCommit(self.job, self.slice_name, step, str(self.directory / str(step)), expected_checksum)
+        with self._orbax:
+            return restore_commit(c, self.slice_dir)
+
+
+# -- commits in etcd ----------------------------------------------------------------------
+
+
+class EtcdCommitter:
+    """A ``commit`` for :class:`SliceCheckpointer` that writes the commit JSON at
+    ``keys.checkpoint(job, slice, step)`` in a transaction guarded by ``guard``:
+    ``created_at(keys.worker(worker_id), incarnation)``, so a zombie incarnation
+    cannot commit (:class:`CommitRefused`). Unreachable etcd is retried for
+    ``COMMIT_RETRY_S`` of ``clock`` (the shared policy: :func:`rallypoint.basics.retry.retrying`);
+    an indeterminate write is resolved by reading the key back.
+    :meth:`forget` deletes a commit (before retention deletes its checkpoint).
+    """
+
+    def __init__(self, store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> None:
+        if guard.target != "create" or guard.op != "==" or not guard.key.startswith(keys.workers):
+            raise ValueError(f"the commit guard must be created_at(keys.worker(worker_id), incarnation), got {guard}")
+        self.store, self.keys, self.guard = store, keys, guard
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self.worker, self.incarnation = keys.tail(guard.key, keys.workers)[0], int(guard.value)
+        self.log = get_logger("rallypoint.checkpoint", worker=self.worker, incarnation=self.incarnation)
+
+    def _retrying(self, what: str) -> Retrying:
+        return retrying(clock=self.clock, what=what, log=self.log, stop_after_s=COMMIT_RETRY_S,
+                        initial_s=0.05, max_s=1.0)
+
+    def _refused(self, what: str) -> CommitRefused:
+        return CommitRefused(f"worker {self.worker} incarnation {self.incarnation}",
+                             f"its incarnation is over; {what} refused")
+
+    def __call__(self, c: CheckpointCommit) -> None:
+        key = self.keys.checkpoint(c.job, c.slice_name, c.step)
+        value = json.dumps(c.to_json() | {"worker": self.worker, "incarnation": self.incarnation, "at": time.time()})
+        for attempt in self._retrying(f"checkpoint commit {c.job}/{c.slice_name}@{c.step}"):
+            with attempt:
+                try:
+                    r = self.store.txn([self.guard], [Put(key, value)])
+                except WriteIndeterminate:
+                    kv = self.store.get(key)
+                    if kv is not None and kv.value == value.encode():
+                        return
+                    raise
+                if not r.succeeded:
+                    raise self._refused(f"commit of {c.job}/{c.slice_name} step {c.step}")
+
+    def forget(self, job: str, slice_name: str, step: int, path: str | None = None) -> None:
+        """Delete the commit of ``slice_name`` at ``step``: that checkpoint no longer counts.
+
+        With ``path``, only a commit naming that directory is deleted (one naming another
+        writer's directory stays). Raises :class:`CommitRefused` when this incarnation is
+        over, so the caller keeps the directory.
+        """
+        key = self.keys.checkpoint(job, slice_name, step)
+        for attempt in self._retrying(f"forget checkpoint commit {job}/{slice_name}@{step}"):
+            with attempt:
+                for _ in range(8):  # the key changed between the read and the delete: look again
+                    kv = self.store.get(key)
+                    ours = kv is not None and (path is None or _same_path(_commit_path(kv.value), path))
+                    at = unchanged_since(key, kv.mod_revision) if kv is not None else key_missing(key)
+                    if self.store.txn([self.guard, at], [Delete(key)] if ours else []).succeeded:
+                        return
+                    if not self.store.txn([self.guard], []).succeeded:
+                        raise self._refused(f"forgetting the commit of {job}/{slice_name} step {step}")
+                raise CheckpointError(f"the commit of {job}/{slice_name} step {step} kept changing while "
+                                      "it was being forgotten")
+
+
+def _commit_path(value: bytes) -> str | None:
+    try:
+        path = json.loads(value).get("path")
+    except (ValueError, AttributeError):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _same_path(a: str | None, b: str) -> bool:
+    return a is not None and os.path.normpath(a) == os.path.normpath(b)
+
+
+def etcd_commit(store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> EtcdCommitter:
+    """The :class:`EtcdCommitter` of one worker incarnation."""
+    return EtcdCommitter(store, keys, guard, clock=clock)
