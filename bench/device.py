@@ -45,7 +45,7 @@ from bench.dispatch import pipeline_module, run_both  # noqa: E402
 from rallypoint.basics.logs import configure  # noqa: E402
 from rallypoint.client import Program  # noqa: E402
 from rallypoint.client.compile import compile_program  # noqa: E402
-from rallypoint.client.submit import submit  # noqa: E402
+from rallypoint.client.submission import submit  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 
 LR = 1e-3

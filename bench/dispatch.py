@@ -42,7 +42,7 @@ import importlib.util  # noqa: E402
 
 from rallypoint.client.compile import CompiledProgram, compile_program  # noqa: E402
 from rallypoint.client.reference import ReferenceExecutor  # noqa: E402
-from rallypoint.client.submit import submit  # noqa: E402
+from rallypoint.client.submission import submit  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 from rallypoint.basics.logs import configure  # noqa: E402
 

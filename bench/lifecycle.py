@@ -58,7 +58,7 @@ from rallypoint.client.compile import CompiledProgram, compile_program  # noqa: 
 from rallypoint.client.commands.faults import Fault, FaultInjector  # noqa: E402
 from rallypoint.client.lifecycle import control, submit_detached, watch  # noqa: E402
 from rallypoint.client.reference import ReferenceExecutor  # noqa: E402
-from rallypoint.client.submit import JobStoppedError, resume, submit  # noqa: E402
+from rallypoint.client.submission import JobStoppedError, resume, submit  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 from rallypoint.etcd.cluster_view import read_cluster  # noqa: E402
 from rallypoint.proto import rallypoint_pb2 as pb  # noqa: E402

@@ -108,7 +108,7 @@ def run_reference(compiled: CompiledProgram) -> list[float]:
 
 def run_cluster(compiled: CompiledProgram, variant: str, repeats: int, skip: int) -> dict[str, Any]:
     """The program on a fresh embedded cluster, ``repeats`` times; or why it could not run."""
-    from rallypoint.client.submit import submit
+    from rallypoint.client.submission import submit
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 
     devices = compiled.program.slices["dp"].devices if variant == "dp" else 2

@@ -236,7 +236,7 @@ def cluster_runs(steps: int, kill_at: int, kill_repeats: int = 3, every: int = 2
     save waits for the one before it: at every few 15 ms steps the saves, not the steps, would be timed)."""
     from rallypoint.client.compile import compile_program
     from rallypoint.client.jobfile import load_program
-    from rallypoint.client.submit import submit
+    from rallypoint.client.submission import submit
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
     from rallypoint.proto import rallypoint_pb2 as pb
 

@@ -41,7 +41,7 @@ ensure_host_devices(8)
 from bench.dispatch import pipeline_args, pipeline_module  # noqa: E402
 from rallypoint.client.compile import compile_program  # noqa: E402
 from rallypoint.client.commands.faults import Fault, FaultInjector  # noqa: E402
-from rallypoint.client.submit import submit  # noqa: E402
+from rallypoint.client.submission import submit  # noqa: E402
 from rallypoint.orchestrator.job.recovery import PHASES  # noqa: E402
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E402
 from rallypoint.basics.logs import configure  # noqa: E402

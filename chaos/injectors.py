@@ -396,7 +396,7 @@ class Injectors:
 
     def suspend(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
         from rallypoint.client.lifecycle import control
-        from rallypoint.client.submit import JobError
+        from rallypoint.client.submission import JobError
 
         try:
             reply = control(self.t.job, "suspend", endpoints=self.t.lc.endpoints, cluster=self.t.lc.keys.cluster,

@@ -156,7 +156,7 @@ class ScenarioRun:
     def _cluster_reference(self) -> Any:
         """The job run fault-free on the scenario's own cluster (``[job] reference = "cluster"``): a multi-host
         slice's collectives sum across processes in another order than one process does (docs/multihost.md)."""
-        from rallypoint.client.submit import submit
+        from rallypoint.client.submission import submit
 
         s, lc = self.s, self.lc
         self.say({"event": "chaos.reference", "on": "cluster"})
@@ -168,14 +168,14 @@ class ScenarioRun:
         """Submit, then follow the job to its end through leader losses (and the scenario's suspends).
 
         No operator steps in after a leader loss: a new leader adopts the job by itself and the
-        client follows it there (``WatchJob``, :class:`~rallypoint.client.submit.JobFollower`).
+        client follows it there (``WatchJob``, :class:`~rallypoint.client.submission.JobFollower`).
         ``self.resumes`` (the summary's ``resumes``) stays empty: nothing resumes a lost job.
         A job that ends SUSPENDED by the scenario's own suspend (``kind = "suspend"``) is resumed
         after that suspend's ``resume_after_s`` (``ResumeJob``, as
-        :func:`~rallypoint.client.submit.resume` calls it, followed by the same follower, so that the
+        :func:`~rallypoint.client.submission.resume` calls it, followed by the same follower, so that the
         final event still carries the final states) and followed on; ``self.suspends`` keeps each.
         """
-        from rallypoint.client.submit import JobError, JobFollower
+        from rallypoint.client.submission import JobError, JobFollower
 
         lc = self.lc
         call: Callable[[Any], Any] = lambda stub: stub.SubmitJob(spec)
@@ -249,7 +249,7 @@ class ScenarioRun:
 
     def _second_job(self) -> None:
         """Submit the scenario's second job once the first reaches its step; follow it to its end."""
-        from rallypoint.client.submit import JobError, submit
+        from rallypoint.client.submission import JobError, submit
 
         threading.current_thread().name = "second-job"
         sj = self.s.second_job

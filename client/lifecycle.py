@@ -3,7 +3,7 @@
 * :func:`submit_detached` submits (``SubmitJob``, with an idempotency key) and returns once
   the job runs (``job.started``: placed and loaded), with its name, run id and placement.
 * :func:`watch` follows a job from now to its end (``WatchJob``, through leader changes,
-  like :func:`~rallypoint.client.submit.submit`); its first event, ``job.watching``, says
+  like :func:`~rallypoint.client.submission.submit`); its first event, ``job.watching``, says
   what happened before (its run, recoveries and drains).
 * :func:`control` asks the leader to cancel or suspend a job (``CancelJob`` / ``SuspendJob``);
   the reply comes once the request is taken, the job stops at its next step boundary.
@@ -24,10 +24,10 @@ from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
-from rallypoint.client.submit import FOLLOW_S, JobError, JobFollower, JobStoppedError, ended
+from rallypoint.client.submission import FOLLOW_S, JobError, JobFollower, JobStoppedError, ended
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import EtcdStore
-from rallypoint.orchestrator.job.state import END_EVENTS
+from rallypoint.orchestrator.api import END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 

@@ -20,7 +20,7 @@ from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_results
 from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.store import Store
-from rallypoint.orchestrator.control.devices import DeviceLeases
+from rallypoint.orchestrator import api
 from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
 
 
@@ -69,7 +69,7 @@ def begin_drain(store: Store, keys: Keys, worker: str, *, by: str, deadline_s: f
             raise DrainRefused(f"cannot drain worker {worker}: {reason}. Nothing was changed")
     cordoned_now = not ws.cordoned
     if cordoned_now:
-        DeviceLeases(store, keys).cordon(worker, by="drain")
+        api.cordon(store, keys, worker, by="drain")
     req = request_drain(store, keys, worker, reason="operator", by=by, deadline_s=deadline_s)
     return req, cordoned_now
 
@@ -105,4 +105,4 @@ def end_drain(store: Store, keys: Keys, req: DrainRequest, outcome: DrainOutcome
     """Remove the request; a cancelled drain also takes back the cordon it put."""
     store.delete(keys.drain(req.worker))
     if outcome.state == "cancelled" and cordoned_now:
-        DeviceLeases(store, keys).uncordon(req.worker)
+        api.uncordon(store, keys, req.worker)

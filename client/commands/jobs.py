@@ -33,7 +33,7 @@ def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
     if kv is None:
         raise RallypointError(f"cluster {keys.cluster!r} has no job {job!r}; `rallypoint status` takes a job name "
                               "that was submitted to this cluster")
-    from rallypoint.orchestrator.job.runs import old_runs, run_of
+    from rallypoint.orchestrator.api import old_runs, run_of
 
     record = kv.json()
     record["run"] = run_of(record)
@@ -57,7 +57,7 @@ def job_rows(store: Any, keys: Any, *, history: bool = True) -> list[dict[str, A
     from collections import Counter
 
     from rallypoint.etcd.cluster_view import job_records, read_cluster
-    from rallypoint.orchestrator.job.runs import old_runs, run_of
+    from rallypoint.orchestrator.api import old_runs, run_of
 
     records = job_records(store, keys)
     snap = read_cluster(store, keys)
@@ -199,7 +199,7 @@ def resume(state_dir: Path, cluster: str | None, job: str, checkpoint_dir: str, 
     it already runs, this follows it). Exit status as `rallypoint watch`."""
     from rallypoint.client.lifecycle import resume_detached
     from rallypoint.client.commands.output import stops
-    from rallypoint.client.submit import resume as resume_job
+    from rallypoint.client.submission import resume as resume_job
 
     check_name("job", job)
     addr = resolve_cluster(state_dir, cluster)
@@ -250,7 +250,7 @@ def delete_run(state_dir: Path, cluster: str | None, job: str, run: str, checkpo
 
     A new run (`rallypoint run ... --new-run`) keeps the old one under its run id; this, or the
     coordinators' --keep-runs retention, is the only way an old run goes."""
-    from rallypoint.orchestrator.job.runs import check_run_id, delete_run as delete
+    from rallypoint.orchestrator.api import check_run_id, delete_run as delete
 
     check_name("job", job)
     check_run_id(run)

@@ -64,8 +64,8 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
     Shows what happened before (recoveries, drains), then its progress. Ctrl-C detaches: the
     job goes on. Exit status: 0 finished, 1 failed, 3 cancelled, 4 suspended, 130 detached."""
     from rallypoint.client.lifecycle import watch as follow
-    from rallypoint.client.submit import JobStoppedError
-    from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
+    from rallypoint.client.submission import JobStoppedError
+    from rallypoint.orchestrator.api import FINAL_RECORD_STATES
 
     check_name("job", job)
     record, _keys = _record(state_dir, cluster, job)
@@ -125,7 +125,7 @@ def watch(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> None
 def _stop(action: str, state_dir: Path, cluster: str | None, job: str, checkpoint: bool, reason: str, no_wait: bool,
           as_json: bool) -> None:
     from rallypoint.client.lifecycle import control, watch as follow
-    from rallypoint.client.submit import JobError, JobStoppedError
+    from rallypoint.client.submission import JobError, JobStoppedError
 
     check_name("job", job)
     addr = resolve_cluster(state_dir, cluster)
@@ -225,9 +225,9 @@ def describe_line(ev: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="The log's lines as they are (JSON).")
 def logs(state_dir: Path, cluster: str | None, job: str, follow: bool, checkpoint_dir: str, as_json: bool) -> None:
     """Print JOB's events (placed, started, recoveries, drains, stops, its end) from its run directory."""
-    from rallypoint.orchestrator.job.record import EVENTS_FILE
-    from rallypoint.orchestrator.job.state import END_EVENTS
-    from rallypoint.orchestrator.job.runs import run_dir
+    from rallypoint.orchestrator.api import EVENTS_FILE
+    from rallypoint.orchestrator.api import END_EVENTS
+    from rallypoint.orchestrator.api import run_dir
 
     check_name("job", job)
     if checkpoint_dir:

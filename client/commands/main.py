@@ -268,11 +268,11 @@ def metrics(state_dir: Path, cluster: str | None, as_json: bool) -> None:
 @click.argument("worker")
 def cordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     """Stop new device leases on WORKER (its current leases stay)."""
-    from rallypoint.orchestrator.control.devices import DeviceLeases
+    from rallypoint.orchestrator import api
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
-        DeviceLeases(store, keys).cordon(worker)
+        api.cordon(store, keys, worker)
     finally:
         store.close()
     click.echo(f"worker {worker} cordoned")
@@ -283,11 +283,11 @@ def cordon(state_dir: Path, cluster: str | None, worker: str) -> None:
 @click.argument("worker")
 def uncordon(state_dir: Path, cluster: str | None, worker: str) -> None:
     """Allow new device leases on WORKER again."""
-    from rallypoint.orchestrator.control.devices import DeviceLeases
+    from rallypoint.orchestrator import api
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
-        was = DeviceLeases(store, keys).uncordon(worker)
+        was = api.uncordon(store, keys, worker)
         store.delete(keys.drain(worker))  # a drain still pending stops with it
     finally:
         store.close()
@@ -353,12 +353,12 @@ def drain(state_dir: Path, cluster: str | None, worker: str, deadline_s: float, 
 @click.option("--slice", "slice_name", default=None, help="Only this virtual slice of the job.")
 def release(state_dir: Path, cluster: str | None, job: str, slice_name: str | None) -> None:
     """Release the device leases held by JOB (or one of its slices)."""
-    from rallypoint.orchestrator.control.devices import DeviceLeases
+    from rallypoint.orchestrator import api
 
     check_name("job", job)
     store, keys = store_and_keys(state_dir, cluster)
     try:
-        n = DeviceLeases(store, keys).release(job, slice_name)
+        n = api.release(store, keys, job, slice_name)
     finally:
         store.close()
     click.echo(f"released {n} devices of {job}{'/' + slice_name if slice_name else ''}")

@@ -38,7 +38,7 @@ def detached(job: str, step: int | None = None) -> None:
 @contextlib.contextmanager
 def stops(job: str, *, attached: bool) -> Iterator[None]:
     """A job suspended or cancelled exits 4 or 3 with why; Ctrl-C of a client of a cluster that stays detaches."""
-    from rallypoint.client.submit import JobStoppedError
+    from rallypoint.client.submission import JobStoppedError
 
     try:
         yield

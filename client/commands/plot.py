@@ -34,7 +34,7 @@ from rallypoint.client.commands.clusters import DEFAULT_STATE_DIR, cluster_optio
 from rallypoint.etcd.keys import check_name
 
 if TYPE_CHECKING:
-    from rallypoint.orchestrator.job.metrics import MetricsRun
+    from rallypoint.orchestrator.api import MetricsRun
 
 F = TypeVar("F", bound=Callable[..., Any])
 KEPT_RUNS = "runs"  # STATE_DIR/runs/<job>/<run id>/metrics.jsonl: what an embedded run keeps
@@ -72,7 +72,7 @@ class FoundRun:
 
 def _under_root(root: Path, job: str, run: str) -> FoundRun | None:
     """The run ``run`` (or the one LATEST names) of ``job`` under a checkpoint root; None: the job has none there."""
-    from rallypoint.orchestrator.job.runs import check_run_id
+    from rallypoint.orchestrator.api import check_run_id
 
     base = root / job
     if not run:
@@ -87,7 +87,7 @@ def _under_root(root: Path, job: str, run: str) -> FoundRun | None:
 
 def _from_record(state_dir: Path, cluster: str | None, job: str, run: str) -> FoundRun | None:
     """The run directory the job's etcd record names (the current run; ``run``: an earlier one kept in etcd)."""
-    from rallypoint.orchestrator.job.runs import RUN_ID, old_runs, run_of
+    from rallypoint.orchestrator.api import RUN_ID, old_runs, run_of
 
     store, keys = store_and_keys(state_dir, cluster)
     try:
@@ -108,7 +108,7 @@ def _from_record(state_dir: Path, cluster: str | None, job: str, run: str) -> Fo
 def find_run(job: str, *, run: str = "", checkpoint_dir: Path | None = None, state_dir: Path = Path(DEFAULT_STATE_DIR),
              cluster: str | None = None) -> FoundRun:
     """The run of ``job`` to plot (see the module doc). Raises ConfigError naming where it looked."""
-    from rallypoint.orchestrator.job.runs import check_run_id
+    from rallypoint.orchestrator.api import check_run_id
 
     check_name("job", job)
     if run:
@@ -244,7 +244,7 @@ def plot(state_dir: Path, cluster: str | None, job: str, metric: str | None, run
     From the run's metrics.jsonl (docs/metrics.md): on a running cluster (--state-dir, --cluster),
     or after `rallypoint run` on its embedded cluster has ended (it keeps the run's metrics under
     .rallypoint/runs), or from --checkpoint-dir."""
-    from rallypoint.orchestrator.job.metrics import read_metrics
+    from rallypoint.orchestrator.api import read_metrics
 
     found = find_run(job, run=run_id, checkpoint_dir=checkpoint_dir, state_dir=state_dir, cluster=cluster)
     if not found.path.is_file():

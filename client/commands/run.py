@@ -217,7 +217,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
     import tempfile
 
     from rallypoint.client.commands.faults import FaultInjector
-    from rallypoint.client.submit import submit
+    from rallypoint.client.submission import submit
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
     from rallypoint.proto import rallypoint_pb2 as pb
 

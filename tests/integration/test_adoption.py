@@ -26,7 +26,7 @@ import pytest
 
 from rallypoint.chaos.runner import LeaseHistory
 from rallypoint.client.compile import CompiledProgram
-from rallypoint.client.submit import submit
+from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import read_cluster

@@ -77,7 +77,7 @@ def test_a_slice_shrinks_onto_fewer_devices_after_a_loss_then_grows_back_within_
 def test_shrink_is_refused_at_submit_for_a_job_whose_slices_cannot_run_on_fewer_devices(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    from rallypoint.client.submit import JobError
+    from rallypoint.client.submission import JobError
 
     compiled = compile_program(example("pipeline_mlp").build(steps=4))
     lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)

@@ -20,7 +20,7 @@ import pytest
 
 from rallypoint.client.compile import compile_program
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.client.submit import submit
+from rallypoint.client.submission import submit
 from rallypoint.chaos.network import partitionable_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.etcd.cluster_view import read_cluster

@@ -35,7 +35,7 @@ from rallypoint.client.compile import compile_program
 from rallypoint.client.commands.faults import Fault
 from rallypoint.client.jobfile import load_program
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.client.submit import JobError
+from rallypoint.client.submission import JobError
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.control.devices import DeviceLeases

@@ -19,7 +19,7 @@ from rallypoint.client import Program
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.commands.jobs import job_rows
-from rallypoint.client.submit import submit
+from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults

@@ -21,7 +21,7 @@ from rallypoint.cli import main as cli_main
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.lifecycle import control, submit_detached, watch
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.client.submit import JobStoppedError, resume
+from rallypoint.client.submission import JobStoppedError, resume
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -291,7 +291,7 @@ def counter(name: str, steps: int) -> CompiledProgram:
 def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_the_lower_resumes_by_itself(
     lc: LocalCluster,
 ) -> None:
-    from rallypoint.client.submit import submit
+    from rallypoint.client.submission import submit
 
     low, high = counter("background", 400), counter("urgent", 60)
     low_reference = ReferenceExecutor(low).run().state_digest
@@ -326,7 +326,7 @@ def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_t
 
 
 def test_bad_lifecycle_requests_are_refused_with_what_to_do_and_change_nothing(lc: LocalCluster) -> None:
-    from rallypoint.client.submit import submit
+    from rallypoint.client.submission import submit
 
     assert submit(counter("tiny", 6), **where(lc), **QUIET).steps == 6  # a job that is over
     store = lc.store()

@@ -23,7 +23,7 @@ import pytest
 
 from rallypoint.client import Program
 from rallypoint.client.compile import compile_program
-from rallypoint.client.submit import JobError, submit
+from rallypoint.client.submission import JobError, submit
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import read_commit_records, read_commits

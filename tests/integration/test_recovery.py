@@ -24,8 +24,8 @@ import pytest
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.reference import ReferenceExecutor, RunResult
-from rallypoint.client import submit as submit_module
-from rallypoint.client.submit import JobError, submit
+from rallypoint.client import submission as submit_module
+from rallypoint.client.submission import JobError, submit
 from rallypoint.etcd.commits import consistent_cut, read_commits
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig

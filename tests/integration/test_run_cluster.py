@@ -12,7 +12,7 @@ import pytest
 
 from rallypoint.client.compile import compile_program
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.client.submit import JobError, submit
+from rallypoint.client.submission import JobError, submit
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from tests.client.test_cli import ROOT, rp

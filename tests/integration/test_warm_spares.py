@@ -24,7 +24,7 @@ from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import ReferenceExecutor, RunResult
-from rallypoint.client.submit import JobError, submit
+from rallypoint.client.submission import JobError, submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.examples import example
@@ -118,7 +118,7 @@ def test_the_coordinator_refuses_a_negative_warm_spares_naming_the_field(
     lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=1)
     spec = job_spec(compiled)
     spec.warm_spares = -2  # past the client's check, as another client might send it
-    from rallypoint.client import submit as submit_mod
+    from rallypoint.client import submission as submit_mod
 
     with pytest.raises(JobError, match="warm_spares must be >= 0"):
         submit_mod._follow(spec.job, lc.endpoints, lc.keys.cluster, lambda stub: stub.SubmitJob(spec),

@@ -24,7 +24,7 @@ from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.store import EtcdStore
-from rallypoint.orchestrator.job.state import END_EVENTS
+from rallypoint.orchestrator.api import END_EVENTS
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of
 from rallypoint.proto import codec
