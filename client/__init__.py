@@ -2,8 +2,6 @@
 
 Everything a job file or a library user needs is imported from here::
 
-    from rallypoint.client import Program, gather, compile_program
-
     from rallypoint.client import Program, gather, compile_program, submit
 
 * the program: :class:`Program` (``Program.from_step`` for a user's own train step), :func:`gather`,
