@@ -418,7 +418,7 @@ class JobEventsRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class InstanceDone(_message.Message):
-    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s", "busy_s", "saving_s")
+    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s", "busy_s", "saving_s", "group_lost")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +440,7 @@ class InstanceDone(_message.Message):
     COMPILE_S_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     SAVING_S_FIELD_NUMBER: _ClassVar[int]
+    GROUP_LOST_FIELD_NUMBER: _ClassVar[int]
     node: str
     step: int
     microbatch: int
@@ -454,7 +455,14 @@ class InstanceDone(_message.Message):
     compile_s: float
     busy_s: float
     saving_s: float
-    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., saving_s: _Optional[float] = ...) -> None: ...
+    group_lost: GroupLoss
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., saving_s: _Optional[float] = ..., group_lost: _Optional[_Union[GroupLoss, _Mapping]] = ...) -> None: ...
+
+class GroupLoss(_message.Message):
+    __slots__ = ("member_worker",)
+    MEMBER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    member_worker: str
+    def __init__(self, member_worker: _Optional[str] = ...) -> None: ...
 
 class RewireRequest(_message.Message):
     __slots__ = ("to", "job", "routes", "resend_to", "from_step", "until_step", "replica_targets")

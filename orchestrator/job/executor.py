@@ -370,8 +370,9 @@ class JobExecutor:
                 self.log.info("job.cut", step=self.progress.cut)
                 self._grant()
             return
-        if "GroupLost: " in item.error:  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
-            lost, alive = self.places.group_lost(worker, f"node {item.node!r} at step {item.step}: {item.error}")
+        if item.HasField("group_lost"):  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
+            lost, alive = self.places.group_lost(worker, item.group_lost.member_worker,
+                                                 f"node {item.node!r} at step {item.step}: {item.error}")
             self._recover(lost, unload=alive)
             return
         if item.error:

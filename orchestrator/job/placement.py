@@ -20,7 +20,6 @@ It takes every device lease the job holds, in fenced etcd transactions of the jo
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -104,12 +103,12 @@ class JobPlacement:
             out.setdefault(w, why)  # no slice of the job is on it: the recovery leaves it out of the new gang
         return out, frozenset(out) - set(lost)
 
-    def group_lost(self, lead: str, error: str) -> tuple[dict[str, str], frozenset[str]]:
-        """The losses a lead's ``GroupLost`` instance error amounts to: the lead (alive: it said so), and the
-        member's worker it names (``on worker W:``, as :class:`~rallypoint.workers.gang.link.RemoteMember`
-        says it); and the lead, to unload rather than fence."""
+    def group_lost(self, lead: str, member_worker: str, error: str) -> tuple[dict[str, str], frozenset[str]]:
+        """The losses a lead's instance failure with ``group_lost`` amounts to: the lead (alive: it said so), and
+        ``member_worker``, the worker of the member that was lost, when it is one of the lead's gang members
+        (the lead's own worker or an unknown one adds nothing); and the lead, to unload rather than fence."""
         members = {m.worker for p in self._places.values() if p.worker == lead for m in p.members[1:]}
-        named = [w for w in re.findall(r"on worker (\S+?):", error) if w in members]
+        named = [member_worker] if member_worker in members else []
         return ({lead: f"its multi-host slice lost a member: {error}",
                  **{w: "a member of a multi-host slice that was lost" for w in named}}, frozenset({lead}))
 

@@ -56,9 +56,10 @@ class GroupError(RallypointError):
 class GroupLost(RallypointError):
     """A member of the group died, hung or could not join: the slice is lost as a unit."""
 
-    def __init__(self, member: int, reason: str) -> None:
+    def __init__(self, member: int, reason: str, *, worker: str = "") -> None:
         super().__init__(f"member {member} of the slice's group is lost: {reason}")
         self.member, self.reason = member, reason
+        self.worker = worker  # the worker the member ran on; empty: the lead's own
 
 
 POOLED_ARGV = [sys.executable, "-m", "rallypoint.workers.gang.member", "--pooled"]
@@ -108,6 +109,7 @@ class MemberProcess:
                  stderr: Any = None, prefix: Sequence[str] = ()) -> None:
         self.settings = settings
         self.index = settings.process
+        self.worker = ""  # on this worker
         self._proc = subprocess.Popen([*prefix, *settings.argv()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=stderr, env=dict(os.environ if env is None else env))
         self.pid = self._proc.pid
@@ -188,6 +190,7 @@ class Member(Protocol):
     (:class:`rallypoint.workers.gang.link.RemoteMember`)."""
 
     index: int
+    worker: str  # the worker it runs on; empty: this one
     pid: int
     ready: dict[str, Any]
 
@@ -237,7 +240,8 @@ class SliceGroup:
             for m in self.members:
                 header, _ = m.receive(deadline, "joining the group")
                 if not header.get("ready"):
-                    raise GroupLost(m.index, "it could not join the group:\n" + str(header.get("error", "")))
+                    raise GroupLost(m.index, "it could not join the group:\n" + str(header.get("error", "")),
+                                    worker=m.worker)
                 m.ready = header
         except BaseException:
             self.abort()

@@ -285,7 +285,8 @@ class RemoteMember:
         try:
             first = next(self._call)
         except grpc.RpcError as exc:
-            raise GroupLost(self.index, f"worker {self.worker} did not start it: {exc.details()}") from None
+            raise GroupLost(self.index, f"worker {self.worker} did not start it: {exc.details()}",
+                           worker=self.worker) from None
         started = json.loads(first.start)
         self.pid, self.coordinator = int(started["pid"]), str(started["coordinator"])
         self._reader = threading.Thread(target=self._read, name=f"member-{self.index}-out", daemon=True)
@@ -304,7 +305,7 @@ class RemoteMember:
 
     def send(self, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None:
         if self._ended:
-            raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}")
+            raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}", worker=self.worker)
 
         data = b"".join(encode_frame(header, payloads))
         for i in range(0, len(data), CHUNK):
@@ -316,10 +317,10 @@ class RemoteMember:
             frame = self._frames.get(timeout=max(left, 0.0))
         except queue.Empty:
             raise GroupLost(self.index, f"on worker {self.worker}: no answer to {what} within {max(left, 0):.0f} s "
-                                        "(hung or partitioned)") from None
+                                        "(hung or partitioned)", worker=self.worker) from None
         if frame is None:
             self._frames.put(None)
-            raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}")
+            raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}", worker=self.worker)
         return frame
 
     def kill(self) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.gang.group import GroupLost
 from rallypoint.workers.runtime.events import EventFeed
 from rallypoint.workers.runtime.outlog import OutputLog
 
@@ -83,11 +84,16 @@ class JobControl:
             self.publish(pb.InstanceDone(error=error))
             self.cv.notify_all()
 
-    def fail_instance(self, node: str, step: int, mb: int, compute_s: float, error: str) -> None:
-        """Instance ``(node, step, mb)`` failed, and the job with it (the first failure counts)."""
+    def fail_instance(self, node: str, step: int, mb: int, compute_s: float, error: str,
+                      cause: BaseException | None = None) -> None:
+        """Instance ``(node, step, mb)`` failed, and the job with it (the first failure counts). A ``cause``
+        that is a :class:`GroupLost` (its multi-host slice lost a member) is told to the leader as such."""
         if self.error:
             return
         self.error = f"{node} step {step} microbatch {mb}: {error}"
         self.log.error("instance.failed", node=node, step=step, microbatch=mb, error=error)
-        self.publish(pb.InstanceDone(node=node, step=step, microbatch=mb, compute_s=compute_s, error=error))
+        ev = pb.InstanceDone(node=node, step=step, microbatch=mb, compute_s=compute_s, error=error)
+        if isinstance(cause, GroupLost):
+            ev.group_lost.member_worker = cause.worker
+        self.publish(ev)
         self.cv.notify_all()

@@ -136,7 +136,7 @@ class SliceScheduler:
                         args = self._inputs.take(node, step, mb)
                     except Exception as exc:  # a bookkeeping bug: fail the job loudly, not hang
                         control.fail_instance(node.prog.name, step, mb, 0.0,
-                                              f"gathering inputs: {type(exc).__name__}: {exc}")
+                                              f"gathering inputs: {type(exc).__name__}: {exc}", exc)
                         return
             if cut is not None:
                 assert due is not None
@@ -153,7 +153,7 @@ class SliceScheduler:
             except Exception as exc:  # user code or XLA: the job fails with it
                 with cv:
                     control.fail_instance(node.prog.name, step, mb, time.perf_counter() - t0,
-                                          f"{type(exc).__name__}: {exc}")
+                                          f"{type(exc).__name__}: {exc}", exc)
                 return
             compute_s = time.perf_counter() - t0
             del args
@@ -165,7 +165,7 @@ class SliceScheduler:
                     self._complete(node, step, mb, leaves, compute_s, picked, metrics)
                 except Exception as exc:  # a routing bug: fail the job loudly, not hang
                     control.fail_instance(node.prog.name, step, mb, compute_s,
-                                          f"delivering outputs: {type(exc).__name__}: {exc}")
+                                          f"delivering outputs: {type(exc).__name__}: {exc}", exc)
                     return
                 cv.notify_all()
             self._router.relieve()  # the output log's spills write files: outside the lock
