@@ -73,3 +73,52 @@ def slug(heading: str) -> str:
 
 def anchors(path: Path) -> set[str]:
     return {slug(line.lstrip("#")) for _, line in prose(path) if re.match(r"#{1,6} ", line)}
+
+
+# -- command lines -------------------------------------------------------------------------------------------
+
+_COMMAND = re.compile(r"^(?:\$\s+)?(?:ExecStart=)?(?:\S*/)?"
+                      r"(rallypoint(?=\s|$)|python3?\s+-m\s+rallypoint\.cluster\.daemons(?=\s))")
+
+
+def command_lines(path: Path) -> Iterator[tuple[int, str, str]]:
+    """(line number, program, arguments) of every command line in ``path``'s code blocks that runs the
+    ``rallypoint`` command (program ``rallypoint``) or the daemons (``daemons``): a shell prompt, a leading path
+    (``.venv/bin/``) and a systemd ``ExecStart=`` are dropped, continuation lines joined."""
+    for start, _info, body in code_blocks(path):
+        i = 0
+        while i < len(body):
+            n, line = start + i, body[i]
+            while line.rstrip().endswith("\\") and i + 1 < len(body):
+                i += 1
+                line = line.rstrip()[:-1] + " " + body[i].strip()
+            i += 1
+            m = _COMMAND.match(line.strip())
+            if m:
+                program = "rallypoint" if m.group(1) == "rallypoint" else "daemons"
+                yield n, program, line.strip()[m.end():].strip()
+
+
+def section(path: Path, heading: str) -> list[str]:
+    """The lines of ``path`` from the heading ``heading`` (``## Quick start``) to the next heading of its level."""
+    lines = path.read_text().splitlines()
+    start = lines.index(heading)
+    level = heading.split(" ")[0] + " "
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(level)), len(lines))
+    return lines[start:end]
+
+
+QUICK_START = "## Quick start"
+
+
+def quick_start_run() -> list[str]:
+    """The arguments of the one ``rallypoint run`` of the README's quick start (the suite runs exactly it:
+    tests/integration/test_recovery.py)."""
+    import shlex
+
+    readme = ROOT / "README.md"
+    lines = set(section(readme, QUICK_START))
+    runs = [shlex.split(text, comments=True) for _, program, text in command_lines(readme)
+            if program == "rallypoint" and text.startswith("run ") and any(text in line for line in lines)]
+    assert len(runs) == 1, f"README.md's quick start should show one `rallypoint run`, found {runs}"
+    return runs[0]
