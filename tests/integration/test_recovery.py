@@ -396,33 +396,37 @@ def _a_resubmit_is_refused_and_a_new_run_keeps_the_old_one(lc: LocalCluster, com
         store.close()
 
 
-def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json(tmp_path: Path) -> None:
-    """`rallypoint run` on its embedded cluster (the path every `rallypoint run` without --cluster takes): each
-    step once, in order, then the reference's digest, the fault and the recovery in between; once its cluster is
-    gone, `rallypoint plot` draws the run from the metrics it kept. (That `rallypoint run --reference` prints the
-    in-process reference's digest: tests/client/test_run_cli.py.)"""
+def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
+    """The README's quick start, as written (`rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12`, read
+    from README.md; --json added to read its events): the embedded cluster every `rallypoint run` without --cluster
+    starts, each step once, in order, then the reference's digest, the fault and the recovery in between; once its
+    cluster is gone, `rallypoint plot` draws the run from the metrics it kept. (That `rallypoint run --reference`
+    prints the in-process reference's digest: tests/client/test_run_cli.py.)"""
     from matplotlib import image
 
     from rallypoint.client.reference import run_reference
-    from tests.client.test_cli import ROOT
+    from tests.docs.markdown import quick_start_run
 
-    job = str(ROOT / "examples" / "pipeline_mlp.py")
+    args = quick_start_run()
+    assert args[:2] == ["run", "examples/pipeline_mlp.py"] and "--fail" in args, args
+    job = args[1]  # relative to the repository's root, where rp runs the CLI
     state = {"RALLYPOINT_STATE_DIR": str(tmp_path / "state")}  # where the run keeps its metrics.jsonl
-    out = rp("run", "--json", "--steps", "14", "--checkpoint-every", "4", "--fail", "kill:bwd1@6", job, timeout=300,
-             env=state)
+    out = rp(*args, "--json", timeout=300, env=state)
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     kinds = [x["event"] for x in lines if x["event"] != "step"]
     assert kinds == ["fault.injected", "job.recovering", "job.recovered", "job.finished"], kinds
-    assert [x["step"] for x in lines if x["event"] == "step"] == list(range(14))
+    steps = example("pipeline_mlp").build().steps
+    assert [x["step"] for x in lines if x["event"] == "step"] == list(range(steps))
     final = lines[-1]
-    assert final["steps"] == 14
-    assert final["state_digest"] == run_reference(example("pipeline_mlp").build(steps=14)).state_digest
-    assert [f["slices"] for f in final["failures"]] == [["stage1"]]
-    assert final["recoveries"][0]["checkpoint_step"] in (0, 4)
-    assert set(final["replayed_instances"]) <= {"fwd1", "bwd1", "update1"}
+    assert final["steps"] == steps
+    assert final["state_digest"] == run_reference(example("pipeline_mlp").build()).state_digest
+    assert [f["slices"] for f in final["failures"]] == [["stage2"]]
+    assert final["recoveries"][0]["checkpoint_step"] in (0, 10)
+    assert set(final["replayed_instances"]) <= {"fwd2", "bwd2", "update2"}
     png = tmp_path / "loss.png"
     drawn = rp("plot", "pipeline-mlp", "--out", str(png), env=state).stdout
-    assert drawn.startswith(f"{png}: 14 steps (0..13), loss ") and drawn.endswith(", 1 recovery\n"), drawn
+    assert drawn.startswith(f"{png}: {steps} steps (0..{steps - 1}), loss "), drawn
+    assert drawn.endswith(", 1 recovery\n"), drawn
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.imread(png).size > 0
     bad = rp("run", "--fail", "kill:stage9@3", job, check=False)
     assert bad.returncode == 1 and "'stage9' is neither a slice" in bad.stderr
