@@ -29,7 +29,7 @@ from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.progress import JobProgress
-from rallypoint.orchestrator.job.recovery import RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job.stop import StopRequest
 from rallypoint.orchestrator.job.term import JobTerm
@@ -37,6 +37,7 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
 from rallypoint.recovery.replay import Graph
+from rallypoint.recovery.slices import stateful_slices
 
 
 class JobDrains(DrainPort):
@@ -62,12 +63,12 @@ class JobDrains(DrainPort):
         self.clock, self.log, self.event, self._grant, self._running, self._record = \
             clock, log, event, grant, running, record
         self._suspend = suspend
-        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self.settings: JobSettings | None = None  # set once the job's settings are checked
         self.checkpoints = False  # whether the job keeps checkpoints (a run directory)
         self.drains: dict[str, Drain] = {}  # worker -> the drain in flight
         self.drain_records: list[DrainRecord] = []
         self.holds: dict[str, int] = {}  # worker -> its drain step
-        self._ckpt_slices = sorted({s.slice for s in spec.states})
+        self._ckpt_slices = stateful_slices(spec)
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
 
     @property

@@ -68,7 +68,7 @@ from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.record import EventLog, RecordHistory, record_of
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
-from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
 from rallypoint.orchestrator.job.state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
 from rallypoint.orchestrator.job.stop import JobStop, stop_request
 from rallypoint.orchestrator.job.term import JobTerm
@@ -129,7 +129,7 @@ class JobExecutor:
         self.auto_resumed = False  # the leader resumed it once room returned (service/verbs.py)
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
-        self.settings: RecoverySettings | None = None
+        self.settings: JobSettings | None = None
         # The collaborators, each the one owner of its part of the job (docs/runtime.md has the table).
         self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
                             on_unpaused=self._unpaused)
@@ -239,7 +239,7 @@ class JobExecutor:
 
     def _prepare(self) -> None:
         try:
-            self.settings = RecoverySettings.from_spec(self.spec)
+            self.settings = JobSettings.from_spec(self.spec)
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
                                              compile_timeout_s=self.settings.compile_timeout_s,
                                              window_s=self.settings.failure_policy.window_s)

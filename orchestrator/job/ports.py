@@ -29,7 +29,7 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.job.drain import DrainRecord
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
@@ -40,8 +40,9 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.recovery_machine import Recovery, RecoveryPort, classify_setback
 from rallypoint.orchestrator.job.stragglers import CORDON_BY
-from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Retry, Source, decide
+from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Retry, Verdict, decide
 from rallypoint.recovery.replay import Graph, ReplayPlan
+from rallypoint.recovery.slices import stateful_slices
 from rallypoint.recovery.stragglers import Probation
 
 
@@ -98,7 +99,7 @@ class JobRecoveryPort(RecoveryPort):
         return self.term.commits()
 
     def cut_step(self, commits: Commits, before: int | None) -> int:
-        return self.term.cut_of(commits, sorted({s.slice for s in self.progress.spec.states}), before)
+        return self.term.cut_of(commits, stateful_slices(self.progress.spec), before)
 
     def drop_commit(self, slice_name: str, step: int, error: str) -> None:
         self.term.drop_commit(slice_name, step)
@@ -200,7 +201,7 @@ class JobRecoveryPort(RecoveryPort):
         if isinstance(decision, Refence):
             self.loads.log.warning("job.lost_while_loading", workers=sorted(decision.lost), reason=decision.reason)
             return dict(decision.lost)
-        if setback.source is Source.PROGRAM and isinstance(decision, Fail):
+        if setback.verdict is Verdict.PROGRAM and isinstance(decision, Fail):
             raise JobFailed(decision.reason)
         w, f = next(iter(failed.items()))
         raise JobFailed(f"worker {w} could not load the job: {f}")

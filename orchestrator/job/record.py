@@ -162,7 +162,7 @@ def record_of(x: Any, **fields: Any) -> dict[str, Any]:
                              if q.members else {})} for s, q in x.placement.items()},
         **x.history.fields(x.recovery.entries(), x.failures, x.drains.drain_records, x.run_dir,
                            final=x.state.is_terminal),  # bounded: the newest in full
-        "replayed_instances": dict(p.replayed), "resharded": x.places.resharded,
+        "replayed_instances": dict(p.replayed), "resharded": [r.to_json() for r in x.places.resharded],
         "submit_id": x.spec.submit_id, "started_at": x.started_at,  # the run's first start (a resume keeps it)
         **({"stop": stop.to_json()} if stop is not None else {}),
         **({"ended_at": time.time()} if x.state.is_terminal else {}), "at": time.time(), **fields,

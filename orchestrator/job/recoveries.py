@@ -38,7 +38,7 @@ from rallypoint.orchestrator.job.recovery import RecoveryRecord
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.recovery_machine import Recovery, RecoveryPort
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
-from rallypoint.recovery.decide import (Budget, Decision, Disruption, FailurePolicy, FailureWindow, Setback, Source,
+from rallypoint.recovery.decide import (Budget, Decision, Disruption, FailurePolicy, FailureWindow, Setback, Verdict,
                                         decide)
 
 
@@ -133,7 +133,7 @@ class JobRecoveries:
         (:func:`~rallypoint.recovery.decide.decide` on a stall, counted by the watchdog)."""
         reason = (f"no progress for {quiet_s:.1f}s (stall timeout {watchdog.timeout_s:g}s) at step {completed}: "
                   + ("; ".join(f"{w}: {why}" for w, why in sorted(blamed.items())) or "no node is behind"))
-        decision = decide(Setback(Source.STALL, workers=dict(blamed), detail=reason), watchdog.stalls, self.budget)
+        decision = decide(Setback(Verdict.STALL, workers=dict(blamed), detail=reason), watchdog.stalls, self.budget)
         self.log.warning("job.stalled", reason=reason, stalls=watchdog.stalls, limit=self.budget.stall,
                          decision=type(decision).__name__)
         return reason, decision

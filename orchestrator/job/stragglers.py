@@ -61,6 +61,7 @@ from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
+from rallypoint.recovery.slices import stateful_slices
 from rallypoint.recovery.stragglers import Keep, Migrate, Probation, StragglerSettings, judge, probation
 
 WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a baseline
@@ -151,7 +152,7 @@ class StragglerWatch:
                     out.append((producer[b.state], "prev"))
             self.deps[n.name] = out
         self.every, self.per_mb = every, per_mb
-        self.stateful = {s.slice for s in spec.states}  # slices that save checkpoints (and wait for them)
+        self.stateful = set(stateful_slices(spec))  # slices that save checkpoints (and wait for them)
         self.runs: dict[str, list[tuple[int, int]]] = {s: [] for s in self.slices}  # (every, instances) per node
         for n in spec.nodes:
             self.runs.setdefault(n.slice, []).append((every[n.name], spec.microbatches if n.per_microbatch else 1))

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_records import ClusterSnapshot
@@ -31,6 +30,7 @@ from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.workers import RPC_TIMEOUT_S, JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import eligible
+from rallypoint.recovery.slices import slice_devices
 from rallypoint.recovery.warm import plan_warm, warm_devices
 
 Held = tuple[tuple[str, tuple[int, ...]], ...]  # (slice, local devices) a spare warms
@@ -75,7 +75,7 @@ class SpareWarmer:
         self._due: str | None = None  # why the spares are to be warmed again, once the job moves past ...
         self._after = 0  # ... this many completed steps
         self._checked = float("-inf")
-        self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
+        self._need = slice_devices(spec)
         self._shapes = {s.slice: s for s in spec.slices}
         self._gangs = gangs  # the slices placed as gangs now -> their members' workers (docs/multihost.md)
 

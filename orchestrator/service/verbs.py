@@ -53,6 +53,7 @@ from rallypoint.recovery.load_plan import device_counts
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, adoptable_run_dir, check_spec_names, run_of
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, Shrink, plan_remap
+from rallypoint.recovery.slices import slice_devices
 
 AUTO_RESUME_POLL_S = 1.0  # how often the leader looks for suspended jobs to resume by themselves
 HISTORY_SWEEP_S = 60.0  # how often the leader removes expired history
@@ -316,7 +317,7 @@ def expired(keys: Any, records: Mapping[str, dict[str, Any]], keep_s: float, now
 def room_to_resume(snap: ClusterSnapshot, spec: pb.JobSpec) -> bool:
     """Whether the free devices hold every slice of ``spec`` now, each at one of its device counts."""
     counts = device_counts(spec)
-    need = {s.slice: max(counts.get(s.slice) or [max(1, _size(s))]) for s in spec.slices}
+    need = {s: max(counts.get(s) or [max(1, n)]) for s, n in slice_devices(spec).items()}
     largest = max((w.info.devices for w in snap.workers.values()), default=0)
     single = {s: n for s, n in need.items() if min(counts.get(s) or [n]) <= largest}
     for s, n in need.items():
@@ -327,13 +328,6 @@ def room_to_resume(snap: ClusterSnapshot, spec: pb.JobSpec) -> bool:
     allowed = {s: tuple(counts.get(s) or [n]) for s, n in single.items()}
     plan = plan_remap(snap, single, RemapPolicy(on_no_spare="shrink"), allowed=allowed)
     return isinstance(plan, (Remap, Shrink))
-
-
-def _size(s: Any) -> int:
-    n = 1
-    for d in s.mesh_shape:
-        n *= int(d)
-    return n
 
 
 def start_thread(control: JobControl, term: int, holds: Any) -> threading.Thread:
