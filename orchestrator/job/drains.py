@@ -14,7 +14,6 @@ the workers lost on the way: the executor recovers them, the drains never do.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -123,7 +122,7 @@ class JobDrains(DrainPort):
             why = asked[min(asked)]
             req = StopRequest("suspend", checkpoint=True, by=f"job {why.get('for')} (priority {why.get('priority')})",
                               reason=f"a higher-priority job needs every device of job {self.spec.job!r}",
-                              auto_resume=True)
+                              auto_resume=True, at=self.clock.wall())
             if self._suspend(req):  # kept in etcd too: a new leader adopting the job carries it out
                 self.term.write_quietly("job.suspend_not_kept", [Put(self.term.keys.control(self.spec.job),
                                                                      json.dumps(req.to_json()))])
@@ -135,7 +134,7 @@ class JobDrains(DrainPort):
         for worker, slices in sorted(by_worker.items()):
             why = asked[slices[0]]
             self.log.warning("drain.yield", slices=slices, to=why.get("for"), priority=why.get("priority"))
-            self.start(DrainRequest(worker, "yield", f"job {why.get('for')}", time.time(), 0.0), only=slices,
+            self.start(DrainRequest(worker, "yield", f"job {why.get('for')}", self.clock.wall(), 0.0), only=slices,
                        park=True)
             return  # one at a time
 
@@ -160,7 +159,8 @@ class JobDrains(DrainPort):
                 fits = isinstance(plan_remap(snap, {s: full}, RemapPolicy(on_no_spare="fail"), exclude=away), Remap)
             if fits:
                 self.log.info("drain.grow", slice=s, devices=p.count, to=full)
-                self.start(DrainRequest(p.worker, "grow", "executor", time.time(), 0.0), only=[s], target={s: full})
+                self.start(DrainRequest(p.worker, "grow", "executor", self.clock.wall(), 0.0), only=[s],
+                           target={s: full})
                 return
 
     def start(self, req: DrainRequest, **kw: Any) -> Drain:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -189,7 +188,7 @@ class JobPlacement:
                 p = self.term.leases().allocate(self.spec.job, slice_name, count)
             except NoSpareDevices:
                 continue
-            self.resharded.append(Reshard(slice_name, need, count, why, at=time.time()))
+            self.resharded.append(Reshard(slice_name, need, count, why, at=self.clock.wall()))
             self.log.warning("job.shrunk", slice=slice_name, devices=count, had=need)
             return p
         return None
@@ -245,7 +244,8 @@ class JobPlacement:
         if isinstance(plan, NoVictims):
             raise NoSpareDevices(self.spec.job, slice_name, need, max(free.values(), default=0))
         asked = [keys.yield_slice(v.job, v.slice) for v in plan.victims]
-        why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name, "at": time.time()})
+        why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name,
+                          "at": self.clock.wall()})
         self.term.txn([Put(k, why) for k in asked])
         victims = [f"{v.job}/{v.slice} (priority {v.priority}, on {v.worker})" for v in plan.victims]
         self.log.warning("job.preempting", slice=slice_name, victims=victims)
@@ -283,7 +283,7 @@ class JobPlacement:
             if drained_at is not None and had is not None and p.count != had.count:
                 grew = p.count > had.count
                 self.resharded.append(Reshard(s, had.count, p.count, "grew back (a worker with room joined)" if grew
-                                              else "drained onto fewer devices", at=time.time(), step=drained_at))
+                                              else "drained onto fewer devices", at=self.clock.wall(), step=drained_at))
         self._places.update(places)
 
     def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
@@ -321,7 +321,7 @@ class JobPlacement:
                     if self._lease(snap, a, leases, placed) and a.shrunk:
                         self.resharded.append(Reshard(a.slice, a.needed, len(a.devices),
                                                       f"recovery {record.number}: no spare with {a.needed} "
-                                                      "devices (on_no_spare='shrink')", at=time.time()))
+                                                      "devices (on_no_spare='shrink')", at=self.clock.wall()))
                         self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
                 continue
             if isinstance(decision, Wait):
@@ -386,7 +386,7 @@ class JobPlacement:
                 place = placed[slice_name]
             self.resharded.append(Reshard(slice_name, count, c,
                                           f"no room for a whole gang of {count} devices (on_no_spare='shrink')",
-                                          at=time.time()))
+                                          at=self.clock.wall()))
             self.log.warning("recovery.shrunk", slice=slice_name, devices=c, had=count, members=len(place.members))
             return place
         return None

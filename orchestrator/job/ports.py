@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -108,7 +107,8 @@ class JobRecoveryPort(RecoveryPort):
 
     def record_failure(self, worker: str, incarnation: int, slices: list[str], reason: str) -> None:
         if not any(f["worker"] == worker and f["incarnation"] == incarnation for f in self.failures):
-            self.failures.append({"worker": worker, "incarnation": incarnation, "slices": slices, "at": time.time(),
+            self.failures.append({"worker": worker, "incarnation": incarnation, "slices": slices,
+                                  "at": self.term.clock.wall(),
                                   "step": self.progress.completed, "reason": reason})
 
     # -- placement and runtimes ------------------------------------------------------------------
@@ -241,7 +241,7 @@ class JobStragglerPort:
             return None
 
     def cordon(self, worker: str, slice_name: str, probation: Probation) -> str:
-        now = time.time()
+        now = self.term.clock.wall()
         why: dict[str, object] = {"by": CORDON_BY, "job": self.job, "slice": slice_name, "at": now}
         try:
             lease = 0
@@ -270,4 +270,4 @@ class JobStragglerPort:
         self.term.write_quietly("straggler.uncordon_failed", [Delete(self.term.keys.cordon(worker))])
 
     def drain(self, worker: str) -> DrainRecord:
-        return self.drains.start(DrainRequest(worker, "straggler", "executor", time.time(), 0.0)).record
+        return self.drains.start(DrainRequest(worker, "straggler", "executor", self.term.clock.wall(), 0.0)).record

@@ -1,10 +1,10 @@
 """A job's settings and the record of each recovery: plain data, no I/O.
 
 :class:`JobSettings` is what a ``JobSpec`` asks for (defaults filled in,
-checked). :class:`Reshard` is one change of a slice's device count. :class:`RecoveryRecord` is one recovery as the executor measures it: the
-lost workers and slices, the checkpoint step, where each restored slice's checkpoint
-was read from (``restore_tiers``: ``"memory"``, a peer's in-memory copy, or ``"disk"``),
-the plan, and its phases, each a duration in seconds:
+checked). :class:`Reshard` is one change of a slice's device count. :class:`RecoveryRecord`
+is one recovery as the executor measures it: the lost workers and slices, the checkpoint
+step, where each restored slice's checkpoint was read from (``restore_tiers``: ``"memory"``,
+a peer's in-memory copy, or ``"disk"``), the plan, and its phases, each a duration in seconds:
 
 * ``detection``: the lost worker's last event to its loss being noticed (an upper
   bound on how long the death went unseen; events flow constantly while it runs);

@@ -50,7 +50,6 @@ the cordon back.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -388,7 +387,7 @@ class StragglerWatch:
 
     def _migrate(self, got: Migrate, slices: list[str], step: int, cordoned: bool) -> None:
         cordoned_now = False
-        on_probation = probation(self.port.straggler_moves(got.worker), time.time(), self.settings)
+        on_probation = probation(self.port.straggler_moves(got.worker), self.clock.wall(), self.settings)
         if not cordoned:
             error = self.port.cordon(got.worker, got.slice, on_probation)
             if error:
@@ -442,7 +441,7 @@ class StragglerWatch:
             return
         self._last_said, self._said_at = key, self._judged
         detail = {"decision": decision, "slice": slice_name, "worker": worker, "reason": reason,
-                  "at": time.time(), **extra, "evidence": evidence}
+                  "at": self.clock.wall(), **extra, "evidence": evidence}
         level = self.log.warning if decision in ("migrate", "no_spare", "not_moved", "kept_out") else self.log.info
         level(f"straggler.{decision}", **{k: v for k, v in detail.items() if k != "at"})
         self.port.event("job.straggler", step=self.port.progress.completed, **detail)

@@ -121,7 +121,8 @@ class JobControl:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job!r} keeps no checkpoints: a {'suspend' if action == 'suspend' else 'final cut'} "
                           f"needs them, and nothing changed; `rallypoint cancel {job}` (without --checkpoint) stops it")
-        req = StopRequest(action, checkpoint=saves, by=request.by or "an operator", reason=request.reason)
+        req = StopRequest(action, checkpoint=saves, by=request.by or "an operator", reason=request.reason,
+                          at=self.c.clock.wall())
         if state == JobState.SUSPENDED.value:  # a cancel of a job set aside: nothing runs, the record moves
             return self._cancel_suspended(job, record, kv.mod_revision if kv else 0, req, context)
         try:
@@ -147,8 +148,9 @@ class JobControl:
             record_transition(record.get("state", ""), JobState.CANCELLED, job)
         except JobStateError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc}; nothing changed")
-        new = {**record, "state": JobState.CANCELLED.value, "stop": req.to_json(), "ended_at": time.time(),
-               "at": time.time(), "reason": f"cancelled while suspended by {req.by}"}
+        now = self.c.clock.wall()
+        new = {**record, "state": JobState.CANCELLED.value, "stop": req.to_json(), "ended_at": now,
+               "at": now, "reason": f"cancelled while suspended by {req.by}"}
         keys = self.c.keys
         try:
             done = self.c.election.fenced_txn([Compare(keys.job(job), "mod", "==", revision)],
@@ -195,8 +197,8 @@ class JobControl:
         while holds():
             try:
                 self.resume_ready(term)
-                if time.monotonic() - swept >= HISTORY_SWEEP_S:
-                    swept = time.monotonic()
+                if self.c.clock.monotonic() - swept >= HISTORY_SWEEP_S:
+                    swept = self.c.clock.monotonic()
                     self.sweep_history()
             except (StoreError, NotLeader) as exc:
                 self.log.warning("job.auto_resume_failed", error=str(exc))
@@ -268,7 +270,7 @@ class JobControl:
         keep = float(getattr(self.c.config, "keep_history_s", DEFAULT_KEEP_HISTORY_S))
         kvs, _ = self.c.store.get_prefix(self.c.keys.jobs)
         gone = expired(self.c.keys, {kv.key: kv.json() for kv in kvs if _is_json(kv.value)}, keep,
-                       time.time() if now is None else now)
+                       self.c.clock.wall() if now is None else now)
         for prefix in gone:
             self.c.election.fenced_txn([], [Delete(prefix, prefix=prefix.endswith("/"))])
         if gone:

@@ -270,7 +270,7 @@ def test_a_straggler_cordon_lapses_in_a_real_etcd_and_a_second_move_keeps_the_wo
     port = JobStragglerPort("pipe", term=term, placement=None, loads=None, progress=None,  # type: ignore[arg-type]
                             drains=None, busy=lambda: "", event=lambda *a, **k: None)
     settings = StragglerSettings(probation_s=1.0, repeat_window_s=600.0)
-    first = probation(port.straggler_moves("w1"), time.time(), settings)
+    first = probation(port.straggler_moves("w1"), clock.wall(), settings)
     assert first.lapse_s == 1.0 and port.cordon("w1", "s1", first) == ""
     assert store.get(keys.cordon("w1")) is not None
     deadline = time.monotonic() + 15
@@ -279,7 +279,7 @@ def test_a_straggler_cordon_lapses_in_a_real_etcd_and_a_second_move_keeps_the_wo
         time.sleep(0.1)
     port.note_moves("w1", first.moves)
     store.keepalive(election.lease)
-    second = probation(port.straggler_moves("w1"), time.time(), settings)
+    second = probation(port.straggler_moves("w1"), clock.wall(), settings)
     assert second.lapse_s is None and port.cordon("w1", "s1", second) == ""
     kv = store.get(keys.cordon("w1"))
     assert kv is not None and kv.lease == 0 and "uncordon" in kv.json()["kept_out"]
