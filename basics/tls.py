@@ -209,11 +209,3 @@ def resolve(tls: TlsConfig | None | _Auto, endpoints: Iterable[str]) -> TlsConfi
                       "NAME); the CLI's --tls-dir DIR), or tls=None (--insecure) for an etcd started without TLS. "
                       "Rallypoint never falls back to plain TCP by itself")
 
-
-def for_endpoints(endpoints: Iterable[str]) -> TlsConfig | None:
-    """The identity :func:`remember` recorded for any of ``endpoints``; None when none was, or plain was."""
-    with _known_lock:
-        for e in endpoints:
-            if e in _known:
-                return None if _known[e] is _PLAIN else _known[e]
-    return None

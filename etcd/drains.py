@@ -35,10 +35,6 @@ class DrainRequest:
     def to_json(self) -> str:
         return json.dumps({"reason": self.reason, "by": self.by, "at": self.at, "deadline_s": self.deadline_s})
 
-    @property
-    def deadline_at(self) -> float | None:
-        return self.at + self.deadline_s if self.deadline_s > 0 else None
-
 
 @dataclass(frozen=True)
 class DrainResult:

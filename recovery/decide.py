@@ -14,8 +14,8 @@ progress) it asks :func:`decide`, which answers with one :class:`Decision`:
 * :class:`Fail`: give up, with the reason (at once when the job's own program failed:
   no worker is to blame and none is fenced).
 
-Each setback has a **source** with its own budget per recovery (:class:`Budget`);
-past it, the decision is :class:`Fail`, naming the source, the count and the limit.
+Each setback has a **verdict** (:class:`Verdict`) with its own budget per recovery
+(:class:`Budget`); past it, the decision is :class:`Fail`, naming the verdict, the count and the limit.
 :func:`plan_recovery` makes the other choice a recovery takes, partial or restart-all.
 No I/O here: everything is tested exhaustively in ``tests/recovery/test_decide.py``.
 """
@@ -29,10 +29,14 @@ from dataclasses import dataclass, field
 from rallypoint.recovery.replay import Graph, ReplayPlan, plan_replay, restart_all_plan
 
 
-class Source(enum.Enum):
-    """Where a setback comes from (one budget each)."""
+class Verdict(enum.Enum):
+    """What a failure toward a worker is, and so where a setback comes from (one budget each).
 
-    LOST = "lost"  # a worker lost while the recovery ran (its process is gone)
+    :func:`rallypoint.orchestrator.job.failures.classify_rpc_error` gives every failed call
+    to a worker one of these; a recovery's setback carries the gravest (:class:`Setback`).
+    """
+
+    LOST = "lost"  # the worker process is gone (its socket refuses or was reset)
     SUSPECT = "suspect"  # a worker that did not answer in time, or ambiguously
     CORRUPT = "corrupt"  # a checkpoint of the cut did not restore
     REFUSED = "refused"  # a live worker refused a load or rewire
@@ -40,12 +44,12 @@ class Source(enum.Enum):
     INVALID = "invalid"  # a worker found the request itself wrong
     PROGRAM = "program"  # the job's own program failed on a worker, deterministically
     CANCELLED = "cancelled"  # a call was cancelled (ours, or a server shutting down): never a suspicion
-    STALL = "stall"  # the job made no progress for the stall timeout
+    STALL = "stall"  # the job made no progress for the stall timeout (no call failed)
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How many setbacks of each source one recovery (or one job, for stalls) absorbs."""
+    """How many setbacks of each verdict one recovery (or one job, for stalls) absorbs."""
 
     lost: int = 10
     suspect: int = 10
@@ -56,9 +60,9 @@ class Budget:
     cancelled: int = 10
     stall: int = 3
 
-    def limit(self, source: Source) -> int:
-        """How many setbacks of ``source`` are absorbed (none of the program's own: it fails the same anywhere)."""
-        return 0 if source is Source.PROGRAM else int(getattr(self, source.value))
+    def limit(self, verdict: Verdict) -> int:
+        """How many setbacks of ``verdict`` are absorbed (none of the program's own: it fails the same anywhere)."""
+        return 0 if verdict is Verdict.PROGRAM else int(getattr(self, verdict.value))
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class Setback:
     """What went wrong in one attempt.
 
     Attributes:
-        source: its kind.
+        verdict: its kind.
         workers: the workers it concerns, each with why.
         registered: for each of those, whether the incarnation the job placed there is still
             registered in etcd (a worker whose registration is gone is lost, whatever it said).
@@ -74,7 +78,7 @@ class Setback:
         cut: the cut the attempt restored from.
     """
 
-    source: Source
+    verdict: Verdict
     workers: Mapping[str, str] = field(default_factory=dict)
     registered: Mapping[str, bool] = field(default_factory=dict)
     corrupt: tuple[str, int] | None = None
@@ -121,13 +125,13 @@ RETRY_AFTER_S = 1.0
 
 
 def decide(setback: Setback, count: int, budget: Budget) -> Decision:
-    """The decision for ``setback``, the ``count``-th of its source (counting it).
+    """The decision for ``setback``, the ``count``-th of its verdict (counting it).
 
     Rules, in order:
 
     0. PROGRAM: :class:`Fail` at once, naming the part of the program, the worker and the error
        (the same program fails the same on any worker: fencing one would only use up the spares).
-    1. Past the source's budget: :class:`Fail` naming the source, count and limit.
+    1. Past the verdict's budget: :class:`Fail` naming the verdict, count and limit.
     2. LOST, or SUSPECT (no answer in time: fencing confirms a suspicion safely, a
        worker that was only slow comes back as a new incarnation): :class:`Refence`.
     3. CORRUPT at a cut above 0: :class:`FallBack` below it, dropping that commit.
@@ -138,31 +142,31 @@ def decide(setback: Setback, count: int, budget: Budget) -> Decision:
     6. INVALID: :class:`Fail` (the request is wrong; no retry can help).
     7. STALL: :class:`Refence` the workers that made no progress.
     """
-    limit = budget.limit(setback.source)
+    limit = budget.limit(setback.verdict)
     what = setback.detail or "; ".join(f"{w}: {why}" for w, why in sorted(setback.workers.items()))
-    if setback.source is Source.PROGRAM:
+    if setback.verdict is Verdict.PROGRAM:
         return Fail(f"the job's program failed (no worker is to blame; none was fenced): {what}")
     if count > limit:
-        return Fail(f"recovery gave up: {setback.source.value} setbacks {count} > limit {limit} (last: {what})")
-    if setback.source in (Source.LOST, Source.SUSPECT) or (setback.source is Source.STALL and setback.workers):
-        return Refence(dict(setback.workers), f"{setback.source.value}: {what}")
+        return Fail(f"recovery gave up: {setback.verdict.value} setbacks {count} > limit {limit} (last: {what})")
+    if setback.verdict in (Verdict.LOST, Verdict.SUSPECT) or (setback.verdict is Verdict.STALL and setback.workers):
+        return Refence(dict(setback.workers), f"{setback.verdict.value}: {what}")
     gone = {w: why for w, why in setback.workers.items() if not setback.registered.get(w, True)}
-    if setback.source in (Source.REFUSED, Source.CANCELLED) and gone:
-        return Refence(gone, f"{setback.source.value}, and its incarnation ended: {what}")
-    if setback.source is Source.CORRUPT:
+    if setback.verdict in (Verdict.REFUSED, Verdict.CANCELLED) and gone:
+        return Refence(gone, f"{setback.verdict.value}, and its incarnation ended: {what}")
+    if setback.verdict is Verdict.CORRUPT:
         if setback.cut <= 0:
             return Fail(f"cannot restore: {what} (no older checkpoint than step 0)")
         return FallBack(setback.cut, setback.corrupt,
                         f"the checkpoint at step {setback.cut} did not restore ({what}); every slice restarts "
                         "from an older cut")
-    if setback.source is Source.LOG_SHORT:
+    if setback.verdict is Verdict.LOG_SHORT:
         return Escalate(f"a survivor's output log does not reach back to step {setback.cut} ({what}): every "
                         "slice restarts from the cut")
-    if setback.source is Source.REFUSED:
+    if setback.verdict is Verdict.REFUSED:
         return Retry(RETRY_AFTER_S, f"refused by live workers, asking again: {what}")
-    if setback.source is Source.CANCELLED:
+    if setback.verdict is Verdict.CANCELLED:
         return Retry(RETRY_AFTER_S, f"a call to a live worker was cancelled, asking again: {what}")
-    if setback.source is Source.STALL:
+    if setback.verdict is Verdict.STALL:
         return Fail(f"the job made no progress and no worker can be blamed: {what}")
     return Fail(f"a worker rejected the request: {what}")
 

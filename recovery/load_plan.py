@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.slices import devices_needed
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +60,7 @@ def load_requests(spec: pb.JobSpec, placement: dict[str, SlicePlace], *, cluster
     counts: dict[str, int] = {}  # a slice placed on another device count than its mesh's (shrunk)
     for s in spec.slices:
         place = placement[s.slice]
-        if place.count != int(np.prod(s.mesh_shape)):
+        if place.count != devices_needed(s):
             counts[s.slice] = place.count
             shapes[s.slice] = _variant(spec, s.slice, place.count).mesh_shape
         req = request(place.worker)
@@ -118,7 +117,7 @@ def device_counts(spec: pb.JobSpec) -> dict[str, tuple[int, ...]]:
     """Every device count each slice's programs were exported for, largest first."""
     out = {}
     for s in spec.slices:
-        full = int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1
+        full = devices_needed(s)
         others = {v.devices for n in spec.nodes if n.slice == s.slice for v in n.variants}
         out[s.slice] = tuple(sorted({full, *others}, reverse=True))
     return out

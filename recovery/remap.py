@@ -9,8 +9,9 @@ a :class:`RemapPolicy`, and returns one of:
 * :class:`Wait`: some slice finds no room; wait (up to ``wait_timeout_s``) for a
   worker to join, then decide again;
 * :class:`Shrink`: restore the slices that find no room onto fewer devices;
-* :class:`Fail`: give up, with a reason naming the slice, the devices it needs,
-  the most free on one worker, and the setting to change.
+* :class:`NoRoom`: no remap is possible under the policy: the job fails, with a reason
+  naming the slice, the devices it needs, the most free on one worker, and the setting
+  to change (a recovery's own giving up is :class:`rallypoint.recovery.decide.Fail`).
 
 It reserves nothing: the controller leases the chosen devices with the usual
 compare-and-swap transaction and asks again (with a fresh snapshot) if it loses
@@ -114,14 +115,14 @@ class Shrink:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Fail:
+class NoRoom:
     """No remap is possible under the policy; ``reason`` says why and what to change."""
 
     reason: str
     missing: Mapping[str, int] = field(default_factory=dict)
 
 
-RemapDecision = Remap | Wait | Shrink | Fail
+RemapDecision = Remap | Wait | Shrink | NoRoom
 
 
 def eligible(
@@ -203,7 +204,7 @@ def plan_remap(
     if policy.on_no_spare == "wait":
         if waited_s < policy.wait_timeout_s:
             return Wait(missing=missing, timeout_s=policy.wait_timeout_s, waited_s=waited_s, largest_free=largest)
-        return Fail(missing=missing, reason=_reason(
+        return NoRoom(missing=missing, reason=_reason(
             missing, largest, f"waited {waited_s:.0f} s of wait_timeout_s={policy.wait_timeout_s:g}",
             "raise wait_timeout_s, or declare the slice devices=(min, max) and set on_no_spare='shrink' to restore "
             "onto fewer devices"))
@@ -214,7 +215,7 @@ def plan_remap(
             fits = [d for d in counts if d <= (len(free[w]) if w is not None else 0)]
             if not fits:
                 least = min(counts, default=need)
-                return Fail(missing=missing, reason=_reason(
+                return NoRoom(missing=missing, reason=_reason(
                     missing, len(free[w]) if w is not None else 0,
                     f"on_no_spare='shrink' needs a worker with at least {least} free devices for {name!r}, the "
                     f"fewest it runs on (its device counts: {sorted(counts)})",
@@ -223,7 +224,7 @@ def plan_remap(
             placed.append(Assignment(name, w, tuple(free[w][:count]), need))
             free[w] = free[w][count:]
         return Shrink(assignments=tuple(placed))
-    return Fail(missing=missing, reason=_reason(
+    return NoRoom(missing=missing, reason=_reason(
         missing, largest, "on_no_spare='fail'",
         "set on_no_spare='wait' to wait for a worker, or declare the slice devices=(min, max) and set "
         "on_no_spare='shrink' to restore onto fewer devices"))

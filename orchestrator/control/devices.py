@@ -16,12 +16,12 @@ A **spare** is a live, uncordoned worker none of whose devices is leased.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, read_cluster
 from rallypoint.etcd.keys import Keys, check_name
@@ -99,10 +99,13 @@ class DeviceLeases:
         fenced_txn: when given (the leader's :meth:`LeaderElection.fenced_txn`),
             every write also requires the leader's term.
         term: the leader term recorded in holders (0 when not fenced).
+        clock: what a cordon's ``at`` is read from.
     """
 
-    def __init__(self, store: Store, keys: Keys, *, fenced_txn: FencedTxn | None = None, term: int = 0) -> None:
+    def __init__(self, store: Store, keys: Keys, *, fenced_txn: FencedTxn | None = None, term: int = 0,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.store = store
+        self.clock = clock
         self.keys = keys
         self._txn: FencedTxn = fenced_txn or store.txn
         self.term = term
@@ -251,7 +254,7 @@ class DeviceLeases:
     def cordon(self, worker: str, *, by: str = "operator") -> None:
         """Stop new leases on ``worker`` (its current leases stay)."""
         self._require_worker(worker)
-        self.store.put(self.keys.cordon(worker), json.dumps({"by": by, "at": time.time()}))
+        self.store.put(self.keys.cordon(worker), json.dumps({"by": by, "at": self.clock.wall()}))
 
     def uncordon(self, worker: str) -> bool:
         """Allow new leases on ``worker`` again. Returns whether it was cordoned."""

@@ -65,19 +65,14 @@ class LeaderElection:
         self._lock = threading.RLock()  # term and keeper change together, under it
         self._epoch = 0  # counts every change of term under the lock (a kept lease may resume the same term)
         self.term: int | None = None
-        self._lost = threading.Event()
         self.keeper: LeaseKeeper | None = None
         self.log = get_logger("rallypoint.election", cluster=keys.cluster, coordinator=candidate_id)
-
-    def _on_lease_lost(self, reason: str) -> None:
-        self._lost.set()
 
     def _new_keeper(self) -> LeaseKeeper:
         keeper = LeaseKeeper(
             self.store,
             self.ttl_s,
             who=f"coordinator {self.candidate_id}",
-            on_lost=self._on_lease_lost,
             clock=self.clock,
             log_fields={"cluster": self.keys.cluster, "coordinator": self.candidate_id},
         )
@@ -93,7 +88,6 @@ class LeaderElection:
         with self._lock:
             keeper = self.keeper
         if keeper is None or keeper.fence.dead:
-            self._lost.clear()
             keeper = self._new_keeper()
             with self._lock:
                 self.keeper = keeper
@@ -253,10 +247,6 @@ class LeaderElection:
             self.log.info("leader.resigned", term=term)
         if keeper is not None:
             keeper.stop(revoke=True)
-
-    @property
-    def lease_lost(self) -> threading.Event:
-        return self._lost
 
     def writer(self) -> TermWriter:
         """A writer bound to the current term (raises :class:`NotLeader` when there is none)."""

@@ -14,7 +14,6 @@ the workers lost on the way: the executor recovers them, the drains never do.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +28,7 @@ from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.progress import JobProgress
-from rallypoint.orchestrator.job.recovery import RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job.stop import StopRequest
 from rallypoint.orchestrator.job.term import JobTerm
@@ -37,6 +36,7 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
 from rallypoint.recovery.replay import Graph
+from rallypoint.recovery.slices import stateful_slices
 
 
 class JobDrains(DrainPort):
@@ -62,12 +62,12 @@ class JobDrains(DrainPort):
         self.clock, self.log, self.event, self._grant, self._running, self._record = \
             clock, log, event, grant, running, record
         self._suspend = suspend
-        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self.settings: JobSettings | None = None  # set once the job's settings are checked
         self.checkpoints = False  # whether the job keeps checkpoints (a run directory)
         self.drains: dict[str, Drain] = {}  # worker -> the drain in flight
         self.drain_records: list[DrainRecord] = []
         self.holds: dict[str, int] = {}  # worker -> its drain step
-        self._ckpt_slices = sorted({s.slice for s in spec.states})
+        self._ckpt_slices = stateful_slices(spec)
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
 
     @property
@@ -122,7 +122,7 @@ class JobDrains(DrainPort):
             why = asked[min(asked)]
             req = StopRequest("suspend", checkpoint=True, by=f"job {why.get('for')} (priority {why.get('priority')})",
                               reason=f"a higher-priority job needs every device of job {self.spec.job!r}",
-                              auto_resume=True)
+                              auto_resume=True, at=self.clock.wall())
             if self._suspend(req):  # kept in etcd too: a new leader adopting the job carries it out
                 self.term.write_quietly("job.suspend_not_kept", [Put(self.term.keys.control(self.spec.job),
                                                                      json.dumps(req.to_json()))])
@@ -134,7 +134,7 @@ class JobDrains(DrainPort):
         for worker, slices in sorted(by_worker.items()):
             why = asked[slices[0]]
             self.log.warning("drain.yield", slices=slices, to=why.get("for"), priority=why.get("priority"))
-            self.start(DrainRequest(worker, "yield", f"job {why.get('for')}", time.time(), 0.0), only=slices,
+            self.start(DrainRequest(worker, "yield", f"job {why.get('for')}", self.clock.wall(), 0.0), only=slices,
                        park=True)
             return  # one at a time
 
@@ -159,7 +159,8 @@ class JobDrains(DrainPort):
                 fits = isinstance(plan_remap(snap, {s: full}, RemapPolicy(on_no_spare="fail"), exclude=away), Remap)
             if fits:
                 self.log.info("drain.grow", slice=s, devices=p.count, to=full)
-                self.start(DrainRequest(p.worker, "grow", "executor", time.time(), 0.0), only=[s], target={s: full})
+                self.start(DrainRequest(p.worker, "grow", "executor", self.clock.wall(), 0.0), only=[s],
+                           target={s: full})
                 return
 
     def start(self, req: DrainRequest, **kw: Any) -> Drain:

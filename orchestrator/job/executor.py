@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import queue
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.record import EventLog, RecordHistory, record_of
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
-from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
 from rallypoint.orchestrator.job.state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
 from rallypoint.orchestrator.job.stop import JobStop, stop_request
 from rallypoint.orchestrator.job.term import JobTerm
@@ -129,14 +128,14 @@ class JobExecutor:
         self.auto_resumed = False  # the leader resumed it once room returned (service/verbs.py)
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
-        self.settings: RecoverySettings | None = None
+        self.settings: JobSettings | None = None
         # The collaborators, each the one owner of its part of the job (docs/runtime.md has the table).
         self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
                             on_unpaused=self._unpaused)
         self.term.resume = self.resume
         self.progress = JobProgress(spec, self.graph)
         self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
-        self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store))
+        self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store), clock=clock)
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=clock, log=self.log, event=self.event,
@@ -152,14 +151,14 @@ class JobExecutor:
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
         self.job_metrics = JobMetrics(spec, progress=self.progress, workers=self.workers, term=self.term, log=self.log,
-                                      event=self.event)  # <run dir>/metrics.jsonl, and non-finite metrics
-        self.event_log = EventLog(term=self.term.term, log=self.log)  # <run dir>/events.jsonl (rallypoint logs)
+                                      event=self.event, wall=clock.wall)  # <run dir>/metrics.jsonl, non-finite metrics
+        self.event_log = EventLog(term=self.term.term, log=self.log, clock=clock)  # <run dir>/events.jsonl
         self.emit = self.event_log.tee(self.job_metrics.tee(emit))
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
             spec.job, placed=lambda: {s: p.worker for s, p in self.placement.items() if p.worker in self.loads.loaded},
             progress=self.progress, drains=self.drains, recovery=self.recovery, interrupt=self.term.interrupt,
             set_state=self._set_state, event=self.event, log=self.log)
-        self.started_at = time.time()  # when the run began (an adopted or resumed run keeps its first start)
+        self.started_at = clock.wall()  # when the run began (an adopted or resumed run keeps its first start)
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
@@ -239,13 +238,14 @@ class JobExecutor:
 
     def _prepare(self) -> None:
         try:
-            self.settings = RecoverySettings.from_spec(self.spec)
+            self.settings = JobSettings.from_spec(self.spec)
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
                                              compile_timeout_s=self.settings.compile_timeout_s,
                                              window_s=self.settings.failure_policy.window_s)
             self.recovery.configure(self.settings.failure_policy)
             self.warmer = SpareWarmer(self.spec, self.workers, cluster=self.keys.cluster, term=self.term.term,
-                                      max_spares=self.settings.warm_spares, log=self.log, gangs=self.places.gangs)
+                                      max_spares=self.settings.warm_spares, log=self.log, gangs=self.places.gangs,
+                                      clock=self.clock)
         except ValueError as exc:
             raise JobFailed(str(exc)) from None
         if self.resume:
@@ -264,7 +264,7 @@ class JobExecutor:
                 self.stopper.request(stop_request(asked.value, self.log))
         else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
             self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
-                                                  self.keep_runs, self.log)
+                                                  self.keep_runs, self.log, now=self.clock.wall())
         self.term.run_dir = self.loads.run_dir = self.run_dir
         self.event_log.open(self.run_dir)
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends

@@ -1,4 +1,5 @@
-"""Failure classification, in one place: every RPC failure toward a worker gets one verdict here.
+"""Failure classification, in one place: every RPC failure toward a worker gets one
+:class:`~rallypoint.recovery.decide.Verdict` here (the one a recovery's setback carries).
 
 - ``LOST``: the worker process is gone (its socket refuses or was reset).
 - ``SUSPECT``: no answer in time, or an ambiguous transport error: the worker may be
@@ -13,7 +14,7 @@
   in an init, an XLA compile error, out of device memory, a shape error: the worker says
   so as a typed error in the call's metadata, :mod:`rallypoint.proto.errors`). No worker
   is to blame: the job fails, naming the part, the worker and the error.
-- ``NOT_OURS``: a cancellation (ours, or the server's as it shuts down). Never a
+- ``CANCELLED``: a cancellation (ours, or the server's as it shuts down). Never a
   suspicion: a recovery asks again, and fences only a worker whose registration is gone.
 
 What to *do* on a verdict is the caller's policy, and each is explicit: the leader's
@@ -25,24 +26,13 @@ fencing first keeps it safe, a worker that was only slow comes back as a new inc
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from typing import Any
 
 import grpc
 
 from rallypoint.proto.errors import CorruptCheckpoint, ProgramFailure, parse_error
-
-
-class Verdict(enum.Enum):
-    LOST = "lost"
-    SUSPECT = "suspect"
-    REFUSED = "refused"
-    CORRUPT = "corrupt"
-    LOG_SHORT = "log_short"
-    INVALID = "invalid"
-    PROGRAM = "program"
-    NOT_OURS = "not_ours"
+from rallypoint.recovery.decide import Verdict
 
 
 # Transport messages that mean the peer process is gone, not merely slow.
@@ -62,7 +52,7 @@ def classify_rpc_error(code: grpc.StatusCode, details: str | None) -> Verdict:
     """Classify an RPC failure toward a worker from its status code and message."""
     text = (details or "").lower()
     if code is grpc.StatusCode.CANCELLED:
-        return Verdict.NOT_OURS
+        return Verdict.CANCELLED
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         return Verdict.REFUSED
     if code is grpc.StatusCode.DATA_LOSS:

@@ -20,7 +20,7 @@ from rallypoint.basics.clock import Clock
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
-from rallypoint.orchestrator.job.recovery import RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.term import Commits, JobTerm
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.recovery.load_plan import SlicePlace, load_requests
@@ -37,7 +37,7 @@ class JobLoads:
                  clock: Clock, log: Any) -> None:
         self.spec, self.workers, self.term, self.placement, self.clock, self.log = \
             spec, workers, term, placement, clock, log
-        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self.settings: JobSettings | None = None  # set once the job's settings are checked
         self.run_dir: Path | None = None
         self.holders: dict[str, pb.ReplicaPeer] = {}
         self.owners: dict[str, pb.ReplicaPeer] = {}  # a multi-host slice's part -> the worker of its member then

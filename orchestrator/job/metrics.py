@@ -45,6 +45,7 @@ from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.commits import consistent_cut
 from rallypoint.orchestrator.job.state import STREAM_END_EVENTS, JobFailed
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.slices import stateful_slices
 
 METRICS_FILE = "metrics.jsonl"
 ON_NONFINITE = ("stop", "warn")
@@ -337,7 +338,7 @@ class JobMetrics:
     def _drop_commits_past(self, step: int) -> int | None:
         """Drop every commit past ``step`` (etcd and the copies beside the checkpoints); the newest consistent
         cut left at or before it (None: none), which the progress's cut becomes (the job record's ``cut``)."""
-        slices = sorted({st.slice for st in self.spec.states})
+        slices = stateful_slices(self.spec)
         if not slices:
             return None
         commits = self.term.commits()

@@ -20,27 +20,25 @@ It takes every device lease the job holds, in fenced etcd transactions of the jo
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
-
-import numpy as np
 
 from rallypoint.basics.clock import Clock
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, NotLeader, StoreError
 from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_cluster
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.control.devices import DeviceLeases, Placement
-from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord, Reshard
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.recovery.load_plan import SlicePlace, device_counts
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE
 from rallypoint.recovery.fairness import Holding, NoVictims, plan_preemption
-from rallypoint.recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
+from rallypoint.recovery.slices import slice_devices
+from rallypoint.recovery.remap import Assignment, NoRoom, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
 
 REMAP_POLL_S = 0.25
 LEASE_ATTEMPTS = 4  # fresh plans after losing a race for spare devices
@@ -60,12 +58,12 @@ class JobPlacement:
     def __init__(self, spec: pb.JobSpec, term: JobTerm, *, clock: Clock, log: Any,
                  event: Callable[..., None]) -> None:
         self.spec, self.term, self.clock, self.log, self.event = spec, term, clock, log, event
-        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self.settings: JobSettings | None = None  # set once the job's settings are checked
         self._places: dict[str, SlicePlace] = {}
-        self.resharded: list[dict[str, Any]] = []  # each change of a slice's device count (shrink, grow)
+        self.resharded: list[Reshard] = []  # each change of a slice's device count (shrink, grow)
         self.nondeterministic: set[str] = set()  # workers it placed on that run nondeterministic kernels
         self.device_counts = device_counts(spec)  # slice -> the device counts its programs were exported for
-        self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
+        self._need = slice_devices(spec)
         self._asked: list[str] = []  # yield requests this job put (while it places itself)
 
     # -- the read-only view --------------------------------------------------------------------
@@ -118,7 +116,7 @@ class JobPlacement:
     def summary(self) -> dict[str, Any]:
         """The device-count changes, as ``job.finished`` reports them: a run with any is exact no more."""
         inexact = bool(self.resharded or self.nondeterministic)  # docs/platforms.md
-        return {"resharded": self.resharded, "exact": not inexact,
+        return {"resharded": [r.to_json() for r in self.resharded], "exact": not inexact,
                 **({"nondeterministic_workers": sorted(self.nondeterministic)} if self.nondeterministic else {}),
                 **({"tolerance": RESHARD_TOLERANCE} if inexact else {})}
 
@@ -189,7 +187,7 @@ class JobPlacement:
                 p = self.term.leases().allocate(self.spec.job, slice_name, count)
             except NoSpareDevices:
                 continue
-            self.resharded.append({"slice": slice_name, "from": need, "to": count, "at": time.time(), "why": why})
+            self.resharded.append(Reshard(slice_name, need, count, why, at=self.clock.wall()))
             self.log.warning("job.shrunk", slice=slice_name, devices=count, had=need)
             return p
         return None
@@ -245,7 +243,8 @@ class JobPlacement:
         if isinstance(plan, NoVictims):
             raise NoSpareDevices(self.spec.job, slice_name, need, max(free.values(), default=0))
         asked = [keys.yield_slice(v.job, v.slice) for v in plan.victims]
-        why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name, "at": time.time()})
+        why = json.dumps({"for": self.spec.job, "priority": self.spec.priority, "slice": slice_name,
+                          "at": self.clock.wall()})
         self.term.txn([Put(k, why) for k in asked])
         victims = [f"{v.job}/{v.slice} (priority {v.priority}, on {v.worker})" for v in plan.victims]
         self.log.warning("job.preempting", slice=slice_name, victims=victims)
@@ -282,9 +281,8 @@ class JobPlacement:
             had = self._places.get(s)
             if drained_at is not None and had is not None and p.count != had.count:
                 grew = p.count > had.count
-                self.resharded.append({"slice": s, "from": had.count, "to": p.count, "step": drained_at,
-                                       "at": time.time(), "why": "grew back (a worker with room joined)" if grew
-                                       else "drained onto fewer devices"})
+                self.resharded.append(Reshard(s, had.count, p.count, "grew back (a worker with room joined)" if grew
+                                              else "drained onto fewer devices", at=self.clock.wall(), step=drained_at))
         self._places.update(places)
 
     def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
@@ -320,9 +318,9 @@ class JobPlacement:
             if isinstance(decision, Remap | Shrink):
                 for a in decision.assignments:
                     if self._lease(snap, a, leases, placed) and a.shrunk:
-                        self.resharded.append({"slice": a.slice, "from": a.needed, "to": len(a.devices),
-                                               "why": f"recovery {record.number}: no spare with {a.needed} "
-                                                      "devices (on_no_spare='shrink')", "at": time.time()})
+                        self.resharded.append(Reshard(a.slice, a.needed, len(a.devices),
+                                                      f"recovery {record.number}: no spare with {a.needed} "
+                                                      "devices (on_no_spare='shrink')", at=self.clock.wall()))
                         self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
                 continue
             if isinstance(decision, Wait):
@@ -335,7 +333,7 @@ class JobPlacement:
                                       "for a worker with room to join")
                 self.clock.sleep(REMAP_POLL_S)
                 continue
-            if isinstance(decision, Fail):
+            if isinstance(decision, NoRoom):
                 raise JobFailed(decision.reason)
             raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")
 
@@ -385,8 +383,9 @@ class JobPlacement:
                 if not isinstance(decision, Remap) or not self._lease(snap, decision.assignments[0], leases, placed):
                     continue
                 place = placed[slice_name]
-            self.resharded.append({"slice": slice_name, "from": count, "to": c, "at": time.time(),
-                                   "why": f"no room for a whole gang of {count} devices (on_no_spare='shrink')"})
+            self.resharded.append(Reshard(slice_name, count, c,
+                                          f"no room for a whole gang of {count} devices (on_no_spare='shrink')",
+                                          at=self.clock.wall()))
             self.log.warning("recovery.shrunk", slice=slice_name, devices=c, had=count, members=len(place.members))
             return place
         return None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -29,7 +28,7 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.job.drain import DrainRecord
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
@@ -40,8 +39,9 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.recovery_machine import Recovery, RecoveryPort, classify_setback
 from rallypoint.orchestrator.job.stragglers import CORDON_BY
-from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Retry, Source, decide
+from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Retry, Verdict, decide
 from rallypoint.recovery.replay import Graph, ReplayPlan
+from rallypoint.recovery.slices import stateful_slices
 from rallypoint.recovery.stragglers import Probation
 
 
@@ -98,7 +98,7 @@ class JobRecoveryPort(RecoveryPort):
         return self.term.commits()
 
     def cut_step(self, commits: Commits, before: int | None) -> int:
-        return self.term.cut_of(commits, sorted({s.slice for s in self.progress.spec.states}), before)
+        return self.term.cut_of(commits, stateful_slices(self.progress.spec), before)
 
     def drop_commit(self, slice_name: str, step: int, error: str) -> None:
         self.term.drop_commit(slice_name, step)
@@ -107,7 +107,8 @@ class JobRecoveryPort(RecoveryPort):
 
     def record_failure(self, worker: str, incarnation: int, slices: list[str], reason: str) -> None:
         if not any(f["worker"] == worker and f["incarnation"] == incarnation for f in self.failures):
-            self.failures.append({"worker": worker, "incarnation": incarnation, "slices": slices, "at": time.time(),
+            self.failures.append({"worker": worker, "incarnation": incarnation, "slices": slices,
+                                  "at": self.term.clock.wall(),
                                   "step": self.progress.completed, "reason": reason})
 
     # -- placement and runtimes ------------------------------------------------------------------
@@ -200,7 +201,7 @@ class JobRecoveryPort(RecoveryPort):
         if isinstance(decision, Refence):
             self.loads.log.warning("job.lost_while_loading", workers=sorted(decision.lost), reason=decision.reason)
             return dict(decision.lost)
-        if setback.source is Source.PROGRAM and isinstance(decision, Fail):
+        if setback.verdict is Verdict.PROGRAM and isinstance(decision, Fail):
             raise JobFailed(decision.reason)
         w, f = next(iter(failed.items()))
         raise JobFailed(f"worker {w} could not load the job: {f}")
@@ -240,7 +241,7 @@ class JobStragglerPort:
             return None
 
     def cordon(self, worker: str, slice_name: str, probation: Probation) -> str:
-        now = time.time()
+        now = self.term.clock.wall()
         why: dict[str, object] = {"by": CORDON_BY, "job": self.job, "slice": slice_name, "at": now}
         try:
             lease = 0
@@ -269,4 +270,4 @@ class JobStragglerPort:
         self.term.write_quietly("straggler.uncordon_failed", [Delete(self.term.keys.cordon(worker))])
 
     def drain(self, worker: str) -> DrainRecord:
-        return self.drains.start(DrainRequest(worker, "straggler", "executor", time.time(), 0.0)).record
+        return self.drains.start(DrainRequest(worker, "straggler", "executor", self.term.clock.wall(), 0.0)).record

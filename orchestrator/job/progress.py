@@ -37,6 +37,7 @@ import numpy as np
 from rallypoint.recovery.load_plan import instances_per_step
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
+from rallypoint.recovery.slices import stateful_slices
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class JobProgress:
 
     def __init__(self, spec: pb.JobSpec, graph: Graph) -> None:
         self.spec, self.graph = spec, graph
-        self._ckpt_slices = sorted({s.slice for s in spec.states})
+        self._ckpt_slices = stateful_slices(spec)
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self._completed = self._granted = self._start = self._cut = 0
         self._halted: int | None = None

@@ -17,11 +17,11 @@ leaves the window, never again.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.job.recovery import RecoveryRecord
 
 RECENT_RECOVERIES = 8  # recoveries the record carries in full (the newest)
@@ -115,8 +115,8 @@ class EventLog:
     (``{"t", "event", "step", "term", **detail}``), appended by each executor of the run (a resume, a
     new leader). Writing never fails the job: a refused line is logged once and the next is tried."""
 
-    def __init__(self, *, term: int, log: Any) -> None:
-        self.term, self.log = term, log
+    def __init__(self, *, term: int, log: Any, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.term, self.log, self.clock = term, log, clock
         self.path: Path | None = None
         self._failed = False
 
@@ -137,7 +137,7 @@ class EventLog:
             fields = json.loads(detail or "{}")
         except ValueError:
             fields = {"detail": detail}
-        line = {"t": round(time.time(), 3), "event": event, "step": step, "term": self.term,
+        line = {"t": round(self.clock.wall(), 3), "event": event, "step": step, "term": self.term,
                 **(fields if isinstance(fields, dict) else {"detail": fields})}
         try:
             with open(self.path, "a", encoding="utf-8") as f:
@@ -151,7 +151,7 @@ class EventLog:
 def record_of(x: Any, **fields: Any) -> dict[str, Any]:
     """The job record of executor ``x`` now (``jobs/<job>`` in etcd), assembled from the owner of each fact:
     what a new leader adopts from, and what ``rallypoint jobs`` and ``status`` show."""
-    p, stop = x.progress, x.stopper.pending
+    p, stop, now = x.progress, x.stopper.pending, x.clock.wall()
     return {
         "job": x.spec.job, "state": x.state.value, "steps": x.spec.steps, "step_done": p.completed,
         "term": x.term.term, "run": x.run_id, "run_dir": str(x.run_dir or ""), "cut": p.cut,
@@ -162,8 +162,8 @@ def record_of(x: Any, **fields: Any) -> dict[str, Any]:
                              if q.members else {})} for s, q in x.placement.items()},
         **x.history.fields(x.recovery.entries(), x.failures, x.drains.drain_records, x.run_dir,
                            final=x.state.is_terminal),  # bounded: the newest in full
-        "replayed_instances": dict(p.replayed), "resharded": x.places.resharded,
+        "replayed_instances": dict(p.replayed), "resharded": [r.to_json() for r in x.places.resharded],
         "submit_id": x.spec.submit_id, "started_at": x.started_at,  # the run's first start (a resume keeps it)
         **({"stop": stop.to_json()} if stop is not None else {}),
-        **({"ended_at": time.time()} if x.state.is_terminal else {}), "at": time.time(), **fields,
+        **({"ended_at": now} if x.state.is_terminal else {}), "at": now, **fields,
     }

@@ -28,7 +28,6 @@ costs each instance what its first did.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,7 +37,7 @@ from rallypoint.orchestrator.job.recovery import RecoveryRecord
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.recovery_machine import Recovery, RecoveryPort
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
-from rallypoint.recovery.decide import (Budget, Decision, Disruption, FailurePolicy, FailureWindow, Setback, Source,
+from rallypoint.recovery.decide import (Budget, Decision, Disruption, FailurePolicy, FailureWindow, Setback, Verdict,
                                         decide)
 
 
@@ -88,7 +87,7 @@ class JobRecoveries:
 
     def adopted_running(self, step: int) -> None:
         """The adopted job completed ``step``: the recoveries the earlier term left open end now."""
-        now = time.time()
+        now = self.clock.wall()
         for r in self._open_adopted:
             r["mttr_s"] = round(max(0.0, now - float(r.get("detected_at", now))), 4)
             r["finished_by"], r["running_again_at_step"] = "adoption", step
@@ -105,7 +104,7 @@ class JobRecoveries:
         if fail is not None:
             self.log.error("job.failure_policy", reason=fail.reason, preempted=preempted)
             raise JobFailed(fail.reason)
-        rec = RecoveryRecord(number=number, lost={}, reasons=dict(lost), detected_at=time.time(),
+        rec = RecoveryRecord(number=number, lost={}, reasons=dict(lost), detected_at=self.clock.wall(),
                              detected_mono=now, detection_s=detection_s)
         self.supersede(f"recovery {rec.number} started")
         self.records.append(rec)
@@ -133,7 +132,7 @@ class JobRecoveries:
         (:func:`~rallypoint.recovery.decide.decide` on a stall, counted by the watchdog)."""
         reason = (f"no progress for {quiet_s:.1f}s (stall timeout {watchdog.timeout_s:g}s) at step {completed}: "
                   + ("; ".join(f"{w}: {why}" for w, why in sorted(blamed.items())) or "no node is behind"))
-        decision = decide(Setback(Source.STALL, workers=dict(blamed), detail=reason), watchdog.stalls, self.budget)
+        decision = decide(Setback(Verdict.STALL, workers=dict(blamed), detail=reason), watchdog.stalls, self.budget)
         self.log.warning("job.stalled", reason=reason, stalls=watchdog.stalls, limit=self.budget.stall,
                          decision=type(decision).__name__)
         return reason, decision

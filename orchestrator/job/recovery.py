@@ -1,10 +1,10 @@
-"""A job's recovery settings and the record of each recovery: plain data, no I/O.
+"""A job's settings and the record of each recovery: plain data, no I/O.
 
-:class:`RecoverySettings` is what a ``JobSpec`` asks for (defaults filled in,
-checked). :class:`RecoveryRecord` is one recovery as the executor measures it: the
-lost workers and slices, the checkpoint step, where each restored slice's checkpoint
-was read from (``restore_tiers``: ``"memory"``, a peer's in-memory copy, or ``"disk"``),
-the plan, and its phases, each a duration in seconds:
+:class:`JobSettings` is what a ``JobSpec`` asks for (defaults filled in,
+checked). :class:`Reshard` is one change of a slice's device count. :class:`RecoveryRecord`
+is one recovery as the executor measures it: the lost workers and slices, the checkpoint
+step, where each restored slice's checkpoint was read from (``restore_tiers``: ``"memory"``,
+a peer's in-memory copy, or ``"disk"``), the plan, and its phases, each a duration in seconds:
 
 * ``detection``: the lost worker's last event to its loss being noticed (an upper
   bound on how long the death went unseen; events flow constantly while it runs);
@@ -50,7 +50,7 @@ PHASES = ("detection", "fencing", "remap", "restore", "replay", "catch_up")
 
 
 @dataclass(frozen=True)
-class RecoverySettings:
+class JobSettings:
     policy: str
     on_no_spare: str
     wait_timeout_s: float
@@ -65,7 +65,7 @@ class RecoverySettings:
     on_nonfinite: str = "stop"  # a metric that is not finite: stop the job there, or warn (job/metrics.py)
 
     @classmethod
-    def from_spec(cls, spec: pb.JobSpec) -> RecoverySettings:
+    def from_spec(cls, spec: pb.JobSpec) -> JobSettings:
         """The settings a spec asks for, defaults filled in.
 
         Raises:
@@ -106,6 +106,26 @@ class RecoverySettings:
                                  int(spec.max_preemptions or DEFAULT_MAX_PREEMPTIONS),
                                  float(spec.failure_window_s or DEFAULT_FAILURE_WINDOW_S)),
                    float(spec.compile_timeout_s or DEFAULT_COMPILE_TIMEOUT_S), nonfinite_mode(spec))
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """One change of a slice's device count (a shrink, or a grow back): what ``resharded`` lists.
+
+    ``step``: the step a drain moved the slice at (None: a placement or a recovery's remap).
+    """
+
+    slice: str
+    devices_before: int
+    devices_after: int
+    why: str
+    at: float  # wall clock
+    step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As the job record, ``job.finished`` and the chaos runner read it: slice, from, to, why, at (and step)."""
+        return {"slice": self.slice, "from": self.devices_before, "to": self.devices_after, "why": self.why,
+                "at": self.at, **({"step": self.step} if self.step is not None else {})}
 
 
 @dataclass

@@ -41,12 +41,12 @@ from typing import Any
 
 from rallypoint.basics.clock import Clock
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.recovery import RecoveryRecord
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.recovery.load_plan import SlicePlace
-from rallypoint.recovery.decide import (Budget, Escalate, Fail, FallBack, Refence, Retry, Setback, Source, decide,
+from rallypoint.recovery.decide import (Budget, Escalate, Fail, FallBack, Refence, Retry, Setback, Verdict, decide,
                                         plan_recovery)
 from rallypoint.recovery.replay import Graph, ReplayPlan
 
@@ -254,7 +254,7 @@ class RecoveryData:
     lost_incarnations: dict[str, int] = field(default_factory=dict)  # of those, the incarnation lost (newest)
     bad_cut: int | None = None  # restore only from cuts below this one
     policy: str = "partial"
-    setbacks: Counter[Source] = field(default_factory=Counter)
+    setbacks: Counter[Verdict] = field(default_factory=Counter)
 
 
 class Recovery:
@@ -393,11 +393,11 @@ class Recovery:
 
     def _setback(self, failures: Mapping[str, WorkerCallFailed], cut: int) -> RecoveryState:
         setback = classify_setback(failures, cut, {w: self.port.registered(w) for w in failures})
-        self.data.setbacks[setback.source] += 1
-        count = self.data.setbacks[setback.source]
+        self.data.setbacks[setback.verdict] += 1
+        count = self.data.setbacks[setback.verdict]
         decision = decide(setback, count, self.budget)
-        self.log.warning("recovery.setback", recovery=self.record.number, source=setback.source.value, count=count,
-                         limit=self.budget.limit(setback.source), decision=type(decision).__name__,
+        self.log.warning("recovery.setback", recovery=self.record.number, source=setback.verdict.value, count=count,
+                         limit=self.budget.limit(setback.verdict), decision=type(decision).__name__,
                          reason=getattr(decision, "reason", ""), workers=sorted(setback.workers))
         if isinstance(decision, Refence):
             return Fencing(dict(decision.lost))
@@ -468,15 +468,13 @@ def classify_setback(failures: Mapping[str, WorkerCallFailed], cut: int, registe
     by: dict[Verdict, dict[str, WorkerCallFailed]] = {}
     for w, f in failures.items():
         by.setdefault(f.verdict, {})[w] = f
-    order = [(Verdict.PROGRAM, Source.PROGRAM), (Verdict.CORRUPT, Source.CORRUPT), (Verdict.LOST, Source.LOST),
-             (Verdict.SUSPECT, Source.SUSPECT), (Verdict.LOG_SHORT, Source.LOG_SHORT),
-             (Verdict.INVALID, Source.INVALID), (Verdict.REFUSED, Source.REFUSED),
-             (Verdict.NOT_OURS, Source.CANCELLED)]
-    for verdict, source in order:
+    order = [Verdict.PROGRAM, Verdict.CORRUPT, Verdict.LOST, Verdict.SUSPECT, Verdict.LOG_SHORT, Verdict.INVALID,
+             Verdict.REFUSED, Verdict.CANCELLED]
+    for verdict in order:
         if verdict in by:
             fs = by[verdict]
             corrupt = next((f.corrupt for f in fs.values() if f.corrupt is not None), None)
-            return Setback(source, workers={w: str(f) for w, f in fs.items()},
+            return Setback(verdict, workers={w: str(f) for w, f in fs.items()},
                            registered={w: registered.get(w, True) for w in fs}, cut=cut,
                            corrupt=(corrupt.slice_name, corrupt.step) if corrupt else None,
                            detail="; ".join(str(f) for f in fs.values()))

@@ -50,8 +50,9 @@ def valid_name(name: str) -> bool:
     return True
 
 
-def new_run_id() -> str:
-    return time.strftime("run-%Y%m%dT%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
+def new_run_id(now: float | None = None) -> str:
+    """A new run's id, stamped with the wall time ``now`` (the job's clock; None: the system's)."""
+    return time.strftime("run-%Y%m%dT%H%M%S-", time.gmtime(now)) + uuid.uuid4().hex[:6]
 
 
 def check_run_id(run: str, where: str = "") -> str:
@@ -200,15 +201,16 @@ def _chunks(ops: Sequence[Put | Delete]) -> list[list[Put | Delete]]:
     return [list(ops[i:i + TXN_OPS]) for i in range(0, len(ops), TXN_OPS)]
 
 
-def archive_ops(keys: Keys, prev: PreviousRun | None) -> list[list[Put | Delete]]:
-    """The etcd writes that keep ``prev`` under its run id, in transactions that each fit: the
-    copies first, then (last) the delete of the current-run commits. Empty when nothing is kept."""
+def archive_ops(keys: Keys, prev: PreviousRun | None, now: float) -> list[list[Put | Delete]]:
+    """The etcd writes that keep ``prev`` under its run id (superseded at wall time ``now``), in transactions
+    that each fit: the copies first, then (last) the delete of the current-run commits. Empty when nothing is
+    kept."""
     if prev is None or (prev.record is None and not prev.commit_kvs):
         return []
-    rid = prev.run if prev.run and valid_name(prev.run) else new_run_id()
+    rid = prev.run if prev.run and valid_name(prev.run) else new_run_id(now)
     record = dict(prev.record or {"job": prev.job, "state": prev.state})
     ops: list[Put | Delete] = [Put(keys.old_run(prev.job, rid),
-                                   json.dumps({**record, "run": rid, "superseded_at": time.time()}))]
+                                   json.dumps({**record, "run": rid, "superseded_at": now}))]
     under = keys.checkpoints(prev.job)
     for kv in prev.commit_kvs:
         ops.append(Put(keys.old_run_checkpoints(prev.job, rid) + "/".join(keys.tail(kv.key, under)), kv.value))
@@ -316,13 +318,14 @@ def keep_code(rd: Path, spec: Any) -> None:
 
 
 def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, keep_runs: int,
-              log: Any) -> tuple[str, Path | None]:
+              log: Any, *, now: float) -> tuple[str, Path | None]:
     """A new run of ``spec.job`` (the executor's start when it neither resumes nor adopts): the previous
     run's record and commits move under its run id (``txn``: the leader's fenced writes), the run
     directory is made with the spec it runs, and retention (``keep_runs``) deletes the oldest earlier
-    runs. Returns the run id and directory (None: no checkpoint root)."""
-    run = new_run_id()
-    for ops in archive_ops(keys, previous_run(store, keys, spec.job, None)):
+    runs; ``now``: the wall time, from the job's clock. Returns the run id and directory (None: no checkpoint
+    root)."""
+    run = new_run_id(now)
+    for ops in archive_ops(keys, previous_run(store, keys, spec.job, None), now):
         txn(ops)
     rd = None
     if root is not None:

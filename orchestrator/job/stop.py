@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rallypoint.orchestrator.job.state import JobState, JobStopped
@@ -46,7 +45,7 @@ class StopRequest:
         by: who asked: ``operator NAME``, or ``job NAME (priority P)`` for a higher-priority job.
         reason: why, in words.
         auto_resume: the leader resumes the job by itself once room returns (a priority suspend).
-        at: when it was asked (seconds since the epoch).
+        at: when it was asked (seconds since the epoch, from the asker's clock).
     """
 
     action: str
@@ -54,7 +53,7 @@ class StopRequest:
     by: str = ""
     reason: str = ""
     auto_resume: bool = False
-    at: float = field(default_factory=time.time)
+    at: float = 0.0  # its asker stamps it from the injected clock (0: not stamped)
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:

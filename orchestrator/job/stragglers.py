@@ -50,7 +50,6 @@ the cordon back.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -61,6 +60,7 @@ from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
+from rallypoint.recovery.slices import stateful_slices
 from rallypoint.recovery.stragglers import Keep, Migrate, Probation, StragglerSettings, judge, probation
 
 WARMUP_STEPS = 2  # the first steps of a run compile their programs: never a baseline
@@ -151,7 +151,7 @@ class StragglerWatch:
                     out.append((producer[b.state], "prev"))
             self.deps[n.name] = out
         self.every, self.per_mb = every, per_mb
-        self.stateful = {s.slice for s in spec.states}  # slices that save checkpoints (and wait for them)
+        self.stateful = set(stateful_slices(spec))  # slices that save checkpoints (and wait for them)
         self.runs: dict[str, list[tuple[int, int]]] = {s: [] for s in self.slices}  # (every, instances) per node
         for n in spec.nodes:
             self.runs.setdefault(n.slice, []).append((every[n.name], spec.microbatches if n.per_microbatch else 1))
@@ -387,7 +387,7 @@ class StragglerWatch:
 
     def _migrate(self, got: Migrate, slices: list[str], step: int, cordoned: bool) -> None:
         cordoned_now = False
-        on_probation = probation(self.port.straggler_moves(got.worker), time.time(), self.settings)
+        on_probation = probation(self.port.straggler_moves(got.worker), self.clock.wall(), self.settings)
         if not cordoned:
             error = self.port.cordon(got.worker, got.slice, on_probation)
             if error:
@@ -441,7 +441,7 @@ class StragglerWatch:
             return
         self._last_said, self._said_at = key, self._judged
         detail = {"decision": decision, "slice": slice_name, "worker": worker, "reason": reason,
-                  "at": time.time(), **extra, "evidence": evidence}
+                  "at": self.clock.wall(), **extra, "evidence": evidence}
         level = self.log.warning if decision in ("migrate", "no_spare", "not_moved", "kept_out") else self.log.info
         level(f"straggler.{decision}", **{k: v for k, v in detail.items() if k != "at"})
         self.port.event("job.straggler", step=self.port.progress.completed, **detail)

@@ -136,7 +136,7 @@ class JobTerm:
             return False
 
     def leases(self) -> DeviceLeases:
-        return DeviceLeases(self.store, self.keys, fenced_txn=self.writer.txn, term=self.term)
+        return DeviceLeases(self.store, self.keys, fenced_txn=self.writer.txn, term=self.term, clock=self.clock)
 
     # -- commits ------------------------------------------------------------------------------
 

@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_records import ClusterSnapshot
 from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.workers import RPC_TIMEOUT_S, JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import eligible
+from rallypoint.recovery.slices import slice_devices
 from rallypoint.recovery.warm import plan_warm, warm_devices
 
 Held = tuple[tuple[str, tuple[int, ...]], ...]  # (slice, local devices) a spare warms
@@ -63,11 +63,11 @@ class SpareWarmer:
     """The warm spares of one job (see the module doc)."""
 
     def __init__(self, spec: pb.JobSpec, workers: JobWorkers, *, cluster: str, term: int, max_spares: int,
-                 log: Any, gangs: Callable[[], Mapping[str, list[str]]] = dict) -> None:
+                 log: Any, gangs: Callable[[], Mapping[str, list[str]]] = dict, clock: Clock = SYSTEM_CLOCK) -> None:
         if max_spares < 0:
             raise ValueError(f"warm_spares must be >= 0 (0: no warm spares), got {max_spares}")
         self.spec, self.workers, self.cluster, self.term, self.max_spares = spec, workers, cluster, term, max_spares
-        self.log = log
+        self.log, self.clock = log, clock
         self.targets: dict[str, SpareTarget] = {}  # spare -> what it was last asked to hold
         self._rounds = itertools.count(1)
         self._lock = threading.Lock()
@@ -75,7 +75,7 @@ class SpareWarmer:
         self._due: str | None = None  # why the spares are to be warmed again, once the job moves past ...
         self._after = 0  # ... this many completed steps
         self._checked = float("-inf")
-        self._need = {s.slice: int(np.prod(s.mesh_shape)) if len(s.mesh_shape) else 1 for s in spec.slices}
+        self._need = slice_devices(spec)
         self._shapes = {s.slice: s for s in spec.slices}
         self._gangs = gangs  # the slices placed as gangs now -> their members' workers (docs/multihost.md)
 
@@ -138,7 +138,7 @@ class SpareWarmer:
         dropped = {w: t for w, t in self.targets.items() if w not in want and (t.held or t.members)}
         if not changed and not dropped:
             return False
-        rnd = _Round(next(self._rounds), reason, time.monotonic(),
+        rnd = _Round(next(self._rounds), reason, self.clock.monotonic(),
                      {w: [s for s, _ in t.held] + ([f"gang members: {t.members}"] if t.members else [])
                       for w, t in want.items()},
                      waiting=set(changed) | set(dropped), dropped=sorted(dropped))
@@ -203,7 +203,7 @@ class SpareWarmer:
                 return
             self._open.discard(rnd.number)
         detail = {"round": rnd.number, "reason": rnd.reason, "plan": rnd.plan, "dropped": rnd.dropped,
-                  "compile_s": rnd.compile_s, "failed": rnd.failed, "warm_s": round(time.monotonic() - rnd.started, 3)}
+                  "compile_s": rnd.compile_s, "failed": rnd.failed, "warm_s": round(self.clock.monotonic() - rnd.started, 3)}
         self.workers.events.put(("warmed", ("", 0, detail)))
 
     def release(self, registered: Mapping[str, int] | None = None) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import grpc
 
 from rallypoint.basics.logs import get_logger
+from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
@@ -61,15 +61,17 @@ class _Deadline(grpc.RpcError):
 
 
 class JobWorkers:
-    """The workers of one job, as the executor talks to them."""
+    """The workers of one job, as the executor talks to them. ``clock`` (the executor's) reads the time the
+    deadlines of the waits on their streams and calls are judged by."""
 
     def __init__(self, job: str, tls: TlsConfig | None = None, *, transfer_base_s: float = TRANSFER_BASE_S,
-                 transfer_bytes_per_s: float = TRANSFER_BYTES_PER_S) -> None:
+                 transfer_bytes_per_s: float = TRANSFER_BYTES_PER_S, clock: Clock = SYSTEM_CLOCK) -> None:
         if transfer_base_s <= 0 or transfer_bytes_per_s <= 0:
             raise ValueError(f"a transfer deadline needs a base > 0 s and a bandwidth > 0 bytes/s, got "
                              f"{transfer_base_s} s and {transfer_bytes_per_s} bytes/s")
         self.job = job
         self.tls = tls
+        self.clock = clock
         self.transfer_base_s, self.transfer_bytes_per_s = transfer_base_s, transfer_bytes_per_s
         self.log_bytes: dict[str, int] = {}  # worker -> its output log's bytes (memory + spilled), last reported
         self.events: queue.Queue[Event] = queue.Queue()
@@ -145,9 +147,9 @@ class JobWorkers:
     def gather_ended(self, lost: dict[str, str], grace_s: float) -> None:
         """Other workers lost with those in ``lost``: their streams break within ``grace_s``; they join ``lost``.
         Every other event read meanwhile goes back on the queue, in order, ahead of anything newer."""
-        deadline = time.monotonic() + grace_s
+        deadline = self.clock.monotonic() + grace_s
         kept = []
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - self.clock.monotonic()) > 0:
             try:
                 kind, (worker, gen, item) = self.events.get(timeout=left)
             except queue.Empty:
@@ -299,13 +301,13 @@ class JobWorkers:
     def _fetch_one(self, worker: str) -> list[pb.StateValue]:
         """One worker's states; the call is cancelled once it runs past the deadline of the bytes received."""
         call = self._stub(worker).FetchState(pb.FetchStateRequest(to=self.identity[worker], job=self.job))
-        start, received = time.monotonic(), [0]
+        start, received = self.clock.monotonic(), [0]
         over = threading.Event()
         done = threading.Event()
 
         def watch() -> None:
             while not done.wait(min(1.0, self.transfer_base_s / 10)):
-                if time.monotonic() - start > self.deadline_s(received[0]):
+                if self.clock.monotonic() - start > self.deadline_s(received[0]):
                     over.set()
                     call.cancel()
                     return
@@ -318,7 +320,7 @@ class JobWorkers:
                 out.append(sv)
         except grpc.RpcError as exc:
             if over.is_set():
-                raise _Deadline(f"FetchState moved {received[0]} bytes in {time.monotonic() - start:.1f} s, past "
+                raise _Deadline(f"FetchState moved {received[0]} bytes in {self.clock.monotonic() - start:.1f} s, past "
                                 f"its deadline of {self.deadline_s(received[0]):.1f} s") from exc
             raise
         finally:

@@ -23,7 +23,6 @@ import enum
 import json
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -370,7 +369,7 @@ class Coordinator:
                 "address": info.address,
                 "revision": change.revision,
                 "term": term,
-                "at": time.time(),
+                "at": self.clock.wall(),
             }
             self.election.fenced_txn([], [Put(self.keys.lost(info.worker), json.dumps(record))])
             self._revoked.pop((info.worker, info.incarnation), None)

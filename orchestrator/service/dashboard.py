@@ -21,7 +21,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -235,11 +234,11 @@ class ClusterApi:
         recorded = self.service.timeline.jobs() if self.service is not None else []
         return cluster_json(cluster=self.c.keys.cluster, coordinator=self.c.config.coordinator_id,
                             leading=self.c.election.is_leader, leader=leader, snap=snap, recorded=recorded,
-                            records=records, now=time.time(), error=error)
+                            records=records, now=self.c.clock.wall(), error=error)
 
     def __call__(self, query: dict[str, list[str]]) -> Response:
         with self._lock:
-            now = time.monotonic()
+            now = self.c.clock.monotonic()
             if self._cached is None or now - self._cached[0] >= CACHE_S:
                 self._cached = (now, json_response(self.build()))
             return self._cached[1]

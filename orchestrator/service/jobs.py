@@ -144,7 +144,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ended: OrderedDict[str, tuple[pb.JobEvent, float]] = OrderedDict()  # job -> (its end, when)
         self._lock = threading.Lock()
         self._watching = 0  # WatchJob streams open now (each holds a server thread), at most max_watchers
-        self.timeline = TimelineRecorder()  # what the dashboard shows of the jobs run here
+        self.timeline = TimelineRecorder(wall=self.c.clock.wall)  # what the dashboard shows of the jobs run here
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
         self.control = JobControl(self)  # cancel, suspend, the auto-resume, the history's retention (service/verbs.py)
@@ -371,7 +371,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     if self._runs.get(spec.job) is run:
                         del self._runs[spec.job]
                     if run.last is not None and run.last.event in TERMINAL_EVENTS:
-                        self._ended[spec.job] = (run.last, time.monotonic())
+                        self._ended[spec.job] = (run.last, self.c.clock.monotonic())
                         while len(self._ended) > KEEP_ENDED:
                             self._ended.popitem(last=False)
                 run.done.set()
@@ -408,12 +408,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _watch(self, job: str, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         """``job.watching`` with the job's progress, then its events to the end (see ``WatchJob``)."""
-        deadline = time.monotonic() + ADOPT_WAIT_S
+        deadline = self.c.clock.monotonic() + ADOPT_WAIT_S
         while True:
             with self._lock:
                 run = self._runs.get(job)
                 kept = self._ended.get(job)
-            ended = kept[0] if kept is not None and time.monotonic() - kept[1] < KEEP_ENDED_S else None
+            ended = kept[0] if kept is not None and self.c.clock.monotonic() - kept[1] < KEEP_ENDED_S else None
             if run is not None:
                 q = run.subscribe()
                 x = run.executor
@@ -447,7 +447,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.NOT_FOUND,
                               f"job {job!r} is recorded as {state} under term {record.get('term')}, but it ran "
                               "without checkpoints: a new leader cannot adopt it; submit it again")
-            if time.monotonic() > deadline:
+            if self.c.clock.monotonic() > deadline:
                 context.abort(grpc.StatusCode.NOT_FOUND,
                               f"job {job!r} is recorded as {state} under term {record.get('term')}, but this "
                               f"leader has not adopted it within {ADOPT_WAIT_S:.0f}s; see its log "
@@ -559,9 +559,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _hand_off(self, runs: list[_Run], reason: str, *, wait_s: float) -> None:
         for r in runs:
             r.executor.stop(reason)
-        deadline = time.monotonic() + wait_s
+        deadline = self.c.clock.monotonic() + wait_s
         for r in runs:
-            r.done.wait(max(0.0, deadline - time.monotonic()))
+            r.done.wait(max(0.0, deadline - self.c.clock.monotonic()))
         self.log.info("job.handed_off_all", reason=reason, jobs=sorted(r.job for r in runs),
                       still_running=sorted(r.job for r in runs if not r.done.is_set()))
 

@@ -53,6 +53,7 @@ from rallypoint.recovery.load_plan import device_counts
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, adoptable_run_dir, check_spec_names, run_of
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, Shrink, plan_remap
+from rallypoint.recovery.slices import slice_devices
 
 AUTO_RESUME_POLL_S = 1.0  # how often the leader looks for suspended jobs to resume by themselves
 HISTORY_SWEEP_S = 60.0  # how often the leader removes expired history
@@ -120,7 +121,8 @@ class JobControl:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job!r} keeps no checkpoints: a {'suspend' if action == 'suspend' else 'final cut'} "
                           f"needs them, and nothing changed; `rallypoint cancel {job}` (without --checkpoint) stops it")
-        req = StopRequest(action, checkpoint=saves, by=request.by or "an operator", reason=request.reason)
+        req = StopRequest(action, checkpoint=saves, by=request.by or "an operator", reason=request.reason,
+                          at=self.c.clock.wall())
         if state == JobState.SUSPENDED.value:  # a cancel of a job set aside: nothing runs, the record moves
             return self._cancel_suspended(job, record, kv.mod_revision if kv else 0, req, context)
         try:
@@ -146,8 +148,9 @@ class JobControl:
             record_transition(record.get("state", ""), JobState.CANCELLED, job)
         except JobStateError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc}; nothing changed")
-        new = {**record, "state": JobState.CANCELLED.value, "stop": req.to_json(), "ended_at": time.time(),
-               "at": time.time(), "reason": f"cancelled while suspended by {req.by}"}
+        now = self.c.clock.wall()
+        new = {**record, "state": JobState.CANCELLED.value, "stop": req.to_json(), "ended_at": now,
+               "at": now, "reason": f"cancelled while suspended by {req.by}"}
         keys = self.c.keys
         try:
             done = self.c.election.fenced_txn([Compare(keys.job(job), "mod", "==", revision)],
@@ -194,8 +197,8 @@ class JobControl:
         while holds():
             try:
                 self.resume_ready(term)
-                if time.monotonic() - swept >= HISTORY_SWEEP_S:
-                    swept = time.monotonic()
+                if self.c.clock.monotonic() - swept >= HISTORY_SWEEP_S:
+                    swept = self.c.clock.monotonic()
                     self.sweep_history()
             except (StoreError, NotLeader) as exc:
                 self.log.warning("job.auto_resume_failed", error=str(exc))
@@ -267,7 +270,7 @@ class JobControl:
         keep = float(getattr(self.c.config, "keep_history_s", DEFAULT_KEEP_HISTORY_S))
         kvs, _ = self.c.store.get_prefix(self.c.keys.jobs)
         gone = expired(self.c.keys, {kv.key: kv.json() for kv in kvs if _is_json(kv.value)}, keep,
-                       time.time() if now is None else now)
+                       self.c.clock.wall() if now is None else now)
         for prefix in gone:
             self.c.election.fenced_txn([], [Delete(prefix, prefix=prefix.endswith("/"))])
         if gone:
@@ -316,7 +319,7 @@ def expired(keys: Any, records: Mapping[str, dict[str, Any]], keep_s: float, now
 def room_to_resume(snap: ClusterSnapshot, spec: pb.JobSpec) -> bool:
     """Whether the free devices hold every slice of ``spec`` now, each at one of its device counts."""
     counts = device_counts(spec)
-    need = {s.slice: max(counts.get(s.slice) or [max(1, _size(s))]) for s in spec.slices}
+    need = {s: max(counts.get(s) or [max(1, n)]) for s, n in slice_devices(spec).items()}
     largest = max((w.info.devices for w in snap.workers.values()), default=0)
     single = {s: n for s, n in need.items() if min(counts.get(s) or [n]) <= largest}
     for s, n in need.items():
@@ -327,13 +330,6 @@ def room_to_resume(snap: ClusterSnapshot, spec: pb.JobSpec) -> bool:
     allowed = {s: tuple(counts.get(s) or [n]) for s, n in single.items()}
     plan = plan_remap(snap, single, RemapPolicy(on_no_spare="shrink"), allowed=allowed)
     return isinstance(plan, (Remap, Shrink))
-
-
-def _size(s: Any) -> int:
-    n = 1
-    for d in s.mesh_shape:
-        n *= int(d)
-    return n
 
 
 def start_thread(control: JobControl, term: int, holds: Any) -> threading.Thread:

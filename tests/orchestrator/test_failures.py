@@ -32,8 +32,8 @@ C = grpc.StatusCode
         (C.FAILED_PRECONDITION, "stale incarnation 12, current 15", Verdict.REFUSED),
         (C.FAILED_PRECONDITION, "socket closed", Verdict.REFUSED),
         # Our own cancellation.
-        (C.CANCELLED, "Locally cancelled by application!", Verdict.NOT_OURS),
-        (C.CANCELLED, "Socket closed", Verdict.NOT_OURS),
+        (C.CANCELLED, "Locally cancelled by application!", Verdict.CANCELLED),
+        (C.CANCELLED, "Socket closed", Verdict.CANCELLED),
     ],
 )
 def test_classify_rpc_error(code: grpc.StatusCode, details: str | None, verdict: Verdict) -> None:

@@ -25,7 +25,7 @@ from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
-from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.recovery.load_plan import SlicePlace
@@ -67,7 +67,7 @@ class Parts:
         self.drains = JobDrains(self.spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=self.clock, log=self.log, event=self.event,
                                 grant=self.granted.append, running=lambda: True, record=lambda: None)
-        settings = RecoverySettings.from_spec(self.spec)
+        settings = JobSettings.from_spec(self.spec)
         for c in (self.places, self.loads, self.drains):
             c.settings = settings
         self.drains.checkpoints = True
@@ -155,7 +155,7 @@ def test_a_remap_leases_a_spare_and_apply_makes_it_the_slices_place() -> None:
 
 def test_a_remap_with_no_spare_and_on_no_spare_fail_fails_the_job_naming_the_slice() -> None:
     p = Parts(workers=2)
-    p.places.settings = RecoverySettings.from_spec(pipeline_spec(on_no_spare="fail"))
+    p.places.settings = JobSettings.from_spec(pipeline_spec(on_no_spare="fail"))
     p.places.place(lambda: read_cluster(p.store, p.keys))
     with pytest.raises(JobFailed, match="s1"):
         p.places.remap({"s1": 1}, frozenset({"w0", "w1"}),
@@ -168,13 +168,13 @@ def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewe
     spec.slices[1].mesh_shape[:] = [2]
     spec.nodes[1].variants.add(devices=1)
     p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event)
-    p.places.settings = RecoverySettings.from_spec(spec)
+    p.places.settings = JobSettings.from_spec(spec)
     with pytest.raises(NoSpareDevices):  # a new job: no waiting, no shrinking
         p.places.place(lambda: read_cluster(p.store, p.keys))
     p.places.release_all()
     p.places.place(lambda: read_cluster(p.store, p.keys), adopting=True)
     assert len(p.places.slices["s1"].devices) == 1 and len(p.places.slices["s0"].devices) == 1
-    assert [(r["slice"], r["from"], r["to"]) for r in p.places.resharded] == [("s1", 2, 1)]
+    assert [(r.slice, r.devices_before, r.devices_after) for r in p.places.resharded] == [("s1", 2, 1)]
 
 
 # -- JobDrains ----------------------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_a_straggler_cordon_lapses_in_a_real_etcd_and_a_second_move_keeps_the_wo
     port = JobStragglerPort("pipe", term=term, placement=None, loads=None, progress=None,  # type: ignore[arg-type]
                             drains=None, busy=lambda: "", event=lambda *a, **k: None)
     settings = StragglerSettings(probation_s=1.0, repeat_window_s=600.0)
-    first = probation(port.straggler_moves("w1"), time.time(), settings)
+    first = probation(port.straggler_moves("w1"), clock.wall(), settings)
     assert first.lapse_s == 1.0 and port.cordon("w1", "s1", first) == ""
     assert store.get(keys.cordon("w1")) is not None
     deadline = time.monotonic() + 15
@@ -279,7 +279,7 @@ def test_a_straggler_cordon_lapses_in_a_real_etcd_and_a_second_move_keeps_the_wo
         time.sleep(0.1)
     port.note_moves("w1", first.moves)
     store.keepalive(election.lease)
-    second = probation(port.straggler_moves("w1"), time.time(), settings)
+    second = probation(port.straggler_moves("w1"), clock.wall(), settings)
     assert second.lapse_s is None and port.cordon("w1", "s1", second) == ""
     kv = store.get(keys.cordon("w1"))
     assert kv is not None and kv.lease == 0 and "uncordon" in kv.json()["kept_out"]

@@ -6,7 +6,6 @@ follows the run it started; the auto-resume waits for the asking job and for roo
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +211,7 @@ def test_a_job_suspended_for_a_higher_priority_one_resumes_once_that_job_ended_a
 
 def test_the_history_past_its_keep_is_removed_from_etcd_and_the_rest_stays(svc: tuple[Any, Any]) -> None:
     s, c = svc
-    k, now = c.keys, time.time()
+    k, now = c.keys, c.clock.wall()
     old, recent = now - 7200, now - 60
     records = {"done": ("succeeded", old), "gone": ("cancelled", old), "fresh": ("failed", recent),
                "aside": ("suspended", old), "live": ("running", None)}
@@ -228,6 +227,24 @@ def test_the_history_past_its_keep_is_removed_from_etcd_and_the_rest_stays(svc: 
     assert {k.job("fresh"), k.job("aside"), k.job("live"), k.checkpoint("aside", "s0", 5)} <= left
     assert not any(key.startswith((k.job("done"), k.job("gone"), f"{k.runs('live')}run-0/")) for key in left)
     assert expired(k, {k.job("done"): {"state": "succeeded", "ended_at": old}}, 0.0, now) == []  # 0: for ever
+
+
+def test_history_expires_when_the_leader_s_clock_moves_past_its_keep_with_no_real_wait(svc: tuple[Any, Any]) -> None:
+    """The sweep reads the time from the coordinator's clock: a record that ended 60 s ago (on that clock) stays;
+    once the fake clock moves past keep_history_s it is removed, and a cancel of a suspended job is stamped
+    with that clock's time."""
+    s, c = svc
+    k, ended = c.keys, c.clock.wall() - 60
+    c.store.put(k.job("done"), json.dumps({"job": "done", "state": "succeeded", "ended_at": ended}))
+    assert s.control.sweep_history() == [] and c.store.get(k.job("done")) is not None
+    c.clock.advance(3600.0)  # keep_history_s of the fixture: the record is now 3660 s old
+    assert s.control.sweep_history() == [k.job("done"), k.checkpoints("done")]
+    assert c.store.get(k.job("done")) is None
+    c.store.put(k.job("aside"), json.dumps({"job": "aside", "state": "suspended", "run_dir": "/r"}))
+    reply = s.control._cancel_suspended("aside", c.store.get(k.job("aside")).json(),
+                                        c.store.get(k.job("aside")).mod_revision, StopRequest("cancel"), Context())
+    assert reply.state == "cancelled"
+    assert c.store.get(k.job("aside")).json()["ended_at"] == c.clock.wall()
 
 
 def test_room_to_resume_counts_the_free_devices_of_eligible_workers_at_any_declared_count(

@@ -17,7 +17,7 @@ from rallypoint.etcd.commits import read_commits
 from rallypoint.orchestrator.job.executor import run_dir
 from rallypoint.orchestrator.job.metrics import (METRICS_FILE, JobMetrics, MetricsLog, nonfinite_mode, parse_metrics,
                                                  read_metrics)
-from rallypoint.orchestrator.job.recovery import RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import FakeWorkers
@@ -81,7 +81,7 @@ def test_on_nonfinite_is_stop_warn_or_empty_and_anything_else_names_the_choices(
     assert nonfinite_mode(pb.JobSpec()) == "stop" and nonfinite_mode(pb.JobSpec(on_nonfinite="warn")) == "warn"
     with pytest.raises(ValueError, match=r"on_nonfinite 'ignore' is not one of \['stop', 'warn'\]"):
         nonfinite_mode(pb.JobSpec(on_nonfinite="ignore"))
-    assert RecoverySettings.from_spec(pb.JobSpec(job="j", on_nonfinite="warn")).on_nonfinite == "warn"
+    assert JobSettings.from_spec(pb.JobSpec(job="j", on_nonfinite="warn")).on_nonfinite == "warn"
 
 
 def test_a_halted_progress_grants_nothing_more_and_no_commit_past_the_step_moves_the_cut() -> None:

@@ -8,38 +8,38 @@ import pytest
 
 from rallypoint.client.commands.faults import Fault, parse_faults
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
 from rallypoint.proto import rallypoint_pb2 as pb
 
 
 def test_settings_fill_defaults_and_name_the_bad_field() -> None:
-    s = RecoverySettings.from_spec(pb.JobSpec(job="j"))
+    s = JobSettings.from_spec(pb.JobSpec(job="j"))
     assert (s.policy, s.on_no_spare, s.checkpoint_every, s.keep_checkpoints) == ("partial", "wait", 10, 3)
-    assert RecoverySettings.from_spec(pb.JobSpec(job="j", policy="restart-all", checkpoint_every=4)).checkpoint_every == 4
+    assert JobSettings.from_spec(pb.JobSpec(job="j", policy="restart-all", checkpoint_every=4)).checkpoint_every == 4
     with pytest.raises(ValueError, match="recovery policy 'spmd' is not one of"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", policy="spmd"))
+        JobSettings.from_spec(pb.JobSpec(job="j", policy="spmd"))
     with pytest.raises(ValueError, match=r"shrink' needs a slice that may run on fewer devices: declare it "
                                          r"prog.slice\(name, devices=\(min, max\)\)"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink"))
+        JobSettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink"))
     variant = pb.NodeProgram(name="n", slice="s", variants=[pb.ExportedVariant(devices=1)])
-    assert RecoverySettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink", nodes=[variant])).on_no_spare == "shrink"
+    assert JobSettings.from_spec(pb.JobSpec(job="j", on_no_spare="shrink", nodes=[variant])).on_no_spare == "shrink"
     with pytest.raises(ValueError, match="checkpoint_every must be >= 0"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", checkpoint_every=-1))
+        JobSettings.from_spec(pb.JobSpec(job="j", checkpoint_every=-1))
 
 
 def test_straggler_settings_fill_defaults_and_name_the_bad_field() -> None:
-    s = RecoverySettings.from_spec(pb.JobSpec(job="j")).stragglers
+    s = JobSettings.from_spec(pb.JobSpec(job="j")).stragglers
     assert (s.mode, s.factor, s.window, s.persist) == ("migrate", 2.0, 16, 8)
-    s = RecoverySettings.from_spec(pb.JobSpec(job="j", stragglers="report", straggler_factor=3.0, straggler_window=3))
+    s = JobSettings.from_spec(pb.JobSpec(job="j", stragglers="report", straggler_factor=3.0, straggler_window=3))
     assert (s.stragglers.mode, s.stragglers.factor, s.stragglers.window, s.stragglers.persist) == ("report", 3.0, 3, 3)
     with pytest.raises(ValueError, match=r"stragglers 'always' is not one of \['migrate', 'report', 'off'\]"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", stragglers="always"))
+        JobSettings.from_spec(pb.JobSpec(job="j", stragglers="always"))
     with pytest.raises(ValueError, match="straggler_factor must be > 1"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", straggler_factor=0.5))
+        JobSettings.from_spec(pb.JobSpec(job="j", straggler_factor=0.5))
     with pytest.raises(ValueError, match="straggler_window must be >= 0"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", straggler_window=-2))
+        JobSettings.from_spec(pb.JobSpec(job="j", straggler_window=-2))
     with pytest.raises(ValueError, match="straggler_persist must be between 1 and straggler_window"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", straggler_window=3, straggler_persist=5))
+        JobSettings.from_spec(pb.JobSpec(job="j", straggler_window=3, straggler_persist=5))
 
 
 def test_a_record_reports_phases_in_order_and_mttr_only_once_replay_ended() -> None:
@@ -80,11 +80,11 @@ def test_fail_specs_name_a_slice_or_a_node_and_a_step_inside_the_job() -> None:
 def test_warm_spares_default_on_zero_off_negative_refused_naming_the_field() -> None:
     from rallypoint.recovery.warm import DEFAULT_WARM_SPARES
 
-    assert RecoverySettings.from_spec(pb.JobSpec(job="j")).warm_spares == DEFAULT_WARM_SPARES > 0
-    assert RecoverySettings.from_spec(pb.JobSpec(job="j", warm_spares=0)).warm_spares == 0
-    assert RecoverySettings.from_spec(pb.JobSpec(job="j", warm_spares=5)).warm_spares == 5
+    assert JobSettings.from_spec(pb.JobSpec(job="j")).warm_spares == DEFAULT_WARM_SPARES > 0
+    assert JobSettings.from_spec(pb.JobSpec(job="j", warm_spares=0)).warm_spares == 0
+    assert JobSettings.from_spec(pb.JobSpec(job="j", warm_spares=5)).warm_spares == 5
     with pytest.raises(ValueError, match="warm_spares must be >= 0"):
-        RecoverySettings.from_spec(pb.JobSpec(job="j", warm_spares=-1))
+        JobSettings.from_spec(pb.JobSpec(job="j", warm_spares=-1))
 
 
 def test_a_record_counts_first_calls_of_the_runtime_it_loaded_on_moved_slices_only() -> None:

@@ -178,7 +178,7 @@ def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_i
     assert x.run() is JobState.SUCCEEDED
     assert x.placement["s0"].count == 1 and x.placement["s0"].worker != "w0"
     (change,) = x.places.resharded
-    assert change["from"] == 2 and change["to"] == 1 and "resumed" in change["why"]
+    assert change.devices_before == 2 and change.devices_after == 1 and "resumed" in change.why
     done = json.loads(resumed[-1].detail)
     assert resumed[-1].event == "job.finished" and done["exact"] is False  # within the reshard tolerance
     (back,) = [e for e in resumed if e.event == "job.resumed"]

@@ -23,7 +23,7 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.orchestrator.job.recovery_machine import (TRANSITIONS, CatchingUp, Done, Recovery, RecoveryPhase,
                                                       RecoveryPort)
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
-from rallypoint.recovery.decide import Budget, Source
+from rallypoint.recovery.decide import Budget, Verdict
 from rallypoint.recovery.replay import Edge, Graph, Node, ReplayPlan, State
 
 P = RecoveryPhase
@@ -218,7 +218,7 @@ def test_the_spare_lost_while_restoring_goes_back_to_fencing_and_takes_the_next_
                             "replaying"]
     assert [c[1] for c in job.calls if c[0] == "fence"] == ["w1", "w2"]
     assert job.placement["s1"].worker == "w3" and r.record.attempts == 2
-    assert r.data.setbacks == {Source.LOST: 1}
+    assert r.data.setbacks == {Verdict.LOST: 1}
 
 
 def test_a_survivor_lost_during_rewire_joins_the_recovery() -> None:
@@ -374,7 +374,7 @@ def test_a_cancelled_load_on_a_live_spare_is_asked_again_never_suspected() -> No
     r, _, _ = recovery(job, {"w1": "gone"})
     r.run_to_replay()
     assert [c for c in job.calls if c[0] == "fence"] == [("fence", "w1", 101)]
-    assert job.placement["s1"].worker == "w2" and r.data.setbacks == {Source.CANCELLED: 1}
+    assert job.placement["s1"].worker == "w2" and r.data.setbacks == {Verdict.CANCELLED: 1}
 
 
 def test_a_live_worker_lost_only_for_the_job_is_unloaded_not_fenced_and_may_take_its_slice_back() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rallypoint.basics.clock import FakeClock
 from rallypoint.orchestrator.job import stragglers
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -299,13 +300,18 @@ def test_the_watch_judges_through_its_port_alone_and_moves_a_stalled_slice() -> 
     assert port.said[0][1]["slice"] == "s1" and port.said[0][1]["first_slow_step"] >= 56
 
 
-def moved_once(earlier: list[float]) -> tuple[FakePort, list[str]]:
-    """Drive the scripted port until its straggler's drain is done; the decisions said."""
-    from rallypoint.basics.clock import FakeClock
+WALL_START = 1_000_000_000.0  # the fake clock's wall time: far from the real one, so a real read shows
+
+
+def moved_once(ago: list[float], *, pause_s: float = 0.0) -> tuple[FakePort, list[str], FakeClock]:
+    """Drive the scripted port until its straggler's drain is done; the decisions said. ``ago``: the worker's
+    earlier straggler moves, seconds before the job started on the fake clock; ``pause_s``: how far that clock
+    moves before the job runs (no real time passes)."""
     from rallypoint.recovery.stragglers import StragglerSettings
     from tests.orchestrator.test_job_collaborators import Log
-    clock, port = FakeClock(), FakePort()
-    port.moves["w1"] = earlier
+    clock, port = FakeClock(wall_start=WALL_START), FakePort()
+    port.moves["w1"] = [WALL_START - a for a in ago]
+    clock.advance(pause_s)
     watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=Log())
     watch.configure(StragglerSettings(probation_s=30.0, repeat_window_s=600.0), checkpoint_every=0)
     drive(watch, port, clock, range(0, 20), {})
@@ -314,12 +320,11 @@ def moved_once(earlier: list[float]) -> tuple[FakePort, list[str]]:
     watch.pending["drain"].state = "done"  # the drain moved s1 to w2
     watch.pending["drain"].moved = {"s1": "w2"}
     watch.advanced()
-    return port, [d["decision"] for e, d in port.said if e == "job.straggler"]
+    return port, [d["decision"] for e, d in port.said if e == "job.straggler"], clock
 
 
 def test_a_straggler_s_worker_is_cordoned_on_probation_and_its_move_is_recorded() -> None:
-    import time
-    port, decisions = moved_once([time.time() - 3600])  # a move an hour ago is outside the window
+    port, decisions, _ = moved_once([3600])  # a move an hour ago is outside the window
     assert decisions == ["migrate", "migrated"]
     (probation,) = port.probations
     assert probation.lapse_s == 30.0 and len(probation.moves) == 1
@@ -328,13 +333,26 @@ def test_a_straggler_s_worker_is_cordoned_on_probation_and_its_move_is_recorded(
 
 
 def test_a_worker_moved_off_twice_in_the_window_stays_out_and_is_reported() -> None:
-    import time
-    port, decisions = moved_once([time.time() - 60])
+    port, decisions, _ = moved_once([60])
     assert decisions == ["migrate", "migrated", "kept_out"]
     (probation,) = port.probations
     assert probation.lapse_s is None and len(probation.moves) == 2 and len(port.moves["w1"]) == 2
     kept = port.said[2][1]
     assert kept["worker"] == "w1" and "2 times within 600 s" in kept["reason"] and "uncordon" in kept["reason"]
+
+
+def test_the_repeat_window_ends_when_the_job_s_clock_moves_past_it_with_no_real_wait() -> None:
+    """The probation is judged on the injected clock's wall time: a move 60 s before keeps the worker out; the
+    same move once the fake clock has moved on past the 600 s window is history, and the worker is on probation
+    again. The move and the decisions are stamped with the fake clock's time, not the real one."""
+    _, kept_out, _ = moved_once([60])
+    assert kept_out == ["migrate", "migrated", "kept_out"]
+    port, decisions, clock = moved_once([60], pause_s=600.0)
+    assert decisions == ["migrate", "migrated"]
+    (probation,) = port.probations
+    assert probation.lapse_s == 30.0 and len(probation.moves) == 1
+    assert WALL_START + 600.0 < probation.moves[0] <= clock.wall() < WALL_START + 700.0
+    assert all(WALL_START < d["at"] <= clock.wall() for e, d in port.said if e == "job.straggler")
 
 
 @pytest.mark.parametrize(("spares", "moved"), [(3, True), (2, False)])

@@ -6,71 +6,71 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rallypoint.recovery.decide import (Budget, Escalate, Fail, FallBack, Refence, Retry, Setback, Source, decide,
+from rallypoint.recovery.decide import (Budget, Escalate, Fail, FallBack, Refence, Retry, Setback, Verdict, decide,
                                         plan_recovery)
 from rallypoint.recovery.replay import Edge, Graph, Node, State
 
 
 def test_lost_and_suspect_workers_are_fenced() -> None:
-    for source in (Source.LOST, Source.SUSPECT):
-        d = decide(Setback(source, workers={"w1": "gone", "w2": "no answer"}), 1, Budget())
+    for verdict in (Verdict.LOST, Verdict.SUSPECT):
+        d = decide(Setback(verdict, workers={"w1": "gone", "w2": "no answer"}), 1, Budget())
         assert isinstance(d, Refence) and dict(d.lost) == {"w1": "gone", "w2": "no answer"}
-        assert source.value in d.reason
+        assert verdict.value in d.reason
 
 
 def test_a_refusal_from_an_ended_incarnation_is_a_loss_and_from_live_workers_a_retry() -> None:
-    d = decide(Setback(Source.REFUSED, workers={"w1": "stale", "w2": "disk"}, registered={"w1": False, "w2": True}),
+    d = decide(Setback(Verdict.REFUSED, workers={"w1": "stale", "w2": "disk"}, registered={"w1": False, "w2": True}),
                1, Budget())
     assert isinstance(d, Refence) and dict(d.lost) == {"w1": "stale"}
-    d = decide(Setback(Source.REFUSED, workers={"w2": "disk"}, registered={"w2": True}), 1, Budget())
+    d = decide(Setback(Verdict.REFUSED, workers={"w2": "disk"}, registered={"w2": True}), 1, Budget())
     assert isinstance(d, Retry) and d.after_s > 0 and "w2: disk" in d.reason
 
 
 def test_a_corrupt_cut_falls_back_below_it_dropping_its_commit_but_not_past_the_inits() -> None:
-    d = decide(Setback(Source.CORRUPT, workers={"w1": "bad"}, corrupt=("s1", 10), cut=10), 1, Budget())
+    d = decide(Setback(Verdict.CORRUPT, workers={"w1": "bad"}, corrupt=("s1", 10), cut=10), 1, Budget())
     assert isinstance(d, FallBack) and d.before == 10 and d.drop == ("s1", 10)
-    d = decide(Setback(Source.CORRUPT, workers={"w1": "bad"}, corrupt=None, cut=0), 1, Budget())
+    d = decide(Setback(Verdict.CORRUPT, workers={"w1": "bad"}, corrupt=None, cut=0), 1, Budget())
     assert isinstance(d, Fail) and "step 0" in d.reason
 
 
 def test_a_short_output_log_escalates_to_restart_all_from_the_same_cut() -> None:
-    d = decide(Setback(Source.LOG_SHORT, workers={"w1": "log starts at 12"}, cut=10), 1, Budget())
+    d = decide(Setback(Verdict.LOG_SHORT, workers={"w1": "log starts at 12"}, cut=10), 1, Budget())
     assert isinstance(d, Escalate) and "step 10" in d.reason
 
 
 def test_an_invalid_request_fails_at_once_and_a_stall_blames_the_laggards() -> None:
-    assert isinstance(decide(Setback(Source.INVALID, workers={"w1": "bad route"}), 1, Budget()), Fail)
-    d = decide(Setback(Source.INVALID, workers={"w1": "bad route"}), 1, Budget(invalid=1))
+    assert isinstance(decide(Setback(Verdict.INVALID, workers={"w1": "bad route"}), 1, Budget()), Fail)
+    d = decide(Setback(Verdict.INVALID, workers={"w1": "bad route"}), 1, Budget(invalid=1))
     assert isinstance(d, Fail) and "rejected the request" in d.reason
-    d = decide(Setback(Source.STALL, workers={"w3": "node 'x' made no progress"}), 1, Budget())
+    d = decide(Setback(Verdict.STALL, workers={"w3": "node 'x' made no progress"}), 1, Budget())
     assert isinstance(d, Refence) and set(d.lost) == {"w3"}
-    d = decide(Setback(Source.STALL, detail="nobody behind"), 1, Budget())
+    d = decide(Setback(Verdict.STALL, detail="nobody behind"), 1, Budget())
     assert isinstance(d, Fail) and "nobody behind" in d.reason
 
 
-@pytest.mark.parametrize("source", [s for s in Source if s is not Source.PROGRAM])  # that one: at once, below
-def test_past_its_budget_every_source_fails_naming_source_count_and_limit(source: Source) -> None:
+@pytest.mark.parametrize("verdict", [s for s in Verdict if s is not Verdict.PROGRAM])  # that one: at once, below
+def test_past_its_budget_every_verdict_fails_naming_verdict_count_and_limit(verdict: Verdict) -> None:
     budget = Budget()
-    limit = budget.limit(source)
-    d = decide(Setback(source, workers={"w1": "x"}, cut=5, corrupt=("s", 5)), limit + 1, budget)
+    limit = budget.limit(verdict)
+    d = decide(Setback(verdict, workers={"w1": "x"}, cut=5, corrupt=("s", 5)), limit + 1, budget)
     assert isinstance(d, Fail)
-    assert f"{source.value} setbacks {limit + 1} > limit {limit}" in d.reason
+    assert f"{verdict.value} setbacks {limit + 1} > limit {limit}" in d.reason
 
 
-@given(source=st.sampled_from(list(Source)), count=st.integers(1, 30), cut=st.integers(0, 50),
+@given(verdict=st.sampled_from(list(Verdict)), count=st.integers(1, 30), cut=st.integers(0, 50),
        registered=st.booleans())
-def test_the_decision_is_a_function_of_its_inputs_and_respects_the_budget(source: Source, count: int, cut: int,
+def test_the_decision_is_a_function_of_its_inputs_and_respects_the_budget(verdict: Verdict, count: int, cut: int,
                                                                           registered: bool) -> None:
-    setback = Setback(source, workers={"w1": "x"}, registered={"w1": registered}, cut=cut, corrupt=("s", cut))
+    setback = Setback(verdict, workers={"w1": "x"}, registered={"w1": registered}, cut=cut, corrupt=("s", cut))
     d = decide(setback, count, Budget())
     assert d == decide(setback, count, Budget())  # pure: same inputs, same answer
-    if count > Budget().limit(source):
+    if count > Budget().limit(verdict):
         assert isinstance(d, Fail)
-    elif source in (Source.LOST, Source.SUSPECT, Source.STALL):
+    elif verdict in (Verdict.LOST, Verdict.SUSPECT, Verdict.STALL):
         assert isinstance(d, Refence)
-    elif source is Source.REFUSED:
+    elif verdict is Verdict.REFUSED:
         assert isinstance(d, Refence if not registered else Retry)
-    elif source is Source.CORRUPT:
+    elif verdict is Verdict.CORRUPT:
         assert isinstance(d, FallBack if cut > 0 else Fail)
 
 
@@ -99,15 +99,15 @@ def test_plan_recovery_escalates_when_a_survivor_would_have_to_rerun() -> None:
 def test_the_programs_own_failure_fails_at_once_whatever_the_budget_and_fences_nobody() -> None:
     detail = "worker w1: LoadJob failed: INTERNAL state 'w' init failed on worker w1: RESOURCE_EXHAUSTED"
     for count in (1, 2):
-        d = decide(Setback(Source.PROGRAM, workers={"w1": detail}, detail=detail), count, Budget())
+        d = decide(Setback(Verdict.PROGRAM, workers={"w1": detail}, detail=detail), count, Budget())
         assert isinstance(d, Fail) and "state 'w' init" in d.reason and "w1" in d.reason
         assert "none was fenced" in d.reason
 
 
 def test_a_cancelled_call_is_never_a_suspicion_only_an_ended_registration_is_a_loss() -> None:
-    d = decide(Setback(Source.CANCELLED, workers={"w1": "CANCELLED"}, registered={"w1": True}), 1, Budget())
+    d = decide(Setback(Verdict.CANCELLED, workers={"w1": "CANCELLED"}, registered={"w1": True}), 1, Budget())
     assert isinstance(d, Retry) and "cancelled" in d.reason
-    d = decide(Setback(Source.CANCELLED, workers={"w1": "CANCELLED", "w2": "CANCELLED"},
+    d = decide(Setback(Verdict.CANCELLED, workers={"w1": "CANCELLED", "w2": "CANCELLED"},
                        registered={"w1": False, "w2": True}), 1, Budget())
     assert isinstance(d, Refence) and dict(d.lost) == {"w1": "CANCELLED"}
 

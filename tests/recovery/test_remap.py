@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, WorkerSnapshot
 from rallypoint.etcd.cluster_view import WorkerInfo
-from rallypoint.recovery.remap import Assignment, Fail, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
+from rallypoint.recovery.remap import Assignment, NoRoom, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
 
 
 def worker(name: str, devices: int = 4, *, held: Iterable[int] = (), cordoned: bool = False,
@@ -67,12 +67,12 @@ def test_cordoned_leaving_and_lost_workers_are_never_used() -> None:
     flagged_only = ClusterSnapshot(revision=1, workers={"a": worker("a", cordoned=True)}, cordoned=frozenset())
     listed_only = ClusterSnapshot(revision=1, workers={"a": worker("a")}, cordoned=frozenset({"a"}))
     for snap in (flagged_only, listed_only):
-        assert isinstance(plan_remap(snap, {"s": 1}, FAIL), Fail)
+        assert isinstance(plan_remap(snap, {"s": 1}, FAIL), NoRoom)
 
 
 def test_a_lost_incarnation_is_excluded_and_a_newer_one_of_the_same_worker_is_not() -> None:
     snap = cluster(worker("w1", 4, incarnation=300))
-    assert plan_remap(snap, {"s": 4}, FAIL, lost_incarnations={"w1": 300}) == Fail(
+    assert plan_remap(snap, {"s": 4}, FAIL, lost_incarnations={"w1": 300}) == NoRoom(
         missing={"s": 4}, reason=plan_remap(cluster(), {"s": 4}, FAIL).reason)
     assert plan_remap(snap, {"s": 4}, FAIL, lost_incarnations={"w1": 101}) == Remap(
         assignments=(Assignment("s", "w1", (0, 1, 2, 3), 4),))
@@ -90,7 +90,7 @@ def test_wait_then_fail_after_the_timeout() -> None:
     assert got == Wait(missing={"s": 4}, timeout_s=60.0, waited_s=20.0, largest_free=2)
     assert isinstance(got, Wait) and got.remaining_s == 40.0
     late = plan_remap(snap, {"s": 4}, WAIT, waited_s=60.0)
-    assert isinstance(late, Fail) and late.missing == {"s": 4}
+    assert isinstance(late, NoRoom) and late.missing == {"s": 4}
     assert late.reason.startswith("lost slice 's' (4 devices) finds no live, uncordoned worker with that many free")
     assert "waited 60 s of wait_timeout_s=60" in late.reason and "raise wait_timeout_s" in late.reason
 
@@ -111,7 +111,7 @@ def test_shrink_places_the_slices_that_fit_at_full_size() -> None:
 
 def test_shrink_with_no_free_device_at_all_fails() -> None:
     got = plan_remap(cluster(worker("a", 2, held=[0, 1])), {"s": 2}, SHRINK)
-    assert isinstance(got, Fail) and "(the most free on one is 0; on_no_spare='shrink' needs a worker with at least 1" \
+    assert isinstance(got, NoRoom) and "(the most free on one is 0; on_no_spare='shrink' needs a worker with at least 1" \
         in got.reason
 
 
@@ -121,20 +121,20 @@ def test_shrink_only_onto_the_counts_the_slice_was_exported_for() -> None:
     assert got == Shrink(assignments=(Assignment("s", "a", (0, 1), 4),))
     low = plan_remap(cluster(worker("a", 1), worker("b", 4, held=[0, 1, 2, 3])), {"s": 4}, SHRINK,
                      allowed={"s": (4, 2)})
-    assert isinstance(low, Fail)
+    assert isinstance(low, NoRoom)
     assert "needs a worker with at least 2 free devices for 's', the fewest it runs on (its device counts: [2, 4])" \
         in low.reason and "lower the slice's minimum (devices=(min, max))" in low.reason
 
 
 def test_fail_names_the_slice_the_count_the_largest_free_and_the_setting() -> None:
     got = plan_remap(cluster(worker("a", 3), worker("b", 4, held=[0])), {"stage2": 4}, FAIL)
-    assert got == Fail(missing={"stage2": 4}, reason=(
+    assert got == NoRoom(missing={"stage2": 4}, reason=(
         "lost slice 'stage2' (4 devices) finds no live, uncordoned worker with that many free devices (the most "
         "free on one is 3; on_no_spare='fail'). To go on, add a worker with at least 4 free devices, or set "
         "on_no_spare='wait' to wait for a worker, or declare the slice devices=(min, max) and set "
         "on_no_spare='shrink' to restore onto fewer devices in the job's recovery policy"))
     two = plan_remap(cluster(worker("a", 3)), {"x": 4, "y": 6}, FAIL)
-    assert isinstance(two, Fail) and two.reason.startswith("lost slices 'y' (6 devices), 'x' (4 devices) find no ")
+    assert isinstance(two, NoRoom) and two.reason.startswith("lost slices 'y' (6 devices), 'x' (4 devices) find no ")
     assert "at least 6 free devices" in two.reason
 
 
@@ -195,7 +195,7 @@ def test_remap_properties(case: tuple[ClusterSnapshot, dict[str, int]], policy: 
     big_enough = [w for w in usable if len(snap.workers[w].free) >= max(lost.values(), default=0)]
     if len(big_enough) >= len(lost):
         assert isinstance(got, Remap)  # enough room for every slice on a worker of its own
-    if isinstance(got, (Wait, Fail)):
+    if isinstance(got, (Wait, NoRoom)):
         assert got.missing and set(got.missing) <= set(lost)
         assert all(lost[s] == n for s, n in got.missing.items())
         if isinstance(got, Wait):
