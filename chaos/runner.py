@@ -42,7 +42,8 @@ from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.etcd.store import EtcdStore, WatchEvent
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, restore_commit
+from rallypoint.workers.checkpoints.restore import restore_commit
+from rallypoint.workers.errors import CheckpointCorrupt
 from rallypoint.workers.faults import NO_FAULTS
 from rallypoint.workers.runtime.records import read_records
 

@@ -47,7 +47,7 @@ from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.checkpoints.checkpointer import etcd_commit
+from rallypoint.workers.checkpoints.committer import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.runtime.checkpoints import CommitFn
