@@ -39,7 +39,8 @@ from rallypoint.etcd.commits import read_commits
 from rallypoint.basics.errors import RallypointError, StoreError, WatchCompacted
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
-from rallypoint.etcd.store import EtcdStore, WatchEvent
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import WatchEvent
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoints.restore import restore_commit

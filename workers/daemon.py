@@ -45,7 +45,8 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.lease import LeaseKeeper
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
-from rallypoint.etcd.store import EtcdStore, Store, created_at
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Store, created_at
 from rallypoint.basics import authz
 from rallypoint.basics.tls import add_port
 from rallypoint.proto import rallypoint_pb2 as pb

@@ -23,7 +23,8 @@ from structlog.testing import capture_logs
 
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import configure
-from rallypoint.etcd.store import EtcdStore, Put, created_at, key_missing
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Put, created_at, key_missing
 from tests.conftest import wait_until
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer

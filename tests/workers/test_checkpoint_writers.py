@@ -16,7 +16,8 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.basics.errors import StoreUnavailable
 from rallypoint.basics.logs import configure
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore, created_at
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import created_at
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.runs import run_dir
 from rallypoint.proto import rallypoint_pb2 as pb
