@@ -59,7 +59,7 @@ def child_main(args: argparse.Namespace) -> int:
     from rallypoint.basics import logs
     from rallypoint.etcd.keys import Keys
     from rallypoint.etcd.lease import LeaseKeeper
-    from rallypoint.etcd.store import EtcdStore
+    from rallypoint.etcd.etcd_store import EtcdStore
 
     logs.configure(level="warning")
     keys = Keys(args.cluster)
@@ -286,7 +286,7 @@ def parent_main(args: argparse.Namespace) -> int:
     from rallypoint.etcd.server import EtcdCluster
     from rallypoint.etcd.keys import Keys
     from rallypoint.orchestrator.control.membership import MembershipMonitor
-    from rallypoint.etcd.store import EtcdStore
+    from rallypoint.etcd.etcd_store import EtcdStore
 
     logs.configure(stream=sys.stderr, level="warning")
     say = (lambda *a: None) if args.json_only else (lambda *a: print(*a, file=sys.stderr, flush=True))

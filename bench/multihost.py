@@ -124,7 +124,7 @@ def gang_lease_s(workers: int, base: Path) -> float:
     """One gang lease of 2 x 2 devices on a real etcd holding ``workers`` registered workers."""
     from rallypoint.etcd.keys import Keys
     from rallypoint.etcd.server import EtcdCluster
-    from rallypoint.etcd.store import EtcdStore
+    from rallypoint.etcd.etcd_store import EtcdStore
     from rallypoint.orchestrator.control.devices import DeviceLeases
     from rallypoint.workers.registration import try_register
 

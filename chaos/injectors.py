@@ -14,7 +14,7 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   straggler watch may move the slice off it (a drain, reason ``straggler``), which
   leaves the worker cordoned; the heal takes that cordon back, as an operator would
   once the host is fixed, so the worker is a spare again (a migration that ends after
-  the heal is uncordoned then: :class:`~rallypoint.chaos.runner.ScenarioRun`).
+  the heal is uncordoned then: :class:`~rallypoint.chaos.follower.ScenarioFollower`).
 * ``preempt``: SIGTERM of the worker holding the target, a preemption notice: it asks
   to be drained and leaves once it holds nothing (or its deadline passed).
   ``drain``: an operator's drain of that worker (as ``rallypoint drain``; refused,
@@ -37,8 +37,8 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
   injected at the storage layer).
 * ``suspend``: an operator's suspend of the whole job (``SuspendJob``, as ``rallypoint
   suspend``; refused, and recorded as an injection error, when the leader refuses it). The job
-  saves at its next step boundary (after a recovery under way) and ends SUSPENDED; the runner
-  then resumes it (:meth:`~rallypoint.chaos.runner.ScenarioRun._follow`, ``resume_after_s``).
+  saves at its next step boundary (after a recovery under way) and ends SUSPENDED; the harness
+  then resumes it (:meth:`~rallypoint.chaos.follower.ScenarioFollower.follow`, ``resume_after_s``).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def check_outcome(state: str, reason: str, wall_s: float, *, expect: str, expect
 def check_suspends(suspends: Sequence[Mapping[str, Any]], leases_left: Sequence[str]) -> Check:
     """6. (Scenarios with ``kind = "suspend"``.) Each suspend ended the job SUSPENDED (its etcd record too) with
     no device lease of the job left, the resume restored the cut the suspend saved, and no lease of the job
-    outlived it (``leases_left``: its leases once it ended). ``suspends``: the runner's records, in order."""
+    outlived it (``leases_left``: its leases once it ended). ``suspends``: the follower's records, in order."""
     problems: list[str] = []
     said: list[str] = []
     for i, sp in enumerate(suspends, 1):

@@ -3,11 +3,10 @@
 :func:`run_scenario` starts an embedded local cluster as the scenario describes
 (partitionable when it partitions, with a controlled checkpoint directory when it
 fills or freezes the disk), records the etcd watch history of device leases,
-submits the job and fires the scheduled faults as the job reaches their steps or
-times, follows the job through leader losses (the new leader adopts it, the harness follows
-it there with ``WatchJob``; nobody resumes it) and, when the scenario suspends it as an operator
-would (``kind = "suspend"``), resumes it once it is SUSPENDED (``ResumeJob``, after
-``resume_after_s``) and follows it on to its end, then checks the invariants of
+submits the job and follows it to its end (:class:`~rallypoint.chaos.follower.ScenarioFollower`:
+through leader losses, and through the scenario's own suspends, each resumed after
+``resume_after_s``) while the :class:`~rallypoint.chaos.scheduler.FaultScheduler` fires the
+scheduled faults as the job reaches their steps or times, then checks the invariants of
 :mod:`rallypoint.chaos.invariants` against a fault-free run of the same job (the in-process
 reference, bitwise equal to a fault-free cluster run) and writes the report
 (:mod:`rallypoint.chaos.report`).
@@ -16,7 +15,6 @@ reference, bitwise equal to a fault-free cluster run) and writes the report
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import replace
 import shutil
 import statistics
@@ -29,24 +27,24 @@ from typing import Any
 
 import grpc
 
-from rallypoint.chaos.injectors import InjectionError, Injectors, Target
+from rallypoint.chaos.follower import ScenarioFollower, leases_of
+from rallypoint.chaos.injectors import Injectors, Target
 from rallypoint.chaos.invariants import (Check, NodeInfo, check_applied_once, check_checkpoints, check_digest,
                               check_lease_history, check_outcome, check_suspends)
 from rallypoint.chaos.report import write_report
-from rallypoint.chaos.scenario import FaultSpec, Scenario
+from rallypoint.chaos.scenario import Scenario
+from rallypoint.chaos.scheduler import FaultScheduler
 from rallypoint.chaos.storage import Storage
 from rallypoint.etcd.commits import read_commits
 from rallypoint.basics.errors import RallypointError, StoreError, WatchCompacted
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
-from rallypoint.etcd.store import EtcdStore, WatchEvent
-from rallypoint.proto import codec
-from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, restore_commit
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import WatchEvent
+from rallypoint.workers.checkpoints.restore import restore_commit
+from rallypoint.workers.errors import CheckpointCorrupt
 from rallypoint.workers.faults import NO_FAULTS
 from rallypoint.workers.runtime.records import read_records
-
-FOLLOW_S = 120.0  # after a leader loss, how long the harness looks for the job on the new leader
 
 
 class LeaseHistory:
@@ -96,62 +94,15 @@ class ScenarioRun:
         self.program = compiled.program
         self.break_replay = break_replay
         self.compile_cache_dir = compile_cache_dir
-        self.completed = 0
         self.done = threading.Event()
-        self.faults: list[dict[str, Any]] = []
-        self.recoveries: dict[tuple[int, float], dict[str, Any]] = {}
-        self.drains: list[dict[str, Any]] = []
-        self.stragglers: list[dict[str, Any]] = []  # job.straggler events: each decision with its evidence
-        self.resumes: list[dict[str, Any]] = []
-        # The scenario's suspends, each with its resume (the summary's ``suspends``), in the order asked
-        self.suspends: list[dict[str, Any]] = []
-        self._suspends_lock = threading.Lock()
-        self.outcome: dict[str, Any] = {"state": "failed", "reason": "not run"}
-        self.detail: dict[str, Any] = {}
         self._channel: grpc.Channel | None = None
         self.second: Any = None  # (compiled, reference digest) of the scenario's [second_job]
         self.second_outcome: dict[str, Any] = {}
         if scenario.second_job is not None:
             other, ref, _wall = prepared(scenario.second_job.job_file, scenario.second_job.steps, 0)
             self.second = (other, ref.state_digest)
-        self._last_event = time.monotonic()
 
-    # -- the job --------------------------------------------------------------------------
-
-    def _on_event(self, ev: pb.JobEvent) -> None:
-        self._last_event = time.monotonic()
-        detail = json.loads(ev.detail or "{}")
-        if ev.event in ("job.placed", "job.recovered", "job.drained", "job.watching"):
-            where = detail.get("placement", detail)
-            self.target.placement.update({s: p["worker"] for s, p in where.items()
-                                          if isinstance(p, dict) and "worker" in p})
-            self.target.members.update({s: [m["worker"] for m in p["members"]] for s, p in where.items()
-                                        if isinstance(p, dict) and p.get("members")})
-        if ev.event == "step.done":
-            self.completed = max(self.completed, int(ev.step) + 1)
-        elif ev.event == "job.recovered":
-            self.recoveries[(detail["recovery"], detail["detected_at"])] = detail
-            self.say({"event": "chaos.recovered", "recovery": detail["recovery"], "lost": detail["lost"],
-                      "checkpoint_step": detail["checkpoint_step"]})
-        elif ev.event == "job.drained":
-            self.drains.append(detail)
-            self.say({"event": "chaos.drained", "worker": detail["worker"], "moved": detail["moved"],
-                      "step": int(ev.step), "paused_s": detail["paused_s"]})
-        elif ev.event == "job.straggler":
-            self.stragglers.append(detail)
-            self.say({"event": "chaos.straggler", **{k: v for k, v in detail.items() if k != "evidence"}})
-            w = detail["worker"]
-            if detail["decision"] == "migrated" and w in self.injectors.straggled - self.injectors.straggling:
-                detail["uncordoned"] = self.injectors.uncordon_straggler(w)  # its fault healed before the move ended
-        elif ev.event in ("job.resumed", "job.adopted", "job.watching"):
-            self.completed = max(self.completed, int(ev.step))
-            if ev.event == "job.resumed":
-                with self._suspends_lock:
-                    for sp in self.suspends:
-                        if sp.get("resumed_at") is not None and sp.get("resumed_from") is None:
-                            sp["resumed_from"] = int(detail.get("checkpoint_step", ev.step))
-        if ev.event in ("job.handed_off", "job.adopted"):
-            self.say({"event": f"chaos.{ev.event.split('.')[1]}", "step": int(ev.step), **detail})
+    # -- the jobs -------------------------------------------------------------------------
 
     def _cluster_reference(self) -> Any:
         """The job run fault-free on the scenario's own cluster (``[job] reference = "cluster"``): a multi-host
@@ -164,89 +115,6 @@ class ScenarioRun:
                       policy=s.policy, checkpoint_every=s.checkpoint_every, on_no_spare=s.on_no_spare,
                       wait_timeout_s=s.wait_timeout_s, priority=s.priority)
 
-    def _follow(self, spec: pb.JobSpec) -> None:
-        """Submit, then follow the job to its end through leader losses (and the scenario's suspends).
-
-        No operator steps in after a leader loss: a new leader adopts the job by itself and the
-        client follows it there (``WatchJob``, :class:`~rallypoint.client.submission.JobFollower`).
-        ``self.resumes`` (the summary's ``resumes``) stays empty: nothing resumes a lost job.
-        A job that ends SUSPENDED by the scenario's own suspend (``kind = "suspend"``) is resumed
-        after that suspend's ``resume_after_s`` (``ResumeJob``, as
-        :func:`~rallypoint.client.submission.resume` calls it, followed by the same follower, so that the
-        final event still carries the final states) and followed on; ``self.suspends`` keeps each.
-        """
-        from rallypoint.client.submission import JobError, JobFollower
-
-        lc = self.lc
-        call: Callable[[Any], Any] = lambda stub: stub.SubmitJob(spec)
-        while True:
-            follower = JobFollower(spec.job, lc.endpoints, lc.keys.cluster, on_event=self._on_event,
-                                   follow_s=FOLLOW_S, open_wait_s=60)
-            self._follower = follower
-            if self.done.is_set():  # the watchdog ended the run while the job was suspended
-                return
-            try:
-                ev = follower.follow(call)
-            except (JobError, RallypointError) as exc:
-                if not self.done.is_set():  # the watchdog's verdict (timed out) stands when it cancelled
-                    self.outcome = {"state": "failed", "reason": str(exc)}
-                return
-            finally:
-                for sw in follower.switches:
-                    self.say({"event": "chaos.leader_switch", "why": sw["why"], "from": sw["from"]})
-            if ev.event != "job.suspended" or not self._suspended(spec.job, ev):
-                break
-            call = lambda stub: stub.ResumeJob(pb.ResumeRequest(job=spec.job))
-        if ev.event == "job.suspended" and self.done.is_set():  # timed out while suspended: the watchdog's verdict
-            return
-        self.detail = json.loads(ev.detail or "{}")
-        self.final_states = {v.state: [codec.from_tensor(t) for t in v.leaves] for v in ev.states}
-        state = "finished" if ev.event == "job.finished" else "failed"
-        self.outcome = {"state": state, "reason": self.detail.get("reason", "")}
-
-    def _suspended(self, job: str, ev: pb.JobEvent) -> bool:
-        """The job ended SUSPENDED: when one of the scenario's suspends asked it, record what the cluster
-        holds now (the job's record, its device leases: none may be left), wait that suspend's
-        ``resume_after_s`` and return True (resume it); False: nobody here asked (the job's end)."""
-        detail = json.loads(ev.detail or "{}")
-        with self._suspends_lock:
-            sp = next((x for x in self.suspends if x.get("suspended_at") is None and not x.get("error")), None)
-            if sp is None or (detail.get("stop") or {}).get("by") != "chaos":
-                return False
-            sp.update(suspended_at=time.time(), step=int(ev.step), cut=detail.get("cut"),
-                      reason=detail.get("reason", ""))
-        store = self.lc.store()
-        try:
-            record = store.get(self.lc.keys.job(job))
-            sp["record_state"] = record.json().get("state") if record is not None else None
-            sp["record_cut"] = record.json().get("cut") if record is not None else None
-            sp["leases_held"] = self._leases_of(store, job)
-        except StoreError as exc:  # the suspend-resume check fails on it; the job is still resumed
-            sp.update(record_state=f"unread (etcd: {exc})", leases_held=["unread"])
-        finally:
-            store.close()
-        self.say({"event": "chaos.suspended", "step": sp["step"], "cut": sp["cut"], "record": sp["record_state"],
-                  "leases_held": len(sp["leases_held"]), "resume_after_s": sp["resume_after_s"]})
-        if self.done.wait(sp["resume_after_s"]):
-            return False
-        sp["resumed_at"] = time.time()
-        self.say({"event": "chaos.resume", "job": job})
-        return True
-
-    def _leases_of(self, store: Any, job: str) -> list[str]:
-        """The device leases ``job`` holds now (their keys)."""
-        from rallypoint.etcd.cluster_records import Holder
-
-        kvs, _ = store.get_prefix(self.lc.keys.leases)
-        out: list[str] = []
-        for kv in kvs:
-            try:
-                if Holder.from_json(kv.value).job == job:
-                    out.append(kv.key)
-            except (ValueError, KeyError, TypeError):
-                out.append(kv.key)  # an unreadable lease is reported, not ignored
-        return sorted(out)
-
     def _second_job(self) -> None:
         """Submit the scenario's second job once the first reaches its step; follow it to its end."""
         from rallypoint.client.submission import JobError, submit
@@ -254,13 +122,13 @@ class ScenarioRun:
         threading.current_thread().name = "second-job"
         sj = self.s.second_job
         assert sj is not None and self.second is not None
-        while self.completed < sj.at_step and not self.done.is_set():
+        while self.job.completed < sj.at_step and not self.done.is_set():
             time.sleep(0.05)
         if self.done.is_set():
             self.second_outcome = {"state": "not submitted", "reason": "the first job ended first"}
             return
         self.say({"event": "chaos.second_job", "job": self.second[0].name, "priority": sj.priority,
-                  "step": self.completed})
+                  "step": self.job.completed})
         t0 = time.monotonic()
         try:
             r = submit(self.second[0], endpoints=self.lc.endpoints, cluster=self.lc.keys.cluster, priority=sj.priority)
@@ -281,70 +149,8 @@ class ScenarioRun:
         """End the run past its time bound (a hung leader is the follower's to see: it switches by itself)."""
         while not self.done.wait(0.5):
             if time.monotonic() - t0 > self.s.time_bound_s * 1.5 + 30:
-                self.outcome = {"state": "failed", "reason": f"timed out after {time.monotonic() - t0:.0f}s"}
-                self.done.set()
-                follower = getattr(self, "_follower", None)
-                if follower is not None:
-                    follower.cancel(self.outcome["reason"])
+                self.job.time_out(f"timed out after {time.monotonic() - t0:.0f}s")
                 return
-
-    # -- faults -----------------------------------------------------------------------------
-
-    def _scheduler(self, schedule: list[FaultSpec], t0: float) -> None:
-        pending = sorted(schedule, key=lambda f: (f.at_s if f.at_s is not None else 0.0, f.at_step or 0))
-        # (the fault, its monotonic deadline, its record, its heal): due at the deadline or at the fault's until_step
-        heals: list[tuple[FaultSpec, float, dict[str, Any], Callable[[], dict[str, Any]]]] = []
-        healing: list[threading.Thread] = []
-        try:
-            while not self.done.is_set() and (pending or heals):
-                now = time.monotonic() - t0
-                for f in [f for f in pending if (f.at_step is not None and self.completed >= f.at_step)
-                          or (f.at_s is not None and now >= f.at_s)]:
-                    pending.remove(f)
-                    rec: dict[str, Any] = {"kind": f.kind, "target": f.target, "origin": f.origin, "at": time.time(),
-                                           "step": self.completed, "healed_at": None, "scheduled": f.describe()}
-                    sp: dict[str, Any] | None = None
-                    if f.kind == "suspend":  # kept before it is asked: the job may end suspended before fire returns
-                        sp = {"asked_at": rec["at"], "asked_step": self.completed, "resume_after_s": f.resume_after_s,
-                              "suspended_at": None, "resumed_at": None, "resumed_from": None}
-                        with self._suspends_lock:
-                            self.suspends.append(sp)
-                    try:
-                        detail, heal = self.injectors.fire(f)
-                        if sp is not None:
-                            sp["state_when_asked"] = detail.get("state_when_asked")
-                        rec["worker"] = detail.get("worker", detail.get("coordinator", ""))
-                        rec["detail"] = detail
-                        if heal is not None:
-                            heals.append((f, time.monotonic() + f.duration_s, rec, heal))
-                    except (InjectionError, OSError, RallypointError) as exc:
-                        rec["error"] = str(exc)
-                        if sp is not None:
-                            sp["error"] = str(exc)
-                    self.faults.append(rec)
-                    self.say({"event": "chaos.fault", **{k: v for k, v in rec.items() if k != "detail"}})
-                for h in [h for h in heals if (self.completed >= h[0].until_step if h[0].until_step is not None
-                                               else time.monotonic() >= h[1])]:
-                    heals.remove(h)
-                    # Each heal in its own thread: one that waits (a hung worker re-registering
-                    # behind a partition) must not delay the faults and heals after it.
-                    th = threading.Thread(target=self._heal, args=h[2:], name=f"heal-{h[0].kind}", daemon=True)
-                    th.start()
-                    healing.append(th)
-                self.done.wait(0.05)
-        finally:
-            for _, _, rec, heal in heals:  # the job ended first: undo what is still in force
-                self._heal(rec, heal)
-            for th in healing:
-                th.join(timeout=30)
-
-    def _heal(self, rec: dict[str, Any], heal: Callable[[], dict[str, Any]]) -> None:
-        try:
-            rec["detail"] = {**rec.get("detail", {}), **heal()}
-        except (OSError, RallypointError) as exc:
-            rec["detail"] = {**rec.get("detail", {}), "heal_error": str(exc)}
-        rec["healed_at"] = time.time()
-        self.say({"event": "chaos.healed", "kind": rec["kind"], "target": rec["target"]})
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -378,6 +184,8 @@ class ScenarioRun:
         self.target = Target(lc, program.name, {n: sp.slice for n, sp in program.nodes.items()},
                              network=network, storage=storage)
         self.injectors = Injectors(self.target)
+        self.job = ScenarioFollower(lc, self.target, self.injectors, done=self.done, say=self.say)
+        self.scheduler = FaultScheduler(self.injectors, self.job, done=self.done, say=self.say)
         if s.reference == "cluster":  # the same job, fault-free, on this cluster first: what the faulted run must equal
             try:
                 reference = self._cluster_reference()
@@ -397,13 +205,13 @@ class ScenarioRun:
                             on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s, priority=s.priority,
                             max_faults=10_000)
             spec.new_run = s.reference == "cluster"  # the reference run's commits stay under its run id
-            threads = [threading.Thread(target=self._scheduler, args=(schedule, t0), daemon=True),
+            threads = [threading.Thread(target=self.scheduler.run, args=(schedule, t0), daemon=True),
                        threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]
             if self.second is not None:
                 threads.append(threading.Thread(target=self._second_job, daemon=True))
             for th in threads:
                 th.start()
-            self._follow(spec)
+            self.job.follow(spec)
             wall = time.monotonic() - t0
             self.done.set()
             for th in threads:
@@ -417,24 +225,25 @@ class ScenarioRun:
                 network.close()
             if storage is not None:
                 storage.close()
+        job = self.job
         checks = [
-            check_digest(self.detail.get("state_digest") if self.outcome["state"] == "finished" else None,
-                         reference.state_digest, resharded=self.detail.get("resharded") or (),
-                         got_states=getattr(self, "final_states", None), tolerance=self.detail.get("tolerance"),
+            check_digest(job.detail.get("state_digest") if job.outcome["state"] == "finished" else None,
+                         reference.state_digest, resharded=job.detail.get("resharded") or (),
+                         got_states=job.final_states, tolerance=job.detail.get("tolerance"),
                          want_states=_flat_states(reference.states),
-                         nondeterministic=self.detail.get("nondeterministic_workers") or ()),
+                         nondeterministic=job.detail.get("nondeterministic_workers") or ()),
             check_applied_once(evidence["runtimes"], {n: NodeInfo(sp.slice, sp.every, sp.per == "microbatch")
                                                       for n, sp in program.nodes.items()},
                                microbatches=program.microbatches, steps=program.steps),
             check_lease_history(history.events, history.complete),
             check_checkpoints(evidence["commits"]),
-            check_outcome(self.outcome["state"], self.outcome.get("reason", ""), wall, expect=s.expect_outcome,
+            check_outcome(job.outcome["state"], job.outcome.get("reason", ""), wall, expect=s.expect_outcome,
                           expect_reason=s.expect_reason, time_bound_s=s.time_bound_s),
         ]
         if self.second is not None:
             checks.append(self._check_second())
         if "suspend" in s.kinds:
-            checks.append(check_suspends(self.suspends, evidence["leases_left"]))
+            checks.append(check_suspends(job.suspends, evidence["leases_left"]))
         if s.expect_outcome == "failed":  # the state of a job expected to fail is not compared
             checks[0] = Check("final-state-digest", True, "not compared: the scenario expects the job to fail")
             checks[1] = Check("applied-exactly-once", True, "not checked: the scenario expects the job to fail")
@@ -445,7 +254,7 @@ class ScenarioRun:
         try:
             record = store.get(self.lc.keys.job(self.program.name))
             commits = read_commits(store, self.lc.keys, self.program.name)
-            leases_left = self._leases_of(store, self.program.name) if "suspend" in self.s.kinds else []
+            leases_left = leases_of(store, self.lc.keys, self.program.name) if "suspend" in self.s.kinds else []
         finally:
             store.close()
         run_dir = Path(record.json()["run_dir"]) if record and record.json().get("run_dir") else None
@@ -463,7 +272,7 @@ class ScenarioRun:
 
     def _summary(self, started: float, wall: float, fault_free_wall: float, checks: list[Check],
                  evidence: dict[str, Any], network: Any, storage: Any) -> dict[str, Any]:
-        s, program = self.s, self.program
+        s, program, job = self.s, self.program, self.job
         total = useful = 0.0
         seen: set[tuple[str, int, int]] = set()
         progress: list[dict[str, Any]] = []
@@ -482,8 +291,8 @@ class ScenarioRun:
         for p in progress:
             per_node.setdefault(p["node"], []).append(p)
         thinned = [p for pts in per_node.values() for p in pts[:: max(1, len(pts) // 300)]]
-        recoveries = sorted({**self.recoveries, **{(r["recovery"], r["detected_at"]): r
-                                                   for r in self.detail.get("recoveries", [])}}.values(),
+        recoveries = sorted({**job.recoveries, **{(r["recovery"], r["detected_at"]): r
+                                                  for r in job.detail.get("recoveries", [])}}.values(),
                             key=lambda r: r["detected_at"])
         mttrs = [r["mttr_s"] for r in recoveries if r.get("mttr_s") is not None]
         return {
@@ -495,14 +304,14 @@ class ScenarioRun:
                         "devices_per_worker": s.devices_per_worker or 1, "etcd_members": s.etcd_members,
                         "network": network.mode if network is not None else "loopback",
                         "storage": storage.mode if storage is not None else "local disk"},
-            "outcome": {**self.outcome, "wall_s": round(wall, 3), "expected": s.expect_outcome,
+            "outcome": {**job.outcome, "wall_s": round(wall, 3), "expected": s.expect_outcome,
                         "time_bound_s": s.time_bound_s},
-            "faults": self.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
-            "resumes": self.resumes, "recoveries": recoveries,
-            **({"suspends": self.suspends} if "suspend" in s.kinds else {}),
+            "faults": self.scheduler.faults, "fired": dict(self.injectors.fired), "healed": dict(self.injectors.healed),
+            "resumes": job.resumes, "recoveries": recoveries,
+            **({"suspends": job.suspends} if "suspend" in s.kinds else {}),
             "second_job": self.second_outcome or None,
-            "drains": self.detail.get("drains") or self.drains, "resharded": self.detail.get("resharded") or [],
-            "stragglers": self.stragglers, "replayed_instances": self.detail.get("replayed_instances", {}),
+            "drains": job.detail.get("drains") or job.drains, "resharded": job.detail.get("resharded") or [],
+            "stragglers": job.stragglers, "replayed_instances": job.detail.get("replayed_instances", {}),
             "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
                         "goodput": round(useful / total, 4) if total else None,

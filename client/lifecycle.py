@@ -26,7 +26,7 @@ from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.submission import FOLLOW_S, JobError, JobFollower, JobStoppedError, ended
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.orchestrator.api import END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

@@ -23,7 +23,7 @@ from rallypoint.basics.clock import SYSTEM_CLOCK
 from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.retry import retrying
-from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.orchestrator.api import END_EVENTS
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of

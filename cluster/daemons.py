@@ -117,7 +117,8 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
            fault_commit_delay_s: float, fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
-    from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
+    from rallypoint.workers.config import WorkerConfig
+    from rallypoint.workers.daemon import WorkerDaemon
     from rallypoint.workers.faults import WorkerFaults
 
     name, endpoints = parse_cluster(cluster)

@@ -57,7 +57,7 @@ from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.metrics_targets import read_metrics_targets
 from rallypoint.etcd.server import EtcdCluster
-from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.etcd_store import EtcdStore
 
 __all__ = [  # the launcher, and what its users import from here
     "DEFAULT_HOST", "NETWORKS", "STATE_FILE", "LocalCluster", "LocalClusterConfig", "ProcessRecord", "WorkerNetwork",

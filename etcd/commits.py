@@ -2,7 +2,7 @@
 
 A commit (job, slice, step, path, checksum, state names) is written to etcd at
 ``keys.checkpoint(job, slice, step)`` by the worker that made the checkpoint, only
-after Orbax finalized it (:mod:`rallypoint.workers.checkpoints.checkpointer`); a copy goes beside the
+after Orbax finalized it (:mod:`rallypoint.workers.checkpoints.committer`); a copy goes beside the
 checkpoints (``<run>/commits/<slice>/<step:012d>.json``) for ``rallypoint resume``
 on a cluster whose etcd was lost. The coordinator reads them to find the newest
 consistent cut. Plain records and reads; no Orbax here.

@@ -22,7 +22,7 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
     jobs/<job>                  the job record (JSON: state, term, run_dir, placement,
                                 cut, failures, recoveries): what a new leader adopts from
     jobs/<job>/checkpoints/<slice>/<step:012d>
-                                a committed slice checkpoint of the job's current run (rallypoint.workers.checkpoints.checkpointer)
+                                a committed slice checkpoint of the job's current run (rallypoint.workers.checkpoints.committer)
     jobs/<job>/runs/<run>/record, jobs/<job>/runs/<run>/checkpoints/<slice>/<step:012d>
                                 an earlier run of the job name, kept under its run id (rallypoint.orchestrator.job.runs)
 

@@ -18,7 +18,7 @@ import pytest
 
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
-from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.workers.programs import configure_compile_cache
 
 # The client-side tests compile programs for slices of up to 4 devices and run the

@@ -1,4 +1,7 @@
-"""The worker daemon: one process per accelerator host.
+"""The worker daemon: one process per accelerator host, and its serving loop.
+
+Its settings are :class:`~rallypoint.workers.config.WorkerConfig`; it finds its devices
+with :func:`~rallypoint.workers.platform.discover_local_devices`.
 
 A worker registers itself and its K devices in etcd under an etcd lease, with a
 new **incarnation** each time it registers (the create revision of its worker
@@ -38,23 +41,23 @@ import grpc
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import ConfigError, Fenced, RallypointError, StoreError
-from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.lease import LeaseKeeper
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
-from rallypoint.etcd.store import EtcdStore, Store, created_at
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Store, created_at
 from rallypoint.basics import authz
-from rallypoint.basics.tls import TlsConfig, add_port
+from rallypoint.basics.tls import add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.checkpoints.checkpointer import etcd_commit
+from rallypoint.workers.checkpoints.committer import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
-from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
+from rallypoint.workers.config import WorkerConfig
 from rallypoint.workers.runtime.checkpoints import CommitFn
 from rallypoint.workers.metrics import WorkerMetrics
 from rallypoint.workers.gang.link import MemberPool
-from rallypoint.workers.platform import PlatformInfo, check_platform, device_record, pin_jax_platform, platform_info
-from rallypoint.workers.platform import prepare_environment
+from rallypoint.workers.platform import PlatformInfo, discover_local_devices, platform_info, prepare_environment
 from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
@@ -78,108 +81,6 @@ class WorkerState(enum.Enum):
     @property
     def may_act(self) -> bool:
         return self is WorkerState.SERVING
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
-    """Settings of one worker daemon.
-
-    Attributes:
-        cluster: cluster name (key prefix in etcd).
-        worker_id: stable id of this host's worker.
-        endpoints: etcd client endpoints ``host:port``.
-        devices: number of local devices K (on a CPU host, JAX is asked for K CPU devices; on an
-            accelerator host, the first K of the accelerators JAX finds).
-        platform: pin JAX to this platform (``cpu``, ``cuda``, ``rocm``, ``tpu``, ``gpu``); "" uses
-            what JAX finds (docs/platforms.md).
-        deterministic: on GPU, append ``--xla_gpu_deterministic_ops=true`` to ``XLA_FLAGS`` before
-            JAX starts (bitwise recovery rests on it; docs/platforms.md). False leaves XLA_FLAGS as
-            the operator set it; the registration says whether the kernels are deterministic.
-        lease_ttl_s: etcd lease TTL; a hung worker is declared lost about this long
-            after its last keepalive. etcd raises values below its minimum.
-        host: address the gRPC server and the data plane bind (and advertise, unless
-            overridden below).
-        port: gRPC port (0 picks a free one).
-        data_port: data-plane port (0 picks a free one).
-        advertise_address: ``host:port`` others reach the gRPC server at, when that is
-            not where it binds (e.g. behind a proxy); "" advertises the bound address.
-        advertise_data_address: the same for the data plane.
-        register_timeout_s: how long to wait for an older incarnation's lease to
-            expire before giving up on registration.
-        discover_devices: list devices through JAX (True) or only count them.
-        compile_cache_dir: JAX's persistent compilation cache (shared by the workers of
-            a host or of the cluster), so a reloaded slice does not compile its programs
-            again; "" compiles every program afresh (docs/runtime.md).
-        preempt_deadline_s: how long a preemption notice (SIGTERM) gives the leader to
-            drain this worker before it leaves anyway (:mod:`rallypoint.workers.preemption`).
-        faults: test fault hooks (:mod:`rallypoint.workers.faults`); none in production.
-        tls: this worker's certificate, key and CA: mutual TLS on its gRPC server, its data
-            plane, its pushes to peers and its etcd connection (None: plain, ``--insecure``).
-        metrics_port: serve Prometheus metrics on ``host`` at this port (0: a free one; None: no
-            endpoint). The address is logged (``metrics.serving``) and is ``metrics_address`` in
-            the worker's etcd record (docs/metrics.md).
-        member_pool: gang member processes kept started ahead, with JAX imported, so that a
-            multi-host slice's group forms without waiting for them to load (0: none; each idle
-            one holds its memory: :class:`rallypoint.workers.gang.link.MemberPool`).
-    """
-
-    cluster: str
-    worker_id: str
-    endpoints: tuple[str, ...]
-    devices: int = 2
-    platform: str = ""
-    deterministic: bool = True
-    lease_ttl_s: int = 2
-    host: str = "127.0.0.1"
-    port: int = 0
-    data_port: int = 0
-    advertise_address: str = ""
-    advertise_data_address: str = ""
-    register_timeout_s: float = 30.0
-    discover_devices: bool = True
-    compile_cache_dir: str = ""
-    preempt_deadline_s: float = 30.0
-    faults: WorkerFaults = NO_FAULTS
-    tls: TlsConfig | None = None
-    metrics_port: int | None = None
-    member_pool: int = 0
-
-    def __post_init__(self) -> None:
-        check_name("worker", self.worker_id)
-        if self.devices < 1:
-            raise ConfigError(f"a worker needs at least 1 device, got devices={self.devices}")
-        if self.lease_ttl_s < 1:
-            raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
-        if not self.endpoints:
-            raise ConfigError("no etcd endpoints: pass --cluster HOST:PORT")
-        object.__setattr__(self, "platform", check_platform(self.platform))
-
-
-def discover_local_devices(count: int, platform: str = "") -> list[dict[str, Any]]:
-    """The records of the first ``count`` local JAX devices (docs/keys.md ``devices/``).
-
-    ``platform`` pins JAX to it; "" takes what JAX finds (its default backend). On a CPU host
-    JAX is asked for ``count`` CPU devices. Call :func:`~rallypoint.workers.platform.prepare_environment`
-    first (memory preallocation, deterministic kernels): JAX reads it when a backend starts.
-
-    Raises:
-        ConfigError: JAX sees fewer devices than ``count``, or cannot pin ``platform``.
-    """
-    pin_jax_platform(platform)
-    import jax
-
-    if jax.config.jax_num_cpu_devices < count:
-        try:
-            jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:
-            pass  # JAX already started in this process: take what it has (checked below)
-    try:
-        devs = jax.local_devices()
-    except RuntimeError as exc:  # e.g. --platform cuda on a host without a CUDA jaxlib or GPU
-        raise ConfigError(f"JAX found no devices of platform {platform or 'any'!r}: {exc}") from exc
-    if len(devs) < count:
-        raise ConfigError(f"asked for {count} devices but JAX sees {len(devs)}: {devs}; lower --devices")
-    return [device_record(i, d) for i, d in enumerate(devs[:count])]
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""What a worker's devices are: the platform, device kind and memory, and the settings JAX
-needs before it starts its backends (docs/platforms.md).
+"""What a worker's devices are: the platform, device kind and memory, the settings JAX
+needs before it starts its backends, and the local devices a worker finds through JAX
+(:func:`discover_local_devices`; docs/platforms.md).
 
 A worker uses the platform JAX finds, or the one its operator pins (``--platform``).
 Before JAX starts a backend, :func:`prepare_environment` makes the process's settings:
@@ -151,3 +152,30 @@ def device_record(index: int, device: Any) -> dict[str, Any]:
     """One device's etcd record (``devices/<worker>/<index>``, docs/keys.md)."""
     return {"index": index, "platform": export_platform(device), "kind": str(device.device_kind),
             "memory_bytes": memory_stats(device).get("bytes_limit", 0)}
+
+
+def discover_local_devices(count: int, platform: str = "") -> list[dict[str, Any]]:
+    """The records of the first ``count`` local JAX devices (docs/keys.md ``devices/``).
+
+    ``platform`` pins JAX to it; "" takes what JAX finds (its default backend). On a CPU host
+    JAX is asked for ``count`` CPU devices. Call :func:`prepare_environment`
+    first (memory preallocation, deterministic kernels): JAX reads it when a backend starts.
+
+    Raises:
+        ConfigError: JAX sees fewer devices than ``count``, or cannot pin ``platform``.
+    """
+    pin_jax_platform(platform)
+    import jax
+
+    if jax.config.jax_num_cpu_devices < count:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:
+            pass  # JAX already started in this process: take what it has (checked below)
+    try:
+        devs = jax.local_devices()
+    except RuntimeError as exc:  # e.g. --platform cuda on a host without a CUDA jaxlib or GPU
+        raise ConfigError(f"JAX found no devices of platform {platform or 'any'!r}: {exc}") from exc
+    if len(devs) < count:
+        raise ConfigError(f"asked for {count} devices but JAX sees {len(devs)}: {devs}; lower --devices")
+    return [device_record(i, d) for i, d in enumerate(devs[:count])]

@@ -75,7 +75,7 @@ class ClusterAddress:
 def resolve_cluster(state_dir: Path, cluster: str | None) -> ClusterAddress:
     """Find the cluster from ``--cluster`` or the state dir."""
     from rallypoint.cluster.local import LocalCluster
-    from rallypoint.etcd.store import EtcdStore
+    from rallypoint.etcd.etcd_store import EtcdStore
 
     if cluster:
         name, endpoints = parse_cluster(cluster)
@@ -117,7 +117,7 @@ def cluster_options(f: F) -> F:
 
 
 def store_and_keys(state_dir: Path, cluster: str | None) -> tuple[Any, Keys]:
-    from rallypoint.etcd.store import EtcdStore
+    from rallypoint.etcd.etcd_store import EtcdStore
 
     addr = resolve_cluster(state_dir, cluster)
     return EtcdStore(addr.endpoints), Keys(addr.name)

@@ -28,7 +28,8 @@ from rallypoint.basics.clock import SYSTEM_CLOCK
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.retry import retrying
-from rallypoint.etcd.store import EtcdStore, Store
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Store
 from rallypoint.proto import rallypoint_pb2 as pb
 
 ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM, "drain": None}

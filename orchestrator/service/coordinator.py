@@ -43,7 +43,8 @@ from rallypoint.basics.retry import retrying
 from rallypoint.orchestrator.control.membership import MembershipChange, MembershipMonitor
 from rallypoint.orchestrator.observe.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
-from rallypoint.etcd.store import EtcdStore, Put, Store
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Put, Store
 from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
 from rallypoint.basics.tls import channel as tls_channel

@@ -1,4 +1,4 @@
-"""Tests for etcd.store: EtcdStore against a real etcd, and prefix_end."""
+"""Tests for the store: EtcdStore (etcd/etcd_store.py) against a real etcd, and prefix_end (etcd/store.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from rallypoint.basics.errors import (
     WriteIndeterminate,
 )
 from rallypoint.etcd.server import EtcdCluster
+from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.etcd.store import (
     Delete,
-    EtcdStore,
     Get,
     Put,
     WatchBatch,

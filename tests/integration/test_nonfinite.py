@@ -29,7 +29,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import read_commit_records, read_commits
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoints.checkpointer import restore_commit
+from rallypoint.workers.checkpoints.restore import restore_commit
 from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
 

@@ -34,7 +34,7 @@ from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
 from tests.examples import example
 from tests.workers.test_checkpoint import largest_file
-from rallypoint.workers.checkpoints.checkpointer import state_checksum
+from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.faults import WorkerFaults
 
 STEPS = 24

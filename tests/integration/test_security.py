@@ -27,7 +27,7 @@ from rallypoint.cluster.certs import issue, make_certs
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore
+from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.basics.tls import TlsConfig, channel
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

@@ -13,7 +13,8 @@ from rallypoint.orchestrator.control.devices import DeviceLeases, Placement
 from rallypoint.etcd.cluster_view import Holder, read_cluster
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, UnknownWorker
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore, KeyValue, WatchEvent
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import KeyValue, WatchEvent
 from rallypoint.workers.registration import try_register
 
 KEYS = Keys("t")

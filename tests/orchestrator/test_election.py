@@ -7,7 +7,8 @@ import pytest
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.basics.errors import NotLeader
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore, Put
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Put
 
 KEYS = Keys("t")
 

@@ -23,21 +23,15 @@ from structlog.testing import capture_logs
 
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import configure
-from rallypoint.etcd.store import EtcdStore, Put, created_at, key_missing
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Put, created_at, key_missing
 from tests.conftest import wait_until
-from rallypoint.workers.checkpoints.checkpointer import (
-    CheckpointCommit,
-    CheckpointCorrupt,
-    CheckpointError,
-    CommitRefused,
-    SliceCheckpointer,
-    consistent_cut,
-    etcd_commit,
-    latest_committed,
-    read_commits,
-    restore_commit,
-    state_checksum,
-)
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
+from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
+from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.checkpoints.committer import etcd_commit
+from rallypoint.workers.checkpoints.restore import latest_committed, restore_commit
+from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused
 
 REPO = Path(__file__).resolve().parents[2]
 KILL_MB = 256  # large enough that Orbax takes about a second to write it

@@ -16,23 +16,17 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.basics.errors import StoreUnavailable
 from rallypoint.basics.logs import configure
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore, created_at
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import created_at
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.runs import run_dir
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoints.checkpointer import (
-    COMMIT_RETRY_S,
-    CheckpointCommit,
-    CheckpointCorrupt,
-    CommitRefused,
-    SliceCheckpointer,
-    etcd_commit,
-    latest_committed,
-    read_commits,
-    restore_commit,
-)
+from rallypoint.etcd.commits import CheckpointCommit, read_commits
+from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
+from rallypoint.workers.checkpoints.committer import COMMIT_RETRY_S, etcd_commit
+from rallypoint.workers.checkpoints.restore import latest_committed, restore_commit
 from rallypoint.workers.runtime.checkpoints import restore_for_load
-from rallypoint.workers.errors import RestoreError
+from rallypoint.workers.errors import CheckpointCorrupt, CommitRefused, RestoreError
 from tests.fakes import MemoryStore, register_worker
 from tests.workers.test_checkpoint import Recorder, assert_bitwise, register, states_at
 

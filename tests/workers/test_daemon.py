@@ -15,7 +15,8 @@ import pytest
 from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import Keys
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.daemon import StaleIncarnation, StaleTerm, WorkerConfig, WorkerDaemon, WorkerState
+from rallypoint.workers.config import WorkerConfig
+from rallypoint.workers.daemon import StaleIncarnation, StaleTerm, WorkerDaemon, WorkerState
 from tests.fakes import MemoryStore, register_worker
 
 

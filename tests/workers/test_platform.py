@@ -18,7 +18,8 @@ import pytest
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import Keys
-from rallypoint.workers.daemon import WorkerConfig, WorkerDaemon
+from rallypoint.workers.config import WorkerConfig
+from rallypoint.workers.daemon import WorkerDaemon
 from rallypoint.workers.metrics import device_memory_metrics
 from rallypoint.workers.platform import (DETERMINISTIC_FLAG, PlatformInfo, check_platform, device_record,
                                          export_platform, gpu_deterministic, platform_info, prepare_environment)

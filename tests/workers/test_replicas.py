@@ -15,7 +15,8 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, state_checksum
+from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.errors import CheckpointCorrupt
 from rallypoint.workers.faults import WorkerFaults
 from rallypoint.workers.runtime.checkpoints import restore
 from rallypoint.workers.checkpoints.replicas import Replica, ReplicaStore, Replicator

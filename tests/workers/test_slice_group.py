@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, restore_commit
+from rallypoint.workers.checkpoints.restore import restore_commit
+from rallypoint.workers.errors import CheckpointCorrupt
 from rallypoint.workers.checkpoints.checksums import SHARDED, read_listing
 from rallypoint.workers.gang.lead import GangSlice, GroupSharding, GroupValue
 from rallypoint.workers.gang.checkpoint import GangSteps, restore_on_gang

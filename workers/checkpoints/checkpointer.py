@@ -1,17 +1,19 @@
-"""Checkpoints of a slice's state: Orbax on disk, a checksum, a commit in etcd.
+"""Saving a slice's checkpoints: Orbax on disk in the background, committed in step order.
 
 One :class:`SliceCheckpointer` per (job, slice) on a worker. ``save(step, states)``
 hands Orbax the values of the slice's states after ``step`` and returns once Orbax
 holds its own host copy; Orbax writes and finalizes in the background. A checkpoint
 **counts only after** Orbax has finalized it (the step directory renamed from its
 temporary name) and its commit (job, slice, step, path, checksum, state names) has
-been handed to ``commit``, which :func:`etcd_commit` writes to etcd guarded on the
-worker's incarnation. A save killed half-way therefore leaves the previous commit
+been handed to ``commit``, which
+:func:`~rallypoint.workers.checkpoints.committer.etcd_commit` writes to etcd guarded on
+the worker's incarnation. A save killed half-way therefore leaves the previous commit
 in force. Commits are made by one background thread, in step order.
 
-Orbax checks no content checksums: :func:`state_checksum` (sha256 over every state
-name, leaf dtype, shape and bytes) is recorded with each commit and checked on
-restore; :func:`latest_committed` falls back to older commits past a corrupt one.
+Orbax checks no content checksums: the commit records
+:func:`~rallypoint.workers.checkpoints.checksums.state_checksum` (sha256 over every state
+name, leaf dtype, shape and bytes), which a restore checks
+(:mod:`rallypoint.workers.checkpoints.restore`).
 
 On disk each checkpointer writes its own Orbax ``CheckpointManager`` directory,
 ``<slice dir>/<writer>/`` (a name unique to it), so two writers of one slice (a zombie
@@ -23,165 +25,28 @@ Retention deletes a step directory only after the commit naming it is gone.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
-from tenacity import Retrying
 
-from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
-from rallypoint.basics.clock import Clock, SystemClock
-from rallypoint.basics.errors import ConfigError, Fenced, RallypointError, WriteIndeterminate
-from rallypoint.basics.retry import retrying
-from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.basics.logs import get_logger
-from rallypoint.etcd.store import Compare, Delete, Put, Store, key_missing, unchanged_since
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.etcd.keys import check_name
 from rallypoint.workers import meter
-from rallypoint.workers.checkpoints.checksums import checksum_of, state_checksum
+from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.checkpoints.restore import States, restore_commit
+from rallypoint.workers.errors import CheckpointError, CommitRefused
 
-__all__ = ["CheckpointCommit", "CheckpointCorrupt", "CheckpointError", "CommitRefused", "SliceCheckpointer",
-           "EtcdCommitter", "checkpoint_within", "consistent_cut", "etcd_commit", "latest_committed", "read_commits", "restore_commit", "state_checksum"]
-
-States = dict[str, list[np.ndarray]]
-"""A slice's states: state name -> its value as flat leaves (host arrays)."""
-
-COMMIT_RETRY_S = 30.0
-"""How long a commit is retried while etcd is unreachable."""
-
-
-class CheckpointError(RallypointError):
-    """A checkpoint could not be saved, committed or read."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A committed checkpoint does not restore to the state its checksum names."""
-
-    def __init__(self, commit: CheckpointCommit, actual: str | None, reason: str = "") -> None:
-        got = actual if actual is not None else f"none: unreadable ({reason})"
-        super().__init__(
-            f"checkpoint of job {commit.job!r} slice {commit.slice_name!r} at step {commit.step} "
-            f"at {commit.path} is corrupt: committed checksum {commit.checksum}, restored {got}"
-        )
-        self.commit = commit
-        self.actual = actual
-
-
-class CommitRefused(Fenced):
-    """etcd refused a commit: the worker incarnation that made the checkpoint is over."""
-
-
-def metadata_tree(item_dir: Path) -> Any:
-    """The Orbax metadata of a saved ``{state: [leaves]}`` item: each leaf's shape and dtype (and how it was split)."""
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        meta = ckptr.metadata(item_dir)
-    tree = getattr(meta, "item_metadata", meta)
-    return getattr(tree, "tree", tree)
-
-
-def _restore_dir(step_dir: Path) -> States:
-    """Read one step directory with Orbax alone, whole, into host arrays: one written by a slice on one worker, or
-    by the members of a multi-host slice (saved over devices this process does not have: Orbax restores that only
-    into a target it is given, here host arrays of the saved dtypes and shapes, 64-bit ones included)."""
-    import jax
-
-    target = jax.tree_util.tree_map(lambda m: np.empty(tuple(m.shape), np.dtype(m.dtype)),
-                                    metadata_tree(step_dir / "default"))
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        tree = ckptr.restore(step_dir / "default", args=ocp.args.StandardRestore(target))
-    return {name: [np.asarray(x) for x in leaves] for name, leaves in tree.items()}
-
-
-def checkpoint_within(commit: CheckpointCommit, slice_dir: Path) -> Path:
-    """The directory ``commit.path`` names, resolved, once it is checked to lie inside ``slice_dir``.
-
-    A commit comes from etcd (or a commit record on disk): its path is refused when it is
-    relative, has a ``..`` part, or resolves (symlinks followed) outside the slice's
-    checkpoint directory. Raises :class:`CheckpointCorrupt` then, before anything is read.
-    """
-    def refuse(why: str) -> CheckpointCorrupt:
-        get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name).warning(
-            "checkpoint.path_refused", step=commit.step, path=commit.path, slice_dir=str(slice_dir), reason=why)
-        return CheckpointCorrupt(commit, None, f"its path {why}; a commit may only name a step directory "
-                                               f"inside the slice's checkpoint directory {slice_dir}")
-
-    try:
-        check_name("slice", commit.slice_name)
-    except ConfigError as e:
-        raise refuse(f"is of an invalid slice name ({e})") from e
-    p = Path(commit.path)
-    if not p.is_absolute():
-        raise refuse("is not absolute")
-    if ".." in p.parts:
-        raise refuse("has a '..' part")
-    real, base = p.resolve(), Path(slice_dir).absolute().resolve()
-    if real == base or not real.is_relative_to(base):
-        raise refuse(f"resolves to {real}, outside {base}")
-    return real
-
-
-def restore_commit(commit: CheckpointCommit, slice_dir: Path | None = None) -> States:
-    """The states a commit names, read from ``commit.path`` and checked against its checksum.
-
-    With ``slice_dir`` (the slice's checkpoint directory; a worker restoring a commit
-    always passes it), a path outside it is refused unread (:func:`checkpoint_within`).
-
-    Raises :class:`CheckpointCorrupt` when the checkpoint cannot be read, its checksum
-    differs, or its path is refused.
-    """
-    log = get_logger("rallypoint.checkpoint", job=commit.job, slice=commit.slice_name)
-    step_dir = checkpoint_within(commit, slice_dir) if slice_dir is not None else Path(commit.path)
-    try:
-        states = _restore_dir(step_dir)
-    except Exception as e:  # any failure to read is a corrupt checkpoint
-        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
-                    actual=None, error=f"{type(e).__name__}: {e}")
-        raise CheckpointCorrupt(commit, None, f"{type(e).__name__}: {e}") from e
-    actual = checksum_of(states, commit.checksum, step_dir)
-    if actual != commit.checksum:
-        log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
-                    actual=actual)
-        raise CheckpointCorrupt(commit, actual)
-    return states
-
-
-@dataclass
-class LatestCommitted:
-    """What :func:`latest_committed` found: the newest good commit and what it skipped."""
-
-    commit: CheckpointCommit | None
-    states: States | None
-    skipped: list[tuple[CheckpointCommit, str]] = field(default_factory=list)
-
-
-def latest_committed(commits: Iterable[CheckpointCommit], slice_dir: Path | None = None) -> LatestCommitted:
-    """Restore the newest of one slice's ``commits`` that reads back with its checksum.
-
-    Corrupt or unreadable ones (and, with ``slice_dir``, ones whose path lies outside
-    it: :func:`checkpoint_within`) are skipped (logged ``checkpoint.corrupt``, listed in
-    ``skipped`` with the reason), falling back to older commits; ``commit`` is None
-    when none restores.
-    """
-    found = LatestCommitted(None, None)
-    ordered = sorted(commits, key=lambda c: c.step, reverse=True)
-    if len({(c.job, c.slice_name) for c in ordered}) > 1:
-        raise ValueError("latest_committed takes the commits of one slice of one job")
-    for c in ordered:
-        try:
-            found.states, found.commit = restore_commit(c, slice_dir), c
-            return found
-        except CheckpointCorrupt as e:
-            found.skipped.append((c, str(e)))
-    return found
+__all__ = ["SliceCheckpointer"]
 
 
 @dataclass
@@ -212,7 +77,8 @@ class SliceCheckpointer:
             other writers' finalized steps that old (a step whose commit names another
             directory is kept by ``forget``).
         commit: called (on a background thread, in step order) once a checkpoint is
-            finalized; it makes the checkpoint count, e.g. :func:`etcd_commit`. An
+            finalized; it makes the checkpoint count, e.g.
+            :func:`~rallypoint.workers.checkpoints.committer.etcd_commit`. An
             exception means the checkpoint does not count; :meth:`wait` raises it.
         log_fields: extra fields bound to every log event (worker, incarnation).
         forget: called with a step and its directory before retention deletes it: it deletes
@@ -486,92 +352,9 @@ class SliceCheckpointer:
     def restore(self, step: int, expected_checksum: str) -> States:
         """The states this checkpointer saved after ``step``, checked against the checksum.
 
-        Raises :class:`CheckpointCorrupt` (naming both checksums) on a mismatch or when
+        Raises :class:`~rallypoint.workers.errors.CheckpointCorrupt` (naming both checksums) on a mismatch or when
         the checkpoint cannot be read.
         """
         c = CheckpointCommit(self.job, self.slice_name, step, str(self.directory / str(step)), expected_checksum)
         with self._orbax:
             return restore_commit(c, self.slice_dir)
-
-
-# -- commits in etcd ----------------------------------------------------------------------
-
-
-class EtcdCommitter:
-    """A ``commit`` for :class:`SliceCheckpointer` that writes the commit JSON at
-    ``keys.checkpoint(job, slice, step)`` in a transaction guarded by ``guard``:
-    ``created_at(keys.worker(worker_id), incarnation)``, so a zombie incarnation
-    cannot commit (:class:`CommitRefused`). Unreachable etcd is retried for
-    ``COMMIT_RETRY_S`` of ``clock`` (the shared policy: :func:`rallypoint.basics.retry.retrying`);
-    an indeterminate write is resolved by reading the key back.
-    :meth:`forget` deletes a commit (before retention deletes its checkpoint).
-    """
-
-    def __init__(self, store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> None:
-        if guard.target != "create" or guard.op != "==" or not guard.key.startswith(keys.workers):
-            raise ValueError(f"the commit guard must be created_at(keys.worker(worker_id), incarnation), got {guard}")
-        self.store, self.keys, self.guard = store, keys, guard
-        self.clock: Clock = clock if clock is not None else SystemClock()
-        self.worker, self.incarnation = keys.tail(guard.key, keys.workers)[0], int(guard.value)
-        self.log = get_logger("rallypoint.checkpoint", worker=self.worker, incarnation=self.incarnation)
-
-    def _retrying(self, what: str) -> Retrying:
-        return retrying(clock=self.clock, what=what, log=self.log, stop_after_s=COMMIT_RETRY_S,
-                        initial_s=0.05, max_s=1.0)
-
-    def _refused(self, what: str) -> CommitRefused:
-        return CommitRefused(f"worker {self.worker} incarnation {self.incarnation}",
-                             f"its incarnation is over; {what} refused")
-
-    def __call__(self, c: CheckpointCommit) -> None:
-        key = self.keys.checkpoint(c.job, c.slice_name, c.step)
-        value = json.dumps(c.to_json() | {"worker": self.worker, "incarnation": self.incarnation, "at": time.time()})
-        for attempt in self._retrying(f"checkpoint commit {c.job}/{c.slice_name}@{c.step}"):
-            with attempt:
-                try:
-                    r = self.store.txn([self.guard], [Put(key, value)])
-                except WriteIndeterminate:
-                    kv = self.store.get(key)
-                    if kv is not None and kv.value == value.encode():
-                        return
-                    raise
-                if not r.succeeded:
-                    raise self._refused(f"commit of {c.job}/{c.slice_name} step {c.step}")
-
-    def forget(self, job: str, slice_name: str, step: int, path: str | None = None) -> None:
-        """Delete the commit of ``slice_name`` at ``step``: that checkpoint no longer counts.
-
-        With ``path``, only a commit naming that directory is deleted (one naming another
-        writer's directory stays). Raises :class:`CommitRefused` when this incarnation is
-        over, so the caller keeps the directory.
-        """
-        key = self.keys.checkpoint(job, slice_name, step)
-        for attempt in self._retrying(f"forget checkpoint commit {job}/{slice_name}@{step}"):
-            with attempt:
-                for _ in range(8):  # the key changed between the read and the delete: look again
-                    kv = self.store.get(key)
-                    ours = kv is not None and (path is None or _same_path(_commit_path(kv.value), path))
-                    at = unchanged_since(key, kv.mod_revision) if kv is not None else key_missing(key)
-                    if self.store.txn([self.guard, at], [Delete(key)] if ours else []).succeeded:
-                        return
-                    if not self.store.txn([self.guard], []).succeeded:
-                        raise self._refused(f"forgetting the commit of {job}/{slice_name} step {step}")
-                raise CheckpointError(f"the commit of {job}/{slice_name} step {step} kept changing while "
-                                      "it was being forgotten")
-
-
-def _commit_path(value: bytes) -> str | None:
-    try:
-        path = json.loads(value).get("path")
-    except (ValueError, AttributeError):
-        return None
-    return path if isinstance(path, str) else None
-
-
-def _same_path(a: str | None, b: str) -> bool:
-    return a is not None and os.path.normpath(a) == os.path.normpath(b)
-
-
-def etcd_commit(store: Store, keys: Keys, guard: Compare, *, clock: Clock | None = None) -> EtcdCommitter:
-    """The :class:`EtcdCommitter` of one worker incarnation."""
-    return EtcdCommitter(store, keys, guard, clock=clock)

@@ -8,7 +8,7 @@ keeps them in its :class:`ReplicaStore`, which lives at the worker-service level
 (a holder may be a spare with no runtime of the job). A worker restoring a slice asks
 the holder named in ``LoadJobRequest.replica_sources`` for the copy of the commit
 (``FetchReplica``; its own store when it is the holder) and uses it only if
-:func:`rallypoint.workers.checkpoints.checkpointer.state_checksum` of what arrived equals the commit's
+:func:`rallypoint.workers.checkpoints.checksums.state_checksum` of what arrived equals the commit's
 checksum; otherwise (holder unreachable, copy missing or evicted, checksum mismatch)
 it reads the checkpoint from disk. :meth:`ReplicaTier.fetch` returns the tier used.
 
@@ -36,7 +36,8 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying, transient_rpc
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoints.checkpointer import States, state_checksum
+from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.checkpoints.restore import States
 from rallypoint.workers.transfer import PeerChannels
 
 PER_SLICE = 2

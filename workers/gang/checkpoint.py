@@ -47,8 +47,8 @@ import numpy as np
 from rallypoint.basics.logs import get_logger
 from rallypoint.workers import meter
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.workers.checkpoints.checkpointer import (CheckpointCorrupt, SliceCheckpointer, _Pending, checkpoint_within,
-                                           metadata_tree)
+from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer, _Pending
+from rallypoint.workers.checkpoints.restore import checkpoint_within, metadata_tree
 from rallypoint.workers.checkpoints.checksums import (SHARDED, SHARDS_FILE, checksum_of, read_listing, shard_entries,
                                           shards_checksum)
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -56,7 +56,7 @@ from rallypoint.recovery.replicas import part_name
 from rallypoint.workers.gang.lead import GangSlice, GroupSharding, GroupValue
 from rallypoint.workers.gang.replicas import restore_from_parts
 from rallypoint.workers.gang.member_parts import KEPT, peer_json
-from rallypoint.workers.errors import LoadError, RestoreError
+from rallypoint.workers.errors import CheckpointCorrupt, LoadError, RestoreError
 from rallypoint.workers.gang.group import GroupError, GroupLost
 
 SAVED_POLL_S = 0.02  # how often the commit thread asks the members whether a step is written

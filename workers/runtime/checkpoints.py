@@ -32,10 +32,11 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.workers import meter
 from rallypoint.workers.gang.checkpoint import GangCheckpointer
-from rallypoint.workers.checkpoints.checkpointer import CheckpointCorrupt, SliceCheckpointer, States, restore_commit
+from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
+from rallypoint.workers.checkpoints.restore import States, restore_commit
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.residency import Copies, to_host
-from rallypoint.workers.errors import LoadError, RestoreError
+from rallypoint.workers.errors import CheckpointCorrupt, LoadError, RestoreError
 
 CommitFn = Callable[[CheckpointCommit], None]
 
