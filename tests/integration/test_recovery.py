@@ -413,6 +413,8 @@ def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     kinds = [x["event"] for x in lines if x["event"] != "step"]
     assert kinds == ["fault.injected", "job.recovering", "job.recovered", "job.finished"], kinds
+    noise = [x for x in out.stderr.splitlines() if "absl" in x or "orbax" in x.lower()]  # the cluster's log files'
+    assert not noise, noise[:3]
     assert [x["step"] for x in lines if x["event"] == "step"] == list(range(14))
     final = lines[-1]
     assert final["steps"] == 14
