@@ -21,65 +21,21 @@ from typing import Any
 import orbax.checkpoint as ocp
 import pytest
 
-from rallypoint.client.compile import CompiledProgram, compile_program
+from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.commands.faults import Fault, FaultInjector
-from rallypoint.client.reference import ReferenceExecutor, RunResult
 from rallypoint.client import submit as submit_module
 from rallypoint.client.submit import JobError, submit
 from rallypoint.etcd.commits import consistent_cut, read_commits
-from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
 from tests.examples import example
-from tests.workers.test_checkpoint import largest_file
 from rallypoint.workers.checkpoints.checkpointer import state_checksum
 from rallypoint.workers.faults import WorkerFaults
-
-STEPS = 24
-EVERY = 5
-SLICES = ("stage0", "stage1", "stage2", "stage3")
-
-
-def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:
-    return {n for n, spec in compiled.program.nodes.items() if spec.slice == slice_name}
-
-
-@functools.cache
-def pipeline_and_digest(steps: int = STEPS) -> tuple[CompiledProgram, str]:
-    """The 4-stage pipeline of ``steps`` steps compiled, and the digest of its in-process reference run: made once
-    per session (the modules that take the ``pipeline`` fixture from here, and test_adoption.py's, share it)."""
-    compiled = compile_program(example("pipeline_mlp").build(steps=steps))
-    return compiled, ReferenceExecutor(compiled).run().state_digest
-
-
-@pytest.fixture(scope="module")
-def pipeline() -> tuple[CompiledProgram, str]:
-    return pipeline_and_digest(STEPS)
-
-
-def run(lc: LocalCluster, compiled: CompiledProgram, faults: list[Fault], *,
-        on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any) -> tuple[RunResult, FaultInjector]:
-    injector = FaultInjector(faults, lc.endpoints, lc.keys.cluster)
-
-    def both(ev: pb.JobEvent) -> None:
-        injector.on_event(ev)
-        if on_event is not None:
-            on_event(ev)
-
-    recovery.setdefault("checkpoint_every", EVERY)
-    result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=both, **recovery)
-    assert all("error" not in f for f in injector.fired), injector.fired
-    return result, injector
-
-
-def assert_settled(lc: LocalCluster) -> None:
-    store = lc.store()
-    try:
-        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values()), "device leases outlived the job"
-    finally:
-        store.close()
+from tests.helpers.checkpoints import largest_file
+from tests.helpers.cli import ROOT, rp
+from tests.helpers.cluster import pipeline_and_digest  # noqa: F401 - test_adoption.py imports it from here, for now
+from tests.helpers.cluster import EVERY, SLICES, STEPS, assert_settled, nodes_of, run
 
 
 @pytest.mark.parametrize("victim", SLICES)
@@ -404,7 +360,6 @@ def test_rallypoint_run_fail_kills_a_worker_and_reports_the_recovery_in_its_json
     from matplotlib import image
 
     from rallypoint.client.reference import run_reference
-    from tests.client.test_cli import ROOT
 
     job = str(ROOT / "examples" / "pipeline_mlp.py")
     state = {"RALLYPOINT_STATE_DIR": str(tmp_path / "state")}  # where the run keeps its metrics.jsonl
