@@ -28,6 +28,7 @@ from rallypoint.orchestrator.observe.timeline_svg import timeline_svg as _svg
 
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.html"
+LIBRARY_LOG_FILE = "libraries.log"  # absl/Orbax/JAX logging of the runner's own process, kept off the terminal
 EVIDENCE_CHARS = 100
 
 

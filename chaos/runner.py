@@ -31,12 +31,13 @@ from rallypoint.chaos.follower import ScenarioFollower, leases_of
 from rallypoint.chaos.injectors import Injectors, Target
 from rallypoint.chaos.invariants import (Check, NodeInfo, check_applied_once, check_checkpoints, check_digest,
                               check_lease_history, check_outcome, check_suspends)
-from rallypoint.chaos.report import write_report
+from rallypoint.chaos.report import LIBRARY_LOG_FILE, write_report
 from rallypoint.chaos.scenario import Scenario
 from rallypoint.chaos.scheduler import FaultScheduler
 from rallypoint.chaos.storage import Storage
 from rallypoint.etcd.commits import read_commits
 from rallypoint.basics.errors import RallypointError, StoreError, WatchCompacted
+from rallypoint.basics.logs import library_logs_to
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.etcd.etcd_store import EtcdStore
@@ -331,22 +332,26 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
 
     ``compile_cache_dir``: the workers' compilation cache when the scenario keeps one (None: in the run's
     state folder, removed with it); the test suite passes one cache for all its runs.
+
+    The libraries' logging in this process (Orbax warns through absl for each step folder the invariants
+    restore) goes to the report folder's ``libraries.log``, not to the terminal between ``say``'s lines.
     """
-    compiled, reference, reference_wall = prepared(scenario.job_file, scenario.steps, scenario.checkpoint_every)
-    state = Path(tempfile.mkdtemp(prefix=f"rallypoint-chaos-{scenario.name}-"))
-    ok = False
-    try:
-        summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay, compile_cache_dir=compile_cache_dir,
-                              reference=(reference, reference_wall)).run(state)
-        ok = bool(summary["ok"])
-        if not ok:
-            summary["logs"] = str(state / "logs")  # kept for whoever reads the report
-    finally:
-        if ok:
-            shutil.rmtree(state, ignore_errors=True)
-        else:
-            say({"event": "chaos.logs", "dir": str(state / "logs")})
     out = out_dir or Path("chaos-reports") / f"{scenario.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    with library_logs_to(out / LIBRARY_LOG_FILE):
+        compiled, reference, reference_wall = prepared(scenario.job_file, scenario.steps, scenario.checkpoint_every)
+        state = Path(tempfile.mkdtemp(prefix=f"rallypoint-chaos-{scenario.name}-"))
+        ok = False
+        try:
+            summary = ScenarioRun(scenario, compiled, say=say, break_replay=break_replay,
+                                  compile_cache_dir=compile_cache_dir, reference=(reference, reference_wall)).run(state)
+            ok = bool(summary["ok"])
+            if not ok:
+                summary["logs"] = str(state / "logs")  # kept for whoever reads the report
+        finally:
+            if ok:
+                shutil.rmtree(state, ignore_errors=True)
+            else:
+                say({"event": "chaos.logs", "dir": str(state / "logs")})
     return summary, write_report(out, summary)
 
 

@@ -170,6 +170,32 @@ class FakeElection(LeaderElection):
         pass
 
 
+class FakeLog:
+    """A structlog logger's port: each event and its fields, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.events.append((event, kw))
+
+    warning = error = info
+
+
+class FakeOutbox:
+    """Stands in for the runtime's outbox: records what would be logged and pushed."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.TransferHeader] = []
+        self.targets: set[tuple[str, int]] = set()
+
+    def keep_only(self, targets: set[tuple[str, int]]) -> None:
+        self.targets = targets
+
+    def send(self, r: pb.Route, header: pb.TransferHeader, value: list[Any], *, log: bool = True) -> None:
+        self.sent.append(header)
+
+
 class _Alive:
     class fence:  # noqa: N801 - mirrors LeaseKeeper.fence
         dead = False

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from rallypoint.basics.errors import ConfigError
-from rallypoint.basics.logs import configure as configure_logs
+from rallypoint.basics.logs import configure as configure_logs, library_logs_to
 from rallypoint.client.commands import plot as plot_cli
 from rallypoint.client.commands.output import describe_event, stops
 from rallypoint.client.commands.clusters import DEFAULT_STATE_DIR, export_platforms_for, insecure, resolve_cluster, tls_options
@@ -252,7 +252,9 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
                                                devices_per_worker=k, coordinators=2, tls=not insecure()))
     ok = False
     try:
-        result = go(lc.endpoints, lc.config.cluster)
+        # This process's library logging (absl, Orbax, JAX) joins the cluster's logs, not the progress bar's lines.
+        with library_logs_to(state / "logs" / "client.log"):
+            result = go(lc.endpoints, lc.config.cluster)
         ok = True
         return result
     finally:

@@ -17,20 +17,9 @@ import pytest
 from rallypoint.cluster.local import STATE_FILE, LocalCluster, is_running
 from rallypoint.etcd.cluster_view import read_cluster
 from tests.conftest import read_events, wait_until
+from tests.helpers.cli import rp
 
 pytestmark = pytest.mark.processes  # every test here starts processes
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def rp(*args: str, check: bool = True, timeout: float = 120,
-       env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([sys.executable, "-m", "rallypoint.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, **env} if env else None)
-    if check and r.returncode != 0:
-        raise AssertionError(f"rallypoint {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    return r
-
 
 def rows(*args: str) -> dict[str, dict]:
     return {row["worker"]: row for row in map(json.loads, rp("workers", "--json", *args).stdout.splitlines())}

@@ -22,7 +22,7 @@ from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.workers.programs import PlatformMismatch, load_exported, slice_mesh
 from rallypoint.workers.runtime.load import program_fault
 from rallypoint.workers.warm import NodeExecutable
-from tests.workers.test_runtime import Worker, started_workers
+from tests.helpers.runtime import Worker, started_workers
 
 
 def sharded(name: str = "sharded", steps: int = 3) -> Program:

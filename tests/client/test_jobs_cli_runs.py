@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rallypoint.client.commands.jobs import job_rows, job_status
-from tests.orchestrator.test_runs import a_run
+from tests.helpers.executor import a_run
 
 
 def test_status_and_jobs_show_the_current_run_and_the_earlier_ones(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from rallypoint.client.commands.main import main
 from rallypoint.client.commands.output import describe_event
 from rallypoint.client.commands.plot import draw, find_run, keep_run_metrics, plot_data
 from rallypoint.orchestrator.job.metrics import parse_metrics
-from tests.client.test_cli import ROOT
+from tests.helpers.cli import ROOT
 
 RUN = "run-20260101T000000-abcdef"
 LINES = [

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rallypoint.client.reference import run_reference
-from tests.client.test_cli import ROOT, rp
 from tests.examples import example
+from tests.helpers.cli import ROOT, rp
 
 
 @pytest.mark.processes
@@ -57,7 +57,6 @@ def test_bad_job_files_get_a_clear_message_and_a_nonzero_exit(tmp_path: Path) ->
         assert "Traceback" not in r.stderr
     r = rp("run", "--reference", "--steps", "0", str(ROOT / "examples" / "rl_loop.py"), check=False)
     assert r.returncode == 1 and "--steps must be a positive integer" in r.stderr
-
 
 
 @pytest.mark.processes

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from html.parser import HTMLParser
@@ -30,7 +29,7 @@ from rallypoint.client.commands.faults import Fault
 from rallypoint.cluster.local import LocalCluster
 from tests.conftest import SESSION_NOTES, wait_until
 from tests.examples import example
-from tests.integration.test_recovery import assert_settled, run
+from tests.helpers.cluster import assert_settled, run
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 CHROMIUM = next((b for name in BROWSERS if (b := shutil.which(name))), None)

@@ -20,27 +20,13 @@ from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.commands.faults import Fault
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.cluster.local import LocalCluster, is_running
-from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults
-from tests.client.test_cli import ROOT, rp
 from tests.conftest import wait_until
 from tests.examples import example
-from tests.integration.test_recovery import SLICES, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
-
-
-def cluster_args(lc: LocalCluster) -> list[str]:
-    """``--cluster NAME@ENDPOINT`` with the cluster's certificates (``--tls-dir``)."""
-    return ["--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}", "--tls-dir", str(lc.tls_dir)]
-
-
-def snapshot(lc: LocalCluster) -> Any:
-    store = lc.store()
-    try:
-        return read_cluster(store, lc.keys)
-    finally:
-        store.close()
+from tests.helpers.cli import ROOT, rp
+from tests.helpers.cluster import SLICES, STEPS, assert_settled, cluster_args, run, snapshot
 
 
 def assert_no_replay(result: Any) -> dict[str, Any]:

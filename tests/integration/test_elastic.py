@@ -24,7 +24,7 @@ from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE, states_close
 from tests.examples import example
-from tests.integration.test_recovery import assert_settled, run
+from tests.helpers.cluster import assert_settled, run
 
 STEPS = 300
 

@@ -27,9 +27,8 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import request_drain
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import read_events
-from tests.integration.test_adoption import _record
-from tests.integration.test_drain import snapshot
 from tests.examples import example
+from tests.helpers.cluster import job_record, snapshot
 
 STEPS = 6
 DRAIN_STEPS = 14
@@ -44,7 +43,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     cold = {"warm_spares": 0}  # no member processes started ahead but in the drained run, which checks them: each
     # costs a JAX import of CPU on a machine of 2 cores
     whole = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, **cold)
-    placed = _record(lc, compiled.program.name)["placement"]["dp"]
+    placed = job_record(lc, compiled.program.name)["placement"]["dp"]
     assert [m["worker"] for m in placed["members"]] == ["w0", "w1"] and placed["worker"] == "w0", placed
     reference = ReferenceExecutor(compiled).run()
     for name, value in whole.states.items():
@@ -77,7 +76,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     assert drained.state_digest == plain.state_digest and rec["recoveries"] == [] and rec["failures"] == [], rec
     (d,) = rec["drains"]
     assert d["state"] == "done" and d["worker"] == "w1" and d["slices"] == ["dp"] and d["replayed_instances"] == 0, d
-    moved = _record(lc, longer.program.name)["placement"]["dp"]
+    moved = job_record(lc, longer.program.name)["placement"]["dp"]
     assert [m["worker"] for m in moved["members"]] == ["w2", "w3"] and d["moved"] == {"dp": "w2"}, (moved, d)
     after = snapshot(lc)
     assert all(after.workers[w].info.incarnation == before.workers[w].info.incarnation for w in before.workers)
@@ -106,7 +105,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
 
         def on_event(ev: pb.JobEvent) -> None:
             if ev.event == "step.done" and ev.step == 2 and not killed:
-                members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
+                members = [m["worker"] for m in job_record(lc, compiled.program.name)["placement"]["dp"]["members"]]
                 killed.append(members[which])
                 at.append(_now())
                 lc.signal(members[which], signal.SIGKILL)
@@ -123,7 +122,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     result, killed = run_killing(0)
     assert killed and result.state_digest == whole.state_digest, result.recovery
     assert len(result.recovery["recoveries"]) == 1, result.recovery
-    members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
+    members = [m["worker"] for m in job_record(lc, compiled.program.name)["placement"]["dp"]["members"]]
     assert len(members) == 2 and killed[0] not in members, (killed, members)
     # Its checkpoints: each member saved its own shards, one commit for the slice over their digests
     # (workers/gang/checkpoint.py), nothing gathered on the lead.
@@ -148,7 +147,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     flowed = submit(out, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, new_run=True, **cold)
     want = ReferenceExecutor(out).run()
     np.testing.assert_allclose(np.asarray(flowed.states["acc"]), np.asarray(want.states["acc"]), rtol=1e-6)
-    placed = _record(lc, out.program.name)["placement"]
+    placed = job_record(lc, out.program.name)["placement"]
     head, gang = placed["head"]["worker"], [m["worker"] for m in placed["dp"]["members"]]
     assert head not in gang, placed
     sent = [e for w in gang for e in read_events(lc.process(w).log, "value.sent") if e["ts"] > started]
@@ -218,7 +217,7 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
         assert started and not started[0]["coordinator"].startswith("127."), started  # the group's coordinator
 
         assert result.state_digest == _BASELINE[0], result.recovery
-        members = [m["worker"] for m in _record(lc, compiled.program.name)["placement"]["dp"]["members"]]
+        members = [m["worker"] for m in job_record(lc, compiled.program.name)["placement"]["dp"]["members"]]
         assert "w1" not in members and len(members) == 2, members
         # The lead (w0) is alive: only the job's runtime on it ended, never the worker, so it kept its
         # incarnation (its other jobs would have gone on) and could lead the new gang.

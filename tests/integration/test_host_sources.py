@@ -41,7 +41,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto.digest import RESHARD_TOLERANCE, states_close
 from tests.examples import example
-from tests.integration.test_recovery import run
+from tests.helpers.cluster import run
 
 pytestmark = pytest.mark.processes
 

@@ -13,9 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 
-from rallypoint.client import Program
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.commands.jobs import job_rows
@@ -23,22 +21,8 @@ from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults
-from tests.client.test_cli import rp
-from tests.integration.test_drain import cluster_args
-from tests.integration.test_recovery import assert_settled, pipeline  # noqa: F401 (fixture)
-
-
-def counter_job(steps: int, name: str = "urgent", checkpoint_every: int = 100) -> Program:
-    # Few checkpoints: each commit waits the cluster's commit_delay_s (1 s) below, one after another, and the job
-    # ends once the last one is in: with one every 10 steps the urgent job would hold the slice ~10 s for nothing.
-    prog = Program(name, steps=steps, checkpoint_every=checkpoint_every)
-    s = prog.slice("only", devices=1)
-    total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
-    src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",
-                      outputs=("x",))
-    prog.node("add", lambda total, x: {"total": total + x}, slice=s, inputs={"total": total, "x": src["x"]},
-                     outputs=("total",), updates={"total": total})
-    return prog
+from tests.helpers.cli import rp
+from tests.helpers.cluster import assert_settled, cluster_args, counter_job
 
 
 def test_a_higher_priority_job_takes_a_slice_of_a_lower_one_which_takes_it_back_with_no_lost_work(

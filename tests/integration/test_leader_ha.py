@@ -11,15 +11,9 @@ from typing import Any
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.server import EtcdCluster
 from tests.conftest import read_events, wait_until
+from tests.helpers.cluster import leader
 
-
-def _leader(lc: LocalCluster) -> tuple[str, int] | None:
-    store = lc.store()
-    try:
-        kv = store.get(lc.keys.leader)
-    finally:
-        store.close()
-    return (kv.json()["coordinator"], kv.create_revision) if kv else None
+_leader = leader  # tests/integration/test_adoption.py imports it from here until that module's helpers move
 
 
 def test_standby_leads_within_ttl_plus_a_second_after_the_leader_is_killed(
@@ -27,10 +21,10 @@ def test_standby_leads_within_ttl_plus_a_second_after_the_leader_is_killed(
 ) -> None:
     ttl = 2
     lc = local_cluster(workers=1, coordinators=2, lease_ttl_s=ttl)
-    old, old_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    old, old_term = wait_until(lambda: leader(lc), 10, "a leader")
     lc.signal(old, signal.SIGKILL)
     killed_at = time.monotonic()
-    new, new_term = wait_until(lambda: (l := _leader(lc)) and l[0] != old and l, ttl + 5, "a new leader",
+    new, new_term = wait_until(lambda: (l := leader(lc)) and l[0] != old and l, ttl + 5, "a new leader",
                                interval_s=0.02)
     took = time.monotonic() - killed_at
     assert took < ttl + 1.0, f"standby took {took:.2f}s to lead (TTL {ttl}s)"
@@ -44,11 +38,11 @@ def test_hung_leader_is_deposed_its_writes_refused_and_it_steps_down_on_resume(
 ) -> None:
     ttl = 1
     lc = local_cluster(workers=2, coordinators=2, lease_ttl_s=ttl)
-    old, old_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    old, old_term = wait_until(lambda: leader(lc), 10, "a leader")
     wait_until(lambda: len(read_events(lc.process(old).log, "worker.joined")) >= 2, 10, "leader links")
     lc.signal(old, signal.SIGSTOP)
     try:
-        new, new_term = wait_until(lambda: (l := _leader(lc)) and l[0] != old and l, 10, "the standby leads")
+        new, new_term = wait_until(lambda: (l := leader(lc)) and l[0] != old and l, 10, "the standby leads")
         # While the old leader is frozen, a worker dies: only the new leader may record it.
         wait_until(lambda: len(read_events(lc.process(new).log, "worker.joined")) >= 2, 10, "new leader links")
         lc.signal("w0", signal.SIGKILL)
@@ -65,7 +59,7 @@ def test_hung_leader_is_deposed_its_writes_refused_and_it_steps_down_on_resume(
     # Once it stands by, it acts as a leader no more: what it did as one after resuming is all in its log now.
     wait_until(lambda: (states := read_events(lc.process(old).log, "coordinator.state"))
                and states[-1]["state"] == "standby", 10, "the old leader to stand by")
-    assert _leader(lc) == (new, new_term), "leadership changed hands again"
+    assert leader(lc) == (new, new_term), "leadership changed hands again"
     # The old leader never recorded a loss, and any transaction it sent under its old term
     # after resuming was refused (it stepped down on the local deadline or on etcd's refusal).
     assert not read_events(lc.process(old).log, "worker.lost")

@@ -27,8 +27,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import stop_cluster, wait_until
 from tests.examples import example
-from tests.integration.test_drain import cluster_args
-from tests.integration.test_jobs_priority import counter_job
+from tests.helpers.cluster import cluster_args, counter_job
 
 pytestmark = pytest.mark.processes
 

@@ -17,7 +17,7 @@ from rallypoint.client.commands.faults import Fault
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.workers.faults import WorkerFaults
 from tests.conftest import read_events
-from tests.integration.test_recovery import pipeline, run  # noqa: F401 - the module fixture
+from tests.helpers.cluster import run
 
 VICTIM, KILL_AT = "stage2", 13
 

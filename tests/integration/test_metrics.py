@@ -19,8 +19,8 @@ from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.commands.faults import Fault
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.client.test_cli import rp
-from tests.integration.test_recovery import EVERY, STEPS, assert_settled, pipeline, run  # noqa: F401 (fixture)
+from tests.helpers.cli import rp
+from tests.helpers.cluster import EVERY, STEPS, assert_settled, run
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -20,7 +20,7 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.gang.link import RemoteMember, form_on_workers
 from rallypoint.workers.gang.group import GroupLost
 from tests.conftest import read_events, wait_until
-from tests.workers.test_slice_group import W0, _gone, _run, _setup, _train_step_bytes
+from tests.helpers.slice_group import W0, all_gone, run_steps, setup_group, train_step_bytes
 
 
 def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
@@ -28,7 +28,7 @@ def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
 ) -> None:
     # Each worker keeps one member started ahead (--member-pool 1): the group below forms from those.
     lc = local_cluster(workers=2, spares=0, devices_per_worker=2, coordinators=1, member_pool=1)
-    program = _train_step_bytes()
+    program = train_step_bytes()
     assert lc.tls_dir is not None
     driver = issue(lc.tls_dir, "slice-driver", role=WORKER, cluster=lc.keys.cluster)  # the lead worker's identity
     store = lc.store()
@@ -63,19 +63,19 @@ def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
             (started,) = read_events(lc.process(w).log, "member.started")
             assert started["pooled"] is True and started["pid"] == pooled[w][0] and len(pooled[w]) == 2, (w, pooled)
         try:
-            _setup(group, program)
+            setup_group(group, program)
             group.put("w", W0, "m", [])
             losses: list[float] = []
-            _run(group, 0, 2, losses)
+            run_steps(group, 0, 2, losses)
             members = group.pids()
             lc.signal("w1", signal.SIGKILL)
             with pytest.raises(GroupLost) as lost:
-                _run(group, 2, 3, [])
+                run_steps(group, 2, 3, [])
             assert lost.value.member == 1 and "w1" in str(lost.value), str(lost.value)
         finally:
             group.abort()
-        assert _gone(members, 10.0), "a member outlived the lost group"
-        assert _gone(pooled["w1"], 10.0), "a member started ahead outlived its worker"
+        assert all_gone(members, 10.0), "a member outlived the lost group"
+        assert all_gone(pooled["w1"], 10.0), "a member started ahead outlived its worker"
     finally:
         for c in channels.values():
             c.close()

@@ -30,8 +30,8 @@ from rallypoint.etcd.commits import read_commit_records, read_commits
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoints.restore import restore_commit
-from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
+from tests.helpers.cli import rp
 
 STEPS, EVERY, BAD_FROM = 12, 2, 7
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -21,65 +21,22 @@ from typing import Any
 import orbax.checkpoint as ocp
 import pytest
 
-from rallypoint.client.compile import CompiledProgram, compile_program
+from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.reference import ReferenceExecutor, RunResult
 from rallypoint.client import submission as submit_module
 from rallypoint.client.submission import JobError, submit
 from rallypoint.etcd.commits import consistent_cut, read_commits
-from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.client.test_cli import rp
 from tests.conftest import stop_cluster
 from tests.examples import example
-from tests.workers.test_checkpoint import largest_file
 from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.faults import WorkerFaults
-
-STEPS = 24
-EVERY = 5
-SLICES = ("stage0", "stage1", "stage2", "stage3")
-
-
-def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:
-    return {n for n, spec in compiled.program.nodes.items() if spec.slice == slice_name}
-
-
-@functools.cache
-def pipeline_and_digest(steps: int = STEPS) -> tuple[CompiledProgram, str]:
-    """The 4-stage pipeline of ``steps`` steps compiled, and the digest of its in-process reference run: made once
-    per session (the modules that take the ``pipeline`` fixture from here, and test_adoption.py's, share it)."""
-    compiled = compile_program(example("pipeline_mlp").build(steps=steps))
-    return compiled, ReferenceExecutor(compiled).run().state_digest
-
-
-@pytest.fixture(scope="module")
-def pipeline() -> tuple[CompiledProgram, str]:
-    return pipeline_and_digest(STEPS)
-
-
-def run(lc: LocalCluster, compiled: CompiledProgram, faults: list[Fault], *,
-        on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any) -> tuple[RunResult, FaultInjector]:
-    injector = FaultInjector(faults, lc.endpoints, lc.keys.cluster)
-
-    def both(ev: pb.JobEvent) -> None:
-        injector.on_event(ev)
-        if on_event is not None:
-            on_event(ev)
-
-    recovery.setdefault("checkpoint_every", EVERY)
-    result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=both, **recovery)
-    assert all("error" not in f for f in injector.fired), injector.fired
-    return result, injector
-
-
-def assert_settled(lc: LocalCluster) -> None:
-    store = lc.store()
-    try:
-        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values()), "device leases outlived the job"
-    finally:
-        store.close()
+from tests.helpers.checkpoints import largest_file
+from tests.helpers.cli import ROOT, rp
+from tests.helpers.cluster import pipeline_and_digest  # noqa: F401 - test_adoption.py imports it from here, for now
+from tests.helpers.cluster import EVERY, SLICES, STEPS, assert_settled, nodes_of, run
 
 
 @pytest.mark.parametrize("victim", SLICES)
@@ -416,6 +373,8 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     kinds = [x["event"] for x in lines if x["event"] != "step"]
     assert kinds == ["fault.injected", "job.recovering", "job.recovered", "job.finished"], kinds
     steps = example("pipeline_mlp").build().steps
+    noise = [x for x in out.stderr.splitlines() if "absl" in x or "orbax" in x.lower()]  # the cluster's log files'
+    assert not noise, noise[:3]
     assert [x["step"] for x in lines if x["event"] == "step"] == list(range(steps))
     final = lines[-1]
     assert final["steps"] == steps

@@ -15,10 +15,10 @@ from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submission import JobError, submit
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
-from tests.client.test_cli import ROOT, rp
 from tests.conftest import stop_cluster
 from tests.examples import example
-from tests.workers.test_program_failures import TIB, tiny
+from tests.helpers.cli import ROOT, rp
+from tests.helpers.runtime import TIB, tiny
 
 
 @pytest.mark.parametrize("name,steps", [("pipeline_mlp", 6), ("rl_loop", 7), ("data_parallel", 5)])

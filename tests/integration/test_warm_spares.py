@@ -28,7 +28,7 @@ from rallypoint.client.submission import JobError, submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.examples import example
-from tests.integration.test_recovery import assert_settled, nodes_of
+from tests.helpers.cluster import assert_settled, nodes_of
 
 STEPS = 60
 EVERY = 5

@@ -14,70 +14,13 @@ from typing import Any
 import grpc
 import pytest
 
-from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit
-from rallypoint.etcd.keys import Keys
-from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, JobExecutor, run_dir
+from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, run_dir
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed, JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
-from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker
-
-B = pb.InputBinding
-
-
-def pipeline_spec(steps: int = 20, checkpoint_every: int = 5, **kw: Any) -> pb.JobSpec:
-    """Two stages: fwd0 on s0 (state p0) feeds fwd1 on s1 (state p1)."""
-    return pb.JobSpec(
-        job="pipe", steps=steps, microbatches=1, window=2, checkpoint_every=checkpoint_every,
-        slices=[pb.SliceAssignment(slice="s0", mesh_shape=[1]), pb.SliceAssignment(slice="s1", mesh_shape=[1])],
-        nodes=[pb.NodeProgram(name="fwd0", slice="s0", every=1,
-                              inputs=[pb.InputBinding(arg="p", kind=B.STATE, state="p0")]),
-               pb.NodeProgram(name="fwd1", slice="s1", every=1,
-                              inputs=[pb.InputBinding(arg="x", kind=B.REF, node="fwd0", output="y"),
-                                      pb.InputBinding(arg="p", kind=B.STATE, state="p1")])],
-        states=[pb.StateProgram(name="p0", slice="s0", producer_node="fwd0", producer_every=1),
-                pb.StateProgram(name="p1", slice="s1", producer_node="fwd1", producer_every=1)],
-        **kw)
-
-
-class Harness:
-    def __init__(self, tmp_path: Path, *, workers: int = 3, spec: pb.JobSpec | None = None, adopted: bool = False,
-                 store: MemoryStore | None = None) -> None:
-        self.keys = Keys("t")
-        self.store = store or MemoryStore()
-        self.clock = FakeClock()
-        self.incarnations = {f"w{i}": register_worker(self.store, self.keys, f"w{i}", 1) for i in range(workers)} \
-            if store is None else {}
-        self.election = FakeElection(self.store, self.keys, self.clock)
-        self.events: list[pb.JobEvent] = []
-        self.spec = spec or pipeline_spec()
-        self.workers = FakeWorkers(self.spec.job, self.spec, self.store, self.keys)
-        self.x = JobExecutor(self.spec, store=self.store, keys=self.keys, election=self.election,
-                             emit=self.events.append, clock=self.clock, checkpoint_root=str(tmp_path),
-                             adopted=adopted, loss_grace_s=0.0, workers=self.workers)
-
-    def names(self) -> list[str]:
-        return [e.event for e in self.events if e.event != "step.done"]
-
-    def record(self) -> dict[str, Any]:
-        kv = self.store.get(self.keys.job(self.spec.job))
-        assert kv is not None
-        return kv.json()
-
-    def leases(self) -> list[str]:
-        return [kv.key for kv in self.store.get_prefix(self.keys.leases)[0]]
-
-    def steps_until(self, done: int, limit: int = 500) -> None:
-        for _ in range(limit):
-            if self.x.completed >= done:
-                return
-            self.x.step(timeout_s=0.0)
-        raise AssertionError(f"stuck at step {self.x.completed} (wanted {done})")
-
-    def worker_of(self, slice_name: str) -> str:
-        return self.x.placement[slice_name].worker
-
+from tests.fakes import call_failed, register_worker
+from tests.helpers.executor import Harness, pipeline_spec, recovered
 
 def test_begin_places_loads_and_grants_then_steps_complete_the_job(tmp_path: Path) -> None:
     h = Harness(tmp_path)
@@ -452,14 +395,6 @@ def lose_with_a_corrupt_cut(h: Harness) -> None:
                                                corrupt_checkpoint_metadata("s1", 10)) for w in spares}]
     h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)
     h.workers.end(victim)
-
-
-def recovered(h: Harness, count: int) -> None:
-    for _ in range(100):
-        if len(h.x.recoveries) >= count and h.x.state is JobState.RUNNING:
-            return
-        h.x.step(timeout_s=0.0)
-    raise AssertionError(f"no recovery {count}")
 
 
 def test_a_fall_back_past_a_corrupt_commit_lowers_the_cut_the_workers_are_told(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.state import JobFailed, JobState
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.orchestrator.test_executor import Harness
+from tests.helpers.executor import Harness
 
 
 def test_a_worker_lost_while_its_final_state_is_fetched_is_recovered_and_the_job_finishes(tmp_path: Path) -> None:

@@ -32,25 +32,15 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
 from rallypoint.recovery.stragglers import Probation, StragglerSettings, probation
-from tests.fakes import FakeElection, FakeWorkers, MemoryStore, call_failed, register_worker
-from tests.orchestrator.test_executor import pipeline_spec
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append((event, kw))
-
-    warning = error = info
+from tests.fakes import FakeElection, FakeLog, FakeWorkers, MemoryStore, call_failed, register_worker
+from tests.helpers.executor import pipeline_spec
 
 
 class Parts:
     """The collaborators of one job, wired as the executor wires them, over three registered workers."""
 
     def __init__(self, workers: int = 3) -> None:
-        self.keys, self.store, self.clock, self.log = Keys("t"), MemoryStore(), FakeClock(), Log()
+        self.keys, self.store, self.clock, self.log = Keys("t"), MemoryStore(), FakeClock(), FakeLog()
         for i in range(workers):
             register_worker(self.store, self.keys, f"w{i}", 1)
         self.election = FakeElection(self.store, self.keys, self.clock)
@@ -266,7 +256,7 @@ def test_the_straggler_port_cordons_as_the_watch_and_takes_its_cordon_back() -> 
 def test_a_straggler_cordon_lapses_in_a_real_etcd_and_a_second_move_keeps_the_worker_out(store: Any) -> None:
     keys, clock = Keys("t"), FakeClock()
     election = FakeElection(store, keys, clock)
-    term = JobTerm("pipe", store=store, keys=keys, election=election, clock=clock, log=Log())
+    term = JobTerm("pipe", store=store, keys=keys, election=election, clock=clock, log=FakeLog())
     port = JobStragglerPort("pipe", term=term, placement=None, loads=None, progress=None,  # type: ignore[arg-type]
                             drains=None, busy=lambda: "", event=lambda *a, **k: None)
     settings = StragglerSettings(probation_s=1.0, repeat_window_s=600.0)

@@ -21,9 +21,8 @@ from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import FakeWorkers
-from tests.orchestrator import test_executor
-from tests.orchestrator.test_executor import Harness, pipeline_spec
-from tests.orchestrator.test_job_progress import progress, run
+from tests.helpers import executor as executor_harness
+from tests.helpers.executor import Harness, pipeline_spec, progress, run
 
 
 class _Log:
@@ -139,7 +138,7 @@ class LossyWorkers(FakeWorkers):
 
 
 def lossy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_nonfinite: str, bad_from: int = 7) -> Harness:
-    monkeypatch.setattr(test_executor, "FakeWorkers", lambda *a, **kw: LossyWorkers(*a, bad_from=bad_from, **kw))
+    monkeypatch.setattr(executor_harness, "FakeWorkers", lambda *a, **kw: LossyWorkers(*a, bad_from=bad_from, **kw))
     return Harness(tmp_path, spec=pipeline_spec(steps=12, checkpoint_every=2, on_nonfinite=on_nonfinite))
 
 

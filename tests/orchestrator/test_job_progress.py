@@ -5,23 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.replay import Graph
-from tests.orchestrator.test_executor import pipeline_spec
-
-
-def progress(steps: int = 20) -> JobProgress:
-    spec = pipeline_spec(steps=steps)
-    return JobProgress(spec, Graph.from_spec(spec))
-
-
-def run(p: JobProgress, step: int, *, loss: float | None = None) -> list[int]:
-    """Both nodes' instances of ``step`` heard; the steps that completed."""
-    for node in ("fwd0", "fwd1"):
-        p.instance(pb.InstanceDone(node=node, step=step, compute_s=0.5,
-                                   metrics={"loss": loss} if loss is not None and node == "fwd1" else {}))
-    return [d.step for d in p.complete()]
+from tests.helpers.executor import progress, run
 
 
 def test_a_step_completes_when_every_instance_is_heard_and_the_grant_follows() -> None:

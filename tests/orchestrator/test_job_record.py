@@ -13,7 +13,7 @@ from rallypoint.orchestrator.job.executor import JobState, run_dir
 from rallypoint.orchestrator.job.record import HISTORY_FILE, RECENT_FAILURES, RECENT_RECOVERIES
 from rallypoint.orchestrator.job.recovery_machine import Recovery
 from tests.fakes import register_worker
-from tests.orchestrator.test_executor import Harness, pipeline_spec, recovered
+from tests.helpers.executor import Harness, pipeline_spec, recovered
 
 LOSSES = 24
 

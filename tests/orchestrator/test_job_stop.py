@@ -15,7 +15,7 @@ from rallypoint.orchestrator.job.state import RECORD_TRANSITIONS, TRANSITIONS, J
     record_transition
 from rallypoint.orchestrator.job.stop import StopRequest
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.orchestrator.test_executor import Harness
+from tests.helpers.executor import Harness, pipeline_spec
 
 
 class AskAt(list[pb.JobEvent]):
@@ -155,7 +155,6 @@ def test_a_higher_priority_job_asking_for_every_slice_suspends_the_job_to_resume
 def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_it(tmp_path: Path) -> None:
     from rallypoint.orchestrator.job.executor import JobExecutor
     from tests.fakes import FakeElection, FakeWorkers, MemoryStore, register_worker
-    from tests.orchestrator.test_executor import pipeline_spec
 
     spec = pipeline_spec()
     spec.slices[0].mesh_shape[:] = [2]  # s0 declares devices=(1, 2): its programs exist for 1 device too

@@ -11,7 +11,7 @@ import structlog
 
 from rallypoint.orchestrator.job.warm import WARM_CHECK_S, SpareWarmer
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.recovery.test_remap import cluster, worker
+from tests.helpers.snapshots import cluster, worker
 
 
 class FakeWorkers:

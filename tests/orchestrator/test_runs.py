@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.basics.errors import ConfigError
-from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
+from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.job.state import JobFailed, JobState
 from rallypoint.orchestrator.job.runs import (
     LATEST_FILE, adoptable_run_dir, check_spec_names, delete_run, old_runs, previous_run, refusal,
@@ -19,24 +19,8 @@ from rallypoint.orchestrator.job.runs import (
 )
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import MemoryStore
-from tests.orchestrator.test_executor import Harness, pipeline_spec
-
-
-def a_run(tmp_path: Path, store: MemoryStore | None = None, *, commits: tuple[int, ...] = (7,),
-          keep_runs: int = 0) -> Harness:
-    """A finished run of job "pipe": the fake workers commit steps 5, 10 and 15 of both slices in etcd;
-    this adds ``commits`` of both slices inside its run directory, in etcd and beside the checkpoints."""
-    h = Harness(tmp_path, store=store)
-    h.x.keep_runs = keep_runs
-    assert h.x.run() is JobState.SUCCEEDED
-    assert h.x.run_dir is not None
-    for s in ("s0", "s1"):
-        for step in commits:
-            c = CheckpointCommit("pipe", s, step, str(h.x.run_dir / s / str(step)), "x")
-            h.store.put(h.keys.checkpoint("pipe", s, step), json.dumps(c.to_json()))
-            commit_record_path(h.x.run_dir, s, step).parent.mkdir(parents=True, exist_ok=True)
-            commit_record_path(h.x.run_dir, s, step).write_text(json.dumps(c.to_json()))
-    return h
+from tests.helpers.executor import Harness, pipeline_spec
+from tests.helpers.executor import a_run
 
 
 def test_a_new_run_keeps_the_previous_runs_record_and_commits_under_its_run_id(tmp_path: Path) -> None:

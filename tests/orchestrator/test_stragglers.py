@@ -21,7 +21,8 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.orchestrator.job import stragglers
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.orchestrator.test_executor import Harness, pipeline_spec
+from tests.fakes import FakeLog
+from tests.helpers.executor import Harness, pipeline_spec
 
 FAST_S, SLOW_S = 0.002, 0.08
 
@@ -282,8 +283,7 @@ def drive(watch: stragglers.StragglerWatch, port: FakePort, clock: Any, steps: r
 def test_the_watch_judges_through_its_port_alone_and_moves_a_stalled_slice() -> None:
     from rallypoint.basics.clock import FakeClock
     from rallypoint.recovery.stragglers import StragglerSettings
-    from tests.orchestrator.test_job_collaborators import Log
-    clock, port, log = FakeClock(), FakePort(), Log()
+    clock, port, log = FakeClock(), FakePort(), FakeLog()
     watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=log)
     watch.configure(StragglerSettings(), checkpoint_every=0)
     drive(watch, port, clock, range(0, 20), {})
@@ -308,11 +308,10 @@ def moved_once(ago: list[float], *, pause_s: float = 0.0) -> tuple[FakePort, lis
     earlier straggler moves, seconds before the job started on the fake clock; ``pause_s``: how far that clock
     moves before the job runs (no real time passes)."""
     from rallypoint.recovery.stragglers import StragglerSettings
-    from tests.orchestrator.test_job_collaborators import Log
     clock, port = FakeClock(wall_start=WALL_START), FakePort()
     port.moves["w1"] = [WALL_START - a for a in ago]
     clock.advance(pause_s)
-    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=Log())
+    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=FakeLog())
     watch.configure(StragglerSettings(probation_s=30.0, repeat_window_s=600.0), checkpoint_every=0)
     drive(watch, port, clock, range(0, 20), {})
     drive(watch, port, clock, range(20, 60), {"s1": 0.08})
@@ -363,9 +362,8 @@ def test_a_slow_gang_moves_whole_by_a_drain_of_its_lead_when_a_whole_gang_has_ro
     it is kept, said why. (Before, the room was looked for on one worker, which never has a gang's devices.)"""
     from rallypoint.basics.clock import FakeClock
     from rallypoint.recovery.stragglers import StragglerSettings
-    from tests.orchestrator.test_job_collaborators import Log
     clock, port = FakeClock(), FakePort(gang=spares - 1)
-    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=Log())
+    watch = stragglers.StragglerWatch(pipeline_spec(steps=120), port, clock=clock, log=FakeLog())
     watch.configure(StragglerSettings(), checkpoint_every=0)
     drive(watch, port, clock, range(0, 20), {})
     drive(watch, port, clock, range(20, 60), {"s1": 0.08})
@@ -375,4 +373,3 @@ def test_a_slow_gang_moves_whole_by_a_drain_of_its_lead_when_a_whole_gang_has_ro
     else:
         assert port.drained == [] and decisions[0][0] == "no_spare", decisions
         assert "only 2 workers (w3, w4) have room for a member of slice s1 (2 members of 1 devices)" in decisions[0][1]
-

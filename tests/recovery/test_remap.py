@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, WorkerSnapshot
-from rallypoint.etcd.cluster_view import WorkerInfo
+from rallypoint.etcd.cluster_view import ClusterSnapshot
 from rallypoint.recovery.remap import Assignment, NoRoom, Remap, RemapPolicy, Shrink, Wait, eligible, plan_remap
-
-
-def worker(name: str, devices: int = 4, *, held: Iterable[int] = (), cordoned: bool = False,
-           state: str = "serving", incarnation: int = 100) -> WorkerSnapshot:
-    info = WorkerInfo(worker=name, incarnation=incarnation, lease=0x10, address=f"{name}:1", pid=1, devices=devices,
-                      state=state, record={"state": state})
-    holders = {d: Holder(job="other", slice=f"s{d}", nonce=f"n{d}") for d in held}
-    return WorkerSnapshot(info=info, devices=tuple(range(devices)), holders=holders, cordoned=cordoned)
-
-
-def cluster(*workers: WorkerSnapshot, lost: dict | None = None) -> ClusterSnapshot:
-    return ClusterSnapshot(revision=7, workers={w.info.worker: w for w in workers},
-                           cordoned=frozenset(w.info.worker for w in workers if w.cordoned), lost=lost or {})
+from tests.helpers.snapshots import cluster, worker
 
 
 WAIT = RemapPolicy(on_no_spare="wait", wait_timeout_s=60.0)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
 from rallypoint.recovery.warm import DEFAULT_PER_SPARE, plan_warm, warm_devices
-from tests.recovery.test_remap import cluster, worker
+from tests.helpers.snapshots import cluster, worker
 
 
 def test_off_warms_nothing() -> None:

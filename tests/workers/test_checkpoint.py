@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -37,53 +36,12 @@ REPO = Path(__file__).resolve().parents[2]
 KILL_MB = 256  # large enough that Orbax takes about a second to write it
 
 
-class Recorder:
-    """A commit callable that records commits; optionally blocks until released."""
-
-    def __init__(self, fail_at: set[int] | None = None) -> None:
-        self.commits: list[CheckpointCommit] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail_at = fail_at or set()
-
-    def __call__(self, c: CheckpointCommit) -> None:
-        self.gate.wait(30)
-        if c.step in self.fail_at:
-            raise RuntimeError(f"commit of step {c.step} failed (test)")
-        self.commits.append(c)
-
-    @property
-    def steps(self) -> list[int]:
-        return [c.step for c in self.commits]
-
-
 @contextmanager
 def captured_events() -> Iterator[list[Any]]:
     """Log events of loggers made inside the block (configured first, so get_logger keeps the capture)."""
     configure()
     with capture_logs() as logs:
         yield logs
-
-
-def states_at(seed: int, n: int = 1000) -> dict[str, list[np.ndarray]]:
-    """States of a slice with incompressible values and awkward dtypes."""
-    rng = np.random.default_rng(seed)
-    nan = np.array([0x7FC0_1234 + seed], dtype=np.uint32).view(np.float32)  # a NaN with a payload
-    return {
-        "stage0.params": [rng.standard_normal((n // 10, 10)).astype(np.float32), np.concatenate([nan, nan])],
-        "stage0.opt": [rng.standard_normal(n).astype(ml_dtypes.bfloat16), np.array(seed, dtype=np.int64),
-                       np.array(seed % 2 == 0), rng.integers(0, 256, 17, dtype=np.uint8)],
-    }
-
-
-def assert_bitwise(got: dict[str, Any], want: dict[str, list[np.ndarray]]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, leaves in want.items():
-        assert len(got[name]) == len(leaves), name
-        for g, w in zip(got[name], leaves, strict=True):
-            g = np.asarray(g)
-            assert (g.dtype, g.shape) == (w.dtype, w.shape), name
-            assert g.tobytes() == w.tobytes(), name
 
 
 def make(directory: Path, commit: Any, max_to_keep: int | None = None, slice_name: str = "s0") -> SliceCheckpointer:
@@ -153,10 +111,6 @@ def test_commits_happen_in_step_order_after_the_caller_moves_on(tmp_path: Path) 
         assert rec.steps == [5, 10, 15, 20]
     finally:
         ck.close()
-
-
-def largest_file(directory: Path) -> Path:
-    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
 def test_corrupt_newest_checkpoint_is_detected_and_an_older_commit_is_used(tmp_path: Path) -> None:
@@ -331,12 +285,6 @@ def test_checkpoint_keys_sort_by_step_under_the_job() -> None:
     assert not k.checkpoint("j10", "s0", 1).startswith(k.checkpoints("j1"))
     steps = [9, 10, 100, 2, 1_000_000]
     assert sorted(k.checkpoint("j", "s0", s) for s in steps) == [k.checkpoint("j", "s0", s) for s in sorted(steps)]
-
-
-def register(store: EtcdStore, keys: Keys, worker: str) -> int:
-    r = store.txn([key_missing(keys.worker(worker))], [Put(keys.worker(worker), "{}")])
-    assert r.succeeded
-    return r.revision
 
 
 def test_commits_in_etcd_are_guarded_on_the_incarnation(store: EtcdStore, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from rallypoint.workers.checkpoints.restore import latest_committed, restore_com
 from rallypoint.workers.runtime.checkpoints import restore_for_load
 from rallypoint.workers.errors import CheckpointCorrupt, CommitRefused, RestoreError
 from tests.fakes import MemoryStore, register_worker
-from tests.workers.test_checkpoint import Recorder, assert_bitwise, register, states_at
+from tests.helpers.checkpoints import Recorder, assert_bitwise, register, states_at
 
 
 def writer(slice_dir: Path, commit: Any, *, max_to_keep: int | None = 1) -> SliceCheckpointer:
@@ -188,7 +188,6 @@ def test_a_commit_path_outside_the_slice_directory_is_refused_unread(tmp_path: P
 
     found = latest_committed([good, outside], slice_dir)  # the newer one escapes: fall back to the older
     assert found.commit == good and [c.step for c, _ in found.skipped] == [20]
-
 
 
 def test_latest_must_name_a_run_directory_of_the_job(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import grpc
 import jax
-import jax.numpy as jnp
 import pytest
 
 from rallypoint.client import Program
@@ -24,20 +23,7 @@ from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import ProgramFailure, parse_error
 from rallypoint.workers.runtime.load import ProgramFailed, program_fault
-from tests.workers.test_runtime import Worker, started_workers
-
-TIB = 2**38  # float32s: 1 TiB
-
-
-def tiny(name: str, elements: int) -> Program:
-    """One slice of one device: a state of ``elements`` float32s, a node that adds one to it each step."""
-    prog = Program(name, steps=2)
-    s = prog.slice("s", devices=1, mesh_axes=("d",))
-    w = prog.state("w", slice=s, init=lambda: jnp.ones((elements,), jnp.float32))
-    step = prog.node("add", lambda w: {"w": w + 1.0}, slice=s, inputs={"w": w}, outputs=("w",), updates={"w": w})
-    del step
-    return prog
-
+from tests.helpers.runtime import TIB, Worker, started_workers, tiny
 
 def request(prog: Program, worker: Worker) -> pb.LoadJobRequest:
     spec = job_spec(compile_program(prog))

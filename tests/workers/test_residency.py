@@ -24,7 +24,7 @@ from rallypoint.workers import residency
 from rallypoint.workers.residency import Copies, HostCopy, place, to_host
 from rallypoint.workers.runtime.runtime import JobRuntime
 from tests.conftest import wait_until
-from tests.workers.test_runtime import PLACEMENTS, Job, compiled_and_reference, load, started_workers
+from tests.helpers.runtime import Job, PLACEMENTS, compiled_and_reference, load, started_workers
 
 
 def _runtime(job: Job, wid: str) -> JobRuntime:

@@ -26,7 +26,8 @@ from rallypoint.workers.errors import LoadError
 from rallypoint.workers.runtime.state import NodeProgress
 from rallypoint.workers.transfer import PeerChannels
 from tests.conftest import wait_until
-from tests.workers.test_runtime import Worker, _Outbox, compiled_and_reference, load, workers  # noqa: F401
+from tests.fakes import FakeOutbox
+from tests.helpers.runtime import Worker, compiled_and_reference, load
 
 
 def test_a_rewire_with_a_rejected_route_leaves_every_route_as_it_was() -> None:
@@ -36,7 +37,7 @@ def test_a_rewire_with_a_rejected_route_leaves_every_route_as_it_was() -> None:
                          outlog=OutputLog(1 << 20))
     nodes = {"fwd": LoadedNode(pb.NodeProgram(name="fwd", slice="s", every=1), None, (-1,),  # type: ignore[arg-type]
                                NodeProgress(1, (-1,), 4))}
-    outbox = _Outbox()
+    outbox = FakeOutbox()
     router = Router(control, nodes, set(), {}, Inputs(control, nodes, {}, steps=4, microbatches=1),
                     outbox, steps=4, start_step=0)  # type: ignore[arg-type]
     old = pb.Route(node="fwd", output="y", consumer_node="head", arg="x", worker_id="far", incarnation=9)

@@ -1,0 +1,105 @@
+"""Jobs on a real local cluster (tests/integration/): the 4-stage pipeline and its reference digest, a
+one-slice counter job, a run that injects faults, and what etcd says of the cluster after."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from rallypoint.client import Program
+from rallypoint.client.commands.faults import Fault, FaultInjector
+from rallypoint.client.compile import CompiledProgram, compile_program
+from rallypoint.client.reference import ReferenceExecutor, RunResult
+from rallypoint.client.submit import submit
+from rallypoint.cluster.local import LocalCluster
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.proto import rallypoint_pb2 as pb
+from tests.examples import example
+
+
+STEPS = 24
+EVERY = 5
+SLICES = ("stage0", "stage1", "stage2", "stage3")
+
+
+def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:
+    return {n for n, spec in compiled.program.nodes.items() if spec.slice == slice_name}
+
+
+@functools.cache
+def pipeline_and_digest(steps: int = STEPS) -> tuple[CompiledProgram, str]:
+    """The 4-stage pipeline of ``steps`` steps compiled, and the digest of its in-process reference run: made once
+    per session (tests/integration/conftest.py's ``pipeline`` fixture, and test_adoption.py's, share it)."""
+    compiled = compile_program(example("pipeline_mlp").build(steps=steps))
+    return compiled, ReferenceExecutor(compiled).run().state_digest
+
+
+def run(lc: LocalCluster, compiled: CompiledProgram, faults: list[Fault], *,
+        on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any) -> tuple[RunResult, FaultInjector]:
+    injector = FaultInjector(faults, lc.endpoints, lc.keys.cluster)
+
+    def both(ev: pb.JobEvent) -> None:
+        injector.on_event(ev)
+        if on_event is not None:
+            on_event(ev)
+
+    recovery.setdefault("checkpoint_every", EVERY)
+    result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=both, **recovery)
+    assert all("error" not in f for f in injector.fired), injector.fired
+    return result, injector
+
+
+def assert_settled(lc: LocalCluster) -> None:
+    store = lc.store()
+    try:
+        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values()), "device leases outlived the job"
+    finally:
+        store.close()
+
+
+def cluster_args(lc: LocalCluster) -> list[str]:
+    """``--cluster NAME@ENDPOINT`` with the cluster's certificates (``--tls-dir``)."""
+    return ["--cluster", f"{lc.keys.cluster}@{lc.endpoints[0]}", "--tls-dir", str(lc.tls_dir)]
+
+
+def snapshot(lc: LocalCluster) -> Any:
+    store = lc.store()
+    try:
+        return read_cluster(store, lc.keys)
+    finally:
+        store.close()
+
+
+def counter_job(steps: int, name: str = "urgent", checkpoint_every: int = 100) -> Program:
+    # Few checkpoints: each commit waits the cluster's commit_delay_s (1 s) below, one after another, and the job
+    # ends once the last one is in: with one every 10 steps the urgent job would hold the slice ~10 s for nothing.
+    prog = Program(name, steps=steps, checkpoint_every=checkpoint_every)
+    s = prog.slice("only", devices=1)
+    total = prog.state("total", slice=s, init=lambda: jnp.zeros((4,)))
+    src = prog.source("x", lambda step, mb: {"x": jnp.full((4,), step, jnp.float32)}, slice=s, per="step",
+                      outputs=("x",))
+    prog.node("add", lambda total, x: {"total": total + x}, slice=s, inputs={"total": total, "x": src["x"]},
+                     outputs=("total",), updates={"total": total})
+    return prog
+
+
+def leader(lc: LocalCluster) -> tuple[str, int] | None:
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.leader)
+    finally:
+        store.close()
+    return (kv.json()["coordinator"], kv.create_revision) if kv else None
+
+
+def job_record(lc: LocalCluster, job: str) -> dict[str, Any]:
+    store = lc.store()
+    try:
+        kv = store.get(lc.keys.job(job))
+        assert kv is not None
+        return kv.json()
+    finally:
+        store.close()
