@@ -13,7 +13,8 @@ import numpy as np
 
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import EtcdStore, Put, key_missing
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.store import Put, key_missing
 
 
 class Recorder:

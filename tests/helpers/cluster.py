@@ -13,7 +13,7 @@ from rallypoint.client import Program
 from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.reference import ReferenceExecutor, RunResult
-from rallypoint.client.submit import submit
+from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.proto import rallypoint_pb2 as pb
