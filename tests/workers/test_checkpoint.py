@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import configure
 from rallypoint.etcd.etcd_store import EtcdStore
-from rallypoint.etcd.store import Put, created_at, key_missing
+from rallypoint.etcd.store import created_at
 from tests.conftest import wait_until
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
@@ -31,6 +31,7 @@ from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.checkpoints.committer import etcd_commit
 from rallypoint.workers.checkpoints.restore import latest_committed, restore_commit
 from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused
+from tests.helpers.checkpoints import Recorder, assert_bitwise, largest_file, register, states_at
 
 REPO = Path(__file__).resolve().parents[2]
 KILL_MB = 256  # large enough that Orbax takes about a second to write it
