@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterator
-from pathlib import Path
 
 import click
 import pytest

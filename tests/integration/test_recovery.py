@@ -23,7 +23,6 @@ import pytest
 
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.commands.faults import Fault, FaultInjector
-from rallypoint.client.reference import ReferenceExecutor, RunResult
 from rallypoint.client import submission as submit_module
 from rallypoint.client.submission import JobError, submit
 from rallypoint.etcd.commits import consistent_cut, read_commits
@@ -34,7 +33,7 @@ from tests.examples import example
 from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.faults import WorkerFaults
 from tests.helpers.checkpoints import largest_file
-from tests.helpers.cli import ROOT, rp
+from tests.helpers.cli import rp
 from tests.helpers.cluster import pipeline_and_digest  # noqa: F401 - test_adoption.py imports it from here, for now
 from tests.helpers.cluster import EVERY, SLICES, STEPS, assert_settled, nodes_of, run
 
