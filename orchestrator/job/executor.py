@@ -44,7 +44,7 @@ import queue
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
@@ -62,7 +62,7 @@ from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.finish import final_states
 from rallypoint.orchestrator.job.loads import JobLoads
-from rallypoint.orchestrator.job.metrics import JobMetrics
+from rallypoint.orchestrator.job.metrics import JobMetrics, NonFinite
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
@@ -143,7 +143,7 @@ class JobExecutor:
                                 grant=self._grant, running=lambda: self.state is JobState.RUNNING,
                                 record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
-                                    progress=self.progress, on_restored=self._restored)
+                                    progress=self.progress, on_restored=self._restored, drop_commit=self._drop_commit)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
                                       microbatches=spec.microbatches, hooks=hooks)
@@ -151,8 +151,7 @@ class JobExecutor:
             spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
-        self.job_metrics = JobMetrics(spec, progress=self.progress, workers=self.workers, term=self.term, log=self.log,
-                                      event=self.event)  # <run dir>/metrics.jsonl, and non-finite metrics
+        self.job_metrics = JobMetrics(spec, log=self.log, event=self.event)  # <run dir>/metrics.jsonl, non-finite metrics
         self.event_log = EventLog(term=self.term.term, log=self.log)  # <run dir>/events.jsonl (rallypoint logs)
         self.emit = self.event_log.tee(self.job_metrics.tee(emit))
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
@@ -379,9 +378,33 @@ class JobExecutor:
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
-        self.job_metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
+        bad = self.job_metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
+        if bad is not None:
+            self._stop_nonfinite(bad)
         self._count(worker, gen, item)
         self._advance()
+
+    def _stop_nonfinite(self, bad: NonFinite) -> NoReturn:
+        """``on_nonfinite`` stop, as :class:`JobMetrics` decided: halt the grants at the step, unload every worker (a
+        save in flight finishes and commits before UnloadJob returns), drop the commits past the step and keep the
+        newest cut at or before it. Raises :class:`JobFailed`."""
+        self.progress.halt(bad.step)
+        for w in list(self.workers.workers):
+            self.workers.unload(w)
+        try:
+            stop = self.job_metrics.stop(bad, self.progress.cut, self.term.commits)
+            for slice_name, step in stop.drop:
+                self._drop_commit(slice_name, step)
+        except (RallypointError, OSError) as exc:  # etcd away or the term over: the reason says so
+            raise JobFailed(self.job_metrics.not_dropped(bad, exc)) from None
+        if stop.cut is not None:
+            self.progress.restored(stop.cut, stop.commits)
+        raise JobFailed(stop.reason)
+
+    def _drop_commit(self, slice_name: str, step: int) -> None:
+        """A commit stops counting: in etcd and in the progress (the one place the job's commits are dropped)."""
+        self.term.drop_commit(slice_name, step)
+        self.progress.drop_commit(slice_name, step)
 
     def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
         step, node = int(item.step), item.node
@@ -447,7 +470,8 @@ class JobExecutor:
         self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked, unload=unload)
 
     def _restored(self, recovery: Recovery) -> None:
-        """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""
+        """The recovery's lost slices run again: the cut becomes the one restored from, back to RUNNING."""
+        self.progress.restored(*self.port.restore_point(recovery))
         rec = recovery.record
         rec.generations = dict(self.workers.generation)
         self._set_state(JobState.RUNNING, recovery=rec.number)

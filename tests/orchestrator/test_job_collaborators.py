@@ -219,7 +219,7 @@ def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing()
 # -- the ports ------------------------------------------------------------------------------------------------
 
 
-def test_the_recovery_port_lowers_the_cut_to_the_restore_ignoring_commits_past_the_bad_cut() -> None:
+def test_the_recovery_port_returns_the_restore_point_ignoring_commits_past_the_bad_cut_and_moves_no_cut() -> None:
     p = Parts()
     for s in ("s0", "s1"):
         for step in (5, 10):
@@ -228,15 +228,23 @@ def test_the_recovery_port_lowers_the_cut_to_the_restore_ignoring_commits_past_t
             p.progress.commit(s, step)
     assert p.progress.cut == 10
     restored: list[Any] = []
+    dropped: list[tuple[str, int]] = []
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
-                           on_restored=restored.append)
+                           on_restored=restored.append, drop_commit=lambda s, step: dropped.append((s, step)))
 
     class Rec:  # what the port reads of a Recovery
         record = record(checkpoint_step=5)
         data = type("D", (), {"bad_cut": 10})()
 
     port.restored(Rec())  # type: ignore[arg-type]
-    assert p.progress.cut == 5 and restored
+    assert restored and p.progress.cut == 10  # the port tells the executor; it moves no cut itself
+    cut, commits = port.restore_point(Rec())  # type: ignore[arg-type]
+    assert (cut, commits) == (5, {"s0": [5], "s1": [5]}) and p.progress.cut == 10
+    port.drop_commit("s1", 10, "did not restore")  # carried out by the executor's one dropper
+    assert dropped == [("s1", 10)] and port.corrupt == [{"slice": "s1", "step": 10, "error": "did not restore"}]
+    assert p.store.get(p.keys.checkpoint("pipe", "s1", 10)) is not None
+    p.progress.restored(cut, commits)  # what the executor does with the restore point
+    assert p.progress.cut == 5
     assert p.progress.commit("s0", 10) is None  # s0's commit at 10 is past the bad cut: it counts once heard anew
     assert p.progress.commit("s1", 10) == 10
 
@@ -310,7 +318,7 @@ def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -
     from rallypoint.recovery.decide import Budget, Fail, Refence
     p = Parts()
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
-                           on_restored=lambda r: None)
+                           on_restored=lambda r: None, drop_commit=lambda s, step: None)
     rec = JobRecoveries(port, budget=Budget(stall=1), clock=p.clock, log=p.log, microbatches=1)
     dog = ProgressWatchdog(p.clock, 30)
     p.clock.advance(31)
