@@ -1,8 +1,9 @@
 """A job's drains: taking up drain requests from etcd and carrying them out (``drain.py``).
 
 :class:`JobDrains` owns the drains in flight (``drains``), their records
-(``drain_records``) and the holds they put (``holds``: worker -> its drain step; a held
-worker is granted nothing at or past it). It is the
+(``drain_records``). The holds they need (a held worker is granted nothing at or past its
+drain step) are decided by each :class:`Drain` and carried out by the job's grants'
+owner (``hold``, the executor's; :mod:`~rallypoint.orchestrator.job.grants`). It is the
 :class:`~rallypoint.orchestrator.job.drain.DrainPort` of its job, acting through the job's
 collaborators: the placement (spare leases, the move), the loads (spares loaded,
 survivors rewired) and the progress (what is done and committed; the moved slices' log
@@ -26,6 +27,7 @@ from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.drain import Drain, DrainPhase, DrainPort, DrainRecord
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.progress import JobProgress
@@ -47,6 +49,7 @@ class JobDrains(DrainPort):
         term, placement, loads, progress: the job's collaborators the drains act through.
         clock, log: the injected clock and the executor's logger.
         event: sends a job event; ``grant(workers)`` grants workers the window (holds applied);
+        hold: carries out a :class:`~rallypoint.orchestrator.job.grants.Hold` (and grants the held workers);
         running: whether the job runs undisturbed (no yield or grow starts otherwise);
         record: writes the job record (after a drain is done);
         suspend: asks the job to suspend (:class:`~rallypoint.orchestrator.job.stop.JobStop`'s ``request``):
@@ -55,18 +58,17 @@ class JobDrains(DrainPort):
 
     def __init__(self, spec: pb.JobSpec, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
                  progress: JobProgress, clock: Clock, log: Any, event: Callable[..., None],
-                 grant: Callable[[list[str]], None], running: Callable[[], bool],
+                 grant: Callable[[list[str]], None], hold: Callable[[Hold], None], running: Callable[[], bool],
                  record: Callable[[], None], suspend: Callable[[StopRequest], bool] = lambda _r: False) -> None:
         self.spec, self.graph, self.term, self.places, self.loads, self.progress = \
             spec, graph, term, placement, loads, progress
         self.clock, self.log, self.event, self._grant, self._running, self._record = \
             clock, log, event, grant, running, record
-        self._suspend = suspend
+        self._suspend, self._hold = suspend, hold
         self.settings: RecoverySettings | None = None  # set once the job's settings are checked
         self.checkpoints = False  # whether the job keeps checkpoints (a run directory)
         self.drains: dict[str, Drain] = {}  # worker -> the drain in flight
         self.drain_records: list[DrainRecord] = []
-        self.holds: dict[str, int] = {}  # worker -> its drain step
         self._ckpt_slices = sorted({s.slice for s in spec.states})
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
 
@@ -257,7 +259,7 @@ class JobDrains(DrainPort):
 
     def park(self, worker: str, slices: list[str], step: int) -> None:
         self.loads.unload(worker)
-        self.holds.pop(worker, None)
+        self._hold(Hold((worker,), None))
         self.places.release_on(worker, slices, "releasing a yielded slice's devices")
         self.log.info("drain.parked", slices=slices, step=step)
         self.event("job.yielded", step=step, slices=slices, worker=worker)
@@ -283,12 +285,7 @@ class JobDrains(DrainPort):
         return kv is None or kv.json().get("state") in FINAL_RECORD_STATES
 
     def hold(self, worker: str, step: int | None) -> None:
-        if step is None:
-            self.holds.pop(worker, None)
-        else:
-            self.holds[worker] = step
-        if worker in self.loads.workers:
-            self._grant([worker])
+        self._hold(Hold((worker,), step))
 
     def reached(self, slices: list[str], step: int) -> bool:
         nodes = [n.name for n in self.graph.nodes if n.slice in slices]
@@ -299,7 +296,7 @@ class JobDrains(DrainPort):
         others = {s: [m.worker for m in self.placement[s].members if m.worker != worker] for s in places}
         self.places.apply(places, drained_at=step)  # from here on the slices are the spares' (a failure is theirs)
         self.loads.unload(worker)  # what it pushed before it stopped arrives first; a gang's group ends with it
-        self.holds.pop(worker, None)
+        self._hold(Hold((worker,), None))
         self.places.release_on(worker, places, "releasing the drained devices")
         for s, members in sorted(others.items()):  # a gang's other members (none of them is in the new gang)
             for m in members:
@@ -310,10 +307,9 @@ class JobDrains(DrainPort):
         if failures:
             raise next(iter(failures.values()))
         moved_nodes = sorted(n.name for n in self.graph.nodes if n.slice in places)
-        granted = self.progress.granted
         survivors = [w for w in self.loads.loaded if w not in new and w in {p.worker for p in self.placement.values()}]
         answers, failed = self.loads.rewire_all(survivors, moved_nodes, step,
-                                                {w: min(granted, self.holds.get(w, granted)) for w in survivors},
+                                                {w: self.progress.grants.until(w) for w in survivors},
                                                 commits)
         for w, r in answers.items():
             self.log.info("drain.rewired", worker=w, resent=r.resent, log_from=r.log_from)

@@ -58,6 +58,7 @@ from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.job.goodput import StepTimes
+from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.finish import final_states
@@ -140,7 +141,7 @@ class JobExecutor:
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=clock, log=self.log, event=self.event,
-                                grant=self._grant, running=lambda: self.state is JobState.RUNNING,
+                                grant=self._grant, hold=self._hold, running=lambda: self.state is JobState.RUNNING,
                                 record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
                                     progress=self.progress, on_restored=self._restored, drop_commit=self._drop_commit)
@@ -162,7 +163,6 @@ class JobExecutor:
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
-        self._ungranted: set[str] = set()
         self._checked = self._drains_polled = float("-inf")
         self.started_mono = clock.monotonic()
         self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
@@ -286,27 +286,37 @@ class JobExecutor:
     # -- running ------------------------------------------------------------------------
 
     def _grant(self, workers: list[str] | None = None) -> None:
-        """Grant every worker (or ``workers``) the current window and cut.
+        """Grant every worker (or ``workers``) what the job's grants say now (the window, holds, the cut).
 
         Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
-        Workers held for a drain get no step at or past their drain step.
+        Workers held for a drain or a stop get no step at or past their hold.
         """
-        self.workers.grant(self.progress.granted, self.progress.cut, workers, holds=self.drains.holds)
+        self.workers.grant(self.progress.grants.to_send(self.workers.workers if workers is None else workers,
+                                                        self.progress.cut))
+
+    def _hold(self, hold: Hold) -> None:
+        """Carry out a hold a drain or a stop decided, and grant the held workers the job still runs on."""
+        self.progress.grants.hold(hold)
+        held = [w for w in hold.workers if w in self.workers]
+        if held:
+            self._grant(held)
 
     def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
         """A worker whose process is gone is lost; any other refusal is granted again later
-        (``_ungranted``): one that does not answer (hung, partitioned) is lost once its etcd
+        (the grants' ``refused``): one that does not answer (hung, partitioned) is lost once its etcd
         registration is gone, which the periodic check sees."""
         if failure.verdict is Verdict.LOST:
             self._recover({worker: str(failure)})
             return
-        self._ungranted.add(worker)
+        self.progress.grants.refused(worker)
         self.log.info("job.grant_refused", worker=worker, code=failure.code.name, verdict=failure.verdict.value)
 
     def step(self, timeout_s: float = 0.25) -> None:
         """One iteration of the running loop: hold the term, a stop asked, the periodic checks, one event."""
         self.term.hold()
-        self.stopper.check(self.state)
+        hold = self.stopper.check(self.state)
+        if hold is not None:
+            self._hold(hold)
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
             lost, alive = self.places.as_lead_losses(self.term.gone(
@@ -314,8 +324,8 @@ class JobExecutor:
             if lost:
                 self._recover(lost, unload=alive)
                 return
-            if self._ungranted:
-                retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
+            retry = self.progress.grants.retry(self.workers.workers)
+            if retry:
                 self._grant(retry)
             self._warm_check()
             assert self.watchdog is not None
@@ -388,7 +398,7 @@ class JobExecutor:
         """``on_nonfinite`` stop, as :class:`JobMetrics` decided: halt the grants at the step, unload every worker (a
         save in flight finishes and commits before UnloadJob returns), drop the commits past the step and keep the
         newest cut at or before it. Raises :class:`JobFailed`."""
-        self.progress.halt(bad.step)
+        self.progress.grants.halt(bad.step)
         for w in list(self.workers.workers):
             self.workers.unload(w)
         try:

@@ -21,6 +21,7 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.keys import Keys
 from rallypoint.orchestrator.job.drains import JobDrains
+from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
@@ -66,11 +67,18 @@ class Parts:
         self.granted: list[list[str]] = []
         self.drains = JobDrains(self.spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=self.clock, log=self.log, event=self.event,
-                                grant=self.granted.append, running=lambda: True, record=lambda: None)
+                                grant=self.granted.append, hold=self.hold, running=lambda: True, record=lambda: None)
         settings = RecoverySettings.from_spec(self.spec)
         for c in (self.places, self.loads, self.drains):
             c.settings = settings
         self.drains.checkpoints = True
+
+    def hold(self, hold: Hold) -> None:
+        """What the executor does with a drain's hold: the grants keep it, the held workers are granted."""
+        self.progress.grants.hold(hold)
+        held = [w for w in hold.workers if w in self.workers]
+        if held:
+            self.granted.append(held)
 
     def event(self, name: str, step: int = 0, **detail: Any) -> None:
         self.events.append((name, {"step": step, **detail}))
@@ -191,7 +199,7 @@ def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instea
     loaded(p)
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
-    assert p.drains.step() == {} and p.drains.holds == {victim: 2}  # held at the grant
+    assert p.drains.step() == {} and p.progress.grants.holds == {victim: 2}  # held at the grant
     for s in (0, 1):
         for node in ("fwd0", "fwd1"):
             p.progress.instance(pb.InstanceDone(node=node, step=s))
@@ -213,7 +221,7 @@ def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing()
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
     assert p.drains.step() == {} and p.drains.drains == {}
     assert p.drains.drain_records[0].state == "cancelled" and "keeps no checkpoints" in p.drains.drain_records[0].detail
-    assert (dict(p.places.slices), p.leases()) == before and p.drains.holds == {}
+    assert (dict(p.places.slices), p.leases()) == before and p.progress.grants.holds == {}
 
 
 # -- the ports ------------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_a_halted_progress_grants_nothing_more_and_no_commit_past_the_step_moves
         run(p, s)
     assert p.commit("s0", 2) is None and p.commit("s1", 2) == 2
     granted = p.granted
-    p.halt(4)
+    p.grants.halt(4)
     assert not p.widen(2) and p.granted == granted  # three steps done, but the window stays where it was
     assert p.commit("s0", 5) is None and p.commit("s1", 5) is None and p.cut == 2  # racing in: ignored
     assert p.commit("s0", 4) is None and p.commit("s1", 4) == 4  # at the step itself: counts
@@ -158,8 +158,8 @@ class LossyWorkers(FakeWorkers):
         super().__init__(*args, **kw)
         self.bad_from = bad_from
 
-    def grant(self, until: int, cut: int, workers: Any = None, *, holds: Any = None) -> None:
-        super().grant(until, cut, workers, holds=holds)
+    def grant(self, grants: Any) -> None:
+        super().grant(grants)
         queued = []
         while not self.events.empty():
             kind, (w, gen, item) = self.events.get_nowait()
