@@ -1,15 +1,17 @@
 """A job's drains: taking up drain requests from etcd and carrying them out (``drain.py``).
 
-:class:`JobDrains` owns the drains in flight (``drains``), their records
+:class:`JobDrains` owns the drains in flight (``drains``) and their records
 (``drain_records``). The holds they need (a held worker is granted nothing at or past its
 drain step) are decided by each :class:`Drain` and carried out by the job's grants'
 owner (``hold``, the executor's; :mod:`~rallypoint.orchestrator.job.grants`). It is the
 :class:`~rallypoint.orchestrator.job.drain.DrainPort` of its job, acting through the job's
 collaborators: the placement (spare leases, the move), the loads (spares loaded,
 survivors rewired) and the progress (what is done and committed; the moved slices' log
-floor). The executor polls the requests with its other etcd checks (:meth:`poll`) and
-steps the drains in flight on every iteration of its loop (:meth:`step`), which returns
-the workers lost on the way: the executor recovers them, the drains never do.
+floor, returned). The executor polls the requests with its other etcd checks (:meth:`poll`)
+and steps the drains in flight on every iteration of its loop (:meth:`step`), which returns
+a :class:`DrainsStep`: the workers lost on the way (the executor recovers them, the drains
+never do) and the output logs a move started past the cut (the executor moves the
+progress's log floor, the drains never do).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.basics.clock import Clock
@@ -30,7 +33,7 @@ from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
-from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.progress import JobProgress, LogFloor
 from rallypoint.orchestrator.job.recovery import RecoverySettings
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job.stop import StopRequest
@@ -39,6 +42,14 @@ from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, plan_remap
 from rallypoint.recovery.replay import Graph
+
+
+@dataclass(frozen=True)
+class DrainsStep:
+    """What stepping the drains leaves for the executor to carry out."""
+
+    lost: Mapping[str, str] = field(default_factory=dict)  # worker -> why: a worker call failed; recover it
+    floors: tuple[LogFloor, ...] = ()  # the moves' output logs, which start past the cut (the progress's floor)
 
 
 class JobDrains(DrainPort):
@@ -71,6 +82,7 @@ class JobDrains(DrainPort):
         self.drain_records: list[DrainRecord] = []
         self._ckpt_slices = sorted({s.slice for s in spec.states})
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
+        self._floors: list[LogFloor] = []  # the floors the moves of this step made, for the executor
 
     @property
     def placement(self) -> Mapping[str, SlicePlace]:  # type: ignore[override]
@@ -174,20 +186,24 @@ class JobDrains(DrainPort):
                    reason=req.reason)
         return d
 
-    def step(self) -> dict[str, str]:
-        """Advance every drain in flight. Returns the workers lost on the way (worker -> why): a worker call that
-        failed aborts its drain, and the executor recovers the worker."""
+    def step(self) -> DrainsStep:
+        """Advance every drain in flight. Returns the workers lost on the way (worker -> why: a worker call that
+        failed aborts its drain, and the executor recovers the worker) and the log floors the moves made."""
         for worker, d in list(self.drains.items()):
             try:
                 phase = d.step()
             except WorkerCallFailed as exc:
                 d.abort(str(exc))
                 self.drains.pop(worker, None)
-                return {exc.worker: str(exc)}
+                return self._stepped({exc.worker: str(exc)})
             if phase.is_terminal:
                 self.drains.pop(worker, None)
                 self._answer(d)
-        return {}
+        return self._stepped({})
+
+    def _stepped(self, lost: dict[str, str]) -> DrainsStep:
+        floors, self._floors = tuple(self._floors), []
+        return DrainsStep(lost, floors)
 
     def abort(self, reason: str) -> list[str]:
         """A loss or the job's end: every drain in flight gives back what it took (the requests stay).
@@ -315,5 +331,5 @@ class JobDrains(DrainPort):
             self.log.info("drain.rewired", worker=w, resent=r.resent, log_from=r.log_from)
         if failed:
             raise next(iter(failed.values()))
-        self.progress.floor(moved_nodes, step)  # the spares' output logs start at the drain step
+        self._floors.append(LogFloor(tuple(moved_nodes), step))  # the spares' output logs start at the drain step
         self._grant(sorted(new))

@@ -144,7 +144,8 @@ class JobExecutor:
                                 grant=self._grant, hold=self._hold, running=lambda: self.state is JobState.RUNNING,
                                 record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
-                                    progress=self.progress, on_restored=self._restored, drop_commit=self._drop_commit)
+                                    progress=self.progress, on_restored=self._restored, drop_commit=self._drop_commit,
+                                    reset_logs=self.progress.reset_floor)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
                                       microbatches=spec.microbatches, hooks=hooks)
@@ -339,9 +340,11 @@ class JobExecutor:
         if self.drains.drains:
             if self.drains.parked_waiting and self.watchdog is not None:
                 self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
-            lost = self.drains.step()
-            if lost:
-                self._recover(lost)
+            moved = self.drains.step()
+            for floor in moved.floors:  # a move's spares log from the drain step only
+                self.progress.floor(floor.nodes, floor.step)
+            if moved.lost:
+                self._recover(dict(moved.lost))
                 return
         try:
             kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, STEP_WAIT_S))

@@ -5,7 +5,8 @@ of a job: it carries each of the recovery machine's requests to the
 collaborator that owns the fact: the placement (remap, the new places), the loads
 (loads, rewires, unloads), the term (commits read, fencing, registrations). It moves
 neither the cut nor the commits: a commit that does not restore is dropped by the
-executor (``drop_commit``, the one place commits are dropped), and on a restore the
+executor (``drop_commit``, the one place commits are dropped), a restart of every
+runtime is reported to it (``reset_logs``: no output log starts past the cut), and on a restore the
 executor asks :meth:`JobRecoveryPort.restore_point` for the cut the job restored from
 (lower than before when a recovery fell back past a commit that did not restore) and
 sets it. It owns only what recoveries find: ``failures`` (each lost worker incarnation)
@@ -53,9 +54,9 @@ class JobRecoveryPort(RecoveryPort):
 
     def __init__(self, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
                  progress: JobProgress, on_restored: Callable[[Recovery], None],
-                 drop_commit: Callable[[str, int], None]) -> None:
+                 drop_commit: Callable[[str, int], None], reset_logs: Callable[[], None]) -> None:
         self.graph, self.term, self.places, self.loads, self.progress = graph, term, placement, loads, progress
-        self.on_restored, self._drop_commit = on_restored, drop_commit
+        self.on_restored, self._drop_commit, self._reset_logs = on_restored, drop_commit, reset_logs
         self.failures: list[dict[str, Any]] = []
         self.corrupt: list[dict[str, Any]] = []  # checkpoints that did not restore (their commits dropped)
 
@@ -148,7 +149,7 @@ class JobRecoveryPort(RecoveryPort):
         return failed
 
     def reset_all(self) -> None:
-        self.progress.reset_floor()  # every runtime restarts from the cut
+        self._reset_logs()  # every runtime restarts from the cut: the executor lowers the log floor
         self.loads.reset_all()
 
     def load_newest_cut(self, budget: Budget) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]]:

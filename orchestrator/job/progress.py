@@ -15,7 +15,9 @@ its log and the application only reads ``Storage``:
   workers are never told to protect a step that no longer counts while releasing the
   one the job now stands on;
 * ``log_floor``: node -> the first step its output log holds, where that is past the
-  cut (a drained slice's spare logs from the drain step only);
+  cut (a drained slice's spare logs from the drain step only). A drain returns the
+  :class:`LogFloor` its move made and a restart of every runtime is reported to the
+  executor, which moves the floor here; it also falls with every cut that passes it;
 * the per-step bookkeeping of instances heard, their metrics, and what re-ran
   (``replayed``, ``redone_s``) or ran first (``compute_s``);
 * ``halted``: the step a metric was not finite at (``on_nonfinite = "stop"``,
@@ -40,6 +42,15 @@ from rallypoint.orchestrator.job.grants import Grants
 from rallypoint.recovery.load_plan import instances_per_step
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
+
+
+@dataclass(frozen=True)
+class LogFloor:
+    """A decision for the progress: the output logs of ``nodes`` start at ``step`` now (a drain moved their
+    slices there: the spares log from the drain step only)."""
+
+    nodes: tuple[str, ...]
+    step: int
 
 
 @dataclass(frozen=True)
@@ -211,7 +222,7 @@ class JobProgress:
     # -- output logs --------------------------------------------------------------------------------
 
     def floor(self, nodes: Iterable[str], step: int) -> None:
-        """The output logs of ``nodes`` start at ``step`` (their slices moved there by a drain)."""
+        """The output logs of ``nodes`` start at ``step`` (their slices moved there by a drain, :class:`LogFloor`)."""
         for n in nodes:
             self._floor[n] = step
 

@@ -20,12 +20,12 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.keys import Keys
-from rallypoint.orchestrator.job.drains import JobDrains
+from rallypoint.orchestrator.job.drains import DrainsStep, JobDrains
 from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
-from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.progress import JobProgress, LogFloor
 from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
@@ -199,7 +199,7 @@ def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instea
     loaded(p)
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
-    assert p.drains.step() == {} and p.progress.grants.holds == {victim: 2}  # held at the grant
+    assert p.drains.step().lost == {} and p.progress.grants.holds == {victim: 2}  # held at the grant
     for s in (0, 1):
         for node in ("fwd0", "fwd1"):
             p.progress.instance(pb.InstanceDone(node=node, step=s))
@@ -207,9 +207,26 @@ def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instea
     p.progress.commit("s1", 2)
     spare = next(w for w in ("w0", "w1", "w2") if w not in {q.worker for q in p.places.slices.values()})
     p.workers.load_failures = [{spare: call_failed(spare, grpc.StatusCode.UNAVAILABLE, "Connection refused")}]
-    lost = p.drains.step()
+    lost = p.drains.step().lost
     assert list(lost) == [spare] and p.drains.drains == {}
     assert p.drains.drain_records[0].state == "aborted"
+
+
+def test_a_drain_that_moves_returns_the_spares_log_floor_and_leaves_the_progress_to_the_executor() -> None:
+    p = Parts()
+    loaded(p)
+    victim = p.places.slices["s1"].worker
+    p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
+    assert p.drains.step() == DrainsStep({}, ()) and p.progress.grants.holds == {victim: 2}
+    for s in (0, 1):
+        for node in ("fwd0", "fwd1"):
+            p.progress.instance(pb.InstanceDone(node=node, step=s))
+    p.progress.complete()
+    p.progress.commit("s1", 2)
+    moved = p.drains.step()
+    assert moved == DrainsStep({}, (LogFloor(("fwd1",), 2),)) and p.places.slices["s1"].worker != victim
+    assert p.progress.log_floor == {} and p.progress.grants.holds == {}  # the floor is the executor's to move
+    assert p.drains.step() == DrainsStep({}, ())  # handed out once
 
 
 def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing() -> None:
@@ -219,7 +236,7 @@ def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing()
     before = (dict(p.places.slices), p.leases())
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
-    assert p.drains.step() == {} and p.drains.drains == {}
+    assert p.drains.step().lost == {} and p.drains.drains == {}
     assert p.drains.drain_records[0].state == "cancelled" and "keeps no checkpoints" in p.drains.drain_records[0].detail
     assert (dict(p.places.slices), p.leases()) == before and p.progress.grants.holds == {}
 
@@ -238,7 +255,8 @@ def test_the_recovery_port_returns_the_restore_point_ignoring_commits_past_the_b
     restored: list[Any] = []
     dropped: list[tuple[str, int]] = []
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
-                           on_restored=restored.append, drop_commit=lambda s, step: dropped.append((s, step)))
+                           on_restored=restored.append, drop_commit=lambda s, step: dropped.append((s, step)),
+                           reset_logs=p.progress.reset_floor)
 
     class Rec:  # what the port reads of a Recovery
         record = record(checkpoint_step=5)
@@ -255,6 +273,19 @@ def test_the_recovery_port_returns_the_restore_point_ignoring_commits_past_the_b
     assert p.progress.cut == 5
     assert p.progress.commit("s0", 10) is None  # s0's commit at 10 is past the bad cut: it counts once heard anew
     assert p.progress.commit("s1", 10) == 10
+
+
+def test_the_recovery_ports_restart_of_every_runtime_is_reported_for_the_executor_to_lower_the_log_floor() -> None:
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    assert p.loads.load(None, 0, {}) == {}
+    p.progress.floor(["fwd1"], 12)  # a drain's spares log from 12
+    reset: list[bool] = []
+    port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                           on_restored=lambda r: None, drop_commit=lambda s, step: None,
+                           reset_logs=lambda: reset.append(True))
+    port.reset_all()
+    assert reset == [True] and p.loads.loaded == [] and p.progress.log_floor == {"fwd1": 12}
 
 
 def test_the_straggler_port_cordons_as_the_watch_and_takes_its_cordon_back() -> None:
@@ -326,7 +357,8 @@ def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -
     from rallypoint.recovery.decide import Budget, Fail, Refence
     p = Parts()
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
-                           on_restored=lambda r: None, drop_commit=lambda s, step: None)
+                           on_restored=lambda r: None, drop_commit=lambda s, step: None,
+                           reset_logs=lambda: None)
     rec = JobRecoveries(port, budget=Budget(stall=1), clock=p.clock, log=p.log, microbatches=1)
     dog = ProgressWatchdog(p.clock, 30)
     p.clock.advance(31)
