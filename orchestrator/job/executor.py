@@ -153,7 +153,7 @@ class JobExecutor:
             spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
-        self.job_metrics = JobMetrics(spec, log=self.log, event=self.event)  # <run dir>/metrics.jsonl, non-finite metrics
+        self.job_metrics = JobMetrics(spec, log=self.log, event=self.event)  # <run dir>/metrics.jsonl, non-finite
         self.event_log = EventLog(term=self.term.term, log=self.log)  # <run dir>/events.jsonl (rallypoint logs)
         self.emit = self.event_log.tee(self.job_metrics.tee(emit))
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)

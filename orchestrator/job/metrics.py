@@ -370,7 +370,8 @@ class JobMetrics:
             return bad
         return None
 
-    def stop(self, bad: NonFinite, cut: int, commits: Callable[[], Mapping[str, list[CheckpointCommit]]]) -> NonFiniteStop:
+    def stop(self, bad: NonFinite, cut: int,
+             commits: Callable[[], Mapping[str, list[CheckpointCommit]]]) -> NonFiniteStop:
         """Once every worker unloaded: what stopping at ``bad.step`` drops and keeps (:func:`nonfinite_stop`;
         ``commits`` reads the job's commits, only when it has slices with states)."""
         slices = sorted({st.slice for st in self.spec.states})

@@ -107,7 +107,8 @@ def test_check_returns_the_value_that_stops_the_job_and_moves_nothing() -> None:
     m = JobMetrics(pb.JobSpec(job="j"), log=_Log(), event=lambda name, step=0, **kw: events.append((name, step)))
     assert m.check(pb.InstanceDone(node="fwd1", step=3, metrics={"loss": 1.0})) is None
     bad = m.check(pb.InstanceDone(node="fwd1", step=4, metrics={"loss": float("nan")}))
-    assert bad is not None and (bad.metric, bad.step, bad.node) == ("loss", 4, "fwd1") and events == [("job.nonfinite", 4)]
+    assert bad is not None and (bad.metric, bad.step, bad.node) == ("loss", 4, "fwd1")
+    assert events == [("job.nonfinite", 4)]
     m.mode = "warn"
     assert m.check(pb.InstanceDone(node="fwd1", step=5, metrics={"loss": float("inf")})) is None
     assert m.check(pb.InstanceDone(node="fwd1", step=6, metrics={"loss": float("inf")})) is None
