@@ -44,7 +44,7 @@ import queue
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
@@ -57,13 +57,13 @@ from rallypoint.etcd.store import Delete, Put, Store
 from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.goodput import StepTimes
-from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.finish import final_states
 from rallypoint.orchestrator.job.loads import JobLoads
-from rallypoint.orchestrator.job.metrics import JobMetrics, NonFinite
+from rallypoint.orchestrator.job.metrics import JobMetrics
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
@@ -136,16 +136,17 @@ class JobExecutor:
                             on_unpaused=self._unpaused)
         self.term.resume = self.resume
         self.progress = JobProgress(spec, self.graph)
+        self.job_cut = JobCut(self.term, self.progress)  # moves the cut, the commits and the log floor (job/cut.py)
         self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store))
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
-                                progress=self.progress, clock=clock, log=self.log, event=self.event,
-                                grant=self._grant, hold=self._hold, running=lambda: self.state is JobState.RUNNING,
+                                progress=self.progress, clock=clock, log=self.log, event=self.event, grant=self._grant,
+                                hold=lambda h: self._grant(self.progress.grants.hold(h, self.workers)),
+                                running=lambda: self.state is JobState.RUNNING,
                                 record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
-                                    progress=self.progress, on_restored=self._restored, drop_commit=self._drop_commit,
-                                    reset_logs=self.progress.reset_floor)
+                                    progress=self.progress, on_restored=self._restored, job_cut=self.job_cut)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
                                       microbatches=spec.microbatches, hooks=hooks)
@@ -287,20 +288,10 @@ class JobExecutor:
     # -- running ------------------------------------------------------------------------
 
     def _grant(self, workers: list[str] | None = None) -> None:
-        """Grant every worker (or ``workers``) what the job's grants say now (the window, holds, the cut).
-
-        Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
-        Workers held for a drain or a stop get no step at or past their hold.
-        """
-        self.workers.grant(self.progress.grants.to_send(self.workers.workers if workers is None else workers,
-                                                        self.progress.cut))
-
-    def _hold(self, hold: Hold) -> None:
-        """Carry out a hold a drain or a stop decided, and grant the held workers the job still runs on."""
-        self.progress.grants.hold(hold)
-        held = [w for w in hold.workers if w in self.workers]
-        if held:
-            self._grant(held)
+        """Grant every worker (or ``workers``) what the job's grants say now (the window, the holds, the cut).
+        Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``)."""
+        self.workers.grant(self.progress.grants.now(self.workers.workers if workers is None else workers,
+                                                    self.progress.cut))
 
     def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
         """A worker whose process is gone is lost; any other refusal is granted again later
@@ -315,9 +306,7 @@ class JobExecutor:
     def step(self, timeout_s: float = 0.25) -> None:
         """One iteration of the running loop: hold the term, a stop asked, the periodic checks, one event."""
         self.term.hold()
-        hold = self.stopper.check(self.state)
-        if hold is not None:
-            self._hold(hold)
+        self._grant(self.progress.grants.hold(self.stopper.check(self.state), self.workers))  # a stop's hold, if begun
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
             lost, alive = self.places.as_lead_losses(self.term.gone(
@@ -325,9 +314,7 @@ class JobExecutor:
             if lost:
                 self._recover(lost, unload=alive)
                 return
-            retry = self.progress.grants.retry(self.workers.workers)
-            if retry:
-                self._grant(retry)
+            self._grant(self.progress.grants.retry(self.workers.workers))  # refused grants, again
             self._warm_check()
             assert self.watchdog is not None
             quiet = self.watchdog.check(self._compiling())
@@ -341,8 +328,7 @@ class JobExecutor:
             if self.drains.parked_waiting and self.watchdog is not None:
                 self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
             moved = self.drains.step()
-            for floor in moved.floors:  # a move's spares log from the drain step only
-                self.progress.floor(floor.nodes, floor.step)
+            self.job_cut.floors(moved.floors)  # a move's spares log from the drain step only
             if moved.lost:
                 self._recover(dict(moved.lost))
                 return
@@ -391,33 +377,13 @@ class JobExecutor:
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
-        bad = self.job_metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
-        if bad is not None:
-            self._stop_nonfinite(bad)
+        if (bad := self.job_metrics.check(item)) is not None:  # not finite, and on_nonfinite stop: the job fails here
+            self.progress.grants.halt(bad.step)
+            for w in list(self.workers.workers):  # a save in flight finishes (and commits) before UnloadJob returns
+                self.workers.unload(w)
+            raise JobFailed(self.job_cut.stop(bad, self.job_metrics))  # the commits past it go, the cut before stays
         self._count(worker, gen, item)
         self._advance()
-
-    def _stop_nonfinite(self, bad: NonFinite) -> NoReturn:
-        """``on_nonfinite`` stop, as :class:`JobMetrics` decided: halt the grants at the step, unload every worker (a
-        save in flight finishes and commits before UnloadJob returns), drop the commits past the step and keep the
-        newest cut at or before it. Raises :class:`JobFailed`."""
-        self.progress.grants.halt(bad.step)
-        for w in list(self.workers.workers):
-            self.workers.unload(w)
-        try:
-            stop = self.job_metrics.stop(bad, self.progress.cut, self.term.commits)
-            for slice_name, step in stop.drop:
-                self._drop_commit(slice_name, step)
-        except (RallypointError, OSError) as exc:  # etcd away or the term over: the reason says so
-            raise JobFailed(self.job_metrics.not_dropped(bad, exc)) from None
-        if stop.cut is not None:
-            self.progress.restored(stop.cut, stop.commits)
-        raise JobFailed(stop.reason)
-
-    def _drop_commit(self, slice_name: str, step: int) -> None:
-        """A commit stops counting: in etcd and in the progress (the one place the job's commits are dropped)."""
-        self.term.drop_commit(slice_name, step)
-        self.progress.drop_commit(slice_name, step)
 
     def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
         step, node = int(item.step), item.node
@@ -484,7 +450,7 @@ class JobExecutor:
 
     def _restored(self, recovery: Recovery) -> None:
         """The recovery's lost slices run again: the cut becomes the one restored from, back to RUNNING."""
-        self.progress.restored(*self.port.restore_point(recovery))
+        self.job_cut.restored(*self.port.restore_point(recovery))
         rec = recovery.record
         rec.generations = dict(self.workers.generation)
         self._set_state(JobState.RUNNING, recovery=rec.number)

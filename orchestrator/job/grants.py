@@ -14,7 +14,7 @@
 
 The other parts of the job decide and ask: a drain or a stop wants a :class:`Hold`, the
 non-finite guard returns the step to halt at, a refused grant is reported; the executor
-carries these out here. :meth:`Grants.to_send` is the one answer to "what does each worker
+carries these out here. :meth:`Grants.now` is the one answer to "what does each worker
 get now": the workers' RPCs (:meth:`JobWorkers.grant
 <rallypoint.orchestrator.job.workers.JobWorkers.grant>`) send it as it is.
 
@@ -24,7 +24,7 @@ It does no I/O. :class:`~rallypoint.orchestrator.job.progress.JobProgress` holds
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -81,7 +81,7 @@ class Grants:
         """The step ``worker`` may run up to now: the grant, or its hold where that is lower."""
         return min(self._granted, self._holds.get(worker, self._granted))
 
-    def to_send(self, workers: Iterable[str], cut: int) -> list[StepGrant]:
+    def now(self, workers: Iterable[str], cut: int) -> list[StepGrant]:
         """What to grant each of ``workers`` now (the window, their holds and the ``cut``): the one answer to it."""
         out = []
         for w in workers:
@@ -108,13 +108,17 @@ class Grants:
         """A metric of ``step`` is not finite and the job stops there: no grant widens from now on."""
         self._halted = step if self._halted is None else min(self._halted, step)
 
-    def hold(self, hold: Hold) -> None:
-        """Hold (or, ``hold.step`` None, release) the workers of ``hold``."""
+    def hold(self, hold: Hold | None, among: Container[str]) -> list[str]:
+        """Hold (or, ``hold.step`` None, release) the workers of ``hold`` (None: no hold). Returns those of them in
+        ``among`` (the workers the job runs on): to grant now."""
+        if hold is None:
+            return []
         for w in hold.workers:
             if hold.step is None:
                 self._holds.pop(w, None)
             else:
                 self._holds[w] = hold.step
+        return [w for w in hold.workers if w in among]
 
     def refused(self, worker: str) -> None:
         """``worker`` refused its grant (it is not lost): it is granted again at the next :meth:`retry`."""

@@ -4,9 +4,9 @@
 of a job: it carries each of the recovery machine's requests to the
 collaborator that owns the fact: the placement (remap, the new places), the loads
 (loads, rewires, unloads), the term (commits read, fencing, registrations). It moves
-neither the cut nor the commits: a commit that does not restore is dropped by the
-executor (``drop_commit``, the one place commits are dropped), a restart of every
-runtime is reported to it (``reset_logs``: no output log starts past the cut), and on a restore the
+neither the cut nor the commits nor the log floor: a commit that does not restore is handed to
+the executor's :class:`~rallypoint.orchestrator.job.cut.JobCut` (the one place commits are
+dropped), so is a restart of every runtime (no output log starts past the cut), and on a restore the
 executor asks :meth:`JobRecoveryPort.restore_point` for the cut the job restored from
 (lower than before when a recovery fell back past a commit that did not restore) and
 sets it. It owns only what recoveries find: ``failures`` (each lost worker incarnation)
@@ -32,6 +32,7 @@ from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.store import Delete, Put
+from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.job.drains import JobDrains
@@ -53,10 +54,9 @@ class JobRecoveryPort(RecoveryPort):
     """A job's :class:`RecoveryPort` (see the module doc)."""
 
     def __init__(self, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
-                 progress: JobProgress, on_restored: Callable[[Recovery], None],
-                 drop_commit: Callable[[str, int], None], reset_logs: Callable[[], None]) -> None:
+                 progress: JobProgress, on_restored: Callable[[Recovery], None], job_cut: JobCut) -> None:
         self.graph, self.term, self.places, self.loads, self.progress = graph, term, placement, loads, progress
-        self.on_restored, self._drop_commit, self._reset_logs = on_restored, drop_commit, reset_logs
+        self.on_restored, self.job_cut = on_restored, job_cut
         self.failures: list[dict[str, Any]] = []
         self.corrupt: list[dict[str, Any]] = []  # checkpoints that did not restore (their commits dropped)
 
@@ -106,7 +106,7 @@ class JobRecoveryPort(RecoveryPort):
         return self.term.cut_of(commits, sorted({s.slice for s in self.progress.spec.states}), before)
 
     def drop_commit(self, slice_name: str, step: int, error: str) -> None:
-        self._drop_commit(slice_name, step)  # the executor drops it, in etcd and in the progress
+        self.job_cut.drop_commit(slice_name, step)  # the executor's mover drops it, in etcd and in the progress
         self.corrupt.append({"slice": slice_name, "step": step, "error": error})
 
     def record_failure(self, worker: str, incarnation: int, slices: list[str], reason: str) -> None:
@@ -149,7 +149,7 @@ class JobRecoveryPort(RecoveryPort):
         return failed
 
     def reset_all(self) -> None:
-        self._reset_logs()  # every runtime restarts from the cut: the executor lowers the log floor
+        self.job_cut.reset_logs()  # every runtime restarts from the cut: the executor's mover lowers the log floor
         self.loads.reset_all()
 
     def load_newest_cut(self, budget: Budget) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]]:

@@ -36,13 +36,14 @@ def test_a_halt_stops_the_window_for_good_and_the_earliest_halt_stands() -> None
 def test_a_held_worker_is_sent_no_step_at_or_past_its_hold_and_saves_there() -> None:
     g = Grants(steps=20)
     g.widen(0, 6)
-    g.hold(Hold(("w1",), 4))
-    assert g.to_send(["w0", "w1"], cut=2) == [StepGrant("w0", 6, 2, 0), StepGrant("w1", 4, 2, 4)]
+    assert g.hold(Hold(("w1",), 4), among={"w0", "w1"}) == ["w1"]  # to grant now
+    assert g.now(["w0", "w1"], cut=2) == [StepGrant("w0", 6, 2, 0), StepGrant("w1", 4, 2, 4)]
     assert g.until("w1") == 4 and g.until("w0") == 6 and dict(g.holds) == {"w1": 4}
-    g.hold(Hold(("w1", "w2"), None))  # lifting a hold no worker has changes nothing
-    assert g.to_send(["w1"], cut=2) == [StepGrant("w1", 6, 2, 0)] and dict(g.holds) == {}
-    g.hold(Hold(("w0",), 9))  # a hold past the window: the window stands
-    assert g.to_send(["w0"], cut=0) == [StepGrant("w0", 6, 0, 9)]
+    assert g.hold(Hold(("w1", "w2"), None), among={"w1"}) == ["w1"]  # w2 is not the job's: not granted
+    assert g.hold(None, among={"w1"}) == []  # no hold: nobody to grant
+    assert g.now(["w1"], cut=2) == [StepGrant("w1", 6, 2, 0)] and dict(g.holds) == {}
+    g.hold(Hold(("w0",), 9), among=())  # a hold past the window: the window stands
+    assert g.now(["w0"], cut=0) == [StepGrant("w0", 6, 0, 9)]
     with pytest.raises(TypeError):
         g.holds["w3"] = 1  # type: ignore[index]  # read-only to everyone else
 

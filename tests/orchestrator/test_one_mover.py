@@ -4,9 +4,10 @@ Cheap and coarse: it reads the orchestrator's modules with :mod:`ast` and fails 
 
 * a module other than the store reaches into the store's fields (``x._cut``, ``x._holds``, ...
   on anything but ``self``), or keeps a field of its own under a fact's name (``self.holds``);
-* a module other than the executor calls (or hands out) a mover of the progress or of the
-  grants (``progress.restored``, ``progress.floor``, ``grants.hold``, ...), or drops a commit
-  in etcd (``term.drop_commit``): the others return
+* a module other than the executor (and its :class:`~rallypoint.orchestrator.job.cut.JobCut`,
+  for the cut, the commits and the log floor) calls (or hands out) a mover of the progress or
+  of the grants (``progress.restored``, ``progress.floor``, ``grants.hold``, ...), or drops a
+  commit in etcd (``term.drop_commit``): the others return
   a decision (a :class:`~rallypoint.orchestrator.job.grants.Hold`, a
   :class:`~rallypoint.orchestrator.job.progress.LogFloor`, a
   :class:`~rallypoint.orchestrator.job.metrics.NonFiniteStop`, a restore point) that the
@@ -36,6 +37,7 @@ MOVERS = {
     "term": {"drop_commit"},  # a commit dropped in etcd: the executor's _drop_commit, with the progress
 }
 EXECUTOR = "job/executor.py"
+CUT_MOVER = "job/cut.py"  # the executor's JobCut: the cut, the commits and the log floor others decided
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -80,7 +82,8 @@ def test_only_the_executor_moves_the_progress_and_the_grants() -> None:
             owner = _owner_name(node.value)
             if node.attr not in MOVERS.get(owner, ()):
                 continue
-            if path == EXECUTOR or (path == "job/progress.py" and owner == "grants"):
+            if path == EXECUTOR or (path == "job/progress.py" and owner == "grants") or (
+                    path == CUT_MOVER and owner in ("progress", "term")):
                 continue
             bad.append(f"{path}:{node.lineno} uses {owner}.{node.attr}")
     assert bad == [], bad
