@@ -10,7 +10,7 @@ survivors rewired) and the progress (what is done and committed; the moved slice
 floor, returned). The executor polls the requests with its other etcd checks (:meth:`poll`)
 and steps the drains in flight on every iteration of its loop (:meth:`step`), which returns
 a :class:`DrainsStep`: the workers lost on the way (the executor recovers them, the drains
-never do) and the output logs a move started past the cut (the executor moves the
+never do) and the output logs a move started past the cut (the executor's JobCut moves the
 progress's log floor, the drains never do).
 """
 
