@@ -29,6 +29,7 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Compare, Delete, Get, KeyValue, LeaseGrant, Op, Put, Store, TxnResult, Watch
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.grants import StepGrant
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 
@@ -262,14 +263,13 @@ class FakeWorkers(JobWorkers):
             self.loads.append((w, int(req.start_step)))
         return dict(failed)
 
-    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None, *,
-              holds: Mapping[str, int] | None = None) -> None:
-        for w in list(workers if workers is not None else self.workers):
+    def grant(self, grants: Iterable[StepGrant]) -> None:
+        for g in list(grants):
+            w, cap, hold = g.worker, g.until, g.save_at or None
             if w in self.silent or w not in self.generation:
                 continue
-            self.cuts.append((w, self.generation[w], cut))
+            self.cuts.append((w, self.generation[w], g.cut))
             gen = self.generation[w]
-            cap = min(until, (holds or {}).get(w, until))
             while self._ran[w] < cap:
                 s = self._ran[w]
                 for n in self.spec.nodes:
@@ -286,7 +286,6 @@ class FakeWorkers(JobWorkers):
                         self.events.put(("done", (w, gen, pb.InstanceDone(checkpoint_slice=sl,
                                                                           checkpoint_step=s + 1))))
 
-            hold = (holds or {}).get(w)
             if hold is not None and self._ran[w] == hold and hold % self._every and (w, hold) not in self._held_saves:
                 self._held_saves.add((w, hold))  # a drain holds the worker at its grant: it saves there
                 for sl in self._slices[w]:

@@ -1,20 +1,24 @@
 """A job's drains: taking up drain requests from etcd and carrying them out (``drain.py``).
 
-:class:`JobDrains` owns the drains in flight (``drains``), their records
-(``drain_records``) and the holds they put (``holds``: worker -> its drain step; a held
-worker is granted nothing at or past it). It is the
+:class:`JobDrains` owns the drains in flight (``drains``) and their records
+(``drain_records``). The holds they need (a held worker is granted nothing at or past its
+drain step) are decided by each :class:`Drain` and carried out by the job's grants'
+owner (``hold``, the executor's; :mod:`~rallypoint.orchestrator.job.grants`). It is the
 :class:`~rallypoint.orchestrator.job.drain.DrainPort` of its job, acting through the job's
 collaborators: the placement (spare leases, the move), the loads (spares loaded,
 survivors rewired) and the progress (what is done and committed; the moved slices' log
-floor). The executor polls the requests with its other etcd checks (:meth:`poll`) and
-steps the drains in flight on every iteration of its loop (:meth:`step`), which returns
-the workers lost on the way: the executor recovers them, the drains never do.
+floor, returned). The executor polls the requests with its other etcd checks (:meth:`poll`)
+and steps the drains in flight on every iteration of its loop (:meth:`step`), which returns
+a :class:`DrainsStep`: the workers lost on the way (the executor recovers them, the drains
+never do) and the output logs a move started past the cut (the executor's JobCut moves the
+progress's log floor, the drains never do).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.basics.clock import Clock
@@ -25,9 +29,10 @@ from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.drain import Drain, DrainPhase, DrainPort, DrainRecord
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
-from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.progress import JobProgress, LogFloor
 from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job.stop import StopRequest
@@ -39,6 +44,14 @@ from rallypoint.recovery.replay import Graph
 from rallypoint.recovery.slices import stateful_slices
 
 
+@dataclass(frozen=True)
+class DrainsStep:
+    """What stepping the drains leaves for the executor to carry out."""
+
+    lost: Mapping[str, str] = field(default_factory=dict)  # worker -> why: a worker call failed; recover it
+    floors: tuple[LogFloor, ...] = ()  # the moves' output logs, which start past the cut (the progress's floor)
+
+
 class JobDrains(DrainPort):
     """The drains of one job (see the module doc).
 
@@ -47,6 +60,7 @@ class JobDrains(DrainPort):
         term, placement, loads, progress: the job's collaborators the drains act through.
         clock, log: the injected clock and the executor's logger.
         event: sends a job event; ``grant(workers)`` grants workers the window (holds applied);
+        hold: carries out a :class:`~rallypoint.orchestrator.job.grants.Hold` (and grants the held workers);
         running: whether the job runs undisturbed (no yield or grow starts otherwise);
         record: writes the job record (after a drain is done);
         suspend: asks the job to suspend (:class:`~rallypoint.orchestrator.job.stop.JobStop`'s ``request``):
@@ -55,20 +69,20 @@ class JobDrains(DrainPort):
 
     def __init__(self, spec: pb.JobSpec, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
                  progress: JobProgress, clock: Clock, log: Any, event: Callable[..., None],
-                 grant: Callable[[list[str]], None], running: Callable[[], bool],
+                 grant: Callable[[list[str]], None], hold: Callable[[Hold], None], running: Callable[[], bool],
                  record: Callable[[], None], suspend: Callable[[StopRequest], bool] = lambda _r: False) -> None:
         self.spec, self.graph, self.term, self.places, self.loads, self.progress = \
             spec, graph, term, placement, loads, progress
         self.clock, self.log, self.event, self._grant, self._running, self._record = \
             clock, log, event, grant, running, record
-        self._suspend = suspend
+        self._suspend, self._hold = suspend, hold
         self.settings: JobSettings | None = None  # set once the job's settings are checked
         self.checkpoints = False  # whether the job keeps checkpoints (a run directory)
         self.drains: dict[str, Drain] = {}  # worker -> the drain in flight
         self.drain_records: list[DrainRecord] = []
-        self.holds: dict[str, int] = {}  # worker -> its drain step
         self._ckpt_slices = stateful_slices(spec)
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
+        self._floors: list[LogFloor] = []  # the floors the moves of this step made, for the executor
 
     @property
     def placement(self) -> Mapping[str, SlicePlace]:  # type: ignore[override]
@@ -173,20 +187,24 @@ class JobDrains(DrainPort):
                    reason=req.reason)
         return d
 
-    def step(self) -> dict[str, str]:
-        """Advance every drain in flight. Returns the workers lost on the way (worker -> why): a worker call that
-        failed aborts its drain, and the executor recovers the worker."""
+    def step(self) -> DrainsStep:
+        """Advance every drain in flight. Returns the workers lost on the way (worker -> why: a worker call that
+        failed aborts its drain, and the executor recovers the worker) and the log floors the moves made."""
         for worker, d in list(self.drains.items()):
             try:
                 phase = d.step()
             except WorkerCallFailed as exc:
                 d.abort(str(exc))
                 self.drains.pop(worker, None)
-                return {exc.worker: str(exc)}
+                return self._stepped({exc.worker: str(exc)})
             if phase.is_terminal:
                 self.drains.pop(worker, None)
                 self._answer(d)
-        return {}
+        return self._stepped({})
+
+    def _stepped(self, lost: dict[str, str]) -> DrainsStep:
+        floors, self._floors = tuple(self._floors), []
+        return DrainsStep(lost, floors)
 
     def abort(self, reason: str) -> list[str]:
         """A loss or the job's end: every drain in flight gives back what it took (the requests stay).
@@ -258,7 +276,7 @@ class JobDrains(DrainPort):
 
     def park(self, worker: str, slices: list[str], step: int) -> None:
         self.loads.unload(worker)
-        self.holds.pop(worker, None)
+        self._hold(Hold((worker,), None))
         self.places.release_on(worker, slices, "releasing a yielded slice's devices")
         self.log.info("drain.parked", slices=slices, step=step)
         self.event("job.yielded", step=step, slices=slices, worker=worker)
@@ -284,12 +302,7 @@ class JobDrains(DrainPort):
         return kv is None or kv.json().get("state") in FINAL_RECORD_STATES
 
     def hold(self, worker: str, step: int | None) -> None:
-        if step is None:
-            self.holds.pop(worker, None)
-        else:
-            self.holds[worker] = step
-        if worker in self.loads.workers:
-            self._grant([worker])
+        self._hold(Hold((worker,), step))
 
     def reached(self, slices: list[str], step: int) -> bool:
         nodes = [n.name for n in self.graph.nodes if n.slice in slices]
@@ -300,7 +313,7 @@ class JobDrains(DrainPort):
         others = {s: [m.worker for m in self.placement[s].members if m.worker != worker] for s in places}
         self.places.apply(places, drained_at=step)  # from here on the slices are the spares' (a failure is theirs)
         self.loads.unload(worker)  # what it pushed before it stopped arrives first; a gang's group ends with it
-        self.holds.pop(worker, None)
+        self._hold(Hold((worker,), None))
         self.places.release_on(worker, places, "releasing the drained devices")
         for s, members in sorted(others.items()):  # a gang's other members (none of them is in the new gang)
             for m in members:
@@ -311,14 +324,13 @@ class JobDrains(DrainPort):
         if failures:
             raise next(iter(failures.values()))
         moved_nodes = sorted(n.name for n in self.graph.nodes if n.slice in places)
-        granted = self.progress.granted
         survivors = [w for w in self.loads.loaded if w not in new and w in {p.worker for p in self.placement.values()}]
         answers, failed = self.loads.rewire_all(survivors, moved_nodes, step,
-                                                {w: min(granted, self.holds.get(w, granted)) for w in survivors},
+                                                {w: self.progress.grants.until(w) for w in survivors},
                                                 commits)
         for w, r in answers.items():
             self.log.info("drain.rewired", worker=w, resent=r.resent, log_from=r.log_from)
         if failed:
             raise next(iter(failed.values()))
-        self.progress.floor(moved_nodes, step)  # the spares' output logs start at the drain step
+        self._floors.append(LogFloor(tuple(moved_nodes), step))  # the spares' output logs start at the drain step
         self._grant(sorted(new))

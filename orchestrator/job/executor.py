@@ -56,6 +56,7 @@ from rallypoint.etcd.store import Delete, Put, Store
 from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.goodput import StepTimes
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
@@ -134,15 +135,17 @@ class JobExecutor:
                             on_unpaused=self._unpaused)
         self.term.resume = self.resume
         self.progress = JobProgress(spec, self.graph)
+        self.job_cut = JobCut(self.term, self.progress)  # moves the cut, the commits and the log floor (job/cut.py)
         self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store), clock=clock)
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
-                                progress=self.progress, clock=clock, log=self.log, event=self.event,
-                                grant=self._grant, running=lambda: self.state is JobState.RUNNING,
+                                progress=self.progress, clock=clock, log=self.log, event=self.event, grant=self._grant,
+                                hold=lambda h: self._grant(self.progress.grants.hold(h, self.workers)),
+                                running=lambda: self.state is JobState.RUNNING,
                                 record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
-                                    progress=self.progress, on_restored=self._restored)
+                                    progress=self.progress, on_restored=self._restored, job_cut=self.job_cut)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
                                       microbatches=spec.microbatches, hooks=hooks)
@@ -150,9 +153,8 @@ class JobExecutor:
             spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
         self.step_times = StepTimes({n.name: n.slice for n in spec.nodes})  # docs/metrics.md
-        self.job_metrics = JobMetrics(spec, progress=self.progress, workers=self.workers, term=self.term, log=self.log,
-                                      event=self.event, wall=clock.wall)  # <run dir>/metrics.jsonl, non-finite metrics
-        self.event_log = EventLog(term=self.term.term, log=self.log, clock=clock)  # <run dir>/events.jsonl
+        self.job_metrics = JobMetrics(spec, log=self.log, event=self.event, wall=clock.wall)  # <run dir>/metrics.jsonl, non-finite
+        self.event_log = EventLog(term=self.term.term, log=self.log, clock=clock)  # <run dir>/events.jsonl (rallypoint logs)
         self.emit = self.event_log.tee(self.job_metrics.tee(emit))
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
             spec.job, placed=lambda: {s: p.worker for s, p in self.placement.items() if p.worker in self.loads.loaded},
@@ -162,7 +164,6 @@ class JobExecutor:
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
-        self._ungranted: set[str] = set()
         self._checked = self._drains_polled = float("-inf")
         self.started_mono = clock.monotonic()
         self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
@@ -287,27 +288,25 @@ class JobExecutor:
     # -- running ------------------------------------------------------------------------
 
     def _grant(self, workers: list[str] | None = None) -> None:
-        """Grant every worker (or ``workers``) the current window and cut.
-
-        Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``).
-        Workers held for a drain get no step at or past their drain step.
-        """
-        self.workers.grant(self.progress.granted, self.progress.cut, workers, holds=self.drains.holds)
+        """Grant every worker (or ``workers``) what the job's grants say now (the window, the holds, the cut).
+        Asynchronous: failures come back as ``grant_failed`` events (``_grant_failed``)."""
+        self.workers.grant(self.progress.grants.now(self.workers.workers if workers is None else workers,
+                                                    self.progress.cut))
 
     def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
         """A worker whose process is gone is lost; any other refusal is granted again later
-        (``_ungranted``): one that does not answer (hung, partitioned) is lost once its etcd
+        (the grants' ``refused``): one that does not answer (hung, partitioned) is lost once its etcd
         registration is gone, which the periodic check sees."""
         if failure.verdict is Verdict.LOST:
             self._recover({worker: str(failure)})
             return
-        self._ungranted.add(worker)
+        self.progress.grants.refused(worker)
         self.log.info("job.grant_refused", worker=worker, code=failure.code.name, verdict=failure.verdict.value)
 
     def step(self, timeout_s: float = 0.25) -> None:
         """One iteration of the running loop: hold the term, a stop asked, the periodic checks, one event."""
         self.term.hold()
-        self.stopper.check(self.state)
+        self._grant(self.progress.grants.hold(self.stopper.check(self.state), self.workers))  # a stop's hold, if begun
         if self.clock.monotonic() - self._checked >= ETCD_CHECK_S:
             self._checked = self.clock.monotonic()
             lost, alive = self.places.as_lead_losses(self.term.gone(
@@ -315,9 +314,7 @@ class JobExecutor:
             if lost:
                 self._recover(lost, unload=alive)
                 return
-            if self._ungranted:
-                retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
-                self._grant(retry)
+            self._grant(self.progress.grants.retry(self.workers.workers))  # refused grants, again
             self._warm_check()
             assert self.watchdog is not None
             quiet = self.watchdog.check(self._compiling())
@@ -330,9 +327,10 @@ class JobExecutor:
         if self.drains.drains:
             if self.drains.parked_waiting and self.watchdog is not None:
                 self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
-            lost = self.drains.step()
-            if lost:
-                self._recover(lost)
+            moved = self.drains.step()
+            self.job_cut.floors(moved.floors)  # a move's spares log from the drain step only
+            if moved.lost:
+                self._recover(dict(moved.lost))
                 return
         try:
             kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, STEP_WAIT_S))
@@ -380,7 +378,11 @@ class JobExecutor:
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
-        self.job_metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
+        if (bad := self.job_metrics.check(item)) is not None:  # not finite, and on_nonfinite stop: the job fails here
+            self.progress.grants.halt(bad.step)
+            for w in list(self.workers.workers):  # a save in flight finishes (and commits) before UnloadJob returns
+                self.workers.unload(w)
+            raise JobFailed(self.job_cut.stop(bad, self.job_metrics))  # the commits past it go, the cut before stays
         self._count(worker, gen, item)
         self._advance()
 
@@ -448,7 +450,8 @@ class JobExecutor:
         self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked, unload=unload)
 
     def _restored(self, recovery: Recovery) -> None:
-        """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""
+        """The recovery's lost slices run again: the cut becomes the one restored from, back to RUNNING."""
+        self.job_cut.restored(*self.port.restore_point(recovery))
         rec = recovery.record
         rec.generations = dict(self.workers.generation)
         self._set_state(JobState.RUNNING, recovery=rec.number)

@@ -23,12 +23,14 @@ the next lines are tried again.
 
 A metric value of an instance that is not finite (each ``InstanceDone`` is checked as it
 arrives, :meth:`JobMetrics.check`): with ``on_nonfinite = "warn"`` a ``job.nonfinite`` event,
-once per metric, and the job goes on; with ``"stop"`` (the default) the job stops there:
-no grant widens, no commit past that step moves the cut (:meth:`JobProgress.halt`), every
-worker unloads the job (a save in flight finishes and commits before its UnloadJob
-returns), the commits past that step are dropped (etcd and the copies beside the
-checkpoints), and the job fails naming the metric, the value, the step and the cut kept.
-That failure blames no worker and starts no recovery.
+once per metric, and the job goes on; with ``"stop"`` (the default) the job stops there.
+:class:`JobMetrics` only decides; the executor carries it out: :meth:`JobMetrics.check` returns
+the value that stops the job, the executor halts the grants there (no grant widens, no commit
+past that step moves the cut), unloads every worker (a save in flight finishes and commits
+before its UnloadJob returns), and asks :meth:`JobMetrics.stop` what is left: a
+:class:`NonFiniteStop` naming the commits past that step to drop (etcd and the copies beside
+the checkpoints) and the cut the job keeps. The job then fails naming the metric, the value,
+the step and the cut kept. That failure blames no worker and starts no recovery.
 """
 
 from __future__ import annotations
@@ -41,9 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from rallypoint.basics.errors import RallypointError
-from rallypoint.etcd.commits import consistent_cut
-from rallypoint.orchestrator.job.state import STREAM_END_EVENTS, JobFailed
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut
+from rallypoint.orchestrator.job.state import STREAM_END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.slices import stateful_slices
 
@@ -218,20 +219,73 @@ def nonfinite(item: pb.InstanceDone) -> list[NonFinite]:
             for name, v in sorted(item.metrics.items()) if not math.isfinite(v)]
 
 
+@dataclass(frozen=True)
+class NonFiniteStop:
+    """What stopping a job at a non-finite value leaves for the executor to carry out.
+
+    Attributes:
+        step: the step the value was at (the grants halted there).
+        drop: the commits past ``step`` (slice, step), each to drop in etcd and in the progress.
+        cut: the consistent cut the job's becomes (None: the cut stays where it is).
+        commits: slice -> the commit steps that still count (at or before ``step``).
+        reason: the job's failure (naming the metric, its value, the step and the cut kept).
+    """
+
+    step: int
+    drop: tuple[tuple[str, int], ...] = ()
+    cut: int | None = None
+    commits: Mapping[str, list[int]] = field(default_factory=dict)
+    reason: str = ""
+
+
+def _stopped_at(bad: NonFinite) -> str:
+    return f"metric {bad.metric!r} is {bad.value!r} at step {bad.step} (--on-nonfinite stop): the job stopped there; "
+
+
+def nonfinite_stop(bad: NonFinite, slices: list[str], cut: int,
+                   commits: Mapping[str, list[CheckpointCommit]]) -> NonFiniteStop:
+    """The stop at ``bad.step`` of a job whose slices with states are ``slices``, with the cut ``cut`` and its
+    ``commits`` (read after every worker unloaded): every commit past the step goes, and the newest consistent
+    cut left at or before it is the one kept. The job's cut becomes it: up to it when its commit landed while
+    the workers unloaded, down to it when the cut had passed the step (only possible when the metric's slice
+    keeps no states)."""
+    head = _stopped_at(bad)
+    if not slices:
+        return NonFiniteStop(bad.step, reason=head + "no consistent cut was committed at or before it: fix the "
+                                                     "cause and run the job again (--new-run)")
+    s = bad.step
+    drop = tuple((slice_name, c.step) for slice_name, cs in commits.items() for c in cs if c.step > s)
+    kept = {slice_name: [c for c in cs if c.step <= s] for slice_name, cs in commits.items()}
+    new = consistent_cut(kept, slices)
+    moved = (new if new is not None else min(cut, s)) != cut
+    reason = head + ("no consistent cut was committed at or before it: fix the cause and run the job again "
+                     "(--new-run)" if new is None else
+                     f"the last committed cut, step {new}, is kept: fix the cause and resume from it")
+    return NonFiniteStop(s, drop, (new or 0) if moved else None,
+                         {sl: [c.step for c in cs] for sl, cs in kept.items()}, reason)
+
+
+def nonfinite_not_dropped(bad: NonFinite, job: str, error: BaseException) -> str:
+    """The failure's reason when the commits past ``bad.step`` could not be dropped (etcd away, the term over)."""
+    return _stopped_at(bad) + (f"the commits past it could not be dropped ({error}): before resuming, check with "
+                               f"`rallypoint status {job}` that its consistent cut is not past step {bad.step}")
+
+
 class JobMetrics:
     """One job's ``metrics.jsonl`` and its non-finite guard (see the module doc).
 
+    It moves none of the job's facts: a non-finite value that stops the job is returned
+    (:meth:`check`) and the executor carries the stop out (:meth:`stop` says what it drops and keeps).
+
     Args:
         spec: the job.
-        progress, workers, term: the job's progress, its workers' RPCs and its term's etcd writes
-            (what stopping the job at a non-finite value acts on).
         log: the executor's logger.
         event: the executor's ``event(name, step, **detail)``.
     """
 
-    def __init__(self, spec: pb.JobSpec, *, progress: Any, workers: Any, term: Any, log: Any,
-                 event: Callable[..., None], wall: Callable[[], float] = time.time) -> None:
-        self.spec, self.progress, self.workers, self.term, self.log = spec, progress, workers, term, log
+    def __init__(self, spec: pb.JobSpec, *, log: Any, event: Callable[..., None],
+                 wall: Callable[[], float] = time.time) -> None:
+        self.spec, self.log = spec, log
         self.event, self.wall = event, wall
         self.mode = "stop"
         self.file = MetricsLog(None, log)
@@ -297,11 +351,11 @@ class JobMetrics:
 
     # -- non-finite values ----------------------------------------------------------------------
 
-    def check(self, item: pb.InstanceDone) -> None:
+    def check(self, item: pb.InstanceDone) -> NonFinite | None:
         """An instance's metrics as they arrive: a value that is not finite warns once per metric
-        (``warn``) or stops the job there (``stop``: raises :class:`JobFailed`)."""
+        (``warn``) or, with ``stop``, is returned: the executor stops the job there (:meth:`stop`)."""
         if not item.metrics:
-            return
+            return None
         for bad in nonfinite(item):
             detail = {"metric": bad.metric, "value": repr(bad.value), "node": bad.node,
                       "microbatch": bad.microbatch, "action": self.mode}
@@ -314,46 +368,20 @@ class JobMetrics:
                 continue
             self.log.error("job.nonfinite", step=bad.step, **detail)
             self.event("job.nonfinite", step=bad.step, **detail)
-            raise JobFailed(self.stop(bad))
+            return bad
+        return None
 
-    def stop(self, bad: NonFinite) -> str:
-        """Stop the job at ``bad.step``: no cut past it counts, the workers unload, the commits past it go.
-        Returns the failure's reason (naming the metric, its value, the step and the cut kept)."""
-        s = bad.step
-        self.progress.halt(s)
-        for w in list(self.workers.workers):  # a save in flight finishes (and commits) before UnloadJob returns
-            self.workers.unload(w)
-        head = f"metric {bad.metric!r} is {bad.value!r} at step {s} (--on-nonfinite stop): the job stopped there; "
-        try:
-            kept = self._drop_commits_past(s)
-        except (RallypointError, OSError) as exc:  # etcd away or the term over: the reason says so
-            self.log.warning("job.nonfinite_commits_not_dropped", step=s, error=str(exc))
-            return head + (f"the commits past it could not be dropped ({exc}): before resuming, check with "
-                           f"`rallypoint status {self.spec.job}` that its consistent cut is not past step {s}")
-        if kept is None:
-            return head + ("no consistent cut was committed at or before it: fix the cause and run the job again "
-                           "(--new-run)")
-        return head + f"the last committed cut, step {kept}, is kept: fix the cause and resume from it"
-
-    def _drop_commits_past(self, step: int) -> int | None:
-        """Drop every commit past ``step`` (etcd and the copies beside the checkpoints); the newest consistent
-        cut left at or before it (None: none), which the progress's cut becomes (the job record's ``cut``)."""
+    def stop(self, bad: NonFinite, cut: int,
+             commits: Callable[[], Mapping[str, list[CheckpointCommit]]]) -> NonFiniteStop:
+        """Once every worker unloaded: what stopping at ``bad.step`` drops and keeps (:func:`nonfinite_stop`;
+        ``commits`` reads the job's commits, only when it has slices with states)."""
         slices = stateful_slices(self.spec)
-        if not slices:
-            return None
-        commits = self.term.commits()
-        kept: dict[str, list[Any]] = {}
-        for slice_name, cs in commits.items():
-            for c in cs:
-                if c.step > step:
-                    self.term.drop_commit(slice_name, c.step)
-            kept[slice_name] = [c for c in cs if c.step <= step]
-        cut = consistent_cut(kept, slices)
-        # The job's cut is the one kept: up to it when its commit landed while the workers unloaded, down to it
-        # when the cut had passed the step (only possible when the metric's slice keeps no states).
-        if (cut if cut is not None else min(self.progress.cut, step)) != self.progress.cut:
-            self.progress.restored(cut or 0, {sl: [c.step for c in cs] for sl, cs in kept.items()})
-        return cut
+        return nonfinite_stop(bad, slices, cut, commits() if slices else {})
+
+    def not_dropped(self, bad: NonFinite, error: BaseException) -> str:
+        """The failure's reason when the commits past the step could not be dropped (logged)."""
+        self.log.warning("job.nonfinite_commits_not_dropped", step=bad.step, error=str(error))
+        return nonfinite_not_dropped(bad, self.spec.job, error)
 
 
 def _cause(reasons: Mapping[str, Any]) -> str:

@@ -3,11 +3,15 @@
 :class:`JobRecoveryPort` is the :class:`~rallypoint.orchestrator.job.recovery_machine.RecoveryPort`
 of a job: it carries each of the recovery machine's requests to the
 collaborator that owns the fact: the placement (remap, the new places), the loads
-(loads, rewires, unloads), the term (commits, fencing, registrations), the progress
-(what is done, the cut, which goes down when a recovery restores from an older one). It
-owns only what recoveries find: ``failures`` (each lost worker incarnation) and
-``corrupt`` (each checkpoint that did not restore, its commit dropped). The machine
-never sees the executor; the executor hears of a restore through ``on_restored``.
+(loads, rewires, unloads), the term (commits read, fencing, registrations). It moves
+neither the cut nor the commits nor the log floor: a commit that does not restore is handed to
+the executor's :class:`~rallypoint.orchestrator.job.cut.JobCut` (the one place commits are
+dropped), so is a restart of every runtime (no output log starts past the cut), and on a restore the
+executor asks :meth:`JobRecoveryPort.restore_point` for the cut the job restored from
+(lower than before when a recovery fell back past a commit that did not restore) and
+sets it. It owns only what recoveries find: ``failures`` (each lost worker incarnation)
+and ``corrupt`` (each checkpoint that did not restore). The machine never sees the
+executor; the executor hears of a restore through ``on_restored``.
 
 :class:`JobStragglerPort` is the :class:`~rallypoint.orchestrator.job.stragglers.StragglerPort`
 of a job: it reads the progress and the placement, cordons through the term and starts
@@ -27,6 +31,7 @@ from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.store import Delete, Put
+from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.drains import JobDrains
@@ -49,9 +54,9 @@ class JobRecoveryPort(RecoveryPort):
     """A job's :class:`RecoveryPort` (see the module doc)."""
 
     def __init__(self, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
-                 progress: JobProgress, on_restored: Callable[[Recovery], None]) -> None:
+                 progress: JobProgress, on_restored: Callable[[Recovery], None], job_cut: JobCut) -> None:
         self.graph, self.term, self.places, self.loads, self.progress = graph, term, placement, loads, progress
-        self.on_restored = on_restored
+        self.on_restored, self.job_cut = on_restored, job_cut
         self.failures: list[dict[str, Any]] = []
         self.corrupt: list[dict[str, Any]] = []  # checkpoints that did not restore (their commits dropped)
 
@@ -101,8 +106,7 @@ class JobRecoveryPort(RecoveryPort):
         return self.term.cut_of(commits, stateful_slices(self.progress.spec), before)
 
     def drop_commit(self, slice_name: str, step: int, error: str) -> None:
-        self.term.drop_commit(slice_name, step)
-        self.progress.drop_commit(slice_name, step)
+        self.job_cut.drop_commit(slice_name, step)  # the executor's mover drops it, in etcd and in the progress
         self.corrupt.append({"slice": slice_name, "step": step, "error": error})
 
     def record_failure(self, worker: str, incarnation: int, slices: list[str], reason: str) -> None:
@@ -146,7 +150,7 @@ class JobRecoveryPort(RecoveryPort):
         return failed
 
     def reset_all(self) -> None:
-        self.progress.reset_floor()  # every runtime restarts from the cut
+        self.job_cut.reset_logs()  # every runtime restarts from the cut: the executor's mover lowers the log floor
         self.loads.reset_all()
 
     def load_newest_cut(self, budget: Budget) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]]:
@@ -207,12 +211,16 @@ class JobRecoveryPort(RecoveryPort):
         raise JobFailed(f"worker {w} could not load the job: {f}")
 
     def restored(self, recovery: Recovery) -> None:
-        """The lost slices run again from the recovery's cut, which becomes the job's (lower than before when the
-        recovery fell back past a commit that did not restore)."""
-        cut, bad = recovery.record.checkpoint_step, recovery.data.bad_cut
-        commits = {s: [c.step for c in cs if bad is None or c.step < bad] for s, cs in self.term.commits().items()}
-        self.progress.restored(cut, commits)
+        """The lost slices run again: the executor takes the job back to RUNNING (and sets the cut,
+        :meth:`restore_point`)."""
         self.on_restored(recovery)
+
+    def restore_point(self, recovery: Recovery) -> tuple[int, dict[str, list[int]]]:
+        """The cut ``recovery`` restored from, which becomes the job's (lower than before when it fell back past a
+        commit that did not restore), and the commits that still count (slice -> steps: etcd's, less any at or
+        past the cut that did not restore). Moves nothing: the executor sets the cut."""
+        cut, bad = recovery.record.checkpoint_step, recovery.data.bad_cut
+        return cut, {s: [c.step for c in cs if bad is None or c.step < bad] for s, cs in self.term.commits().items()}
 
 
 class JobStragglerPort:

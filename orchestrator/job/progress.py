@@ -5,7 +5,9 @@ them through its properties and methods (a read-only view), the way raft alone w
 its log and the application only reads ``Storage``:
 
 * ``completed``: steps ``0 .. completed-1`` are done by every node (every instance heard);
-* ``granted``: workers may run instances of steps below it (the window in flight);
+* ``granted``: workers may run instances of steps below it (the window in flight), read
+  from :attr:`JobProgress.grants` (:mod:`~rallypoint.orchestrator.job.grants`), the one
+  owner of the window, the holds, the halt and the refused grants;
 * ``start``: the step the job's runtimes started from (0, or the cut it resumed from);
 * ``cut``: the newest consistent cut: the newest step every slice with states has a
   commit at. It goes **up** as commits are heard and **down** when a commit is dropped
@@ -13,12 +15,14 @@ its log and the application only reads ``Storage``:
   workers are never told to protect a step that no longer counts while releasing the
   one the job now stands on;
 * ``log_floor``: node -> the first step its output log holds, where that is past the
-  cut (a drained slice's spare logs from the drain step only);
+  cut (a drained slice's spare logs from the drain step only). A drain returns the
+  :class:`LogFloor` its move made and a restart of every runtime is reported to the
+  executor, which moves the floor here; it also falls with every cut that passes it;
 * the per-step bookkeeping of instances heard, their metrics, and what re-ran
   (``replayed``, ``redone_s``) or ran first (``compute_s``);
 * ``halted``: the step a metric was not finite at (``on_nonfinite = "stop"``,
-  :mod:`~rallypoint.orchestrator.job.metrics`): from then on no grant widens and no commit
-  past it moves the cut, whatever arrives after.
+  :mod:`~rallypoint.orchestrator.job.metrics`; kept by the grants): from then on no grant
+  widens and no commit past it moves the cut, whatever arrives after.
 
 It does no I/O: the executor feeds it what the workers report and carries out what it
 returns (grant the new window, tell the workers the new cut).
@@ -34,10 +38,20 @@ from typing import Any
 
 import numpy as np
 
+from rallypoint.orchestrator.job.grants import Grants
 from rallypoint.recovery.load_plan import instances_per_step
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
 from rallypoint.recovery.slices import stateful_slices
+
+
+@dataclass(frozen=True)
+class LogFloor:
+    """A decision for the progress: the output logs of ``nodes`` start at ``step`` now (a drain moved their
+    slices there: the spares log from the drain step only)."""
+
+    nodes: tuple[str, ...]
+    step: int
 
 
 @dataclass(frozen=True)
@@ -55,8 +69,8 @@ class JobProgress:
         self.spec, self.graph = spec, graph
         self._ckpt_slices = stateful_slices(spec)
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
-        self._completed = self._granted = self._start = self._cut = 0
-        self._halted: int | None = None
+        self._completed = self._start = self._cut = 0
+        self.grants = Grants(spec.steps)
         self._committed: dict[str, set[int]] = {s: set() for s in self._ckpt_slices}  # commit steps heard, >= cut
         self._saved: set[tuple[str, int]] = set()  # (slice, step) commits heard (a drain waits for its own)
         self._floor: dict[str, int] = {}
@@ -75,7 +89,7 @@ class JobProgress:
 
     @property
     def granted(self) -> int:
-        return self._granted
+        return self.grants.granted
 
     @property
     def start(self) -> int:
@@ -87,7 +101,7 @@ class JobProgress:
 
     @property
     def halted(self) -> int | None:
-        return self._halted
+        return self.grants.halted
 
     @property
     def log_floor(self) -> Mapping[str, int]:
@@ -95,7 +109,7 @@ class JobProgress:
 
     @property
     def all_granted(self) -> bool:
-        return self._granted >= self.spec.steps
+        return self.grants.all_granted
 
     def summary(self) -> dict[str, Any]:
         """What re-ran and what ran first, as ``job.finished`` reports it."""
@@ -120,7 +134,8 @@ class JobProgress:
 
     def begin(self, start: int, commits: Mapping[str, Iterable[int]] = MappingProxyType({})) -> None:
         """The runtimes start from ``start`` (0, or the cut resumed from), with the job's ``commits`` (slice -> steps)."""
-        self._start = self._completed = self._granted = start
+        self._start = self._completed = start
+        self.grants.begin(start)
         self._cut = start
         self._committed = {s: {int(c) for c in commits.get(s, ()) if int(c) >= start} for s in self._ckpt_slices}
 
@@ -157,26 +172,15 @@ class JobProgress:
         return out
 
     def widen(self, window: int) -> bool:
-        """Move the grant to ``completed + window`` when it fell short of that. True: workers are to be granted."""
-        if self._halted is not None:
-            return False
-        if self._completed + max(1, window) > self._granted and self._granted < self.spec.steps:
-            self._granted = min(self._completed + max(1, window), self.spec.steps)
-            return True
-        return False
-
-    def halt(self, step: int) -> None:
-        """A metric of ``step`` is not finite and the job stops there: no grant widens from now on and no
-        commit past ``step`` counts (one racing in is ignored); the job's commits past it are dropped by
-        the caller (:meth:`JobMetrics.stop <rallypoint.orchestrator.job.metrics.JobMetrics.stop>`)."""
-        self._halted = step if self._halted is None else min(self._halted, step)
+        """:meth:`Grants.widen` from the steps completed. True: workers are to be granted."""
+        return self.grants.widen(self._completed, window)
 
     # -- the cut ----------------------------------------------------------------------------------
 
     def commit(self, slice_name: str, step: int) -> int | None:
         """A slice's checkpoint commit was heard. Returns the new cut when it moved (None: it did not).
         Once halted, a commit past the halting step does not count."""
-        if self._halted is not None and step > self._halted:
+        if self.grants.halted is not None and step > self.grants.halted:
             return None
         self._saved.add((slice_name, step))
         if slice_name in self._committed and step >= self._cut:
@@ -219,7 +223,7 @@ class JobProgress:
     # -- output logs --------------------------------------------------------------------------------
 
     def floor(self, nodes: Iterable[str], step: int) -> None:
-        """The output logs of ``nodes`` start at ``step`` (their slices moved there by a drain)."""
+        """The output logs of ``nodes`` start at ``step`` (their slices moved there by a drain, :class:`LogFloor`)."""
         for n in nodes:
             self._floor[n] = step
 

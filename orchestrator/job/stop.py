@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.state import JobState, JobStopped
 
 ACTIONS = ("suspend", "cancel")
@@ -99,8 +100,9 @@ class JobStop:
         job: the job's name.
         placed: the slices placed now on a loaded runtime -> their lead worker (a parked slice is on none).
         progress: the job's progress (granted, completed).
-        drains: the job's drains: ``hold(worker, step)`` (grant nothing at or past ``step``, save there),
-            ``reached(slices, step)``, the drains in flight.
+        drains: the job's drains: ``reached(slices, step)``, the drains in flight. The hold at the boundary
+            (grant nothing at or past it, save there) is returned by :meth:`JobStop.check`; the executor
+            carries it out.
         recovery: the job's recoveries (``active``).
         interrupt: ends the job at its term's next hold with the exception given (a cancel at once).
         set_state, event, log: the executor's.
@@ -132,25 +134,25 @@ class JobStop:
         where = f"at step {step} (every slice saved there)" if step is not None else "at once, without a final checkpoint"
         return f"job {self.job!r} {what} {where} by {req.by or 'an operator'}" + (f": {req.reason}" if req.reason else "")
 
-    def check(self, state: JobState) -> None:
-        """One look from the executor's loop: begin the stop, or end the job once it is saved (raises
-        :class:`JobStopped`)."""
+    def check(self, state: JobState) -> Hold | None:
+        """One look from the executor's loop: begin the stop (returns the hold of every placed worker at the
+        boundary, for the executor to carry out), or end the job once it is saved (raises :class:`JobStopped`)."""
         req = self.pending
         if req is None:
-            return
+            return None
         if state is JobState.STOPPING:
             assert self.boundary is not None
             if self.drains.reached(sorted(self._placed()), self.boundary):
                 raise JobStopped(req.ends_in, self._ended(req, self.boundary))
-            return
+            return None
         if state is not JobState.RUNNING or self.busy():
-            return  # a recovery or a drain first; the stop begins once the job runs undisturbed
+            return None  # a recovery or a drain first; the stop begins once the job runs undisturbed
         if self.progress.all_granted:
             if not self._moot:
                 self._moot = True
                 self.log.info("job.stop_moot", reason="every step is granted: the job finishes instead")
-            return
-        self._begin(req)
+            return None
+        return self._begin(req)
 
     def busy(self) -> str:
         """Why the stop cannot take its step boundary now ("" when it can)."""
@@ -160,13 +162,12 @@ class JobStop:
             return self.drains.busy()
         return ""
 
-    def _begin(self, req: StopRequest) -> None:
+    def _begin(self, req: StopRequest) -> Hold:
         # A drain parked for a higher-priority job ends: its slices saved already and are off every device.
         self.drains.abort(f"job {self.job!r} stops ({req.action})")
         s = self.progress.granted
         self.boundary = s
         self._set_state(JobState.STOPPING, action=req.action, boundary=s, by=req.by)
-        for worker in sorted(set(self._placed().values())):
-            self.drains.hold(worker, s)
         self._event("job.stopping", step=self.progress.completed, action=req.action, boundary=s, by=req.by,
                     reason=req.reason, checkpoint=req.saves)
+        return Hold(tuple(sorted(set(self._placed().values()))), s)

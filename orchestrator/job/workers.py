@@ -29,6 +29,7 @@ from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.grants import StepGrant
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -166,20 +167,16 @@ class JobWorkers:
         self.identity.pop(worker, None)
         self.generation.pop(worker, None)
 
-    def grant(self, until: int, cut: int, workers: Iterable[str] | None = None, *,
-              holds: Mapping[str, int] | None = None) -> None:
-        """Grant steps below ``until`` (and the cut) without waiting: a worker that does not
+    def grant(self, grants: Iterable[StepGrant]) -> None:
+        """Send each worker its grant (steps below ``until``, the cut, the step it saves at when held), as the
+        job's :class:`~rallypoint.orchestrator.job.grants.Grants` said, without waiting: a worker that does not
         answer must not hold up the others. A failure arrives on the event queue as
-        ``("grant_failed", (worker, generation, WorkerCallFailed))``.
-
-        ``holds``: workers being drained, each granted no step at or past its drain step
-        and told to save there."""
-        holds = holds or {}
-        for w in list(workers if workers is not None else self.workers):
+        ``("grant_failed", (worker, generation, WorkerCallFailed))``."""
+        for g in list(grants):
+            w = g.worker
             gen = self.generation.get(w)
-            hold = holds.get(w)
-            req = pb.RunStepsRequest(to=self.identity[w], job=self.job, cut_step=cut,
-                                     until_step=until if hold is None else min(until, hold), save_at=hold or 0)
+            req = pb.RunStepsRequest(to=self.identity[w], job=self.job, cut_step=g.cut, until_step=g.until,
+                                     save_at=g.save_at)
             future = self._stub(w).RunSteps.future(req, timeout=RPC_TIMEOUT_S)
 
             def done(f: Any, w: str = w, gen: int | None = gen) -> None:

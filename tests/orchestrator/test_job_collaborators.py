@@ -20,11 +20,13 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
 from rallypoint.etcd.keys import Keys
-from rallypoint.orchestrator.job.drains import JobDrains
+from rallypoint.orchestrator.job.cut import JobCut
+from rallypoint.orchestrator.job.drains import DrainsStep, JobDrains
+from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
-from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.progress import JobProgress, LogFloor
 from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
@@ -56,11 +58,17 @@ class Parts:
         self.granted: list[list[str]] = []
         self.drains = JobDrains(self.spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=self.clock, log=self.log, event=self.event,
-                                grant=self.granted.append, running=lambda: True, record=lambda: None)
+                                grant=self.granted.append, hold=self.hold, running=lambda: True, record=lambda: None)
         settings = JobSettings.from_spec(self.spec)
         for c in (self.places, self.loads, self.drains):
             c.settings = settings
         self.drains.checkpoints = True
+
+    def hold(self, hold: Hold) -> None:
+        """What the executor does with a drain's hold: the grants keep it, the held workers are granted."""
+        held = self.progress.grants.hold(hold, self.workers)
+        if held:
+            self.granted.append(held)
 
     def event(self, name: str, step: int = 0, **detail: Any) -> None:
         self.events.append((name, {"step": step, **detail}))
@@ -181,7 +189,7 @@ def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instea
     loaded(p)
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
-    assert p.drains.step() == {} and p.drains.holds == {victim: 2}  # held at the grant
+    assert p.drains.step().lost == {} and p.progress.grants.holds == {victim: 2}  # held at the grant
     for s in (0, 1):
         for node in ("fwd0", "fwd1"):
             p.progress.instance(pb.InstanceDone(node=node, step=s))
@@ -189,9 +197,26 @@ def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instea
     p.progress.commit("s1", 2)
     spare = next(w for w in ("w0", "w1", "w2") if w not in {q.worker for q in p.places.slices.values()})
     p.workers.load_failures = [{spare: call_failed(spare, grpc.StatusCode.UNAVAILABLE, "Connection refused")}]
-    lost = p.drains.step()
+    lost = p.drains.step().lost
     assert list(lost) == [spare] and p.drains.drains == {}
     assert p.drains.drain_records[0].state == "aborted"
+
+
+def test_a_drain_that_moves_returns_the_spares_log_floor_and_leaves_the_progress_to_the_executor() -> None:
+    p = Parts()
+    loaded(p)
+    victim = p.places.slices["s1"].worker
+    p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
+    assert p.drains.step() == DrainsStep({}, ()) and p.progress.grants.holds == {victim: 2}
+    for s in (0, 1):
+        for node in ("fwd0", "fwd1"):
+            p.progress.instance(pb.InstanceDone(node=node, step=s))
+    p.progress.complete()
+    p.progress.commit("s1", 2)
+    moved = p.drains.step()
+    assert moved == DrainsStep({}, (LogFloor(("fwd1",), 2),)) and p.places.slices["s1"].worker != victim
+    assert p.progress.log_floor == {} and p.progress.grants.holds == {}  # the floor is the executor's to move
+    assert p.drains.step() == DrainsStep({}, ())  # handed out once
 
 
 def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing() -> None:
@@ -201,15 +226,15 @@ def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing()
     before = (dict(p.places.slices), p.leases())
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
-    assert p.drains.step() == {} and p.drains.drains == {}
+    assert p.drains.step().lost == {} and p.drains.drains == {}
     assert p.drains.drain_records[0].state == "cancelled" and "keeps no checkpoints" in p.drains.drain_records[0].detail
-    assert (dict(p.places.slices), p.leases()) == before and p.drains.holds == {}
+    assert (dict(p.places.slices), p.leases()) == before and p.progress.grants.holds == {}
 
 
 # -- the ports ------------------------------------------------------------------------------------------------
 
 
-def test_the_recovery_port_lowers_the_cut_to_the_restore_ignoring_commits_past_the_bad_cut() -> None:
+def test_the_recovery_port_returns_the_restore_point_ignoring_commits_past_the_bad_cut_and_moves_no_cut() -> None:
     p = Parts()
     for s in ("s0", "s1"):
         for step in (5, 10):
@@ -219,16 +244,74 @@ def test_the_recovery_port_lowers_the_cut_to_the_restore_ignoring_commits_past_t
     assert p.progress.cut == 10
     restored: list[Any] = []
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
-                           on_restored=restored.append)
+                           on_restored=restored.append, job_cut=JobCut(p.term, p.progress))
 
     class Rec:  # what the port reads of a Recovery
         record = record(checkpoint_step=5)
         data = type("D", (), {"bad_cut": 10})()
 
     port.restored(Rec())  # type: ignore[arg-type]
-    assert p.progress.cut == 5 and restored
+    assert restored and p.progress.cut == 10  # the port tells the executor; it moves no cut itself
+    cut, commits = port.restore_point(Rec())  # type: ignore[arg-type]
+    assert (cut, commits) == (5, {"s0": [5], "s1": [5]}) and p.progress.cut == 10
+    port.drop_commit("s1", 10, "did not restore")  # carried out by the executor's JobCut: etcd and the progress
+    assert port.corrupt == [{"slice": "s1", "step": 10, "error": "did not restore"}]
+    assert p.store.get(p.keys.checkpoint("pipe", "s1", 10)) is None and not p.progress.saved("s1", 10)
+    p.progress.restored(cut, commits)  # what the executor's JobCut does with the restore point
+    assert p.progress.cut == 5
     assert p.progress.commit("s0", 10) is None  # s0's commit at 10 is past the bad cut: it counts once heard anew
     assert p.progress.commit("s1", 10) == 10
+
+
+def test_the_recovery_ports_restart_of_every_runtime_is_handed_to_the_cut_mover_which_lowers_the_log_floor() -> None:
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    assert p.loads.load(None, 0, {}) == {}
+    p.progress.floor(["fwd1"], 12)  # a drain's spares log from 12
+    reset: list[bool] = []
+
+    class Cut(JobCut):
+        def reset_logs(self) -> None:
+            reset.append(True)
+            super().reset_logs()
+
+    port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                           on_restored=lambda r: None, job_cut=Cut(p.term, p.progress))
+    port.reset_all()
+    assert reset == [True] and p.loads.loaded == [] and p.progress.log_floor == {}
+
+
+def test_the_cut_mover_carries_out_a_nonfinite_stop_and_says_when_etcd_kept_the_commits() -> None:
+    from rallypoint.orchestrator.job.metrics import JobMetrics, NonFinite
+    p = Parts()
+    for s in ("s0", "s1"):
+        for step in (4, 6, 8):
+            p.store.put(p.keys.checkpoint("pipe", s, step), json.dumps(CheckpointCommit("pipe", s, step, "/", "x")
+                                                                      .to_json()))
+            p.progress.commit(s, step)
+    metrics = JobMetrics(p.spec, log=p.log, event=p.event)
+    reason = JobCut(p.term, p.progress).stop(NonFinite("loss", float("nan"), 7, "fwd1", 0), metrics)
+    assert reason.endswith("the last committed cut, step 6, is kept: fix the cause and resume from it"), reason
+    assert p.progress.cut == 6 and sorted(c.step for c in p.term.commits()["s0"]) == [4, 6]
+    p.election.depose()  # the term is over: nothing is dropped, and the reason says so
+    reason = JobCut(p.term, p.progress).stop(NonFinite("loss", float("nan"), 5, "fwd1", 0), metrics)
+    assert "could not be dropped" in reason and "rallypoint status pipe" in reason and p.progress.cut == 6
+
+
+def test_the_cut_mover_drops_a_commit_everywhere_sets_the_floors_and_the_restored_cut() -> None:
+    p = Parts()
+    for s in ("s0", "s1"):
+        p.store.put(p.keys.checkpoint("pipe", s, 5), json.dumps(CheckpointCommit("pipe", s, 5, "/", "x").to_json()))
+        p.progress.commit(s, 5)
+    cut = JobCut(p.term, p.progress)
+    cut.floors([LogFloor(("fwd1",), 8), LogFloor(("fwd0",), 9)])
+    assert p.progress.cut == 5 and p.progress.log_floor == {"fwd1": 8, "fwd0": 9}
+    cut.drop_commit("s0", 5)
+    assert p.store.get(p.keys.checkpoint("pipe", "s0", 5)) is None and not p.progress.saved("s0", 5)
+    cut.restored(0, {"s1": [5]})
+    assert p.progress.cut == 0 and p.progress.log_floor == {"fwd1": 8, "fwd0": 9}
+    cut.reset_logs()
+    assert p.progress.log_floor == {}
 
 
 def test_the_straggler_port_cordons_as_the_watch_and_takes_its_cordon_back() -> None:
@@ -300,7 +383,7 @@ def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -
     from rallypoint.recovery.decide import Budget, Fail, Refence
     p = Parts()
     port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
-                           on_restored=lambda r: None)
+                           on_restored=lambda r: None, job_cut=JobCut(p.term, p.progress))
     rec = JobRecoveries(port, budget=Budget(stall=1), clock=p.clock, log=p.log, microbatches=1)
     dog = ProgressWatchdog(p.clock, 30)
     p.clock.advance(31)

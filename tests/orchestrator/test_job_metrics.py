@@ -15,8 +15,9 @@ import pytest
 
 from rallypoint.etcd.commits import read_commits
 from rallypoint.orchestrator.job.executor import run_dir
-from rallypoint.orchestrator.job.metrics import (METRICS_FILE, JobMetrics, MetricsLog, nonfinite_mode, parse_metrics,
-                                                 read_metrics)
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.orchestrator.job.metrics import (METRICS_FILE, JobMetrics, MetricsLog, NonFinite, NonFiniteStop,
+                                                 nonfinite_mode, nonfinite_stop, parse_metrics, read_metrics)
 from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -90,15 +91,47 @@ def test_a_halted_progress_grants_nothing_more_and_no_commit_past_the_step_moves
         run(p, s)
     assert p.commit("s0", 2) is None and p.commit("s1", 2) == 2
     granted = p.granted
-    p.halt(4)
+    p.grants.halt(4)
     assert not p.widen(2) and p.granted == granted  # three steps done, but the window stays where it was
     assert p.commit("s0", 5) is None and p.commit("s1", 5) is None and p.cut == 2  # racing in: ignored
     assert p.commit("s0", 4) is None and p.commit("s1", 4) == 4  # at the step itself: counts
 
 
+def _commits(**steps: list[int]) -> dict[str, list[CheckpointCommit]]:
+    return {s: [CheckpointCommit("j", s, c, f"/ck/{s}/{c}", "x") for c in cs] for s, cs in steps.items()}
+
+
+def test_check_returns_the_value_that_stops_the_job_and_moves_nothing() -> None:
+    events: list[tuple[str, int]] = []
+    m = JobMetrics(pb.JobSpec(job="j"), log=_Log(), event=lambda name, step=0, **kw: events.append((name, step)))
+    assert m.check(pb.InstanceDone(node="fwd1", step=3, metrics={"loss": 1.0})) is None
+    bad = m.check(pb.InstanceDone(node="fwd1", step=4, metrics={"loss": float("nan")}))
+    assert bad is not None and (bad.metric, bad.step, bad.node) == ("loss", 4, "fwd1")
+    assert events == [("job.nonfinite", 4)]
+    m.mode = "warn"
+    assert m.check(pb.InstanceDone(node="fwd1", step=5, metrics={"loss": float("inf")})) is None
+    assert m.check(pb.InstanceDone(node="fwd1", step=6, metrics={"loss": float("inf")})) is None
+    assert events == [("job.nonfinite", 4), ("job.nonfinite", 5)]  # warned once per metric
+
+
+def test_a_nonfinite_stop_drops_the_commits_past_the_step_and_keeps_the_newest_cut_before_it() -> None:
+    bad = NonFinite("loss", float("nan"), 7, "fwd1", 0)
+    stop = nonfinite_stop(bad, ["s0", "s1"], 6, _commits(s0=[4, 6, 8], s1=[4, 6, 8]))
+    assert stop.drop == (("s0", 8), ("s1", 8)) and stop.cut is None  # the cut stays at 6
+    assert stop.reason.endswith("the last committed cut, step 6, is kept: fix the cause and resume from it")
+    # s1's commit at 6 landed while the workers unloaded: the cut goes up to it
+    up = nonfinite_stop(bad, ["s0", "s1"], 4, _commits(s0=[4, 6], s1=[4, 6]))
+    assert (up.cut, dict(up.commits), up.drop) == (6, {"s0": [4, 6], "s1": [4, 6]}, ())
+    # the cut had passed the step (the metric's slice keeps no states): down to the newest one at or before it
+    down = nonfinite_stop(bad, ["s0"], 10, _commits(s0=[4, 10]))
+    assert (down.cut, down.drop) == (4, (("s0", 10),))
+    none = nonfinite_stop(bad, ["s0"], 0, _commits(s0=[8]))
+    assert none.cut is None and none.drop == (("s0", 8),) and "no consistent cut was committed" in none.reason
+    assert nonfinite_stop(bad, [], 0, {}) == NonFiniteStop(7, reason=none.reason)
+
+
 def test_events_become_step_lines_and_marks(tmp_path: Path) -> None:
-    m = JobMetrics(pb.JobSpec(job="j"), progress=None, workers=None, term=None, log=_Log(), event=lambda *a, **k: None,
-                   wall=lambda: 100.0)
+    m = JobMetrics(pb.JobSpec(job="j"), log=_Log(), event=lambda *a, **k: None, wall=lambda: 100.0)
     m.open(tmp_path, "stop")
     emitted: list[str] = []
     emit = m.tee(lambda ev: emitted.append(ev.event))
@@ -125,8 +158,8 @@ class LossyWorkers(FakeWorkers):
         super().__init__(*args, **kw)
         self.bad_from = bad_from
 
-    def grant(self, until: int, cut: int, workers: Any = None, *, holds: Any = None) -> None:
-        super().grant(until, cut, workers, holds=holds)
+    def grant(self, grants: Any) -> None:
+        super().grant(grants)
         queued = []
         while not self.events.empty():
             kind, (w, gen, item) = self.events.get_nowait()
