@@ -149,6 +149,19 @@ class Job:
         assert errors == []
         assert len(self.done()) == want
 
+    def wait_idle(self, timeout_s: float = 30) -> None:
+        """Wait until every device thread of the job, on every worker, has looked for an instance to run after
+        this call and found none it may run: with no grant or value still on its way, nothing runs after it. (A
+        proof of "nothing ran" without a sleep of a guessed length.)"""
+        schedulers = [self.workers[wid].service.loaded(self.spec.job).scheduler for wid in self.requests]
+        before = [dict(s.idle_looks) for s in schedulers]
+        for wid in self.requests:  # wake every waiting thread, so each looks once more now
+            control = self.workers[wid].service.loaded(self.spec.job).control
+            with control.cv:
+                control.cv.notify_all()
+        wait_until(lambda: all(s.idle_looks[k] > b[k] for s, b in zip(schedulers, before, strict=True) for k in b),
+                   timeout_s, f"every device thread of {self.spec.job} idle")
+
     def fetch_states(self) -> dict[str, Any]:
         states: dict[str, Any] = {}
         for wid in self.requests:

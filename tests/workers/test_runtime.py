@@ -7,7 +7,6 @@ steps granted with ``RunSteps``, then ``FetchState``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +89,7 @@ def test_a_window_of_granted_steps_and_a_duplicate_push_leave_the_result_unchang
     job = load("pipeline_mlp", workers)
     job.grant(1)
     job.wait_instances(1)
-    time.sleep(0.2)
+    job.wait_idle()
     assert {ev.step for ev in job.done()} == {0}  # nothing of step 1 ran before it was granted
     # A duplicate of a value already consumed at step 0, with different bytes: dropped.
     route = next(r for r in job.requests["wA"].routes if r.node and r.worker_id == "wB")
@@ -244,8 +243,10 @@ def test_an_instance_that_raises_is_reported_and_stops_the_job(workers: dict[str
     failed = [ev for ev in events.items if ev.error]
     assert [(ev.node, ev.step, ev.microbatch) for ev in failed] == [("train", 0, -1)]
     assert "FloatingPointError: boom" in failed[0].error
-    time.sleep(0.2)
-    assert {(ev.node, ev.step) for ev in events.items} == {("batch", 0), ("train", 0)}  # nothing ran after it
+    rt.scheduler.join(10)  # the job failed: its device threads end, and nothing runs after the failure
+    assert not rt.scheduler.alive()
+    assert rt.scheduler.completed == 1  # the batch of step 0; the failed instance is not complete
+    assert {(ev.node, ev.step) for ev in events.items} == {("batch", 0), ("train", 0)}
     w = workers["wB"]
     with pytest.raises(grpc.RpcError) as err:
         list(w.stub.FetchState(pb.FetchStateRequest(to=w.to(), job=job.spec.job), timeout=10))
@@ -263,7 +264,7 @@ def test_a_fenced_worker_neither_runs_nor_pushes_until_its_fence_lifts(workers: 
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fenced" in err.value.details()
     wA.service.loaded(job.spec.job).grant(job.spec.steps)  # granted before the fence, say
     wB.stub.RunSteps(pb.RunStepsRequest(to=wB.to(), job=job.spec.job, until_step=job.spec.steps), timeout=10)
-    time.sleep(0.5)
+    job.wait_idle()
     assert job.done() == []  # wA runs nothing, so the trainer on wB has no inputs either
     wA.fence.clear()
     job.wait_instances(job.spec.steps)

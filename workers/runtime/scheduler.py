@@ -82,6 +82,7 @@ class SliceScheduler:
         self._states = states
         self._steps = steps
         self.completed = 0
+        self.idle_looks = dict.fromkeys(slice_nodes, 0)  # slice -> times its thread looked and found nothing to run
         self.expected = sum((running_steps(steps, n.prog.every) - running_steps(start_step, n.prog.every)) * len(n.mbs)
                             for nodes in slice_nodes.values() for n in nodes)
         self._threads = [
@@ -97,6 +98,10 @@ class SliceScheduler:
     def start(self) -> None:
         for t in self._threads:
             t.start()
+
+    def alive(self) -> bool:
+        """Whether any of the device threads still runs."""
+        return any(t.is_alive() for t in self._threads)
 
     def join(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s`` in all) for the device threads to end, once the job stopped."""
@@ -117,6 +122,7 @@ class SliceScheduler:
                         return
                     due = self._handoff.due(slice_name, min((n.progress.low for n in nodes), default=self._steps))
                     if due is not None and nodes and not self._may_act(nodes[0], due, -1):
+                        self.idle_looks[slice_name] += 1
                         cv.wait(0.1)  # fenced: a save now could replace the checkpoint of the slice's new owner
                         continue
                     if due is not None:
@@ -128,6 +134,7 @@ class SliceScheduler:
                     found = self._next_ready(nodes, self._handoff.barrier(slice_name))
                     if found is not None and self._may_act(*found):
                         break
+                    self.idle_looks[slice_name] += 1  # nothing ready, or not allowed to act (fenced)
                     cv.wait(1.0 if found is None else 0.1)
                 if cut is None:
                     node, step, mb = found
