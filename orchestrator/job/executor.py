@@ -44,6 +44,7 @@ import queue
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -60,7 +61,7 @@ from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.job.goodput import StepTimes
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
-from rallypoint.orchestrator.job.finish import final_states
+from rallypoint.orchestrator.job.finish import fetch_final
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.metrics import JobMetrics
 from rallypoint.orchestrator.job.placement import JobPlacement
@@ -70,8 +71,9 @@ from rallypoint.orchestrator.job.record import EventLog, RecordHistory, record_o
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
 from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
 from rallypoint.orchestrator.job.state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
-from rallypoint.orchestrator.job.stop import JobStop, stop_request
+from rallypoint.orchestrator.job.stop import JobStop, StopRequest, stop_request
 from rallypoint.orchestrator.job.term import JobTerm
+from rallypoint.orchestrator.job.view import JobView
 from rallypoint.orchestrator.job.warm import SpareWarmer
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.recovery.load_plan import SlicePlace
@@ -110,13 +112,14 @@ class JobExecutor:
         loss_grace_s: after one loss, how long to gather others that happened with it.
         workers: the RPCs to the job's workers (default: gRPC with the store's TLS identity).
         keep_runs: retention of the job name's earlier runs when a new run starts (0: keep all).
+        auto_resumed: the leader resumes the job by itself, room having returned (service/verbs.py).
     """
 
     def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
                  emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
                  resume: bool = False, adopted: bool = False, hooks: ExecutorHooks = ExecutorHooks(),
                  budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S,
-                 workers: JobWorkers | None = None, keep_runs: int = 0) -> None:
+                 workers: JobWorkers | None = None, keep_runs: int = 0, auto_resumed: bool = False) -> None:
         self.spec, self.store, self.keys, self.clock, self.emit = spec, store, keys, clock, emit
         self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
         self.resume, self.adopted = resume or adopted, adopted
@@ -126,22 +129,28 @@ class JobExecutor:
         self.run_dir: Path | None = None
         self.run_id = ""  # this run of the job name (orchestrator/job/runs.py)
         self.keep_runs = keep_runs
-        self.auto_resumed = False  # the leader resumed it once room returned (service/verbs.py)
+        self.auto_resumed = auto_resumed
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
-        self.settings: RecoverySettings | None = None
+        try:  # what the spec asks for recoveries; one it cannot have fails the job when it runs (_prepare)
+            asked, self._invalid = RecoverySettings.from_spec(spec), ""
+        except ValueError as exc:
+            asked, self._invalid = None, str(exc)
+        self._asked = asked
+        self.settings: RecoverySettings | None = None  # the settings checked, once the run begins
         # The collaborators, each the one owner of its part of the job (docs/runtime.md has the table).
         self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
-                            on_unpaused=self._unpaused)
-        self.term.resume = self.resume
+                            on_unpaused=self._unpaused, resume=self.resume)
         self.progress = JobProgress(spec, self.graph)
-        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
+        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event, settings=asked)
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store))
-        self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
+        self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log,
+                              settings=asked)
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=clock, log=self.log, event=self.event,
                                 grant=self._grant, running=lambda: self.state is JobState.RUNNING,
-                                record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
+                                record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r),
+                                settings=asked)
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
                                     progress=self.progress, on_restored=self._restored)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
@@ -193,6 +202,28 @@ class JobExecutor:
     def done_through(self, node: str) -> int:
         return self.progress.done_through(node)
 
+    def view(self) -> JobView:
+        """The job now, as outside code reads it (job/view.py): copies of what each owner holds."""
+        p, end = self.progress, self.ended_mono if self.ended_mono is not None else self.clock.monotonic()
+        return JobView(
+            job=self.spec.job, state=self.state, steps=self.spec.steps, priority=self.spec.priority,
+            submit_id=self.spec.submit_id, code_sha256=self.spec.code.sha256, term=self.term.term or 0,
+            run_id=self.run_id, run_dir=self.run_dir, adopted=self.adopted, resumed=self.resume,
+            auto_resumed=self.auto_resumed, policy=self.settings.policy if self.settings else "",
+            completed=p.completed, start_step=p.start, cut=p.cut, placement=MappingProxyType(dict(self.placement)),
+            done_through=MappingProxyType({n.name: p.done_through(n.name) for n in self.graph.nodes}),
+            replayed=MappingProxyType(dict.copy(p.replayed)), compute_s=MappingProxyType(dict.copy(p.compute_s)),
+            redone_s=float(p.redone_s), step_times=MappingProxyType(dict.copy(self.step_times.by_slice)),
+            recoveries=tuple(self.recovery.records), recovery_entries=tuple(self.recovery.entries()),
+            failures=tuple(dict(f) for f in self.failures), drain_records=tuple(self.drains.drain_records),
+            resharded=tuple(dict(r) for r in self.places.resharded), stop=self.stopper.pending,
+            stalls=self.watchdog.stalls if self.watchdog else 0, started_at=self.started_at,
+            running_s=end - self.started_mono)
+
+    def request_stop(self, request: StopRequest) -> bool:
+        """A suspend or cancel the leader took (service/verbs.py), carried out at the next step boundary."""
+        return self.stopper.request(request)
+
     # -- state and record --------------------------------------------------------------------------
 
     def _set_state(self, new: JobState, **fields: Any) -> None:
@@ -213,7 +244,8 @@ class JobExecutor:
         """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
         the final one takes a suspend or cancel asked from etcd with it (carried out, or moot)."""
         done = [Delete(self.keys.control(self.spec.job))] if self.state.is_terminal else []  # moot, or carried out
-        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record_of(self, **fields))), *done])
+        record = record_of(self.view(), self.history, **fields)
+        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record)), *done])
 
     def _record_quietly(self, **fields: Any) -> None:
         """Record progress, unless etcd is away (the next record catches up)."""
@@ -238,8 +270,10 @@ class JobExecutor:
     # -- start ------------------------------------------------------------------------
 
     def _prepare(self) -> None:
+        if self._asked is None:
+            raise JobFailed(self._invalid)
         try:
-            self.settings = RecoverySettings.from_spec(self.spec)
+            self.settings = self._asked
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
                                              compile_timeout_s=self.settings.compile_timeout_s,
                                              window_s=self.settings.failure_policy.window_s)
@@ -265,13 +299,11 @@ class JobExecutor:
         else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
             self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
                                                   self.keep_runs, self.log)
-        self.term.run_dir = self.loads.run_dir = self.run_dir
+        self.term.open_run(self.run_dir)
+        self.loads.open_run(self.run_dir)
         self.event_log.open(self.run_dir)
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
-        for c in (self.places, self.loads, self.drains):
-            c.settings = self.settings
-        keeps = self.run_dir is not None and self.settings.checkpoint_every > 0
-        self.drains.checkpoints = keeps
+        self.drains.open_run(self.run_dir is not None and self.settings.checkpoint_every > 0)
         self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
         if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
             self.term.leases().release(self.spec.job)
@@ -517,7 +549,13 @@ class JobExecutor:
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
         self._set_state(JobState.FINISHING)
-        states = final_states(self)
+        while not isinstance(states := fetch_final(self.workers, self.term), list):
+            lost = states  # some workers did not answer: recovered like any loss, then all are asked again
+            self.log.warning("job.lost_while_finishing", lost=sorted(lost))
+            self._recover(lost)
+            while self.recovery.active is not None:  # the lost slices replay to the end
+                self.step()
+            self._set_state(JobState.FINISHING)
         self.recovery.supersede("the job ended")
         self.drains.abort("the job ended")
         trees = {s.name: s.treedef for s in self.spec.states}

@@ -56,12 +56,13 @@ class JobPlacement:
         term: the job's etcd under its term.
         clock, log: the injected clock and the executor's logger.
         event: sends a job event (``event(name, step=..., **detail)``).
+        settings: the job's recovery settings (None: the spec's are not valid, and the job fails before it places).
     """
 
     def __init__(self, spec: pb.JobSpec, term: JobTerm, *, clock: Clock, log: Any,
-                 event: Callable[..., None]) -> None:
+                 event: Callable[..., None], settings: RecoverySettings | None = None) -> None:
         self.spec, self.term, self.clock, self.log, self.event = spec, term, clock, log, event
-        self.settings: RecoverySettings | None = None  # set once the job's settings are checked
+        self.settings = settings
         self._places: dict[str, SlicePlace] = {}
         self.resharded: list[dict[str, Any]] = []  # each change of a slice's device count (shrink, grow)
         self.nondeterministic: set[str] = set()  # workers it placed on that run nondeterministic kernels

@@ -52,6 +52,7 @@ from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job.metrics import nonfinite_mode
 from rallypoint.orchestrator.service.verbs import JobControl, start_thread, watched
+from rallypoint.orchestrator.job.view import JobHandle
 from rallypoint.orchestrator.job.state import END_EVENTS, FINAL_RECORD_STATES, STREAM_END_EVENTS
 from rallypoint.orchestrator.observe.timeline import TimelineRecorder
 from rallypoint.recovery.platforms import platform_refusal, pool_platforms
@@ -92,7 +93,7 @@ class _Run:
     job: str
     term: int
     adopted: bool
-    executor: Any = None  # the JobExecutor (set right after the run is made: its emit is publish)
+    executor: JobHandle  # the JobExecutor (its emit is publish)
     first: queue.Queue[pb.JobEvent] | None = None  # the stream that started it, subscribed before it starts
     subscribers: list[queue.Queue[pb.JobEvent]] = field(default_factory=list)
     last: pb.JobEvent | None = None  # the executor's last event, once it ended
@@ -288,7 +289,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._lock:
             run = self._runs.get(spec.job)
         if run is not None:
-            return bool(spec.submit_id) and getattr(run.executor.spec, "submit_id", "") == spec.submit_id
+            return bool(spec.submit_id) and run.executor.view().submit_id == spec.submit_id
         root = spec.checkpoint_dir or self._root()
         try:
             prev = previous_run(self.c.store, self.c.keys, spec.job, Path(root).absolute() if root else None)
@@ -336,23 +337,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._lock:
             if spec.job in self._runs:
                 return None
-            run = _Run(job=spec.job, term=self.c.election.term or 0, adopted=adopted)
-            run.first = run.subscribe()
 
-            def emit(ev: pb.JobEvent) -> None:  # the dashboard's recorder, then the clients
-                self.timeline.observe(executor, ev)
+            def emit(ev: pb.JobEvent) -> None:  # the dashboard's recorder (with the job's view now), then the clients
+                try:
+                    view = executor.view()
+                except Exception as exc:  # the dashboard must never keep an event from the clients
+                    self.log.warning("dashboard.view_failed", job=spec.job, event_name=ev.event, error=repr(exc))
+                    view = None
+                self.timeline.observe(view, ev)
                 run.publish(ev)
 
-            executor = JobExecutor(spec, store=self.c.store, keys=self.c.keys, election=self.c.election,
-                                   emit=emit, clock=self.c.clock,
-                                   checkpoint_root=self.c.config.checkpoint_dir if checkpoint_root is None
-                                   else checkpoint_root,
-                                   resume=resume, adopted=adopted, hooks=self.c.config.hooks)
-            executor.keep_runs = getattr(self.c.config, "keep_runs", 0)  # retention of earlier runs (runs.py)
-            executor.auto_resumed = auto_resumed  # resumed by the leader once room returned (service/verbs.py)
-            run.executor = executor
+            executor: JobHandle = JobExecutor(
+                spec, store=self.c.store, keys=self.c.keys, election=self.c.election, emit=emit, clock=self.c.clock,
+                checkpoint_root=self.c.config.checkpoint_dir if checkpoint_root is None else checkpoint_root,
+                resume=resume, adopted=adopted, hooks=self.c.config.hooks,
+                keep_runs=getattr(self.c.config, "keep_runs", 0),  # retention of earlier runs (runs.py)
+                auto_resumed=auto_resumed)  # resumed by the leader once room returned (service/verbs.py)
+            run = _Run(job=spec.job, term=self.c.election.term or 0, adopted=adopted, executor=executor)
+            run.first = run.subscribe()  # before the executor starts: the stream that asked for it sees every event
             if getattr(self.c, "metrics", None) is not None:
-                self.c.metrics.job_started(executor)  # docs/metrics.md
+                self.c.metrics.job_started(spec.job, executor)  # docs/metrics.md
             self._runs[spec.job] = run
             self._ended.pop(spec.job, None)
 
@@ -416,10 +420,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             ended = kept[0] if kept is not None and time.monotonic() - kept[1] < KEEP_ENDED_S else None
             if run is not None:
                 q = run.subscribe()
-                x = run.executor
+                x = run.executor.view()
                 placement = {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
-                             for s, p in dict(getattr(x, "placement", {}) or {}).items()}
-                yield pb.JobEvent(job=job, event="job.watching", step=int(x.completed),
+                             for s, p in x.placement.items()}
+                yield pb.JobEvent(job=job, event="job.watching", step=x.completed,
                                   detail=json.dumps({"state": x.state.value, "adopted": run.adopted,
                                                      "term": run.term, "placement": placement, **watched(x)}))
                 yield from self._stream(run, q, context)
@@ -535,8 +539,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._lock:
             runs = list(self._runs.values())
         for r in runs:
-            if r.executor is not None:
-                r.executor.worker_fenced(worker, incarnation, reason)
+            r.executor.worker_fenced(worker, incarnation, reason)
 
     def on_step_down(self, reason: str) -> None:
         """This coordinator stopped leading: hand its jobs off, unless its term may come back."""

@@ -60,17 +60,18 @@ class Parts:
         self.term = JobTerm("pipe", store=self.store, keys=self.keys, election=self.election, clock=self.clock,
                             log=self.log)
         self.progress = JobProgress(self.spec, self.graph)
-        self.places = JobPlacement(self.spec, self.term, clock=self.clock, log=self.log, event=self.event)
+        settings = RecoverySettings.from_spec(self.spec)
+        self.places = JobPlacement(self.spec, self.term, clock=self.clock, log=self.log, event=self.event,
+                                   settings=settings)
         self.workers = FakeWorkers("pipe", self.spec, self.store, self.keys)
-        self.loads = JobLoads(self.spec, self.workers, self.term, self.places.slices, clock=self.clock, log=self.log)
+        self.loads = JobLoads(self.spec, self.workers, self.term, self.places.slices, clock=self.clock, log=self.log,
+                              settings=settings)
         self.granted: list[list[str]] = []
         self.drains = JobDrains(self.spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=self.clock, log=self.log, event=self.event,
-                                grant=self.granted.append, running=lambda: True, record=lambda: None)
-        settings = RecoverySettings.from_spec(self.spec)
-        for c in (self.places, self.loads, self.drains):
-            c.settings = settings
-        self.drains.checkpoints = True
+                                grant=self.granted.append, running=lambda: True, record=lambda: None,
+                                settings=settings)
+        self.drains.open_run(checkpoints=True)
 
     def event(self, name: str, step: int = 0, **detail: Any) -> None:
         self.events.append((name, {"step": step, **detail}))
@@ -167,8 +168,8 @@ def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewe
     spec = pipeline_spec(on_no_spare="shrink")
     spec.slices[1].mesh_shape[:] = [2]
     spec.nodes[1].variants.add(devices=1)
-    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event)
-    p.places.settings = RecoverySettings.from_spec(spec)
+    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event,
+                            settings=RecoverySettings.from_spec(spec))
     with pytest.raises(NoSpareDevices):  # a new job: no waiting, no shrinking
         p.places.place(lambda: read_cluster(p.store, p.keys))
     p.places.release_all()
@@ -207,7 +208,7 @@ def test_a_drain_whose_move_fails_returns_the_lost_worker_to_the_executor_instea
 def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing() -> None:
     p = Parts()
     loaded(p)
-    p.drains.checkpoints = False
+    p.drains.open_run(checkpoints=False)
     before = (dict(p.places.slices), p.leases())
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))

@@ -37,7 +37,7 @@ def _service() -> service_mod.CoordinatorService:
 
 
 def test_a_stream_that_falls_behind_is_dropped_with_a_message_and_the_job_and_the_others_go_on() -> None:
-    run = service_mod._Run(job="j", term=1, adopted=False)
+    run = service_mod._Run(job="j", term=1, adopted=False, executor=None)  # type: ignore[arg-type]
     slow, fast = run.subscribe(), run.subscribe()
     total = 3 * service_mod.SUBSCRIBER_QUEUE_MAX
     seen: list[pb.JobEvent] = []
