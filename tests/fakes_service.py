@@ -140,7 +140,8 @@ def service_with_stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> t
     listeners: list[Any] = []
     fence_listeners: list[Any] = []
     c = SimpleNamespace(store=MemoryStore(), keys=Keys("t"), election=election, clock=FakeClock(), stopping=False,
-                        config=SimpleNamespace(coordinator_id="c0", checkpoint_dir=str(tmp_path), hooks=ExecutorHooks()),
+                        config=SimpleNamespace(coordinator_id="c0", checkpoint_dir=str(tmp_path),
+                                               hooks=ExecutorHooks()),
                         add_leadership_listener=lambda a, b: listeners.append((a, b)),
                         add_fence_listener=fence_listeners.append)
     svc = service_mod.CoordinatorService(c)  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ class JobView:
     start_step: int = 0  # where this executor's run began (a resume's cut)
     cut: int = -1
     placement: Mapping[str, SlicePlace] = field(default_factory=_empty)
-    done_through: Mapping[str, int] = field(default_factory=_empty)  # per node, in the graph's order: steps below are done
+    done_through: Mapping[str, int] = field(default_factory=_empty)  # per node: every step below is done
     replayed: Mapping[str, int] = field(default_factory=_empty)  # instances run again, per node
     compute_s: Mapping[str, float] = field(default_factory=_empty)  # first runs' compute seconds, per node
     redone_s: float = 0.0  # replays' compute seconds

@@ -237,11 +237,11 @@ def test_a_new_leader_adopts_every_unfinished_job_and_skips_the_rest(
         c.store.put(c.keys.job(job), json.dumps({"job": job, **r}))
     c.store.put(c.keys.checkpoint("a", "s0", 5), json.dumps({"step": 5}))
     before = {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.jobs)[0]}
-    svc._adopt_all(7)
+    svc.adoption.adopt_all(7)
     (x,) = StandInExecutor.made
     assert x.spec.job == "a" and x.adopted and x.resume and x.checkpoint_root == str(tmp_path)
     assert {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.jobs)[0]} == before  # "c": nothing written
-    svc._adopt_all(7)  # it runs here under this term: not again
+    svc.adoption.adopt_all(7)  # it runs here under this term: not again
     assert len(StandInExecutor.made) == 1
     # A watcher gets job.watching (adopted), then the events to the end.
     ctx = Context()

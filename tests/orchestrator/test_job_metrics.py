@@ -156,7 +156,7 @@ def test_a_nan_loss_stops_the_job_there_keeps_the_cut_before_it_and_blames_no_wo
     commits = read_commits(h.store, h.keys, "pipe")
     assert max(c.step for cs in commits.values() for c in cs) == 6
     assert h.record()["state"] == "failed" and h.record()["cut"] == 6
-    assert "job.recovering" not in h.names() and h.x.failures == [] and h.x.recoveries == []
+    assert "job.recovering" not in h.names() and h.x.port.failures == [] and h.x.recovery.records == []
     assert [e.step for e in h.events if e.event == "step.done"] == list(range(7))
     nonfinite = [json.loads(e.detail) for e in h.events if e.event == "job.nonfinite"]
     assert nonfinite == [{"metric": "loss", "value": "nan", "node": "fwd1", "microbatch": 0, "action": "stop"}]

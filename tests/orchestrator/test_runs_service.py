@@ -114,7 +114,7 @@ def test_adoption_reads_no_run_dir_outside_the_root(monkeypatch: pytest.MonkeyPa
     linked.symlink_to(outside)  # under the root by name, outside it in fact
     c.store.put(c.keys.job("b"), json.dumps({"job": "b", "state": "running", "term": 3, "run_dir": str(linked)}))
     before = snapshot(c, tmp_path)
-    svc._adopt_all(7)
+    svc.adoption.adopt_all(7)
     assert StandInExecutor.made == [] and snapshot(c, tmp_path) == before
 
 
