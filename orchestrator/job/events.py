@@ -65,6 +65,12 @@ class JobEvents:
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}  # the workers' output logs, the most any held
         self._ungranted: set[str] = set()
 
+    def fenced(self, worker: str, incarnation: int, reason: str) -> None:
+        """The leader fenced ``worker`` (any thread): an event of its runtime, if the job runs on that incarnation."""
+        to, gen = self.workers.identity.get(worker), self.workers.generation.get(worker)
+        if to is not None and gen is not None and to.incarnation == incarnation:
+            self.workers.events.put(("fenced", (worker, gen, reason)))
+
     def take_ungranted(self) -> list[str]:
         """The job's workers that refused a grant since the last call (without being lost): to grant again."""
         retry, self._ungranted = sorted(self._ungranted & set(self.workers.workers)), set()
@@ -74,7 +80,8 @@ class JobEvents:
         """One event of ``worker``'s runtime ``gen``.
 
         Raises:
-            JobFailed: an instance failed (not a lost member of a multi-host slice).
+            JobFailed: an instance failed (not a lost member of a multi-host slice), or a metric is not finite
+                and the job stops at such values (``on_nonfinite`` stop).
         """
         if kind == "warmed":  # a round of WarmJob requests answered (job/warm.py)
             self.log.info("job.warmed", **item)
@@ -107,7 +114,9 @@ class JobEvents:
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
-        self.metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) the job fails here
+        bad = self.metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) where to stop
+        if bad is not None:
+            raise JobFailed(self.metrics.stop(bad))
         self._count(worker, gen, item, watchdog)
         self._advance()
 

@@ -1,10 +1,8 @@
 """The graph executor: runs one job on the cluster, from the leader, through host losses.
 
-The executor owns its collaborators and is the only place that wires them; each piece
-of the job's state has one owner that writes it, the others read it through that owner
-(``docs/runtime.md``, "The executor: one owner per fact", has the table). What the workers'
-events move is :mod:`~rallypoint.orchestrator.job.events`; losses and stalls are
-:mod:`~rallypoint.orchestrator.job.losses`. Outside code reads the job through
+The executor owns and wires its collaborators, each the one writer of its facts (``docs/runtime.md``,
+"The executor: one owner per fact"); the workers' events are :mod:`~rallypoint.orchestrator.job.events`,
+losses and stalls :mod:`~rallypoint.orchestrator.job.losses`. Outside code reads the job through
 :meth:`JobExecutor.view` and calls it through :class:`~rallypoint.orchestrator.job.view.JobHandle`.
 
 It places every virtual slice on a worker's devices (device leases, fenced on the
@@ -81,7 +79,7 @@ from rallypoint.orchestrator.job.stragglers import StragglerWatch, busy_reason
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import flat_state_digest
-from rallypoint.recovery.decide import Budget
+from rallypoint.recovery.decide import Budget, Fail
 from rallypoint.recovery.replay import Graph
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
@@ -251,9 +249,9 @@ class JobExecutor:
     # -- start ------------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        if self._asked is None:
-            raise JobFailed(self._invalid)
         try:
+            if self._asked is None:
+                raise ValueError(self._invalid)
             self.settings = self._asked
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
                                              compile_timeout_s=self.settings.compile_timeout_s,
@@ -290,9 +288,12 @@ class JobExecutor:
             self.term.leases().release(self.spec.job)
             self.loads.unload_everywhere(read_cluster(self.store, self.keys))
 
-    def _load_all_from_cut(self) -> dict[str, str]:
-        """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
-        c, commits, failed = self.port.load_newest_cut(self.budget)
+    def _load_all_from_cut(self) -> dict[str, str] | Fail:
+        """Resume or adopt: every slice from the newest consistent cut that restores; the workers lost (or Fail)."""
+        newest = self.port.load_newest_cut(self.budget)
+        if isinstance(newest, Fail):
+            return newest
+        c, commits, failed = newest
         self.progress.begin(c, commits)
         self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c, auto=self.auto_resumed)
         return self.port.lost_at_load(self.budget, failed, c)
@@ -346,9 +347,7 @@ class JobExecutor:
 
     def worker_fenced(self, worker: str, incarnation: int, reason: str) -> None:
         """The leader fenced ``worker`` (any thread): if this job runs on that incarnation, recover it."""
-        to, gen = self.workers.identity.get(worker), self.workers.generation.get(worker)
-        if to is not None and gen is not None and to.incarnation == incarnation:
-            self.workers.events.put(("fenced", (worker, gen, reason)))
+        self.worker_events.fenced(worker, incarnation, reason)
 
     # -- losses and stalls (job/losses.py) -----------------------------------------------------
 
@@ -358,7 +357,6 @@ class JobExecutor:
     def _restored(self, recovery: Recovery) -> None:
         """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""
         rec = recovery.record
-        rec.generations = dict(self.workers.generation)
         self._set_state(JobState.RUNNING, recovery=rec.number)
         assert self.watchdog is not None
         self.watchdog.progressed()
@@ -398,6 +396,8 @@ class JobExecutor:
             self.places.withdraw_yields()
         self._set_state(JobState.LOADING)
         lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
+        if isinstance(lost, Fail):  # the loads' decision, carried out here
+            raise JobFailed(lost.reason)
         self._set_state(JobState.RUNNING)
         self.event("job.started", step=self.progress.completed, run=self.run_id, placement=self.places.to_json(),
                    resumed=self.resume, adopted=self.adopted)

@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.commits import consistent_cut
-from rallypoint.orchestrator.job.state import STREAM_END_EVENTS, JobFailed
+from rallypoint.orchestrator.job.state import STREAM_END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 
 METRICS_FILE = "metrics.jsonl"
@@ -296,11 +296,12 @@ class JobMetrics:
 
     # -- non-finite values ----------------------------------------------------------------------
 
-    def check(self, item: pb.InstanceDone) -> None:
+    def check(self, item: pb.InstanceDone) -> NonFinite | None:
         """An instance's metrics as they arrive: a value that is not finite warns once per metric
-        (``warn``) or stops the job there (``stop``: raises :class:`JobFailed`)."""
+        (``warn``); with ``stop`` the first one is returned: the job must stop there (the executor
+        carries it out through :meth:`stop` and fails the job with its reason)."""
         if not item.metrics:
-            return
+            return None
         for bad in nonfinite(item):
             detail = {"metric": bad.metric, "value": repr(bad.value), "node": bad.node,
                       "microbatch": bad.microbatch, "action": self.mode}
@@ -313,7 +314,8 @@ class JobMetrics:
                 continue
             self.log.error("job.nonfinite", step=bad.step, **detail)
             self.event("job.nonfinite", step=bad.step, **detail)
-            raise JobFailed(self.stop(bad))
+            return bad
+        return None
 
     def stop(self, bad: NonFinite) -> str:
         """Stop the job at ``bad.step``: no cut past it counts, the workers unload, the commits past it go.

@@ -34,7 +34,7 @@ from rallypoint.basics.errors import AllocationError, NoSpareDevices, NotLeader,
 from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_cluster
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.control.devices import DeviceLeases, Placement
-from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.orchestrator.job.recovery import RecoverySettings
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.recovery.load_plan import SlicePlace, device_counts
@@ -289,14 +289,16 @@ class JobPlacement:
                                        else "drained onto fewer devices"})
         self._places.update(places)
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
-              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
-        """Lease spare devices for each lost slice per the job's policy (waits, or fails the job).
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], recovery: int, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> tuple[dict[str, SlicePlace], float] | Fail:
+        """Lease spare devices for each lost slice of recovery number ``recovery`` per the job's policy (waits,
+        or decides :class:`Fail`: no spare within the policy; the recovery fails, and the job with it).
 
         ``exclude``: workers not used whatever their incarnation; ``lost``: worker -> the incarnation
         a recovery lost (a newer one of the same worker is a spare like any other).
 
-        Returns the places leased; :meth:`apply` makes them the job's.
+        Returns the places leased (:meth:`apply` makes them the job's) and the seconds it waited for a
+        worker with room (the recovery records them: the goodput bucket waiting_for_spares).
         """
         assert self.settings is not None
         policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
@@ -313,9 +315,7 @@ class JobPlacement:
             self.term.hold()
             todo = {s: n for s, n in need.items() if s not in placed}
             if not todo:
-                if told:  # the seconds this remap waited for a spare (the goodput bucket waiting_for_spares)
-                    record.spare_wait_s += self.clock.monotonic() - waited_from
-                return placed
+                return placed, (self.clock.monotonic() - waited_from if told else 0.0)
             snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
             decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
                                   allowed=self.device_counts, lost_incarnations=lost)
@@ -323,7 +323,7 @@ class JobPlacement:
                 for a in decision.assignments:
                     if self._lease(snap, a, leases, placed) and a.shrunk:
                         self.resharded.append({"slice": a.slice, "from": a.needed, "to": len(a.devices),
-                                               "why": f"recovery {record.number}: no spare with {a.needed} "
+                                               "why": f"recovery {recovery}: no spare with {a.needed} "
                                                       "devices (on_no_spare='shrink')", "at": time.time()})
                         self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
                 continue
@@ -331,15 +331,15 @@ class JobPlacement:
                 if not told:
                     told, waited_from = True, self.clock.monotonic()
                     self.log.warning("recovery.waiting", missing=dict(decision.missing), timeout_s=decision.timeout_s)
-                    self.event("job.waiting", recovery=record.number, missing=dict(decision.missing),
+                    self.event("job.waiting", recovery=recovery, missing=dict(decision.missing),
                                timeout_s=decision.timeout_s,
                                reason=f"no spare for {sorted(decision.missing)}: waiting up to {decision.timeout_s:g}s "
                                       "for a worker with room to join")
                 self.clock.sleep(REMAP_POLL_S)
                 continue
             if isinstance(decision, Fail):
-                raise JobFailed(decision.reason)
-            raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")
+                return decision
+            return Fail(reason=f"remap decided {type(decision).__name__}, which this executor does not carry out")
 
     def _regang(self, slice_name: str, count: int, exclude: frozenset[str]) -> SlicePlace:
         """A lost multi-host slice's new gang: what its surviving members hold is let go, then a whole gang is

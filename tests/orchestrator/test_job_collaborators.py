@@ -26,6 +26,9 @@ from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.recovery import RecoveryRecord, RecoverySettings
+from rallypoint.recovery.decide import Budget, Fail
+from rallypoint.recovery.remap import Fail as RemapFail
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.recovery.load_plan import SlicePlace
@@ -146,21 +149,22 @@ def test_a_remap_leases_a_spare_and_apply_makes_it_the_slices_place() -> None:
     p = Parts()
     p.places.place(lambda: read_cluster(p.store, p.keys))
     lost = p.places.slices["s1"].worker
-    placed = p.places.remap({"s1": 1}, frozenset({lost, p.places.slices["s0"].worker}),
-                            record())
+    placed, waited_s = p.places.remap({"s1": 1}, frozenset({lost, p.places.slices["s0"].worker}), 1)
+    assert waited_s == 0.0  # a spare was there
     assert placed["s1"].worker not in (lost, p.places.slices["s0"].worker)
     assert p.places.slices["s1"].worker == lost  # leased, not yet the job's
     p.places.apply(placed)
     assert p.places.slices["s1"].worker == placed["s1"].worker and p.places.resharded == []
 
 
-def test_a_remap_with_no_spare_and_on_no_spare_fail_fails_the_job_naming_the_slice() -> None:
+def test_a_remap_with_no_spare_and_on_no_spare_fail_decides_fail_naming_the_slice_and_leases_nothing() -> None:
     p = Parts(workers=2)
     p.places.settings = RecoverySettings.from_spec(pipeline_spec(on_no_spare="fail"))
     p.places.place(lambda: read_cluster(p.store, p.keys))
-    with pytest.raises(JobFailed, match="s1"):
-        p.places.remap({"s1": 1}, frozenset({"w0", "w1"}),
-                       record())
+    before = p.leases()
+    decision = p.places.remap({"s1": 1}, frozenset({"w0", "w1"}), 1)
+    assert isinstance(decision, RemapFail) and "s1" in decision.reason  # the recovery carries it out (Failed)
+    assert p.leases() == before
 
 
 def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewer_devices() -> None:
@@ -323,3 +327,17 @@ def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -
     _reason, decision = rec.stalled(31.0, dog, {"w1": "again"}, 4)
     assert isinstance(decision, Fail)
     assert rec.active is None and rec.to_json() == []
+
+
+def test_the_recovery_port_decides_on_a_failed_load_instead_of_raising() -> None:
+    """A load that failed for another reason than a lost worker is a Fail the executor carries out (the job
+    fails); a port that raised JobFailed itself, or returned workers to recover, would fail here."""
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                           on_restored=lambda _r: None)
+    w = p.places.slices["s0"].worker
+    assert port.lost_at_load(Budget(), {}, 0) == {}
+    refused = WorkerCallFailed(w, "LoadJob", grpc.StatusCode.INVALID_ARGUMENT, "the program does not deserialize")
+    decision = port.lost_at_load(Budget(), {w: refused}, 0)
+    assert isinstance(decision, Fail) and "deserialize" in decision.reason
