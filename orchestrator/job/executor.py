@@ -80,6 +80,7 @@ from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail
+from rallypoint.recovery.remap import Fail as RemapFail
 from rallypoint.recovery.replay import Graph
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
@@ -167,7 +168,7 @@ class JobExecutor:
             spec, self.graph, workers=self.workers, loads=self.loads, progress=self.progress, placement=self.places,
             drains=self.drains, recovery=self.recovery, stragglers=self.stragglers, step_times=self.step_times,
             metrics=self.job_metrics, adopted=self.adopted, log=self.log, event=self.event, emit=self.emit,
-            grant=self._grant, recover=self._recover, record=self._record_quietly)
+            grant=self._grant, recover=self.losses.recover, record=self._record_quietly)
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
             spec.job, placed=lambda: {s: p.worker for s, p in self.places.slices.items() if p.worker in self.loads.loaded},
             progress=self.progress, drains=self.drains, recovery=self.recovery, interrupt=self.term.interrupt,
@@ -317,7 +318,7 @@ class JobExecutor:
             lost, alive = self.places.as_lead_losses(self.term.gone(
                 {w: self.workers.identity[w].incarnation for w in self.workers.workers} | self.places.gang_members()))
             if lost:
-                self._recover(lost, unload=alive)
+                self.losses.recover(lost, unload=alive)
                 return
             retry = self.worker_events.take_ungranted()
             if retry:
@@ -336,7 +337,7 @@ class JobExecutor:
                 self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
             lost = self.drains.step()
             if lost:
-                self._recover(lost)
+                self.losses.recover(lost)
                 return
         try:
             kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, STEP_WAIT_S))
@@ -348,11 +349,6 @@ class JobExecutor:
     def worker_fenced(self, worker: str, incarnation: int, reason: str) -> None:
         """The leader fenced ``worker`` (any thread): if this job runs on that incarnation, recover it."""
         self.worker_events.fenced(worker, incarnation, reason)
-
-    # -- losses and stalls (job/losses.py) -----------------------------------------------------
-
-    def _recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset()) -> None:
-        self.losses.recover(lost, unload=unload)
 
     def _restored(self, recovery: Recovery) -> None:
         """The recovery's lost slices run again (the port has set the cut): back to RUNNING."""
@@ -391,9 +387,11 @@ class JobExecutor:
         self._prepare()
         self._set_state(JobState.PLACING, adopted=self.adopted, resumed=self.resume)
         try:
-            self._place()
+            failed = self._place()
         finally:
             self.places.withdraw_yields()
+        if failed is not None:  # the placement's decision, carried out here
+            raise JobFailed(failed.reason)
         self._set_state(JobState.LOADING)
         lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
         if isinstance(lost, Fail):  # the loads' decision, carried out here
@@ -404,13 +402,13 @@ class JobExecutor:
         self._warm_soon("placed")
         self.progress.widen(self.spec.window)
         if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
-            self._recover(lost)
+            self.losses.recover(lost)
         else:
             self._grant()
 
-    def _place(self) -> None:
-        self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
-                          resuming=self.resume and not self.adopted)
+    def _place(self) -> RemapFail | None:
+        return self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
+                                 resuming=self.resume and not self.adopted)
 
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
@@ -418,7 +416,7 @@ class JobExecutor:
         while not isinstance(states := fetch_final(self.workers, self.term), list):
             lost = states  # some workers did not answer: recovered like any loss, then all are asked again
             self.log.warning("job.lost_while_finishing", lost=sorted(lost))
-            self._recover(lost)
+            self.losses.recover(lost)
             while self.recovery.active is not None:  # the lost slices replay to the end
                 self.step()
             self._set_state(JobState.FINISHING)

@@ -182,6 +182,21 @@ def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewe
     assert [(r["slice"], r["from"], r["to"]) for r in p.places.resharded] == [("s1", 2, 1)]
 
 
+@pytest.mark.parametrize(("policy", "why"), [({"on_no_spare": "fail"}, "on_no_spare='fail'"),
+                                             ({"wait_timeout_s": 1}, "of wait_timeout_s=1")])
+def test_adopting_a_slice_without_room_it_may_not_wait_for_returns_fail_saying_why(policy: dict[str, Any],
+                                                                                  why: str) -> None:
+    """The placement decides (Fail, with why); the executor fails the job. A placement that raised JobFailed
+    itself, or placed the slice anyway, fails here."""
+    p = Parts(workers=1)  # one device: s0 takes it, s1 finds no room
+    spec = pipeline_spec(**policy)
+    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event,
+                            settings=RecoverySettings.from_spec(spec))
+    decision = p.places.place(lambda: read_cluster(p.store, p.keys), adopting=True)
+    assert isinstance(decision, RemapFail) and why in decision.reason and "s1" in decision.reason
+    assert "s1" not in p.places.slices and not any(name == "job.placed" for name, _ in p.events)
+
+
 # -- JobDrains ----------------------------------------------------------------------------------------------
 
 
