@@ -16,3 +16,11 @@ def test_modules_stay_small() -> None:
         if (n := len(p.read_text().splitlines())) > 500
     ]
     assert big == []
+
+
+def test_the_orchestrator_modules_stay_under_500_lines() -> None:
+    """The job core was split where its concepts part (executor, events, losses; the service's registry,
+    fan-out, adoption, links): a module of orchestrator/ past 500 lines is one to split again."""
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for p in (ROOT / "orchestrator").rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 500]
+    assert big == []

@@ -9,17 +9,6 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-# Imports that wait on another change which moves test_adoption.py's stand-in executor (StandInExecutor,
-# Aborted, Context, _service) into tests/fakes.py; drop each entry once its import is gone.
-PENDING = {
-    ("tests/orchestrator/test_job_control.py", "tests.integration.test_adoption"),
-    ("tests/orchestrator/test_runs_service.py", "tests.integration.test_adoption"),
-    ("tests/integration/test_watchers.py", "tests.integration.test_adoption"),
-    ("tests/integration/test_adoption.py", "tests.integration.test_leader_ha"),
-    ("tests/integration/test_adoption.py", "tests.integration.test_recovery"),
-}
-
-
 def _package(path: Path) -> list[str]:
     return ["tests", *path.parent.relative_to(TESTS).parts]
 
@@ -48,9 +37,8 @@ def test_no_test_module_imports_another_test_module() -> None:
         for module in imported_modules(path)
         if module.split(".")[0] == "tests" and module.rsplit(".", 1)[-1].startswith("test_")
     )
-    assert [b for b in borrowed if b not in PENDING] == [], \
+    assert borrowed == [], \
         "move the shared helper to tests/helpers/, tests/fakes.py or a conftest.py and import it from there"
-    assert sorted(PENDING - set(borrowed)) == [], "these imports are gone: drop them from PENDING"
 
 
 def test_the_check_sees_every_form_of_import() -> None:

@@ -31,14 +31,14 @@ log floor  ``JobProgress.log_floor`` -> the executor's   a ``LogFloor`` in ``Job
 placement  ``JobPlacement.slices`` and its device        the recovery machine returns the places it
            leases -> ``JobPlacement`` (``place``,        leased to ``JobRecoveryPort.place``;
            ``apply``, ``release_on``, ``release_all``)   ``JobDrains.move``/``park`` call it directly
-recovery   ``RecoveryRecord`` in ``JobRecoveries``       ``JobRecoveries`` opens it and notes first
-records    -> each recovery's ``Recovery`` machine       calls, ``JobPlacement.remap`` adds the wait for
-           (phases, plan, restore)                       spares, ``executor._restored`` the generations
-                                                         (writers still, not decisions)
+recovery   ``RecoveryRecord`` in ``JobRecoveries``       ``JobPlacement.remap`` returns the seconds it
+records    -> each recovery's ``Recovery`` machine       waited for spares, the port the runtimes'
+           (phases, plan, restore, the wait for spares,  generations; ``JobRecoveries`` opens the record
+           the generations)                              and notes first calls
 ========== ============================================= ===============================================
 
 ``tests/orchestrator/test_one_mover.py`` scans the source for the rows cut, commits, grants
 and log floor: no module but the store touches their fields, and no module but the
-executor (and its ``JobCut``) calls their movers. The placement and the recovery records
-still have the callers the last column names.
+executor (its loop, ``events.py`` and ``losses.py``, and its ``JobCut``) calls their movers.
+The placement still has the callers the last column names.
 """

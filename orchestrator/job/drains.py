@@ -65,19 +65,21 @@ class JobDrains(DrainPort):
         record: writes the job record (after a drain is done);
         suspend: asks the job to suspend (:class:`~rallypoint.orchestrator.job.stop.JobStop`'s ``request``):
             a higher-priority job asked for every slice it has.
+        settings: the job's recovery settings (None: the spec's are not valid; the job fails before it runs).
     """
 
     def __init__(self, spec: pb.JobSpec, graph: Graph, *, term: JobTerm, placement: JobPlacement, loads: JobLoads,
                  progress: JobProgress, clock: Clock, log: Any, event: Callable[..., None],
                  grant: Callable[[list[str]], None], hold: Callable[[Hold], None], running: Callable[[], bool],
-                 record: Callable[[], None], suspend: Callable[[StopRequest], bool] = lambda _r: False) -> None:
+                 record: Callable[[], None], suspend: Callable[[StopRequest], bool] = lambda _r: False,
+                 settings: JobSettings | None = None) -> None:
         self.spec, self.graph, self.term, self.places, self.loads, self.progress = \
             spec, graph, term, placement, loads, progress
         self.clock, self.log, self.event, self._grant, self._running, self._record = \
             clock, log, event, grant, running, record
         self._suspend, self._hold = suspend, hold
-        self.settings: JobSettings | None = None  # set once the job's settings are checked
-        self.checkpoints = False  # whether the job keeps checkpoints (a run directory)
+        self.settings = settings
+        self.checkpoints = False  # whether the job keeps checkpoints (:meth:`open_run`)
         self.drains: dict[str, Drain] = {}  # worker -> the drain in flight
         self.drain_records: list[DrainRecord] = []
         self._ckpt_slices = stateful_slices(spec)
@@ -92,6 +94,10 @@ class JobDrains(DrainPort):
     def parked_waiting(self) -> bool:
         """Some slices wait, off every device, for room (the job is not stalled for that)."""
         return any(d.parked for d in self.drains.values())
+
+    def open_run(self, checkpoints: bool) -> None:
+        """Whether the run keeps checkpoints (a run directory and a period): a drain of a stateful slice needs them."""
+        self.checkpoints = checkpoints
 
     def to_json(self) -> list[dict[str, Any]]:
         return [d.to_json() for d in self.drain_records]

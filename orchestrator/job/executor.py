@@ -1,12 +1,9 @@
 """The graph executor: runs one job on the cluster, from the leader, through host losses.
 
-The executor owns its collaborators and is the only place that wires them; each piece
-of the job's state has one owner that writes it and the others read it through that
-owner: the progress and the cut (:mod:`~rallypoint.orchestrator.job.progress`), the
-placement and its device leases (:mod:`~rallypoint.orchestrator.job.placement`), loads
-(:mod:`~rallypoint.orchestrator.job.loads`), the etcd writes of the term
-(:mod:`~rallypoint.orchestrator.job.term`), drains, recoveries, stragglers, warm spares.
-``docs/runtime.md`` ("The executor: one owner per fact") has the table of who writes what.
+The executor owns and wires its collaborators, each the one writer of its facts (``docs/runtime.md``,
+"The executor: one owner per fact"); the workers' events are :mod:`~rallypoint.orchestrator.job.events`,
+losses and stalls :mod:`~rallypoint.orchestrator.job.losses`. Outside code reads the job through
+:meth:`JobExecutor.view` and calls it through :class:`~rallypoint.orchestrator.job.view.JobHandle`.
 
 It places every virtual slice on a worker's devices (device leases, fenced on the
 term that started the job), records the placement in etcd, loads each worker with the
@@ -41,8 +38,9 @@ from __future__ import annotations
 
 import json
 import queue
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -53,14 +51,14 @@ from rallypoint.basics.tls import tls_of
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Delete, Put, Store
-from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.control.election import LeaderElection
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
 from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.goodput import StepTimes
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
-from rallypoint.orchestrator.job.finish import final_states
+from rallypoint.orchestrator.job.events import JobEvents
+from rallypoint.orchestrator.job.losses import JobLosses
+from rallypoint.orchestrator.job.finish import fetch_final
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.metrics import JobMetrics
 from rallypoint.orchestrator.job.placement import JobPlacement
@@ -68,20 +66,21 @@ from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.record import EventLog, RecordHistory, record_of
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
-from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
+from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
-from rallypoint.orchestrator.job.stop import JobStop, stop_request
+from rallypoint.orchestrator.job.stop import JobStop, StopRequest, stop_request
 from rallypoint.orchestrator.job.term import JobTerm
+from rallypoint.orchestrator.job.view import JobView
 from rallypoint.orchestrator.job.warm import SpareWarmer
 from rallypoint.orchestrator.job.workers import JobWorkers
-from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.orchestrator.job.recovery_machine import Recovery
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, run_dir, start_run
-from rallypoint.orchestrator.job.stragglers import StragglerWatch
-from rallypoint.orchestrator.job.watchdog import ProgressWatchdog, laggards, lagging_nodes
+from rallypoint.orchestrator.job.stragglers import StragglerWatch, busy_reason
+from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import flat_state_digest
-from rallypoint.recovery.decide import Budget, Fail, Refence
+from rallypoint.recovery.decide import Budget, Fail
+from rallypoint.recovery.remap import NoRoom
 from rallypoint.recovery.replay import Graph
 
 __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
@@ -90,7 +89,6 @@ LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened w
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
 STEP_WAIT_S = 0.1  # the running loop's wait for an event: a drain under way advances at least this often
 DRAIN_POLL_S = 0.5  # how often drain and yield requests are read (three etcd reads each): a drain starts within 0.5 s
-RECORD_EVERY = 10  # steps between job records while the job runs
 
 
 class JobExecutor:
@@ -110,40 +108,47 @@ class JobExecutor:
         loss_grace_s: after one loss, how long to gather others that happened with it.
         workers: the RPCs to the job's workers (default: gRPC with the store's TLS identity).
         keep_runs: retention of the job name's earlier runs when a new run starts (0: keep all).
+        auto_resumed: the leader resumes the job by itself, room having returned (service/verbs.py).
     """
 
     def __init__(self, spec: pb.JobSpec, *, store: Store, keys: Keys, election: LeaderElection,
                  emit: Callable[[pb.JobEvent], None], clock: Clock = SYSTEM_CLOCK, checkpoint_root: str = "",
                  resume: bool = False, adopted: bool = False, hooks: ExecutorHooks = ExecutorHooks(),
                  budget: Budget = Budget(), loss_grace_s: float = LOSS_GRACE_S,
-                 workers: JobWorkers | None = None, keep_runs: int = 0) -> None:
+                 workers: JobWorkers | None = None, keep_runs: int = 0, auto_resumed: bool = False) -> None:
         self.spec, self.store, self.keys, self.clock, self.emit = spec, store, keys, clock, emit
         self.log = get_logger("rallypoint.executor", cluster=keys.cluster, job=spec.job, term=election.term or 0)
         self.resume, self.adopted = resume or adopted, adopted
-        self.hooks, self.budget, self.loss_grace_s = hooks, budget, loss_grace_s
+        self.hooks, self.budget = hooks, budget
         root = spec.checkpoint_dir or checkpoint_root
         self.checkpoint_root = Path(root).absolute() if root else None
         self.run_dir: Path | None = None
         self.run_id = ""  # this run of the job name (orchestrator/job/runs.py)
         self.keep_runs = keep_runs
-        self.auto_resumed = False  # the leader resumed it once room returned (service/verbs.py)
+        self.auto_resumed = auto_resumed
         self.graph = Graph.from_spec(spec)
         self.state = JobState.PLACING
-        self.settings: JobSettings | None = None
+        try:  # what the spec asks for recoveries; one it cannot have fails the job when it runs (_prepare)
+            asked, self._invalid = JobSettings.from_spec(spec), ""
+        except ValueError as exc:
+            asked, self._invalid = None, str(exc)
+        self._asked = asked
+        self.settings: JobSettings | None = None  # the settings checked, once the run begins
         # The collaborators, each the one owner of its part of the job (docs/runtime.md has the table).
         self.term = JobTerm(spec.job, store=store, keys=keys, election=election, clock=clock, log=self.log,
-                            on_unpaused=self._unpaused)
-        self.term.resume = self.resume
+                            on_unpaused=self._unpaused, resume=self.resume)
         self.progress = JobProgress(spec, self.graph)
         self.job_cut = JobCut(self.term, self.progress)  # moves the cut, the commits and the log floor (job/cut.py)
-        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event)
+        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event, settings=asked)
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store), clock=clock)
-        self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log)
+        self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log,
+                              settings=asked)
         self.drains = JobDrains(spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=clock, log=self.log, event=self.event, grant=self._grant,
                                 hold=lambda h: self._grant(self.progress.grants.hold(h, self.workers)),
                                 running=lambda: self.state is JobState.RUNNING,
-                                record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r))
+                                record=lambda: self._record_quietly(), suspend=lambda r: self.stopper.request(r),
+                                settings=asked)
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
                                     progress=self.progress, on_restored=self._restored, job_cut=self.job_cut)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
@@ -156,42 +161,49 @@ class JobExecutor:
         self.job_metrics = JobMetrics(spec, log=self.log, event=self.event, wall=clock.wall)  # <run dir>/metrics.jsonl, non-finite
         self.event_log = EventLog(term=self.term.term, log=self.log, clock=clock)  # <run dir>/events.jsonl (rallypoint logs)
         self.emit = self.event_log.tee(self.job_metrics.tee(emit))
+        self.losses = JobLosses(spec, self.graph, workers=self.workers, loads=self.loads, progress=self.progress,
+                                placement=self.places, drains=self.drains, recovery=self.recovery, budget=budget,
+                                loss_grace_s=loss_grace_s, settings=asked, clock=clock, set_state=self._set_state,
+                                event=self.event)  # job/losses.py
+        self.worker_events = JobEvents(  # what the workers' events move (job/events.py)
+            spec, self.graph, workers=self.workers, loads=self.loads, progress=self.progress, placement=self.places,
+            drains=self.drains, recovery=self.recovery, stragglers=self.stragglers, step_times=self.step_times,
+            metrics=self.job_metrics, job_cut=self.job_cut, adopted=self.adopted, log=self.log, event=self.event, emit=self.emit,
+            grant=self._grant, recover=self.losses.recover, record=self._record_quietly)
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
-            spec.job, placed=lambda: {s: p.worker for s, p in self.placement.items() if p.worker in self.loads.loaded},
+            spec.job, placed=lambda: {s: p.worker for s, p in self.places.slices.items() if p.worker in self.loads.loaded},
             progress=self.progress, drains=self.drains, recovery=self.recovery, interrupt=self.term.interrupt,
             set_state=self._set_state, event=self.event, log=self.log)
         self.started_at = clock.wall()  # when the run began (an adopted or resumed run keeps its first start)
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
-        self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}
         self._checked = self._drains_polled = float("-inf")
         self.started_mono = clock.monotonic()
         self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
 
-    # -- read-only views of what the collaborators own ------------------------------------------
+    # -- what outside code reads and asks (job/view.py) ------------------------------------------
 
-    @property
-    def completed(self) -> int:
-        return self.progress.completed
+    def view(self) -> JobView:
+        """The job now, as outside code reads it (job/view.py): copies of what each owner holds."""
+        p, end = self.progress, self.ended_mono if self.ended_mono is not None else self.clock.monotonic()
+        return JobView(
+            job=self.spec.job, state=self.state, steps=self.spec.steps, priority=self.spec.priority,
+            submit_id=self.spec.submit_id, code_sha256=self.spec.code.sha256, term=self.term.term or 0,
+            run_id=self.run_id, run_dir=self.run_dir, adopted=self.adopted, resumed=self.resume,
+            auto_resumed=self.auto_resumed, policy=self.settings.policy if self.settings else "",
+            completed=p.completed, start_step=p.start, cut=p.cut, placement=MappingProxyType(dict(self.places.slices)),
+            done_through=MappingProxyType({n.name: p.done_through(n.name) for n in self.graph.nodes}),
+            replayed=MappingProxyType(dict.copy(p.replayed)), compute_s=MappingProxyType(dict.copy(p.compute_s)),
+            redone_s=float(p.redone_s), step_times=MappingProxyType(dict.copy(self.step_times.by_slice)),
+            recoveries=tuple(self.recovery.records), recovery_entries=tuple(self.recovery.entries()),
+            failures=tuple(dict(f) for f in self.port.failures), drain_records=tuple(self.drains.drain_records),
+            resharded=tuple(self.places.resharded), stop=self.stopper.pending,
+            stalls=self.watchdog.stalls if self.watchdog else 0, started_at=self.started_at,
+            running_s=end - self.started_mono, at=self.clock.wall())
 
-    @property
-    def placement(self) -> Mapping[str, SlicePlace]:
-        return self.places.slices
-
-    @property
-    def recoveries(self) -> list[RecoveryRecord]:
-        return self.recovery.records
-
-    @property
-    def failures(self) -> list[dict[str, Any]]:
-        return self.port.failures
-
-    @property
-    def drain_records(self) -> list[DrainRecord]:
-        return self.drains.drain_records
-
-    def done_through(self, node: str) -> int:
-        return self.progress.done_through(node)
+    def request_stop(self, request: StopRequest) -> bool:
+        """A suspend or cancel the leader took (service/verbs.py), carried out at the next step boundary."""
+        return self.stopper.request(request)
 
     # -- state and record --------------------------------------------------------------------------
 
@@ -213,7 +225,8 @@ class JobExecutor:
         """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
         the final one takes a suspend or cancel asked from etcd with it (carried out, or moot)."""
         done = [Delete(self.keys.control(self.spec.job))] if self.state.is_terminal else []  # moot, or carried out
-        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record_of(self, **fields))), *done])
+        record = record_of(self.view(), self.history, **fields)
+        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record)), *done])
 
     def _record_quietly(self, **fields: Any) -> None:
         """Record progress, unless etcd is away (the next record catches up)."""
@@ -239,7 +252,9 @@ class JobExecutor:
 
     def _prepare(self) -> None:
         try:
-            self.settings = JobSettings.from_spec(self.spec)
+            if self._asked is None:
+                raise ValueError(self._invalid)
+            self.settings = self._asked
             self.watchdog = ProgressWatchdog(self.clock, self.settings.stall_timeout_s,
                                              compile_timeout_s=self.settings.compile_timeout_s,
                                              window_s=self.settings.failure_policy.window_s)
@@ -266,21 +281,22 @@ class JobExecutor:
         else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
             self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
                                                   self.keep_runs, self.log, now=self.clock.wall())
-        self.term.run_dir = self.loads.run_dir = self.run_dir
+        self.term.open_run(self.run_dir)
+        self.loads.open_run(self.run_dir)
         self.event_log.open(self.run_dir)
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
-        for c in (self.places, self.loads, self.drains):
-            c.settings = self.settings
-        keeps = self.run_dir is not None and self.settings.checkpoint_every > 0
-        self.drains.checkpoints = keeps
+        self.drains.open_run(self.run_dir is not None and self.settings.checkpoint_every > 0)
         self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
         if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
             self.term.leases().release(self.spec.job)
             self.loads.unload_everywhere(read_cluster(self.store, self.keys))
 
-    def _load_all_from_cut(self) -> dict[str, str]:
-        """Resume or adopt: every slice from the newest consistent cut that restores; returns the workers lost."""
-        c, commits, failed = self.port.load_newest_cut(self.budget)
+    def _load_all_from_cut(self) -> dict[str, str] | Fail:
+        """Resume or adopt: every slice from the newest consistent cut that restores; the workers lost (or Fail)."""
+        newest = self.port.load_newest_cut(self.budget)
+        if isinstance(newest, Fail):
+            return newest
+        c, commits, failed = newest
         self.progress.begin(c, commits)
         self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c, auto=self.auto_resumed)
         return self.port.lost_at_load(self.budget, failed, c)
@@ -293,16 +309,6 @@ class JobExecutor:
         self.workers.grant(self.progress.grants.now(self.workers.workers if workers is None else workers,
                                                     self.progress.cut))
 
-    def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
-        """A worker whose process is gone is lost; any other refusal is granted again later
-        (the grants' ``refused``): one that does not answer (hung, partitioned) is lost once its etcd
-        registration is gone, which the periodic check sees."""
-        if failure.verdict is Verdict.LOST:
-            self._recover({worker: str(failure)})
-            return
-        self.progress.grants.refused(worker)
-        self.log.info("job.grant_refused", worker=worker, code=failure.code.name, verdict=failure.verdict.value)
-
     def step(self, timeout_s: float = 0.25) -> None:
         """One iteration of the running loop: hold the term, a stop asked, the periodic checks, one event."""
         self.term.hold()
@@ -312,14 +318,14 @@ class JobExecutor:
             lost, alive = self.places.as_lead_losses(self.term.gone(
                 {w: self.workers.identity[w].incarnation for w in self.workers.workers} | self.places.gang_members()))
             if lost:
-                self._recover(lost, unload=alive)
+                self.losses.recover(lost, unload=alive)
                 return
             self._grant(self.progress.grants.retry(self.workers.workers))  # refused grants, again
             self._warm_check()
             assert self.watchdog is not None
-            quiet = self.watchdog.check(self._compiling())
+            quiet = self.watchdog.check(self.losses.compiling(self.watchdog))
             if quiet is not None:
-                self._stalled(quiet)
+                self.losses.stalled(quiet, self.watchdog)
                 return
         if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S and self.state is not JobState.STOPPING:
             self._drains_polled = self.clock.monotonic()
@@ -330,130 +336,23 @@ class JobExecutor:
             moved = self.drains.step()
             self.job_cut.floors(moved.floors)  # a move's spares log from the drain step only
             if moved.lost:
-                self._recover(dict(moved.lost))
+                self.losses.recover(dict(moved.lost))
                 return
         try:
             kind, (worker, gen, item) = self.workers.events.get(timeout=min(timeout_s, STEP_WAIT_S))
         except queue.Empty:
             return
-        self._handle(kind, worker, gen, item)
+        assert self.watchdog is not None
+        self.worker_events.handle(kind, worker, gen, item, self.watchdog)
 
     def worker_fenced(self, worker: str, incarnation: int, reason: str) -> None:
         """The leader fenced ``worker`` (any thread): if this job runs on that incarnation, recover it."""
-        to, gen = self.workers.identity.get(worker), self.workers.generation.get(worker)
-        if to is not None and gen is not None and to.incarnation == incarnation:
-            self.workers.events.put(("fenced", (worker, gen, reason)))
-
-    def _handle(self, kind: str, worker: str, gen: int, item: Any) -> None:
-        if kind == "warmed":  # a round of WarmJob requests answered (job/warm.py)
-            self.log.info("job.warmed", **item)
-            self.event("job.warmed", step=self.progress.completed, **item)
-            return
-        if not self.workers.current(worker, gen):
-            return  # a runtime given up on
-        if kind == "grant_failed":
-            self._grant_failed(worker, item)
-            return
-        if kind == "fenced":
-            self._recover({worker: f"fenced by the leader ({item})"})
-            return
-        self.loads.heard(worker)
-        if kind == "ended":
-            self._recover({worker: f"event stream ended: {item}"})
-            return
-        assert self.watchdog is not None
-        self.watchdog.progressed()
-        if item.checkpoint_slice:
-            if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
-                self.log.info("job.cut", step=self.progress.cut)
-                self._grant()
-            return
-        if item.HasField("group_lost"):  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
-            lost, alive = self.places.group_lost(worker, item.group_lost.member_worker,
-                                                 f"node {item.node!r} at step {item.step}: {item.error}")
-            self._recover(lost, unload=alive)
-            return
-        if item.error:
-            where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"
-            raise JobFailed(f"{where} on worker {worker}: {item.error}")
-        self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
-        self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
-        if (bad := self.job_metrics.check(item)) is not None:  # not finite, and on_nonfinite stop: the job fails here
-            self.progress.grants.halt(bad.step)
-            for w in list(self.workers.workers):  # a save in flight finishes (and commits) before UnloadJob returns
-                self.workers.unload(w)
-            raise JobFailed(self.job_cut.stop(bad, self.job_metrics))  # the commits past it go, the cut before stays
-        self._count(worker, gen, item)
-        self._advance()
-
-    def _count(self, worker: str, gen: int, item: pb.InstanceDone) -> None:
-        step, node = int(item.step), item.node
-        self.recovery.observe(worker, gen, node, step)
-        assert self.watchdog is not None
-        self.watchdog.ran(node, (worker, gen))
-        self.drains.observe(worker, node, step)
-        if item.program_source:  # a node's first call on this runtime: where its executable came from
-            self.recovery.first_call(worker, gen, self.graph.node(node).slice, item.program_source, item.compile_s)
-        if self.progress.instance(item):
-            self.stragglers.instance(item)
-            self.step_times.instance(node, step, item.compute_s)
-
-    def _advance(self) -> None:
-        for done in self.progress.complete():
-            self.emit(pb.JobEvent(job=self.spec.job, event="step.done", step=done.step, metrics=done.metrics))
-            self.step_times.step_done(done.step)
-            if self.adopted:
-                self.recovery.adopted_running(done.step)
-            if self.progress.completed % RECORD_EVERY == 0:
-                self._record_quietly()
-        self.recovery.progressed()
-        if self.progress.widen(self.spec.window):
-            self._grant()
-        self.stragglers.advanced()
-
-    # -- losses and stalls ----------------------------------------------------------------------
-
-    def _stalled(self, quiet: float) -> None:
-        """No progress for the stall timeout: report it, and recover the workers the job waits on."""
-        assert self.watchdog is not None
-        blamed = laggards([(n.name, n.slice) for n in self.graph.nodes], self.progress.done_through,
-                          {s: p.worker for s, p in self.placement.items()}, self.spec.steps)
-        reason, decision = self.recovery.stalled(quiet, self.watchdog, blamed, self.progress.completed)
-        self.event("job.stalled", step=self.progress.completed, reason=reason, workers=sorted(blamed),
-                   stalls=self.watchdog.stalls, limit=self.budget.stall)
-        if isinstance(decision, Refence):
-            self._recover({w: f"stalled: {why}" for w, why in decision.lost.items()})
-        elif isinstance(decision, Fail):
-            raise JobFailed(decision.reason)
-
-    def _compiling(self) -> bool:
-        """Whether a node the job waits on has not yet run on its runtime: it compiles (watchdog.py)."""
-        assert self.watchdog is not None
-        worker_of = {s: p.worker for s, p in self.placement.items()}
-        lag = lagging_nodes([(n.name, n.slice) for n in self.graph.nodes], self.progress.done_through, self.spec.steps)
-        runtime = {n: (w, self.workers.generation[w]) for n, sl in lag
-                   if (w := worker_of.get(sl, "")) in self.workers.generation}
-        return self.watchdog.compiling(runtime, runtime.get)
-
-    def _recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset()) -> None:
-        """Recover ``lost`` until the lost slices run again; ``unload``: those alive (only the job's runtime ends)."""
-        assert self.settings is not None
-        now = self.clock.monotonic()
-        self.workers.gather_ended(lost, self.loss_grace_s)
-        heard = self.loads.last_heard
-        rec = self.recovery.open(lost, detection_s=max(now - heard.get(w, now) for w in lost),
-                                 preempted=self.drains.preempted(lost))
-        parked = self.drains.abort(f"recovery {rec.number} started")
-        frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
-        self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
-        self.event("job.recovering", step=self.progress.completed, recovery=rec.number, lost=lost)
-        self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked, unload=unload)
+        self.worker_events.fenced(worker, incarnation, reason)
 
     def _restored(self, recovery: Recovery) -> None:
         """The recovery's lost slices run again: the cut becomes the one restored from, back to RUNNING."""
         self.job_cut.restored(*self.port.restore_point(recovery))
         rec = recovery.record
-        rec.generations = dict(self.workers.generation)
         self._set_state(JobState.RUNNING, recovery=rec.number)
         assert self.watchdog is not None
         self.watchdog.progressed()
@@ -466,21 +365,10 @@ class JobExecutor:
 
     def busy(self) -> str:
         """Why the job is not running undisturbed now ("" when it is): no straggler is judged meanwhile."""
-        if self.state is not JobState.RUNNING:
-            return f"the job is {self.state.value}"
-        drain = self.drains.busy()
-        if drain:
-            return drain
         active = self.recovery.active
-        if active is not None:
-            return f"recovery {active.record.number} runs"
-        if self.warmer is not None and self.warmer.warming:
-            # Compiling takes CPU and memory bandwidth; where spares share hosts with the job's workers (the local
-            # cluster) the job's slices slow unevenly while it lasts: no slice is judged on those steps.
-            return "spares are compiling the job's programs"
-        if self.progress.all_granted:
-            return "every step is granted: the job ends soon"
-        return ""
+        return busy_reason(self.state, drain=self.drains.busy(), recovery=active.record.number if active else None,
+                           warming=self.warmer is not None and self.warmer.warming,
+                           all_granted=self.progress.all_granted)
 
     def _warm_soon(self, reason: str) -> None:
         if self.warmer is not None:
@@ -499,29 +387,39 @@ class JobExecutor:
         self._prepare()
         self._set_state(JobState.PLACING, adopted=self.adopted, resumed=self.resume)
         try:
-            self._place()
+            failed = self._place()
         finally:
             self.places.withdraw_yields()
+        if failed is not None:  # the placement's decision, carried out here
+            raise JobFailed(failed.reason)
         self._set_state(JobState.LOADING)
         lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
+        if isinstance(lost, Fail):  # the loads' decision, carried out here
+            raise JobFailed(lost.reason)
         self._set_state(JobState.RUNNING)
         self.event("job.started", step=self.progress.completed, run=self.run_id, placement=self.places.to_json(),
                    resumed=self.resume, adopted=self.adopted)
         self._warm_soon("placed")
         self.progress.widen(self.spec.window)
         if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
-            self._recover(lost)
+            self.losses.recover(lost)
         else:
             self._grant()
 
-    def _place(self) -> None:
-        self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
-                          resuming=self.resume and not self.adopted)
+    def _place(self) -> NoRoom | None:
+        return self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
+                                 resuming=self.resume and not self.adopted)
 
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
         self._set_state(JobState.FINISHING)
-        states = final_states(self)
+        while not isinstance(states := fetch_final(self.workers, self.term), list):
+            lost = states  # some workers did not answer: recovered like any loss, then all are asked again
+            self.log.warning("job.lost_while_finishing", lost=sorted(lost))
+            self.losses.recover(lost)
+            while self.recovery.active is not None:  # the lost slices replay to the end
+                self.step()
+            self._set_state(JobState.FINISHING)
         self.recovery.supersede("the job ended")
         self.drains.abort("the job ended")
         trees = {s.name: s.treedef for s in self.spec.states}
@@ -579,10 +477,10 @@ class JobExecutor:
 
     def summary(self) -> dict[str, Any]:
         """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
-        return {"failures": self.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
+        return {"failures": self.port.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
                 "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
                 "stalls": self.watchdog.stalls if self.watchdog else 0,
-                "output_log_peak": self.log_peak, "stragglers": self.stragglers.decisions}
+                "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions}
 
     def _cleanup(self) -> None:
         """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""

@@ -34,16 +34,20 @@ class JobLoads:
     """Loads and rewires of one job's runtimes (see the module doc)."""
 
     def __init__(self, spec: pb.JobSpec, workers: JobWorkers, term: JobTerm, placement: Mapping[str, SlicePlace], *,
-                 clock: Clock, log: Any) -> None:
+                 clock: Clock, log: Any, settings: JobSettings | None = None) -> None:
         self.spec, self.workers, self.term, self.placement, self.clock, self.log = \
             spec, workers, term, placement, clock, log
-        self.settings: JobSettings | None = None  # set once the job's settings are checked
-        self.run_dir: Path | None = None
+        self.settings = settings  # None: the spec's are not valid (the job fails before it loads)
+        self.run_dir: Path | None = None  # where the run keeps its checkpoints (:meth:`open_run`)
         self.holders: dict[str, pb.ReplicaPeer] = {}
         self.owners: dict[str, pb.ReplicaPeer] = {}  # a multi-host slice's part -> the worker of its member then
         self.restore_tiers: dict[str, str] = {}
         self.program_sources: dict[str, str] = {}
         self.last_heard: dict[str, float] = {}
+
+    def open_run(self, run_dir: Path | None) -> None:
+        """The run's directory, once the executor has made or found it: the loads' checkpoint directory."""
+        self.run_dir = run_dir
 
     @property
     def loaded(self) -> list[str]:

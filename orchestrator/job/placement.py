@@ -53,12 +53,13 @@ class JobPlacement:
         term: the job's etcd under its term.
         clock, log: the injected clock and the executor's logger.
         event: sends a job event (``event(name, step=..., **detail)``).
+        settings: the job's recovery settings (None: the spec's are not valid, and the job fails before it places).
     """
 
     def __init__(self, spec: pb.JobSpec, term: JobTerm, *, clock: Clock, log: Any,
-                 event: Callable[..., None]) -> None:
+                 event: Callable[..., None], settings: JobSettings | None = None) -> None:
         self.spec, self.term, self.clock, self.log, self.event = spec, term, clock, log, event
-        self.settings: JobSettings | None = None  # set once the job's settings are checked
+        self.settings = settings
         self._places: dict[str, SlicePlace] = {}
         self.resharded: list[Reshard] = []  # each change of a slice's device count (shrink, grow)
         self.nondeterministic: set[str] = set()  # workers it placed on that run nondeterministic kernels
@@ -129,15 +130,16 @@ class JobPlacement:
     # -- placing the job ---------------------------------------------------------------------------
 
     def place(self, snapshot: Callable[[], ClusterSnapshot], *, adopting: bool = False,
-              resuming: bool = False) -> None:
-        """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be.
+              resuming: bool = False) -> NoRoom | None:
+        """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be;
+        :class:`NoRoom` (the executor fails the job with its reason) when a slice cannot be placed after all.
 
         ``adopting``: a new leader places a job that was running (its workers may have been lost with the old
         leader); a slice that finds no room then waits, shrinks or fails as the job's ``on_no_spare`` says, like
         a recovery's remap (:meth:`_no_room_adopting`). ``resuming`` (a suspended, cancelled or failed run goes
         on): as adopting, but a slice declared ``devices=(min, max)`` first takes the most devices free for it
         within its counts, whatever ``on_no_spare`` says: a resume runs on whatever is free (within the reshard
-        tolerance when a count changed). A new job that finds no room fails at once.
+        tolerance when a count changed). A new job that finds no room fails at once (raises :class:`NoSpareDevices`).
         """
         leases = self.term.leases()
         gangs: dict[str, tuple[Placement, ...]] = {}
@@ -159,23 +161,30 @@ class JobPlacement:
                         raise
                     p = (self._shrunk(s.slice, "resumed with no worker with all its devices free") if resuming
                          else None) or self._no_room_adopting(s.slice, exc)
+            if isinstance(p, NoRoom):
+                return p
             self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
         snap = snapshot()
 
-        def found(name: str, p: Any) -> SlicePlace:
+        def lost(p: Any) -> bool:
             w = snap.workers.get(p.worker)
-            if w is None or w.info.incarnation != p.incarnation:
-                raise JobFailed(f"worker {p.worker} holding slice {name!r} was lost while the job was being placed")
-            if not w.info.deterministic:
+            return w is None or w.info.incarnation != p.incarnation
+
+        def found(p: Any) -> SlicePlace:
+            w = snap.workers[p.worker].info
+            if not w.deterministic:
                 self.nondeterministic.add(p.worker)
-            return SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
+            return SlicePlace(p.worker, w.address, p.incarnation, p.devices, w.data_address)
 
         for name, p in self._places.items():
-            members = tuple(found(name, m) for m in gangs.get(name, ()))
-            lead = found(name, p)
+            gone = next((q.worker for q in (*gangs.get(name, ()), p) if lost(q)), None)
+            if gone is not None:
+                return NoRoom(reason=f"worker {gone} holding slice {name!r} was lost while the job was being placed")
+            members, lead = tuple(found(m) for m in gangs.get(name, ())), found(p)
             self._places[name] = SlicePlace(lead.worker, lead.address, lead.incarnation, lead.devices,
                                             lead.data_address, members)
         self.event("job.placed", **self.to_json())
+        return None
 
     def _shrunk(self, slice_name: str, why: str, counts: Sequence[int] | None = None) -> Placement | None:
         """The slice leased on the most devices free for it below its full count, among ``counts`` (default: the
@@ -192,8 +201,9 @@ class JobPlacement:
             return p
         return None
 
-    def _no_room_adopting(self, slice_name: str, none: NoSpareDevices) -> Placement:
-        """Adopting, ``slice_name`` finds no room: wait for a worker (up to ``wait_timeout_s``), shrink or fail."""
+    def _no_room_adopting(self, slice_name: str, none: NoSpareDevices) -> Placement | NoRoom:
+        """Adopting, ``slice_name`` finds no room: wait for a worker (up to ``wait_timeout_s``), shrink or
+        :class:`NoRoom`."""
         assert self.settings is not None
         leases, need, on = self.term.leases(), self.devices_of(slice_name), self.settings.on_no_spare
         if on == "shrink":
@@ -202,10 +212,10 @@ class JobPlacement:
                              counts)
             if p is not None:
                 return p
-            raise JobFailed(f"{none}; on_no_spare='shrink' found no worker with room for any of its device counts "
-                            f"{sorted(counts)} either") from None
+            return NoRoom(reason=f"{none}; on_no_spare='shrink' found no worker with room for any of its device "
+                               f"counts {sorted(counts)} either")
         if on == "fail":
-            raise JobFailed(f"{none} (on_no_spare='fail')") from None
+            return NoRoom(reason=f"{none} (on_no_spare='fail')")
         timeout = self.settings.wait_timeout_s
         self.log.warning("job.waiting", missing={slice_name: need}, timeout_s=timeout, adopted=True)
         self.event("job.waiting", missing={slice_name: need}, timeout_s=timeout,
@@ -216,16 +226,17 @@ class JobPlacement:
             self.term.hold()
             waited = self.clock.monotonic() - t0
             if waited >= timeout:
-                raise JobFailed(f"{none}; waited {waited:.0f} s of wait_timeout_s={timeout:g}: add a worker with "
-                                f"{need} free devices, or raise wait_timeout_s") from None
+                return NoRoom(reason=f"{none}; waited {waited:.0f} s of wait_timeout_s={timeout:g}: add a worker "
+                                   f"with {need} free devices, or raise wait_timeout_s")
             self.clock.sleep(REMAP_POLL_S)
             try:
                 return leases.allocate(self.spec.job, slice_name, need)
             except NoSpareDevices:
                 continue
 
-    def _take_from_lower_priority(self, slice_name: str) -> Placement:
-        """No free room for the slice: ask lower-priority jobs to yield slices (``recovery.fairness``), then lease.
+    def _take_from_lower_priority(self, slice_name: str) -> Placement | NoRoom:
+        """No free room for the slice: ask lower-priority jobs to yield slices (``recovery.fairness``), then lease;
+        :class:`NoRoom` when what they were asked to yield is not freed within ``wait_timeout_s``.
 
         Raises the original :class:`NoSpareDevices` when no lower-priority slice makes room.
         """
@@ -259,9 +270,9 @@ class JobPlacement:
                 return leases.allocate(self.spec.job, slice_name, need)
             except NoSpareDevices:
                 if self.clock.monotonic() - t0 > self.settings.wait_timeout_s:
-                    raise JobFailed(f"slice {slice_name!r}: the lower-priority slices asked to yield ({', '.join(victims)})"
-                                    f" did not free {need} devices within wait_timeout_s="
-                                    f"{self.settings.wait_timeout_s:g}") from None
+                    return NoRoom(reason=f"slice {slice_name!r}: the lower-priority slices asked to yield "
+                                       f"({', '.join(victims)}) did not free {need} devices within wait_timeout_s="
+                                       f"{self.settings.wait_timeout_s:g}")
                 self.clock.sleep(PLACE_POLL_S)
 
     def withdraw_yields(self) -> None:
@@ -285,14 +296,16 @@ class JobPlacement:
                                               else "drained onto fewer devices", at=self.clock.wall(), step=drained_at))
         self._places.update(places)
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
-              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
-        """Lease spare devices for each lost slice per the job's policy (waits, or fails the job).
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], recovery: int, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> tuple[dict[str, SlicePlace], float] | NoRoom:
+        """Lease spare devices for each lost slice of recovery number ``recovery`` per the job's policy (waits,
+        or decides :class:`NoRoom`: no spare within the policy; the recovery fails, and the job with it).
 
         ``exclude``: workers not used whatever their incarnation; ``lost``: worker -> the incarnation
         a recovery lost (a newer one of the same worker is a spare like any other).
 
-        Returns the places leased; :meth:`apply` makes them the job's.
+        Returns the places leased (:meth:`apply` makes them the job's) and the seconds it waited for a
+        worker with room (the recovery records them: the goodput bucket waiting_for_spares).
         """
         assert self.settings is not None
         policy = RemapPolicy(on_no_spare=self.settings.on_no_spare, wait_timeout_s=self.settings.wait_timeout_s)
@@ -301,17 +314,20 @@ class JobPlacement:
         snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
         largest = max((w.info.devices for w in snap.workers.values()), default=0)
         # a gang, or a slice no worker holds at any of its device counts: a whole new gang (or a smaller one)
-        placed: dict[str, SlicePlace] = {s: self._regang(s, n, exclude) for s, n in need.items()
-                                         if min(self.device_counts.get(s) or [n]) > largest
-                                         or (self._places.get(s) is not None and self._places[s].members)}
+        placed: dict[str, SlicePlace] = {}
+        for s, n in need.items():
+            if min(self.device_counts.get(s) or [n]) > largest or (self._places.get(s) is not None
+                                                                   and self._places[s].members):
+                gang = self._regang(s, n, exclude)
+                if isinstance(gang, NoRoom):
+                    return gang
+                placed[s] = gang
         t0, told, waited_from = self.clock.monotonic(), False, 0.0
         while True:
             self.term.hold()
             todo = {s: n for s, n in need.items() if s not in placed}
             if not todo:
-                if told:  # the seconds this remap waited for a spare (the goodput bucket waiting_for_spares)
-                    record.spare_wait_s += self.clock.monotonic() - waited_from
-                return placed
+                return placed, (self.clock.monotonic() - waited_from if told else 0.0)
             snap = self.term.until_etcd("reading the cluster", lambda: read_cluster(store, keys))
             decision = plan_remap(snap, todo, policy, exclude=exclude, waited_s=self.clock.monotonic() - t0,
                                   allowed=self.device_counts, lost_incarnations=lost)
@@ -319,7 +335,7 @@ class JobPlacement:
                 for a in decision.assignments:
                     if self._lease(snap, a, leases, placed) and a.shrunk:
                         self.resharded.append(Reshard(a.slice, a.needed, len(a.devices),
-                                                      f"recovery {record.number}: no spare with {a.needed} "
+                                                      f"recovery {recovery}: no spare with {a.needed} "
                                                       "devices (on_no_spare='shrink')", at=self.clock.wall()))
                         self.log.warning("recovery.shrunk", slice=a.slice, devices=len(a.devices), had=a.needed)
                 continue
@@ -327,19 +343,19 @@ class JobPlacement:
                 if not told:
                     told, waited_from = True, self.clock.monotonic()
                     self.log.warning("recovery.waiting", missing=dict(decision.missing), timeout_s=decision.timeout_s)
-                    self.event("job.waiting", recovery=record.number, missing=dict(decision.missing),
+                    self.event("job.waiting", recovery=recovery, missing=dict(decision.missing),
                                timeout_s=decision.timeout_s,
                                reason=f"no spare for {sorted(decision.missing)}: waiting up to {decision.timeout_s:g}s "
                                       "for a worker with room to join")
                 self.clock.sleep(REMAP_POLL_S)
                 continue
             if isinstance(decision, NoRoom):
-                raise JobFailed(decision.reason)
-            raise JobFailed(f"remap decided {type(decision).__name__}, which this executor does not carry out")
+                return decision
+            return NoRoom(reason=f"remap decided {type(decision).__name__}, which this executor does not carry out")
 
-    def _regang(self, slice_name: str, count: int, exclude: frozenset[str]) -> SlicePlace:
+    def _regang(self, slice_name: str, count: int, exclude: frozenset[str]) -> SlicePlace | NoRoom:
         """A lost multi-host slice's new gang: what its surviving members hold is let go, then a whole gang is
-        leased (one transaction), waiting for room up to ``wait_timeout_s``."""
+        leased (one transaction), waiting for room up to ``wait_timeout_s`` (then :class:`NoRoom`)."""
         assert self.settings is not None
         leases, t0 = self.term.leases(), self.clock.monotonic()
         self.term.until_etcd("releasing the lost gang", lambda: leases.release(self.spec.job, slice_name))
@@ -353,7 +369,7 @@ class JobPlacement:
                 if shrunk is not None:
                     return shrunk
                 if self.clock.monotonic() - t0 >= self.settings.wait_timeout_s or self.settings.on_no_spare == "fail":
-                    raise JobFailed(f"multi-host slice {slice_name!r}: {exc}") from None
+                    return NoRoom(reason=f"multi-host slice {slice_name!r}: {exc}")
                 self.clock.sleep(REMAP_POLL_S)
                 continue
             try:

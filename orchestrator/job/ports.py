@@ -38,13 +38,12 @@ from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.progress import JobProgress
-from rallypoint.orchestrator.job.recovery import RecoveryRecord
 from rallypoint.orchestrator.job.term import Commits, JobTerm
 from rallypoint.recovery.load_plan import SlicePlace
-from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.recovery_machine import Recovery, RecoveryPort, classify_setback
 from rallypoint.orchestrator.job.stragglers import CORDON_BY
 from rallypoint.recovery.decide import Budget, Fail, FallBack, Refence, Retry, Verdict, decide
+from rallypoint.recovery.remap import NoRoom
 from rallypoint.recovery.replay import Graph, ReplayPlan
 from rallypoint.recovery.slices import stateful_slices
 from rallypoint.recovery.stragglers import Probation
@@ -82,6 +81,10 @@ class JobRecoveryPort(RecoveryPort):
     def program_sources(self) -> Mapping[str, str]:  # type: ignore[override]
         return self.loads.program_sources
 
+    @property
+    def generations(self) -> Mapping[str, int]:  # type: ignore[override]
+        return MappingProxyType(self.loads.workers.generation)
+
     def loaded_workers(self) -> list[str]:
         return self.loads.loaded
 
@@ -117,9 +120,9 @@ class JobRecoveryPort(RecoveryPort):
 
     # -- placement and runtimes ------------------------------------------------------------------
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
-              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
-        return self.places.remap(need, exclude, record, lost=lost)
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], recovery: int, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> tuple[dict[str, SlicePlace], float] | NoRoom:
+        return self.places.remap(need, exclude, recovery, lost=lost)
 
     def place(self, places: Mapping[str, SlicePlace]) -> None:
         self.places.apply(places)
@@ -153,11 +156,11 @@ class JobRecoveryPort(RecoveryPort):
         self.job_cut.reset_logs()  # every runtime restarts from the cut: the executor's mover lowers the log floor
         self.loads.reset_all()
 
-    def load_newest_cut(self, budget: Budget) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]]:
+    def load_newest_cut(self, budget: Budget) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]] | Fail:
         """Resume or adopt: load every slice from the newest consistent cut that restores, falling back past one
         that does not (its commit dropped) within ``budget``. Returns the cut, the commits that count (slice ->
-        steps) and the workers that failed to load for another reason (a recovery moves the lost ones).
-        Raises :class:`JobFailed` when no cut restores."""
+        steps) and the workers that failed to load for another reason (a recovery moves the lost ones); or,
+        when no cut restores, :class:`Fail` (the executor fails the job)."""
         commits, before, corrupt_count = self.term.commits(), None, 0
         while True:
             c = self.cut_step(commits, before)
@@ -170,7 +173,7 @@ class JobRecoveryPort(RecoveryPort):
             corrupt_count += 1
             decision = decide(setback, corrupt_count, budget)
             if not isinstance(decision, FallBack):
-                raise JobFailed("; ".join(str(f) for f in failed.values()))
+                return Fail("; ".join(str(f) for f in failed.values()))
             self.loads.log.warning("resume.corrupt_checkpoint", step=c, error=setback.detail)
             if decision.drop is not None:
                 self.drop_commit(*decision.drop, setback.detail)
@@ -196,8 +199,9 @@ class JobRecoveryPort(RecoveryPort):
             self.loads.unload_everywhere(read_cluster(self.term.store, self.term.keys), only=set(refused))
             failed = {w: f for w, f in failed.items() if w not in refused} | self.loads.load(set(refused), cut, commits)
 
-    def lost_at_load(self, budget: Budget, failed: Mapping[str, WorkerCallFailed], cut: int) -> dict[str, str]:
-        """The workers lost while the job was loading (a recovery moves them); any other failure fails the job."""
+    def lost_at_load(self, budget: Budget, failed: Mapping[str, WorkerCallFailed], cut: int) -> dict[str, str] | Fail:
+        """The workers lost while the job was loading (a recovery moves them); any other failure: :class:`Fail`,
+        which the executor carries out (the job fails)."""
         if not failed:
             return {}
         setback = classify_setback(failed, cut, {w: self.registered(w) for w in failed})
@@ -206,9 +210,9 @@ class JobRecoveryPort(RecoveryPort):
             self.loads.log.warning("job.lost_while_loading", workers=sorted(decision.lost), reason=decision.reason)
             return dict(decision.lost)
         if setback.verdict is Verdict.PROGRAM and isinstance(decision, Fail):
-            raise JobFailed(decision.reason)
+            return decision
         w, f = next(iter(failed.items()))
-        raise JobFailed(f"worker {w} could not load the job: {f}")
+        return Fail(f"worker {w} could not load the job: {f}")
 
     def restored(self, recovery: Recovery) -> None:
         """The lost slices run again: the executor takes the job back to RUNNING (and sets the cut,

@@ -23,6 +23,7 @@ from typing import Any
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.orchestrator.job.recovery import RecoveryRecord
+from rallypoint.orchestrator.job.view import JobView
 
 RECENT_RECOVERIES = 8  # recoveries the record carries in full (the newest)
 RECENT_FAILURES = 16  # worker failures it carries in full
@@ -148,22 +149,22 @@ class EventLog:
                 self.log.warning("job.events_write_failed", path=str(self.path), error=str(exc))
 
 
-def record_of(x: Any, **fields: Any) -> dict[str, Any]:
-    """The job record of executor ``x`` now (``jobs/<job>`` in etcd), assembled from the owner of each fact:
-    what a new leader adopts from, and what ``rallypoint jobs`` and ``status`` show."""
-    p, stop, now = x.progress, x.stopper.pending, x.clock.wall()
+def record_of(v: JobView, history: RecordHistory, **fields: Any) -> dict[str, Any]:
+    """The job record of view ``v`` (``jobs/<job>`` in etcd), assembled from the owner of each fact: what a
+    new leader adopts from, and what ``rallypoint jobs`` and ``status`` show. ``history`` keeps its lists
+    bounded (and, once the job ended, writes the rest of its recoveries to the run directory)."""
     return {
-        "job": x.spec.job, "state": x.state.value, "steps": x.spec.steps, "step_done": p.completed,
-        "term": x.term.term, "run": x.run_id, "run_dir": str(x.run_dir or ""), "cut": p.cut,
-        "policy": x.settings.policy if x.settings else "", "priority": x.spec.priority,
-        "code_sha256": x.spec.code.sha256,  # the code bundle every load of the run uses
+        "job": v.job, "state": v.state.value, "steps": v.steps, "step_done": v.completed,
+        "term": v.term, "run": v.run_id, "run_dir": str(v.run_dir or ""), "cut": v.cut,
+        "policy": v.policy, "priority": v.priority,
+        "code_sha256": v.code_sha256,  # the code bundle every load of the run uses
         "placement": {s: {"worker": q.worker, "devices": list(q.devices),
                           **({"members": [{"worker": m.worker, "devices": list(m.devices)} for m in q.members]}
-                             if q.members else {})} for s, q in x.placement.items()},
-        **x.history.fields(x.recovery.entries(), x.failures, x.drains.drain_records, x.run_dir,
-                           final=x.state.is_terminal),  # bounded: the newest in full
-        "replayed_instances": dict(p.replayed), "resharded": [r.to_json() for r in x.places.resharded],
-        "submit_id": x.spec.submit_id, "started_at": x.started_at,  # the run's first start (a resume keeps it)
-        **({"stop": stop.to_json()} if stop is not None else {}),
-        **({"ended_at": now} if x.state.is_terminal else {}), "at": now, **fields,
+                             if q.members else {})} for s, q in v.placement.items()},
+        **history.fields(v.recovery_entries, v.failures, v.drain_records, v.run_dir,
+                         final=v.state.is_terminal),  # bounded: the newest in full
+        "replayed_instances": dict(v.replayed), "resharded": [r.to_json() for r in v.resharded],
+        "submit_id": v.submit_id, "started_at": v.started_at,  # the run's first start (a resume keeps it)
+        **({"stop": v.stop.to_json()} if v.stop is not None else {}),
+        **({"ended_at": v.at} if v.state.is_terminal else {}), "at": v.at, **fields,
     }

@@ -48,6 +48,7 @@ from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.recovery.decide import (Budget, Escalate, Fail, FallBack, Refence, Retry, Setback, Verdict, decide,
                                         plan_recovery)
+from rallypoint.recovery.remap import NoRoom
 from rallypoint.recovery.replay import Graph, ReplayPlan
 
 Commits = Mapping[str, list[CheckpointCommit]]
@@ -156,6 +157,7 @@ class RecoveryPort(abc.ABC):
     log_floor: Mapping[str, int] = MappingProxyType({})  # node -> its log's first step, where past the cut (a drain)
     restore_tiers: Mapping[str, str] = MappingProxyType({})  # slice -> "memory" | "disk": what the last load read
     program_sources: Mapping[str, str] = MappingProxyType({})  # node -> "warm" | "cold": what the last load found
+    generations: Mapping[str, int] = MappingProxyType({})  # worker -> the generation of the job's runtime there now
 
     @abc.abstractmethod
     def loaded_workers(self) -> list[str]:
@@ -195,9 +197,11 @@ class RecoveryPort(abc.ABC):
         """How many devices the slice needs."""
 
     @abc.abstractmethod
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
-              lost: Mapping[str, int] = MappingProxyType({})) -> dict[str, SlicePlace]:
-        """Lease spare devices for each slice of ``need`` (waits per policy; raises :class:`JobFailed`).
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], recovery: int, *,
+              lost: Mapping[str, int] = MappingProxyType({})) -> tuple[dict[str, SlicePlace], float] | NoRoom:
+        """Lease spare devices for each slice of ``need`` for recovery number ``recovery`` (waits per policy):
+        the places leased and the seconds it waited for a spare, or the remap planner's ``Fail`` (no spare
+        within the policy: the recovery fails). An etcd outage past its retries still raises :class:`JobFailed`.
 
         ``exclude``: workers not to use whatever their incarnation; ``lost``: worker -> the incarnation
         lost (that one and older are not used; a newer one, the worker registered again, is)."""
@@ -364,7 +368,11 @@ class Recovery:
         # (its incarnation unknown here) is excluded whatever its incarnation.
         unknown = set(d.lost_workers) - set(d.lost_incarnations)
         exclude = frozenset(set(port.loaded_workers()) | unknown)
-        placed = port.remap(need, exclude, self.record, lost=dict(d.lost_incarnations)) if need else {}
+        remapped = port.remap(need, exclude, self.record.number, lost=dict(d.lost_incarnations)) if need else ({}, 0.0)
+        if isinstance(remapped, NoRoom):
+            return Failed(remapped.reason)
+        placed, waited_s = remapped
+        self.record.spare_wait_s += waited_s  # the goodput bucket waiting_for_spares
         port.place(placed)
         d.unplaced -= set(placed)
         self.record.moved.update({sl: p.worker for sl, p in placed.items()})
@@ -429,6 +437,7 @@ class Recovery:
         rec.targets = {n: r.to_step for n, r in plan.nodes.items()}
         rec.expected.update(rec.planned_instances)
         rec.frontier = self.frontier
+        rec.generations = dict(self.port.generations)  # the runtimes that replay (their instances count)
 
     # -- while the job runs again ------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from typing import Any, Protocol
 from rallypoint.basics.clock import Clock
 from rallypoint.etcd.cluster_view import ClusterSnapshot
 from rallypoint.orchestrator.job.drain import DrainRecord
+from rallypoint.orchestrator.job.state import JobState
 from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, eligible, plan_remap
@@ -469,3 +470,21 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
         else:
             j += 1
     return total
+
+
+def busy_reason(state: JobState, *, drain: str, recovery: int | None, warming: bool, all_granted: bool) -> str:
+    """Why a job is not running undisturbed ("" when it is): its state, a drain that runs (``drain``: why), the
+    number of the recovery that runs, spares warming, every step granted. No slice is judged meanwhile."""
+    if state is not JobState.RUNNING:
+        return f"the job is {state.value}"
+    if drain:
+        return drain
+    if recovery is not None:
+        return f"recovery {recovery} runs"
+    if warming:
+        # Compiling takes CPU and memory bandwidth; where spares share hosts with the job's workers (the local
+        # cluster) the job's slices slow unevenly while it lasts: no slice is judged on those steps.
+        return "spares are compiling the job's programs"
+    if all_granted:
+        return "every step is granted: the job ends soon"
+    return ""

@@ -47,21 +47,26 @@ class JobTerm:
         clock: the injected clock (outage retries sleep on it).
         log: the executor's bound logger.
         on_unpaused: called when a pause (etcd away) ends with the term still held.
+        resume: the job resumes or is adopted (a cut may come from the commit records beside the checkpoints).
     """
 
     def __init__(self, job: str, *, store: Store, keys: Keys, election: LeaderElection, clock: Clock, log: Any,
-                 on_unpaused: Callable[[], None] = lambda: None) -> None:
+                 on_unpaused: Callable[[], None] = lambda: None, resume: bool = False) -> None:
         self.job, self.store, self.keys, self.election, self.clock, self.log = job, store, keys, election, clock, log
         self.term = election.term or 0
         self.writer = TermWriter(election, self.term)  # this job writes under the term that started it, or not at all
         self.on_unpaused = on_unpaused
-        self.run_dir: Path | None = None  # where commit records lie beside the checkpoints (resume without etcd's)
-        self.resume = False
+        self.run_dir: Path | None = None  # where commit records lie beside the checkpoints (:meth:`open_run`)
+        self.resume = resume
         self._stop_reason: str | None = None
         self._interrupt: BaseException | None = None
         self._stop_lock = threading.Lock()
 
     # -- the term ---------------------------------------------------------------------------
+
+    def open_run(self, run_dir: Path | None) -> None:
+        """The run's directory, once the executor has made or found it: a resume reads commit records there."""
+        self.run_dir = run_dir
 
     def stop(self, reason: str) -> None:
         """This coordinator's term ended: the job hands off at its next :meth:`hold` (thread-safe)."""

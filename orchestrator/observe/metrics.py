@@ -35,6 +35,7 @@ from rallypoint.orchestrator.job.goodput import (COORDINATOR_BUCKETS, Histogram,
                                              histogram_of, phase_seconds, steps_per_s)
 from rallypoint.orchestrator.job.recovery import PHASES
 from rallypoint.orchestrator.job.state import JobState
+from rallypoint.orchestrator.job.view import JobHandle, JobView
 
 KEEP_JOBS = 64  # jobs whose metrics stay after they ended (the oldest go first)
 WORKER_STATES = ("spare", "leased", "cordoned", "leaving", "lost")
@@ -53,21 +54,21 @@ class CoordinatorMetrics:
     def __init__(self, coordinator: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.c = coordinator
         self._lock = threading.Lock()
-        self._jobs: OrderedDict[str, Any] = OrderedDict()  # job -> the newest executor of it here
+        self._jobs: OrderedDict[str, JobHandle] = OrderedDict()  # job -> the newest executor of it here
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_CoordinatorCollector(self))
         self.server = MetricsServer(self.registry, host=host, port=port)
         self.address = self.server.address
 
-    def job_started(self, executor: Any) -> None:
-        """An executor of ``executor.spec.job`` starts here (the job service calls it)."""
+    def job_started(self, job: str, executor: JobHandle) -> None:
+        """An executor of ``job`` starts here (the job service calls it); each scrape reads its view."""
         with self._lock:
-            self._jobs[executor.spec.job] = executor
-            self._jobs.move_to_end(executor.spec.job)
+            self._jobs[job] = executor
+            self._jobs.move_to_end(job)
             while len(self._jobs) > KEEP_JOBS:
                 self._jobs.popitem(last=False)
 
-    def executors(self) -> list[Any]:
+    def executors(self) -> list[JobHandle]:
         with self._lock:
             return list(self._jobs.values())
 
@@ -159,7 +160,7 @@ class _CoordinatorCollector(Collector):
                                   "seconds (the chaos report's goodput)", labels=L)
         for ex in self.m.executors():
             try:
-                v = _job_values(ex)
+                v = _job_values(ex.view())
             except RuntimeError:  # a dict changed size under us (the executor runs): the next scrape has it
                 continue
             job = [v["job"]]
@@ -184,17 +185,13 @@ class _CoordinatorCollector(Collector):
         yield from (state, step, done, rate, step_s, recs, phases, mttr, replayed, drains, good, ratio)
 
 
-def _job_values(ex: Any) -> dict[str, Any]:
-    """One executor's numbers, read from the scrape thread (copies first: the executor's thread goes on)."""
-    recoveries = list(ex.recoveries)
-    compute = dict.copy(ex.progress.compute_s)
-    end = ex.ended_mono if ex.ended_mono is not None else ex.clock.monotonic()
-    steps_done = max(int(ex.completed) - int(ex.progress.start), 0)
+def _job_values(v: JobView) -> dict[str, Any]:
+    """One executor's numbers, from its view (taken on the scrape thread: copies; the executor's thread goes on)."""
+    steps_done = max(v.completed - v.start_step, 0)
     return {
-        "job": ex.spec.job, "state": ex.state.value, "completed": int(ex.completed), "steps_done": steps_done,
-        "steps_per_s": steps_per_s(steps_done, end - ex.started_mono),
-        "step_times": dict.copy(ex.step_times.by_slice),
-        "recoveries": len(recoveries), "phases": phase_seconds(recoveries),
-        "replayed": sum(dict.copy(ex.progress.replayed).values()), "drains": len(ex.drain_records),
-        "buckets": goodput_buckets(compute, float(ex.progress.redone_s), recoveries),
+        "job": v.job, "state": v.state.value, "completed": v.completed, "steps_done": steps_done,
+        "steps_per_s": steps_per_s(steps_done, v.running_s), "step_times": dict(v.step_times),
+        "recoveries": len(v.recoveries), "phases": phase_seconds(v.recoveries),
+        "replayed": sum(v.replayed.values()), "drains": len(v.drain_records),
+        "buckets": goodput_buckets(v.compute_s, v.redone_s, v.recoveries),
     }

@@ -1,7 +1,8 @@
 """What the leader's dashboard shows of the jobs it runs: a bounded recorder fed by the executors' events.
 
-The job service (``service.py``) passes every :class:`pb.JobEvent` an executor emits to
-:meth:`TimelineRecorder.observe`, on the executor's own thread, before its clients get it.
+The job service (``service/jobs.py``) passes every :class:`pb.JobEvent` an executor emits to
+:meth:`TimelineRecorder.observe`, with the executor's :class:`~rallypoint.orchestrator.job.view.JobView`
+of that moment, on the executor's own thread, before its clients get it.
 The recorder keeps, per job: its state and progress, the steps per second, the devices it
 holds, its recoveries (with phases and MTTR), drains, failures and stalls, and a timeline
 in the shape of a chaos report's summary (``progress`` points per node, ``faults``,
@@ -30,6 +31,7 @@ from typing import Any
 
 from rallypoint.basics.logs import get_logger
 from rallypoint.orchestrator.job.state import STREAM_END_EVENTS
+from rallypoint.orchestrator.job.view import JobView
 from rallypoint.proto import rallypoint_pb2 as pb
 
 MAX_POINTS = 600  # progress points kept per job (all nodes together)
@@ -110,14 +112,15 @@ class TimelineRecorder:
         self._lock = threading.Lock()
         self.log = get_logger("rallypoint.dashboard")
 
-    def observe(self, executor: Any, ev: pb.JobEvent) -> None:
-        """One event of ``executor``'s job (called on the executor's thread); never raises."""
+    def observe(self, view: JobView | None, ev: pb.JobEvent) -> None:
+        """One event of a job, with the job's ``view`` as its executor holds it then (None: the event alone);
+        called on the executor's thread; never raises."""
         try:
-            self._observe(executor, ev)
+            self._observe(view, ev)
         except Exception as exc:  # the dashboard must never break a job
             self.log.warning("dashboard.observe_failed", job=ev.job, event_name=ev.event, error=repr(exc))
 
-    def _observe(self, x: Any, ev: pb.JobEvent) -> None:
+    def _observe(self, x: JobView | None, ev: pb.JobEvent) -> None:
         now = self.wall()
         detail = _detail(ev)
         with self._lock:
@@ -128,14 +131,10 @@ class TimelineRecorder:
             self._apply(t, x, ev, detail, now)
             self._trim()
 
-    def _apply(self, t: JobTimeline, x: Any, ev: pb.JobEvent, detail: dict[str, Any], now: float) -> None:
-        spec = getattr(x, "spec", None)
-        if spec is not None:
-            t.steps, t.priority = int(spec.steps), int(spec.priority)
-        t.adopted = bool(getattr(x, "adopted", False))
-        state = getattr(x, "state", None)
-        t.state = str(getattr(state, "value", state or t.state))
-        t.step_done = int(getattr(x, "completed", t.step_done))
+    def _apply(self, t: JobTimeline, x: JobView | None, ev: pb.JobEvent, detail: dict[str, Any], now: float) -> None:
+        if x is not None:
+            t.steps, t.priority, t.adopted = x.steps, x.priority, x.adopted
+            t.state, t.step_done = x.state.value, x.completed
         name = ev.event
         if name == "step.done":
             t.done_times.append((now, int(ev.step) + 1))
@@ -171,29 +170,28 @@ class TimelineRecorder:
             t.reason = str(detail.get("reason", ""))
             if name == "job.finished":
                 t.step_done = int(ev.step)
-        self._snapshot_executor(t, x)
+        if x is None:
+            return
+        self._snapshot(t, x)
         if name != "step.done" or now - t.sampled_at >= SAMPLE_S or t.step_done >= t.steps:
             self._sample(t, x, now)
 
-    def _snapshot_executor(self, t: JobTimeline, x: Any) -> None:
-        """What the executor holds now (read on its own thread, so consistent)."""
-        placement = getattr(x, "placement", None) or {}
+    def _snapshot(self, t: JobTimeline, x: JobView) -> None:
+        """What the executor held when it sent the event (its view)."""
         t.placement = {s: {"worker": p.worker, "incarnation": int(p.incarnation), "devices": list(p.devices)}
-                       for s, p in placement.items()}
-        t.failures = [dict(f) for f in getattr(x, "failures", [])]
-        watchdog = getattr(x, "watchdog", None)
-        t.stalls = int(getattr(watchdog, "stalls", 0) or 0)
-        for r in getattr(x, "recoveries", []):
+                       for s, p in x.placement.items()}
+        t.failures = [dict(f) for f in x.failures]
+        t.stalls = x.stalls
+        for r in x.recoveries:
             rec = r.to_json()
             t.recoveries[rec["recovery"]] = {**t.recoveries.get(rec["recovery"], {}), **rec}
 
-    def _sample(self, t: JobTimeline, x: Any, now: float) -> None:
+    def _sample(self, t: JobTimeline, x: JobView, now: float) -> None:
         """One progress point per node: the step below which every instance is done."""
-        graph, done_through = getattr(x, "graph", None), getattr(x, "done_through", None)
-        if graph is None or done_through is None:
+        if not x.done_through:
             return
         t.sampled_at = now
-        t.samples.append((now, {n.name: int(done_through(n.name)) for n in graph.nodes}))
+        t.samples.append((now, dict(x.done_through)))
         if sum(len(steps) for _, steps in t.samples) > self.max_points:
             # every other sample, the first and the newest kept: coarser, never shorter
             t.samples = [t.samples[0], *t.samples[1:-1][1::2], t.samples[-1]]

@@ -2,7 +2,8 @@
 
 Several coordinators run; one leads (see :mod:`rallypoint.orchestrator.control.election`). The
 leader watches membership, keeps an ``Attach`` stream open to every worker (its
-break is the fast signal of a dead process), and when a worker is lost:
+break is the fast signal of a dead process: :mod:`~rallypoint.orchestrator.service.links`),
+and when a worker is lost:
 
 1. fences it: revokes its etcd lease (unless it already expired), which deletes
    its worker key, its device keys and the device leases it held, atomically;
@@ -13,8 +14,8 @@ Lifecycle: ``STANDBY -> LEADING -> STANDBY ... -> STOPPED``; every transition
 goes through ``_set_state``. Leadership listeners (:meth:`Coordinator.add_leadership_listener`)
 hear when it starts leading (with its term) and when it stops (with the reason), on
 every path: a step-down on :class:`NotLeader` and :meth:`Coordinator.stop`. The job
-service (``service.py``) adopts the jobs of a lost leader on the first and hands its
-own jobs off on the second.
+service (``service/jobs.py``, ``service/adoption.py``) adopts the jobs of a lost leader on
+the first and hands its own jobs off on the second.
 """
 
 from __future__ import annotations
@@ -36,20 +37,17 @@ from rallypoint.orchestrator.control.devices import fence_worker
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, StoreError
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
-from rallypoint.orchestrator.job.failures import Verdict, classify_rpc_error
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
 from rallypoint.orchestrator.control.membership import MembershipChange, MembershipMonitor
+from rallypoint.orchestrator.service.links import WorkerLink
 from rallypoint.orchestrator.observe.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.etcd.store import Put, Store
 from rallypoint.basics import authz
 from rallypoint.basics.tls import TlsConfig, add_port
-from rallypoint.basics.tls import channel as tls_channel
-from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
 
 class CoordinatorState(enum.Enum):
@@ -132,88 +130,6 @@ class CoordinatorConfig:
                               f"periods ({3 * self.attach_interval_s:g} s): a late heartbeat is not a hang")
 
 
-class WorkerLink:
-    """The leader's ``Attach`` stream to one worker incarnation, in its own thread."""
-
-    def __init__(self, coordinator: Coordinator, info: WorkerInfo, term: int) -> None:
-        self.c = coordinator
-        self.info = info
-        self.term = term
-        self._stop = threading.Event()
-        self._channel = tls_channel(info.address, coordinator.config.tls)
-        self._stub = pb_grpc.WorkerStub(self._channel)
-        self._call: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"link-{info.worker}", daemon=True)
-        self.heard_at = coordinator.clock.monotonic()  # the last heartbeat (or the link's start)
-        self.suspected = False  # the silence was reported once
-
-    def _identity(self) -> pb.Identity:
-        return pb.Identity(
-            cluster=self.c.keys.cluster, worker_id=self.info.worker, incarnation=self.info.incarnation, term=self.term
-        )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._call is not None:
-            self._call.cancel()
-        self._channel.close()
-
-    def _probe(self) -> Verdict | None:
-        """A short Ping after a broken stream: None if the same incarnation answers."""
-        try:
-            self._stub.Ping(pb.PingRequest(to=self._identity()), timeout=0.5)
-            return None
-        except grpc.RpcError as exc:
-            return classify_rpc_error(exc.code(), exc.details())
-
-    def _attach(self) -> str:
-        """One Attach stream, until it breaks: ``"done"`` (stopped, or the worker found lost),
-        ``"answered"`` (it sent heartbeats, then broke) or ``"silent"`` (it broke before any)."""
-        answered = False
-        self._call = self._stub.Attach(
-            pb.AttachRequest(
-                to=self._identity(),
-                coordinator_id=self.c.config.coordinator_id,
-                interval_s=self.c.config.attach_interval_s,
-            )
-        )
-        try:
-            for _hb in self._call:
-                answered = True
-                self.heard_at = self.c.clock.monotonic()
-                if self._stop.is_set():
-                    return "done"
-        except grpc.RpcError as exc:
-            if self._stop.is_set():
-                return "done"
-            verdict = classify_rpc_error(exc.code(), exc.details())
-            if verdict is Verdict.LOST:
-                verdict = self._probe() or Verdict.SUSPECT
-            if verdict is Verdict.LOST:
-                self.c.suspect(self.info, reason="connection_lost", detail=exc.details() or "")
-                return "done"
-        if self._stop.is_set():
-            return "done"
-        return "answered" if answered else "silent"
-
-    def _run(self) -> None:
-        """Attach again after each break: tenacity's backoff while the worker stays silent,
-        started afresh (from the shortest wait) each time it answered."""
-        while not self._stop.is_set():
-            outcome = retrying(clock=self.c.clock, what=f"attaching to worker {self.info.worker}",
-                               retry_if_result=lambda o: o == "silent", should_stop=self._stop.is_set,
-                               initial_s=LINK_BACKOFF_S, max_s=LINK_BACKOFF_MAX_S, jitter_s=LINK_JITTER_S)(self._attach)
-            if outcome != "answered":
-                return
-            self.c.clock.wait(self._stop, LINK_BACKOFF_S)
-
-
-LINK_BACKOFF_S = 0.1  # a broken Attach stream is opened again after 0.1 s, 0.2 s, ... up to 1 s (plus jitter)
-LINK_BACKOFF_MAX_S = 1.0
-LINK_JITTER_S = 0.02
 RPC_THREADS_RESERVED = 32  # gRPC threads WatchJob streams never take: SubmitJob, ResumeJob, the other calls
 SUBMIT_MAX_BYTES = 256 * 2**20  # the largest request the coordinator takes: a JobSpec with its programs and code
 STEP_BACKOFF_S = 0.2  # etcd unreachable: the coordinator loop tries again after 0.2 s, 0.4 s, ... up to 1 s
@@ -229,7 +145,7 @@ class Coordinator:
         self.store = store or EtcdStore(config.endpoints, tls=config.tls)
         self.clock = clock
         # Every RPC of the sync server holds a thread while it runs (a stream: until it ends). Watch
-        # streams are capped below the pool (service.py), so RPC_THREADS_RESERVED threads always remain
+        # streams are capped below the pool (service/jobs.py), so RPC_THREADS_RESERVED threads always remain
         # for the other calls; past the pool, a call is refused (RESOURCE_EXHAUSTED) instead of queued.
         threads = config.max_watchers + RPC_THREADS_RESERVED
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coordinator-rpc"),
@@ -260,6 +176,12 @@ class Coordinator:
         self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
         if self.metrics is not None:
             self.log.info("metrics.serving", address=self.metrics.address, url=self.metrics.server.url)
+
+    def link(self, info: WorkerInfo, term: int) -> WorkerLink:
+        """A link (not started) to worker ``info`` under ``term``; it reports a lost worker to :meth:`suspect`."""
+        return WorkerLink(info, term, cluster=self.keys.cluster, coordinator_id=self.config.coordinator_id,
+                          interval_s=self.config.attach_interval_s, tls=self.config.tls, clock=self.clock,
+                          suspect=self.suspect)
 
     def _set_state(self, new: CoordinatorState, **fields: Any) -> None:
         old, self.state = self.state, new
@@ -350,7 +272,7 @@ class Coordinator:
             old = self._links.pop(info.worker, None)
             if old is not None:
                 old.stop()
-            link = WorkerLink(self, info, term)
+            link = self.link(info, term)
             self._links[info.worker] = link
             link.start()
         elif change.kind in ("lost", "left"):

@@ -1,9 +1,11 @@
 """The coordinator's gRPC service: clients submit jobs to the leader and watch them.
 
 The service keeps a registry of the jobs this coordinator runs (one
-:class:`JobExecutor` each, in its own thread) and fans each one's events out to every
-stream that follows it: the ``SubmitJob`` or ``ResumeJob`` call that started it and any
-number of ``WatchJob`` calls.
+:class:`JobExecutor` each, in its own thread; :mod:`~rallypoint.orchestrator.service.registry`)
+and fans each one's events out to every stream that follows it: the ``SubmitJob`` or
+``ResumeJob`` call that started it and any number of ``WatchJob`` calls
+(:mod:`~rallypoint.orchestrator.service.fanout`). It calls an executor only through
+:class:`~rallypoint.orchestrator.job.view.JobHandle` and reads it through its ``view()``.
 
 ``SubmitJob`` checks the request's names, its checkpoint directory, its ``on_nonfinite``
 (:mod:`~rallypoint.orchestrator.job.metrics`) and its code bundle (the bytes against their
@@ -13,49 +15,36 @@ name whose run has commits unless the request asks for a new run (``new_run``;
 :mod:`~rallypoint.orchestrator.job.runs`), and a job with a slice whose programs no worker of the
 pool can run (:mod:`~rallypoint.recovery.platforms`): nothing is written for a refused request.
 
-It listens to the coordinator's leadership (:meth:`Coordinator.add_leadership_listener`):
-
-* **on lead(term)** it adopts every job a lost or deposed leader ran: it reads the job
-  records (``keys.jobs``), and each one whose state is not final (``succeeded`` /
-  ``failed``) and that it does not run itself now is started again from its
-  ``<run_dir>/jobspec.pb`` with ``adopted=True`` (the executor releases the old term's
-  device leases, unloads its runtimes and loads every slice from the newest consistent
-  cut). A job record without a ``run_dir`` (a job without checkpoints) cannot be
-  adopted: that is logged (``job.adoption_impossible``) and nothing is written.
-* **on step_down(reason)** it stops every executor (``executor.stop``: each ends with
-  ``job.handed_off``, which tells its clients to follow the job to the new leader) when
-  the term cannot come back: the coordinator stops, or its leader lease is gone. When
-  only the lease's local deadline passed (etcd briefly away) the lease is kept and the
-  term may come back: the executors pause on their own and go on under the same term,
-  or hand off by themselves once the term is over.
+It listens to the coordinator's leadership (:meth:`Coordinator.add_leadership_listener`): on
+lead(term) it adopts every job a lost or deposed leader ran, and on step_down(reason) it hands
+its jobs off unless the term may come back (:mod:`~rallypoint.orchestrator.service.adoption`).
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
-from rallypoint.etcd.cluster_view import parse_job_records, read_cluster
+from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
-from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.orchestrator.job.metrics import nonfinite_mode
 from rallypoint.orchestrator.service.verbs import JobControl, start_thread, watched
-from rallypoint.orchestrator.job.state import END_EVENTS, FINAL_RECORD_STATES, STREAM_END_EVENTS
+from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.observe.timeline import TimelineRecorder
+from rallypoint.orchestrator.service.adoption import JobAdoption
+from rallypoint.orchestrator.service.fanout import EventFanOut, stream_events
+from rallypoint.orchestrator.service.registry import JobRun, RunRegistry
 from rallypoint.recovery.platforms import platform_refusal, pool_platforms
-from rallypoint.orchestrator.job.runs import adoptable_run_dir, check_spec_names, previous_run, refusal
+from rallypoint.orchestrator.job.runs import check_spec_names, previous_run, refusal
 from rallypoint.orchestrator.job.runs import check_code, request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -63,76 +52,11 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from rallypoint.orchestrator.service.coordinator import Coordinator
 
-TERMINAL_EVENTS = END_EVENTS  # the job stopped running (a client stops following it): job/state.py
 ENDED_STATE = {"job.finished": "succeeded", "job.failed": "failed", "job.suspended": "suspended",
                "job.cancelled": "cancelled"}
 
 ADOPT_WAIT_S = 10.0  # WatchJob of a job recorded as running that this leader has not started yet: how long to wait
-HANDOFF_WAIT_S = 5.0  # on a final step-down: how long to wait for the executors to hand off
-OLD_TERM_WAIT_S = 60.0  # on lead: how long to wait for an executor of an older term here to end before adopting
-AWAIT_TERM_POLL_S = 0.1  # after a step-down that kept the lease: how often to look whether the term is over
-KEEP_ENDED = 4  # ended jobs whose last event (final states included) WatchJob still answers with ...
-KEEP_ENDED_S = 300.0  # ... for this long: a client that lost its stream just as the job ended
 DEFAULT_MAX_WATCHERS = 128  # WatchJob streams one coordinator serves at once (CoordinatorConfig.max_watchers)
-SUBSCRIBER_QUEUE_MAX = 256  # events a stream may fall behind the job before it is dropped (the job never waits)
-
-
-class _Subscriber(queue.Queue[pb.JobEvent]):
-    """One stream's events, bounded; ``dropped`` says why it was cut off (it fell too far behind)."""
-
-    def __init__(self) -> None:
-        super().__init__(maxsize=SUBSCRIBER_QUEUE_MAX)
-        self.dropped = ""
-
-
-@dataclass
-class _Run:
-    """One job this coordinator runs: its executor, thread and subscribers."""
-
-    job: str
-    term: int
-    adopted: bool
-    executor: Any = None  # the JobExecutor (set right after the run is made: its emit is publish)
-    first: queue.Queue[pb.JobEvent] | None = None  # the stream that started it, subscribed before it starts
-    subscribers: list[queue.Queue[pb.JobEvent]] = field(default_factory=list)
-    last: pb.JobEvent | None = None  # the executor's last event, once it ended
-    done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def publish(self, ev: pb.JobEvent) -> None:
-        """The executor's ``emit``: every subscriber gets every event (thread-safe). It never blocks:
-        a subscriber whose queue is full (its client reads too slowly) is dropped, not waited for."""
-        with self.lock:
-            if self.last is not None:
-                return  # nothing after the end
-            if ev.event in STREAM_END_EVENTS:
-                self.last = ev
-            subs = list(self.subscribers)
-        for q in subs:
-            try:
-                q.put_nowait(ev)
-            except queue.Full:
-                self._drop(q, ev)
-
-    def _drop(self, q: queue.Queue[pb.JobEvent], ev: pb.JobEvent) -> None:
-        self.unsubscribe(q)
-        if isinstance(q, _Subscriber):
-            q.dropped = (f"this stream fell {q.maxsize} events behind job {self.job!r} (at {ev.event} step {ev.step}) "
-                         "and was dropped; the job goes on: follow it again with WatchJob")
-
-    def subscribe(self) -> queue.Queue[pb.JobEvent]:
-        q = _Subscriber()
-        with self.lock:
-            if self.last is not None:
-                q.put(self.last)
-            else:
-                self.subscribers.append(q)
-        return q
-
-    def unsubscribe(self, q: queue.Queue[pb.JobEvent]) -> None:
-        with self.lock:
-            if q in self.subscribers:
-                self.subscribers.remove(q)
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -140,14 +64,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
-        self._runs: dict[str, _Run] = {}
-        self._ended: OrderedDict[str, tuple[pb.JobEvent, float]] = OrderedDict()  # job -> (its end, when)
-        self._lock = threading.Lock()
+        self.runs = RunRegistry(clock=self.c.clock.monotonic)  # the jobs run here now, those ended lately
+        self._lock = threading.Lock()  # of the count of WatchJob streams
         self._watching = 0  # WatchJob streams open now (each holds a server thread), at most max_watchers
         self.timeline = TimelineRecorder(wall=self.c.clock.wall)  # what the dashboard shows of the jobs run here
         self.log = get_logger("rallypoint.service", cluster=coordinator.keys.cluster,
                               coordinator=coordinator.config.coordinator_id)
         self.control = JobControl(self)  # cancel, suspend, the auto-resume, the history's retention (service/verbs.py)
+        self.adoption = JobAdoption(coordinator, self.runs, root=self._root, log=self.log,  # service/adoption.py
+                                    start=lambda spec, checkpoint_root: self._start(
+                                        spec, resume=True, adopted=True, checkpoint_root=checkpoint_root))
         coordinator.add_leadership_listener(self.on_lead, self.on_step_down)
         coordinator.add_fence_listener(self.on_fenced)
 
@@ -184,7 +110,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert run is not None
         self.log.info("job.submitted", job=request.job, steps=request.steps, slices=len(request.slices))
         assert run.first is not None
-        yield from self._stream(run, run.first, context)
+        yield from stream_events(run.events, run.first, context, self.log)
 
     def ResumeJob(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         self._check_leader(context)
@@ -214,7 +140,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         self.log.info("job.resume_requested", job=request.job)
         assert run.first is not None
-        yield from self._stream(run, run.first, context)
+        yield from stream_events(run.events, run.first, context, self.log)
 
     def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         self._check_leader(context)
@@ -254,17 +180,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _root(self) -> str:
         return self.c.config.checkpoint_dir
 
-    def running(self, job: str) -> _Run | None:
+    def running(self, job: str) -> JobRun | None:
         """The run of ``job`` this coordinator has now (None: it runs none)."""
-        with self._lock:
-            return self._runs.get(job)
+        return self.runs.get(job)
 
-    def start_resumed(self, spec: pb.JobSpec, *, checkpoint_root: str, auto: bool) -> _Run | None:
+    def start_resumed(self, spec: pb.JobSpec, *, checkpoint_root: str, auto: bool) -> JobRun | None:
         """Resume ``spec``'s run with nobody following it (clients come through WatchJob); None: it runs here."""
         run = self._start(spec, resume=True, adopted=False, checkpoint_root=checkpoint_root, auto_resumed=auto)
         if run is not None:
             if run.first is not None:
-                run.unsubscribe(run.first)
+                run.events.unsubscribe(run.first)
         return run
 
     def _refuse_other_platforms(self, spec: pb.JobSpec, context: grpc.ServicerContext) -> None:
@@ -285,10 +210,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         True: the submit repeats one that started the job's current run (the same ``submit_id``, e.g. retried
         after a lost connection): the caller follows that run instead of starting another."""
-        with self._lock:
-            run = self._runs.get(spec.job)
+        run = self.runs.get(spec.job)
         if run is not None:
-            return bool(spec.submit_id) and getattr(run.executor.spec, "submit_id", "") == spec.submit_id
+            return bool(spec.submit_id) and run.executor.view().submit_id == spec.submit_id
         root = spec.checkpoint_dir or self._root()
         try:
             prev = previous_run(self.c.store, self.c.keys, spec.job, Path(root).absolute() if root else None)
@@ -296,8 +220,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the runs of job {spec.job!r}: {exc}")
         record = (prev.record if prev is not None else None) or {}
         if spec.submit_id and record.get("submit_id") == spec.submit_id:
-            with self._lock:
-                ended = spec.job in self._ended
+            ended = self.runs.ended_here(spec.job)
             if record.get("state", "") not in FINAL_RECORD_STATES or ended:
                 return True
             context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -327,34 +250,40 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           f"{leader[0] if leader else 'none'})")
 
     def _start(self, spec: pb.JobSpec, *, resume: bool, adopted: bool, checkpoint_root: str | None = None,
-               auto_resumed: bool = False) -> _Run | None:
+               auto_resumed: bool = False) -> JobRun | None:
         """Start an executor for ``spec`` in a thread and register it; None if the job runs here already.
 
         The run's first subscriber (``run.first``: the stream that asked for it) is
         subscribed before the executor starts, so it sees every event.
         """
-        with self._lock:
-            if spec.job in self._runs:
-                return None
-            run = _Run(job=spec.job, term=self.c.election.term or 0, adopted=adopted)
-            run.first = run.subscribe()
+        events = EventFanOut(spec.job)
 
-            def emit(ev: pb.JobEvent) -> None:  # the dashboard's recorder, then the clients
-                self.timeline.observe(executor, ev)
-                run.publish(ev)
+        def emit(ev: pb.JobEvent) -> None:  # the dashboard's recorder (with the job's view now), then the clients
+            try:
+                view = executor.view()
+            except Exception as exc:  # the dashboard must never keep an event from the clients
+                self.log.warning("dashboard.view_failed", job=spec.job, event_name=ev.event, error=repr(exc))
+                view = None
+            self.timeline.observe(view, ev)
+            events.publish(ev)
 
-            executor = JobExecutor(spec, store=self.c.store, keys=self.c.keys, election=self.c.election,
-                                   emit=emit, clock=self.c.clock,
-                                   checkpoint_root=self.c.config.checkpoint_dir if checkpoint_root is None
-                                   else checkpoint_root,
-                                   resume=resume, adopted=adopted, hooks=self.c.config.hooks)
-            executor.keep_runs = getattr(self.c.config, "keep_runs", 0)  # retention of earlier runs (runs.py)
-            executor.auto_resumed = auto_resumed  # resumed by the leader once room returned (service/verbs.py)
-            run.executor = executor
+        def make() -> JobRun:
+            made = JobRun(job=spec.job, term=self.c.election.term or 0, adopted=adopted, events=events,
+                          executor=JobExecutor(
+                              spec, store=self.c.store, keys=self.c.keys, election=self.c.election, emit=emit,
+                              clock=self.c.clock, checkpoint_root=self._root() if checkpoint_root is None
+                              else checkpoint_root, resume=resume, adopted=adopted, hooks=self.c.config.hooks,
+                              keep_runs=getattr(self.c.config, "keep_runs", 0),  # retention of earlier runs
+                              auto_resumed=auto_resumed))  # resumed by the leader once room returned (verbs.py)
+            made.first = events.subscribe()  # before the executor starts: the stream that asked sees every event
             if getattr(self.c, "metrics", None) is not None:
-                self.c.metrics.job_started(executor)  # docs/metrics.md
-            self._runs[spec.job] = run
-            self._ended.pop(spec.job, None)
+                self.c.metrics.job_started(spec.job, made.executor)  # docs/metrics.md
+            return made
+
+        run = self.runs.add(spec.job, make)
+        if run is None:
+            return None
+        executor = run.executor
 
         def main() -> None:
             try:
@@ -364,19 +293,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 emit(pb.JobEvent(job=spec.job, event="job.failed",
                                  detail=json.dumps({"reason": f"internal error in the executor: {exc!r}"})))
             finally:
-                if run.last is None:
+                if events.last is None:
                     emit(pb.JobEvent(job=spec.job, event="job.failed",
                                      detail=json.dumps({"reason": "the executor ended without a result"})))
-                with self._lock:
-                    if self._runs.get(spec.job) is run:
-                        del self._runs[spec.job]
-                    if run.last is not None and run.last.event in TERMINAL_EVENTS:
-                        self._ended[spec.job] = (run.last, self.c.clock.monotonic())
-                        while len(self._ended) > KEEP_ENDED:
-                            self._ended.popitem(last=False)
-                run.done.set()
+                self.runs.ended(run)
             term = self.c.election.term
-            if run.last is not None and run.last.event == "job.handed_off" and term is not None \
+            if events.last is not None and events.last.event == "job.handed_off" and term is not None \
                     and not self.c.stopping:
                 # It handed off (a write of its term was refused) but this coordinator leads:
                 # nobody else will adopt the job, so this leader does, from its record.
@@ -386,43 +308,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         threading.Thread(target=main, name=f"job-{spec.job}", daemon=True).start()
         return run
 
-    def _stream(self, run: _Run, q: queue.Queue[pb.JobEvent], context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
-        """The run's events from ``q`` until its last one, or until the client goes away."""
-        try:
-            while True:
-                dropped = getattr(q, "dropped", "")
-                if dropped:  # it fell too far behind: the client hears why, the job goes on
-                    self.log.warning("watch.dropped", job=run.job, reason=dropped)
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, dropped)
-                try:
-                    ev = q.get(timeout=0.5)
-                except queue.Empty:
-                    if not context.is_active():
-                        return
-                    continue
-                yield ev
-                if ev.event in STREAM_END_EVENTS:
-                    return
-        finally:
-            run.unsubscribe(q)
-
     def _watch(self, job: str, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
         """``job.watching`` with the job's progress, then its events to the end (see ``WatchJob``)."""
         deadline = self.c.clock.monotonic() + ADOPT_WAIT_S
         while True:
-            with self._lock:
-                run = self._runs.get(job)
-                kept = self._ended.get(job)
-            ended = kept[0] if kept is not None and self.c.clock.monotonic() - kept[1] < KEEP_ENDED_S else None
+            run, ended = self.runs.lookup(job)
             if run is not None:
-                q = run.subscribe()
-                x = run.executor
+                q = run.events.subscribe()
+                x = run.executor.view()
                 placement = {s: {"worker": p.worker, "incarnation": p.incarnation, "devices": list(p.devices)}
-                             for s, p in dict(getattr(x, "placement", {}) or {}).items()}
-                yield pb.JobEvent(job=job, event="job.watching", step=int(x.completed),
+                             for s, p in x.placement.items()}
+                yield pb.JobEvent(job=job, event="job.watching", step=x.completed,
                                   detail=json.dumps({"state": x.state.value, "adopted": run.adopted,
                                                      "term": run.term, "placement": placement, **watched(x)}))
-                yield from self._stream(run, q, context)
+                yield from stream_events(run.events, q, context, self.log)
                 return
             if ended is not None:  # it ended here moments ago: the client missed its end
                 state = ENDED_STATE.get(ended.event, "failed")
@@ -461,126 +360,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def on_lead(self, term: int) -> None:
         """This coordinator leads ``term``: adopt the jobs of a lost leader (in a thread), and resume the jobs
         suspended for higher-priority ones when room returns (another thread, for as long as the term leads)."""
-        threading.Thread(target=self._adopt_all, args=(term,), name=f"adopt-{term}", daemon=True).start()
-        start_thread(self.control, term, lambda: self._term_holds(term))
-
-    def _term_holds(self, term: int) -> bool:
-        return self.c.election.term == term and not self.c.stopping
-
-    def _adopt_all(self, term: int) -> None:
-        try:
-            kvs, _ = retrying(clock=self.c.clock, what="reading the job records", log=self.log, retry_on=StoreError,
-                              should_stop=lambda: not self._term_holds(term), initial_s=0.25, max_s=1.0)(
-                lambda: self.c.store.get_prefix(self.c.keys.jobs))
-        except StoreError as exc:
-            self.log.warning("job.adoption_scan_failed", term=term, error=str(exc))
-            return
-        parsed, bad = parse_job_records(kvs, self.c.keys)
-        for name in bad:
-            self.log.warning("job.adoption_impossible", job=name, reason="the job record is not JSON")
-        for job, record in parsed.items():
-            if not self._term_holds(term):
-                return
-            state = record.get("state", "")
-            if state in FINAL_RECORD_STATES:
-                continue
-            try:
-                self._adopt(job, record, term)
-            except Exception as exc:  # one job must not keep the others from being adopted
-                self.log.exception("job.adoption_failed", job=job, error=repr(exc))
-
-    def _adopt(self, job: str, record: dict[str, Any], term: int) -> None:
-        with self._lock:
-            run = self._runs.get(job)
-        if run is not None and run.term == term:
-            return  # this coordinator runs it under this term (it paused and kept its term)
-        if run is not None:  # an executor of an older term of ours: it hands off, then the job is adopted
-            run.executor.stop(f"this coordinator leads a newer term ({term})")
-            if not run.done.wait(OLD_TERM_WAIT_S):
-                self.log.error("job.adoption_failed", job=job, term=term,
-                               reason=f"the executor of term {run.term} did not end within {OLD_TERM_WAIT_S:.0f}s")
-                return
-        old_term, state = record.get("term"), record.get("state", "")
-        rd = record.get("run_dir") or ""
-        if not rd:
-            self.log.error("job.adoption_impossible", job=job, state=state, old_term=old_term,
-                           reason="the job ran without checkpoints (no run_dir in its record): nothing to "
-                                  "restart it from; submit it again")
-            return
-        try:  # the record's run_dir came from etcd: checked before it is read
-            checked = adoptable_run_dir(rd, job, self._root())
-            spec = pb.JobSpec.FromString((checked / JOBSPEC_FILE).read_bytes())
-            if spec.job != job:
-                raise ValueError(f"it is the spec of job {spec.job!r}")
-            check_spec_names(spec)
-            if spec.checkpoint_dir:
-                request_checkpoint_dir(spec.checkpoint_dir, self._root())
-        except (OSError, ValueError, RallypointError) as exc:
-            self.log.error("job.adoption_impossible", job=job, state=state, old_term=old_term,
-                           reason=f"cannot use its job spec {Path(rd) / JOBSPEC_FILE}: {exc}")
-            return
-        if not self._term_holds(term):
-            return
-        # The run's checkpoint root: run_dir is <root>/<job>/<run>.
-        started = self._start(spec, resume=True, adopted=True, checkpoint_root=str(checked.parent.parent))
-        if started is None:
-            return  # a ResumeJob started it meanwhile
-        if started.first is not None:
-            started.unsubscribe(started.first)  # nobody asked for it: clients come through WatchJob
-        self.log.info("job.adopting", job=job, old_term=old_term, state=state, step_done=record.get("step_done"),
-                      cut=record.get("cut"), run_dir=rd, term=term)
+        threading.Thread(target=self.adoption.adopt_all, args=(term,), name=f"adopt-{term}", daemon=True).start()
+        start_thread(self.control, term, lambda: self.adoption.term_holds(term))
 
     def on_fenced(self, worker: str, incarnation: int, reason: str) -> None:
         """The leader fenced a worker: every executor that runs on it recovers now."""
-        with self._lock:
-            runs = list(self._runs.values())
-        for r in runs:
-            if r.executor is not None:
-                r.executor.worker_fenced(worker, incarnation, reason)
+        for r in self.runs.all():
+            r.executor.worker_fenced(worker, incarnation, reason)
 
     def on_step_down(self, reason: str) -> None:
-        """This coordinator stopped leading: hand its jobs off, unless its term may come back."""
-        keeper = self.c.election.keeper
-        may_return = not self.c.stopping and keeper is not None and not keeper.fence.dead
-        with self._lock:
-            runs = list(self._runs.values())
-        if not runs:
-            return
-        if may_return:
-            # Only the local deadline passed (etcd away): the lease is kept, and the same term
-            # resumes if etcd answers in time. The executors pause (they cannot write); a thread
-            # hands them off once that term is over for good.
-            self.log.warning("job.paused_with_the_term", reason=reason, jobs=sorted(r.job for r in runs))
-            threading.Thread(target=self._await_term, args=(runs, keeper, reason), name="await-term",
-                             daemon=True).start()
-            return
-        self._hand_off(runs, reason, wait_s=HANDOFF_WAIT_S)
-
-    def _hand_off(self, runs: list[_Run], reason: str, *, wait_s: float) -> None:
-        for r in runs:
-            r.executor.stop(reason)
-        deadline = self.c.clock.monotonic() + wait_s
-        for r in runs:
-            r.done.wait(max(0.0, deadline - self.c.clock.monotonic()))
-        self.log.info("job.handed_off_all", reason=reason, jobs=sorted(r.job for r in runs),
-                      still_running=sorted(r.job for r in runs if not r.done.is_set()))
-
-    def _await_term(self, runs: list[_Run], keeper: Any, reason: str) -> None:
-        """After a step-down that kept the lease: wait until the term comes back (the same lease
-        leads again) or is over for good (the lease is gone or replaced, another term leads here,
-        the coordinator stops); then hand off the runs of that term."""
-        terms = {r.term for r in runs}
-        while True:
-            election = self.c.election
-            if election.keeper is keeper and election.term in terms:
-                return  # the same term leads again: the executors go on where they paused
-            if self.c.stopping or election.keeper is not keeper or keeper.fence.dead or (
-                    election.term is not None and election.term not in terms):
-                break
-            if all(r.done.is_set() for r in runs):
-                return
-            time.sleep(AWAIT_TERM_POLL_S)
-        self._hand_off([r for r in runs if not r.done.is_set()], f"{reason}; the term is over", wait_s=0.0)
+        """This coordinator stopped leading: hand its jobs off, unless its term may come back (service/adoption.py)."""
+        self.adoption.step_down(reason)
 
 
 def serve_jobs(coordinator: Coordinator) -> CoordinatorService:

@@ -49,6 +49,7 @@ from rallypoint.etcd.store import Compare, Delete, Put
 from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES, JobState, JobStateError, record_transition
 from rallypoint.orchestrator.job.stop import StopRequest, stop_request
+from rallypoint.orchestrator.job.view import JobHandle, JobView
 from rallypoint.recovery.load_plan import device_counts
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, adoptable_run_dir, check_spec_names, run_of
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -65,15 +66,22 @@ def _past(action: str) -> str:
     return "suspended" if action == "suspend" else "cancelled"
 
 
+class RunningJob(Protocol):
+    """A job the service runs now, as the verbs see it: its executor."""
+
+    @property
+    def executor(self) -> JobHandle: ...
+
+
 class JobService(Protocol):
     """What the verbs need of the coordinator's job service (:class:`~rallypoint.orchestrator.service.jobs.CoordinatorService`)."""
 
     c: Any  # the coordinator: store, keys, election, config
     log: Any
 
-    def running(self, job: str) -> Any: ...
+    def running(self, job: str) -> RunningJob | None: ...
 
-    def start_resumed(self, spec: pb.JobSpec, *, checkpoint_root: str, auto: bool) -> Any: ...
+    def start_resumed(self, spec: pb.JobSpec, *, checkpoint_root: str, auto: bool) -> RunningJob | None: ...
 
 
 class JobControl:
@@ -97,11 +105,12 @@ class JobControl:
         except StoreError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read job {job!r}: {exc}; try again")
         run = self.s.running(job)
+        view = run.executor.view() if run is not None else None
         record = kv.json() if kv is not None else {}
         if run is None and kv is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"cluster {keys.cluster!r} has no job {job!r}; nothing changed "
                                                      "(`rallypoint jobs` lists the jobs)")
-        state = run.executor.state.value if run is not None else str(record.get("state", ""))
+        state = view.state.value if view is not None else str(record.get("state", ""))
         if state in ENDED or (state == JobState.SUSPENDED.value and action == "suspend"):
             then = {"cancelled": f"`rallypoint resume {job}` continues its run from its last cut",
                     "failed": f"`rallypoint resume {job}` continues its run from its last cut",
@@ -116,7 +125,7 @@ class JobControl:
                           f"job {job!r} is already being {_past(prev.action) if prev else 'stopped'} (asked{who}); "
                           f"nothing changed: `rallypoint watch {job}` follows it")
         saves = action == "suspend" or request.checkpoint
-        has_run_dir = (run.executor.run_dir is not None) if run is not None else bool(record.get("run_dir"))
+        has_run_dir = (view.run_dir is not None) if view is not None else bool(record.get("run_dir"))
         if saves and not has_run_dir:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job!r} keeps no checkpoints: a {'suspend' if action == 'suspend' else 'final cut'} "
@@ -136,10 +145,10 @@ class JobControl:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job!r} was asked to stop by another request just now; nothing changed")
         if run is not None:
-            run.executor.stopper.request(req)
+            run.executor.request_stop(req)
         self.log.warning("job.stop_asked", job=job, state=state, **req.to_json())
         where = "at its next step boundary" + (", every slice saved there" if saves else ", without a final checkpoint")
-        return pb.JobControlReply(job=job, state=state, run=run_of(record) or (run.executor.run_id if run else ""),
+        return pb.JobControlReply(job=job, state=state, run=run_of(record) or (view.run_id if view else ""),
                                   message=f"job {job!r} ({state}) will be {_past(action)} {where}")
 
     def _cancel_suspended(self, job: str, record: dict[str, Any], revision: int, req: StopRequest,
@@ -278,16 +287,11 @@ class JobControl:
         return gone
 
 
-def watched(x: Any) -> dict[str, Any]:
+def watched(x: JobView) -> dict[str, Any]:
     """What happened to a job before a client watched it: its run, recoveries and drains, and a stop asked."""
-    out: dict[str, Any] = {"run": getattr(x, "run_id", "")}
-    recovery, drains, stop = getattr(x, "recovery", None), getattr(x, "drains", None), getattr(x, "stopper", None)
-    if recovery is not None:
-        out["recoveries"] = recovery.to_json()
-    if drains is not None:
-        out["drains"] = drains.to_json()
-    if stop is not None and stop.pending is not None:
-        out["stop"] = stop.pending.to_json()
+    out: dict[str, Any] = {"run": x.run_id, "recoveries": x.recoveries_json(), "drains": x.drains_json()}
+    if x.stop is not None:
+        out["stop"] = x.stop.to_json()
     return out
 
 

@@ -38,14 +38,14 @@ def pipeline_spec(steps: int = 20, checkpoint_every: int = 5, **kw: Any) -> pb.J
 
 class Harness:
     def __init__(self, tmp_path: Path, *, workers: int = 3, spec: pb.JobSpec | None = None, adopted: bool = False,
-                 store: MemoryStore | None = None) -> None:
+                 store: MemoryStore | None = None, events: list[pb.JobEvent] | None = None) -> None:
         self.keys = Keys("t")
         self.store = store or MemoryStore()
         self.clock = FakeClock()
         self.incarnations = {f"w{i}": register_worker(self.store, self.keys, f"w{i}", 1) for i in range(workers)} \
             if store is None else {}
         self.election = FakeElection(self.store, self.keys, self.clock)
-        self.events: list[pb.JobEvent] = []
+        self.events: list[pb.JobEvent] = [] if events is None else events  # what the executor emits
         self.spec = spec or pipeline_spec()
         self.workers = FakeWorkers(self.spec.job, self.spec, self.store, self.keys)
         self.x = JobExecutor(self.spec, store=self.store, keys=self.keys, election=self.election,
@@ -65,18 +65,18 @@ class Harness:
 
     def steps_until(self, done: int, limit: int = 500) -> None:
         for _ in range(limit):
-            if self.x.completed >= done:
+            if self.x.progress.completed >= done:
                 return
             self.x.step(timeout_s=0.0)
-        raise AssertionError(f"stuck at step {self.x.completed} (wanted {done})")
+        raise AssertionError(f"stuck at step {self.x.progress.completed} (wanted {done})")
 
     def worker_of(self, slice_name: str) -> str:
-        return self.x.placement[slice_name].worker
+        return self.x.places.slices[slice_name].worker
 
 
 def recovered(h: Harness, count: int) -> None:
     for _ in range(100):
-        if len(h.x.recoveries) >= count and h.x.state is JobState.RUNNING:
+        if len(h.x.recovery.records) >= count and h.x.state is JobState.RUNNING:
             return
         h.x.step(timeout_s=0.0)
     raise AssertionError(f"no recovery {count}")

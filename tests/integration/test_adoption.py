@@ -4,8 +4,8 @@ The first tests run real etcd and real processes: the leader coordinator is SIGK
 mid-job, or SIGSTOPped until a standby leads and then woken; the job must finish under
 the new leader with the reference digest, nobody resumes it, and a woken deposed leader
 hands its executor off without failing the job or writing. The last ones check the job
-service's registry, adoption scan and fan-out on their own (a stand-in executor, a
-:class:`~tests.fakes.MemoryStore`).
+service's registry, adoption scan and fan-out on their own (tests/fakes_service.py: a stand-in
+executor, a :class:`~tests.fakes.MemoryStore`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import queue
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,21 +27,15 @@ from rallypoint.chaos.runner import LeaseHistory
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
-from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import read_cluster
-from rallypoint.etcd.keys import Keys
 from rallypoint.basics.tls import channel as tls_channel
-from rallypoint.orchestrator.service import jobs as service_mod
 from rallypoint.orchestrator.control.devices import DeviceLeases
-from rallypoint.orchestrator.job.executor import JOBSPEC_FILE
-from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until
-from tests.fakes import MemoryStore
-from tests.integration.test_leader_ha import _leader
-from tests.integration.test_recovery import pipeline_and_digest
+from tests.fakes_service import Aborted, Context, StandInExecutor, looked_at_the_term, saved_run, service_with_stand_ins
+from tests.helpers.cluster import leader, pipeline_and_digest
 
 STEPS = 24
 EVERY = 5
@@ -100,7 +93,7 @@ def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_
     compiled, reference = pipeline
     job = compiled.program.name
     lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=2)
-    old, old_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    old, old_term = wait_until(lambda: leader(lc), 10, "a leader")
     events: list[pb.JobEvent] = []
     steps: list[int] = []
     killed: list[float] = []
@@ -115,7 +108,7 @@ def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_
                     on_event=on_event, on_step=lambda s, _m: steps.append(s))
     assert killed, "the leader was never killed"
     assert result.state_digest == reference
-    new, new_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    new, new_term = wait_until(lambda: leader(lc), 10, "a leader")
     assert new != old and new_term > old_term
     names = [e.event for e in events]
     assert "job.resumed" not in names
@@ -156,7 +149,7 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
     compiled, reference = pipeline
     job = compiled.program.name
     lc = local_cluster(workers=4, spares=0, devices_per_worker=1, coordinators=2)
-    old, old_term = wait_until(lambda: _leader(lc), 10, "a leader")
+    old, old_term = wait_until(lambda: leader(lc), 10, "a leader")
     jobs_history = LeaseHistory(lc.endpoints, lc.keys.jobs)
     leases_history = LeaseHistory(lc.endpoints, lc.keys.leases)
     stopped: list[float] = []
@@ -167,7 +160,7 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
         try:
             # Woken the moment the standby leads: while it adopts and runs the job, the old
             # leader's executor still believes it runs the job, with runtimes and device leases.
-            woke.append(wait_until(lambda: (x := _leader(lc)) and x[0] != old and x, 20, "the standby leads"))
+            woke.append(wait_until(lambda: (x := leader(lc)) and x[0] != old and x, 20, "the standby leads"))
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             errors.append(exc)
         finally:
@@ -205,7 +198,7 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
              if e.type == "put" and e.kv.mod_revision > new_term and not e.kv.key.count("/checkpoints/")
              and json.loads(e.kv.value).get("term") == old_term]
     assert not stale, stale
-    assert _leader(lc) == (new, new_term), "leadership changed hands again"
+    assert leader(lc) == (new, new_term), "leadership changed hands again"
     _assert_settled(lc)
 
 
@@ -231,112 +224,11 @@ def _catch_up(lc: LocalCluster, job: str, jobs: LeaseHistory, leases: LeaseHisto
 # -- the job service on its own -------------------------------------------------------------------------
 
 
-class StandInExecutor:
-    """What the service relies on of :class:`JobExecutor`: run, stop, completed, state, placement."""
-
-    made: list[StandInExecutor] = []
-
-    def __init__(self, spec: pb.JobSpec, *, store: Any, keys: Any, election: Any, emit: Callable[[pb.JobEvent], None],
-                 clock: Any, checkpoint_root: str, resume: bool, adopted: bool = False,
-                 hooks: ExecutorHooks = ExecutorHooks()) -> None:
-        self.spec, self.emit, self.checkpoint_root = spec, emit, checkpoint_root
-        self.resume, self.adopted, self.hooks = resume, adopted, hooks
-        self.completed = 0
-        self.state = SimpleNamespace(value="running")
-        self.placement: dict[str, Any] = {}
-        self.stopped: str | None = None
-        self.go = threading.Event()
-        StandInExecutor.made.append(self)
-
-    def run(self) -> Any:
-        self.emit(pb.JobEvent(job=self.spec.job, event="job.adopted" if self.adopted else "job.placed"))
-        while not self.go.wait(0.01):
-            if self.stopped is not None:
-                self.emit(pb.JobEvent(job=self.spec.job, event="job.handed_off", step=self.completed,
-                                      detail=json.dumps({"reason": self.stopped})))
-                return None
-        self.completed = self.spec.steps
-        self.emit(pb.JobEvent(job=self.spec.job, event="job.finished", step=self.spec.steps))
-        return None
-
-    def stop(self, reason: str) -> None:
-        self.stopped = reason
-
-
-class Context:
-    def __init__(self) -> None:
-        self.active = True
-
-    def is_active(self) -> bool:
-        return self.active
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class StandInElection:
-    """The coordinator's election as the service sees it; every read of ``term`` is recorded with the thread
-    that read it, so a test can wait until the service has looked at the term, instead of sleeping."""
-
-    def __init__(self) -> None:
-        self._term: int | None = 7
-        self.is_leader = True
-        self.keeper: Any = SimpleNamespace(fence=SimpleNamespace(dead=False))
-        self.readers: list[threading.Thread] = []
-
-    @property
-    def term(self) -> int | None:
-        self.readers.append(threading.current_thread())
-        return self._term
-
-    @term.setter
-    def term(self, value: int | None) -> None:
-        self._term = value
-
-    def current_leader(self) -> tuple[str, int]:
-        return ("c0", 7)
-
-
-def _looked_at_the_term(election: StandInElection, since: int) -> threading.Thread | None:
-    """The service thread that has read the term three times since read number ``since`` (one whole decision
-    and the start of the next: it chose to keep waiting), if any."""
-    readers = Counter(t for t in election.readers[since:] if t is not threading.main_thread())
-    return next((t for t, n in readers.items() if n >= 3), None)
-
-
-def _service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any]:
-    monkeypatch.setattr(service_mod, "JobExecutor", StandInExecutor)
-    StandInExecutor.made.clear()
-    election = StandInElection()
-    listeners: list[Any] = []
-    fence_listeners: list[Any] = []
-    c = SimpleNamespace(store=MemoryStore(), keys=Keys("t"), election=election, clock=FakeClock(), stopping=False,
-                        config=SimpleNamespace(coordinator_id="c0", checkpoint_dir=str(tmp_path), hooks=ExecutorHooks()),
-                        add_leadership_listener=lambda a, b: listeners.append((a, b)),
-                        add_fence_listener=fence_listeners.append)
-    svc = service_mod.CoordinatorService(c)  # type: ignore[arg-type]
-    assert listeners == [(svc.on_lead, svc.on_step_down)] and fence_listeners == [svc.on_fenced]
-    return svc, c
-
-
-def _saved_run(tmp_path: Path, job: str) -> Path:
-    rd = tmp_path / job / "run-1"
-    rd.mkdir(parents=True)
-    (rd / JOBSPEC_FILE).write_bytes(pb.JobSpec(job=job, steps=3).SerializeToString())
-    return rd
-
-
 def test_a_new_leader_adopts_every_unfinished_job_and_skips_the_rest(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
-    svc, c = _service(monkeypatch, tmp_path)
-    rd = _saved_run(tmp_path, "a")
+    svc, c = service_with_stand_ins(monkeypatch, tmp_path)
+    rd = saved_run(tmp_path, "a")
     records = {"a": {"state": "running", "term": 3, "run_dir": str(rd)},
                "b": {"state": "succeeded", "term": 3, "run_dir": str(rd)},
                "c": {"state": "recovering", "term": 3, "run_dir": ""}}
@@ -344,11 +236,11 @@ def test_a_new_leader_adopts_every_unfinished_job_and_skips_the_rest(
         c.store.put(c.keys.job(job), json.dumps({"job": job, **r}))
     c.store.put(c.keys.checkpoint("a", "s0", 5), json.dumps({"step": 5}))
     before = {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.jobs)[0]}
-    svc._adopt_all(7)
+    svc.adoption.adopt_all(7)
     (x,) = StandInExecutor.made
     assert x.spec.job == "a" and x.adopted and x.resume and x.checkpoint_root == str(tmp_path)
     assert {kv.key: kv.mod_revision for kv in c.store.get_prefix(c.keys.jobs)[0]} == before  # "c": nothing written
-    svc._adopt_all(7)  # it runs here under this term: not again
+    svc.adoption.adopt_all(7)  # it runs here under this term: not again
     assert len(StandInExecutor.made) == 1
     # A watcher gets job.watching (adopted), then the events to the end.
     ctx = Context()
@@ -368,7 +260,7 @@ def test_a_new_leader_adopts_every_unfinished_job_and_skips_the_rest(
 def test_step_down_hands_every_job_off_once_the_term_is_over(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
-    svc, c = _service(monkeypatch, tmp_path)
+    svc, c = service_with_stand_ins(monkeypatch, tmp_path)
     stream = svc.SubmitJob(pb.JobSpec(job="j", steps=2), Context())
     assert next(stream).event == "job.placed"
     (x,) = StandInExecutor.made
@@ -379,7 +271,7 @@ def test_step_down_hands_every_job_off_once_the_term_is_over(
     c.election.term, c.election.is_leader = None, False
     since = len(c.election.readers)
     svc.on_step_down("no keepalive acknowledged within the lease TTL")
-    waiting = wait_until(lambda: _looked_at_the_term(c.election, since), 5, "the service to wait for the term")
+    waiting = wait_until(lambda: looked_at_the_term(c.election, since), 5, "the service to wait for the term")
     assert x.stopped is None
     c.election.term = 7
     waiting.join(5)
@@ -387,7 +279,7 @@ def test_step_down_hands_every_job_off_once_the_term_is_over(
     c.election.term = None
     since = len(c.election.readers)
     svc.on_step_down("no keepalive acknowledged within the lease TTL")  # again, and this time the lease is lost
-    wait_until(lambda: _looked_at_the_term(c.election, since), 5, "the service to wait for the term")
+    wait_until(lambda: looked_at_the_term(c.election, since), 5, "the service to wait for the term")
     assert x.stopped is None  # the lease may still come back: nothing is handed off yet
     c.election.keeper.fence.dead = True
     wait_until(lambda: x.stopped, 5, "the executor is stopped once the term is over")

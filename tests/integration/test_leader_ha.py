@@ -13,7 +13,6 @@ from rallypoint.etcd.server import EtcdCluster
 from tests.conftest import read_events, wait_until
 from tests.helpers.cluster import leader
 
-_leader = leader  # tests/integration/test_adoption.py imports it from here until that module's helpers move
 
 
 def test_standby_leads_within_ttl_plus_a_second_after_the_leader_is_killed(

@@ -34,7 +34,6 @@ from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.faults import WorkerFaults
 from tests.helpers.checkpoints import largest_file
 from tests.helpers.cli import rp
-from tests.helpers.cluster import pipeline_and_digest  # noqa: F401 - test_adoption.py imports it from here, for now
 from tests.helpers.cluster import EVERY, SLICES, STEPS, assert_settled, nodes_of, run
 
 

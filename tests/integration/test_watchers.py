@@ -1,7 +1,7 @@
 """One coordinator serves 100 concurrent ``WatchJob`` streams and still takes a submission.
 
 A real etcd and a real :class:`~rallypoint.orchestrator.service.coordinator.Coordinator` with its gRPC server,
-leading; the executor is the service's stand-in (:class:`tests.integration.test_adoption.StandInExecutor`),
+leading; the executor is the service's stand-in (:class:`tests.fakes_service.StandInExecutor`),
 so no worker process starts: what is under test is the server's threads, the watch cap and the fan-out.
 """
 
@@ -22,7 +22,7 @@ from rallypoint.orchestrator.service.jobs import serve_jobs
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
-from tests.integration.test_adoption import StandInExecutor
+from tests.fakes_service import StandInExecutor
 
 WATCHERS = 100
 

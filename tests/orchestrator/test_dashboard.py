@@ -15,6 +15,8 @@ from rallypoint.basics.errors import ConfigError
 from rallypoint.orchestrator.service.dashboard import DashboardServer, cluster_json, jobs_json, json_response, workers_json
 from rallypoint.orchestrator.observe.page import PAGE
 from rallypoint.orchestrator.observe.timeline import TimelineRecorder
+from rallypoint.orchestrator.job.state import JobState
+from rallypoint.orchestrator.job.view import JobView
 from rallypoint.orchestrator.observe.metrics_svg import metrics_svg
 from rallypoint.orchestrator.observe.timeline_svg import timeline_svg
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -99,19 +101,17 @@ def test_the_page_is_self_contained_and_inserts_markup_only_for_the_svg() -> Non
 
 
 class FakeExecutor:
-    def __init__(self) -> None:
-        self.spec = pb.JobSpec(job="j", steps=100, priority=3)
-        self.state = SimpleNamespace(value="running")
-        self.completed = 0
-        self.adopted = False
-        self.placement = {"s0": SimpleNamespace(worker="w0", incarnation=3, devices=(0, 1))}
-        self.failures: list[dict[str, Any]] = []
-        self.recoveries: list[Any] = []
-        self.watchdog = SimpleNamespace(stalls=0)
-        self.graph = SimpleNamespace(nodes=[SimpleNamespace(name="fwd"), SimpleNamespace(name="bwd")])
+    """An executor as the recorder sees it: the views it hands out (JobView), changed between events."""
 
-    def done_through(self, node: str) -> int:
-        return self.completed if node == "fwd" else max(0, self.completed - 1)
+    def __init__(self) -> None:
+        self.completed = 0
+        self.placement: dict[str, Any] = {"s0": SimpleNamespace(worker="w0", incarnation=3, devices=(0, 1))}
+        self.recoveries: list[Any] = []
+
+    def view(self) -> JobView:
+        return JobView(job="j", state=JobState.RUNNING, steps=100, priority=3, completed=self.completed,
+                       placement=dict(self.placement), recoveries=tuple(self.recoveries),
+                       done_through={"fwd": self.completed, "bwd": max(0, self.completed - 1)})
 
 
 def test_the_recorder_keeps_progress_recoveries_and_rates_bounded() -> None:
@@ -120,7 +120,7 @@ def test_the_recorder_keeps_progress_recoveries_and_rates_bounded() -> None:
     x = FakeExecutor()
 
     def emit(event: str, step: int = 0, **detail: Any) -> None:
-        rec.observe(x, pb.JobEvent(job="j", event=event, step=step, detail=json.dumps(detail)))
+        rec.observe(x.view(), pb.JobEvent(job="j", event=event, step=step, detail=json.dumps(detail)))
 
     emit("job.placed")
     for s in range(60):
@@ -152,9 +152,9 @@ def test_the_recorder_keeps_progress_recoveries_and_rates_bounded() -> None:
     (j,) = rec.jobs()
     assert j["state"] == "succeeded" and j["ended_at"] == clock[0] and j["step_done"] == 100
     # A second job that ends pushes the first out (keep_ended=1); a job that runs again starts afresh.
-    rec.observe(x, pb.JobEvent(job="k", event="job.failed", detail=json.dumps({"reason": "no room"})))
+    rec.observe(x.view(), pb.JobEvent(job="k", event="job.failed", detail=json.dumps({"reason": "no room"})))
     assert [(j["job"], j["state"], j["reason"]) for j in rec.jobs()] == [("k", "failed", "no room")]
-    rec.observe(FakeExecutor(), pb.JobEvent(job="k", event="job.placed"))
+    rec.observe(FakeExecutor().view(), pb.JobEvent(job="k", event="job.placed"))
     assert rec.jobs()[0]["ended_at"] is None and rec.jobs()[0]["recoveries"] == []
 
 
@@ -163,7 +163,7 @@ def test_the_recorder_keeps_each_metric_by_step_with_recoveries_marked_and_jobs_
     x = FakeExecutor()
 
     def emit(event: str, step: int = 0, metrics: dict[str, float] | None = None, **detail: Any) -> None:
-        rec.observe(x, pb.JobEvent(job="j", event=event, step=step, metrics=metrics or {}, detail=json.dumps(detail)))
+        rec.observe(x.view(), pb.JobEvent(job="j", event=event, step=step, metrics=metrics or {}, detail=json.dumps(detail)))
 
     for s in range(30):
         emit("step.done", step=s, metrics={"loss": 1.0 / (s + 1)})
@@ -193,10 +193,10 @@ def test_the_recorder_keeps_each_metric_by_step_with_recoveries_marked_and_jobs_
 
 def test_the_recorder_never_breaks_a_job() -> None:
     rec = TimelineRecorder()
-    rec.observe(object(), pb.JobEvent(job="j", event="step.done", step=1, detail="not json"))
+    rec.observe(None, pb.JobEvent(job="j", event="step.done", step=1, detail="not json"))
     broken = FakeExecutor()
     broken.placement = {"s0": None}  # type: ignore[dict-item]
-    rec.observe(broken, pb.JobEvent(job="j", event="job.placed"))  # logged, not raised
+    rec.observe(broken.view(), pb.JobEvent(job="j", event="job.placed"))  # logged, not raised
 
 
 def get(server: DashboardServer, path: str, host: str | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -247,9 +247,9 @@ def test_a_suspended_or_cancelled_job_ends_its_timeline_in_that_state_and_a_resu
     rec = TimelineRecorder(keep_ended=2)
     x = FakeExecutor()
     for job, end in (("a", "job.suspended"), ("b", "job.cancelled")):
-        rec.observe(x, pb.JobEvent(job=job, event="job.placed"))
-        rec.observe(x, pb.JobEvent(job=job, event=end, step=7, detail=json.dumps({"reason": "by operator ann"})))
+        rec.observe(x.view(), pb.JobEvent(job=job, event="job.placed"))
+        rec.observe(x.view(), pb.JobEvent(job=job, event=end, step=7, detail=json.dumps({"reason": "by operator ann"})))
     states = {j["job"]: (j["state"], j["reason"], j["ended_at"] is not None) for j in rec.jobs()}
     assert states == {"a": ("suspended", "by operator ann", True), "b": ("cancelled", "by operator ann", True)}
-    rec.observe(FakeExecutor(), pb.JobEvent(job="a", event="job.placed"))  # resumed
+    rec.observe(FakeExecutor().view(), pb.JobEvent(job="a", event="job.placed"))  # resumed
     assert {j["job"]: j["state"] for j in rec.jobs()}["a"] == "running"

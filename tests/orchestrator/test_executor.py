@@ -29,7 +29,7 @@ def test_begin_places_loads_and_grants_then_steps_complete_the_job(tmp_path: Pat
     assert h.record()["state"] == "running" and h.record()["term"] == h.election.term
     assert sorted(w for w, _ in h.workers.loads) == sorted({h.worker_of("s0"), h.worker_of("s1")})
     h.x.step(timeout_s=0.0)
-    assert h.x.completed == 0  # one event a step: fwd0 of step 0
+    assert h.x.progress.completed == 0  # one event a step: fwd0 of step 0
     h.steps_until(1)
     assert h.x.progress.granted == 3  # step 0 is done: the window of two steps moves on
     h.steps_until(20)
@@ -56,7 +56,7 @@ def test_a_lost_worker_moves_its_slice_to_the_spare_and_replays_only_it(tmp_path
     h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)  # the process died: its lease goes with it
     h.workers.end(victim)
     h.steps_until(20)
-    rec = h.x.recoveries[0]
+    rec = h.x.recovery.records[0]
     assert rec.escalated == ""
     assert rec.lost == {victim: ["s1"]} and rec.policy == "partial" and rec.checkpoint_step == 10
     assert rec.replay_nodes == ["fwd1"]
@@ -65,7 +65,7 @@ def test_a_lost_worker_moves_its_slice_to_the_spare_and_replays_only_it(tmp_path
     assert h.workers.rewires == [(survivor, 10)]
     assert h.x.recovery.machines[0].phase.value in ("replaying", "catching_up", "done")
     assert "job.recovering" in h.names() and "job.recovered" in h.names()
-    assert h.x.failures[0]["worker"] == victim
+    assert h.x.port.failures[0]["worker"] == victim
 
 
 def test_a_hung_worker_is_recovered_once_its_registration_is_gone(tmp_path: Path) -> None:
@@ -76,12 +76,12 @@ def test_a_hung_worker_is_recovered_once_its_registration_is_gone(tmp_path: Path
     h.workers.silent.add(victim)
     for _ in range(20):
         h.x.step(timeout_s=0.0)
-    assert h.x.recoveries == []  # still registered: nothing is declared lost
+    assert h.x.recovery.records == []  # still registered: nothing is declared lost
     h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)  # its lease expired
     h.clock.advance(1.5)
     h.x.step(timeout_s=0.0)
-    assert h.x.recoveries and h.x.recoveries[0].lost == {victim: ["s0"]}
-    assert "registration is gone" in h.x.recoveries[0].reasons[victim]
+    assert h.x.recovery.records and h.x.recovery.records[0].lost == {victim: ["s0"]}
+    assert "registration is gone" in h.x.recovery.records[0].reasons[victim]
     h.steps_until(20)
 
 
@@ -100,7 +100,7 @@ def test_no_progress_for_the_stall_timeout_is_a_stalled_event_and_a_recovery(tmp
     detail = json.loads(stalled[0].detail)
     assert detail["workers"] == [victim] and "no progress for 31" in detail["reason"]
     assert h.store.get(h.keys.worker(victim)) is None  # fenced
-    assert h.x.recoveries[0].lost == {victim: ["s0"]}
+    assert h.x.recovery.records[0].lost == {victim: ["s0"]}
     h.steps_until(20)
 
 
@@ -272,7 +272,7 @@ def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path
     h.x._prepare = lambda: None  # type: ignore[method-assign]  # already done, placement kept
     h.x._place = lambda: None  # type: ignore[method-assign]
     assert h.x.run() is JobState.SUCCEEDED
-    assert h.x.recoveries[0].lost == {victim: ["s1"]} and h.worker_of("s1") != victim
+    assert h.x.recovery.records[0].lost == {victim: ["s1"]} and h.worker_of("s1") != victim
     assert "job.recovered" in h.names()
 
 
@@ -296,7 +296,7 @@ def test_the_programs_own_failure_at_load_fails_the_job_at_once_naming_it_and_fe
     assert h.x.run() is JobState.FAILED
     reason = h.record()["reason"]
     assert "state 'p1' init failed on worker w1: RESOURCE_EXHAUSTED" in reason and "none was fenced" in reason
-    assert h.x.failures == [] and h.x.recoveries == [] and "job.recovering" not in h.names()
+    assert h.x.port.failures == [] and h.x.recovery.records == [] and "job.recovering" not in h.names()
     assert all(h.store.get(h.keys.worker(w)) is not None for w in ("w0", "w1", "w2"))  # every worker still live
     assert h.leases() == []
 
@@ -312,7 +312,7 @@ def test_a_node_that_fails_at_its_first_call_fails_the_job_naming_node_worker_an
         for _ in range(50):
             h.x.step(timeout_s=0.0)
     assert str(info.value) == f"node 'fwd1' failed at step 0 on worker {w}: {error}"
-    assert h.x.failures == [] and h.x.recoveries == []
+    assert h.x.port.failures == [] and h.x.recovery.records == []
     assert all(h.store.get(h.keys.worker(x)) is not None for x in ("w0", "w1", "w2"))
 
 
@@ -343,7 +343,7 @@ def test_the_failure_policy_fails_the_job_on_one_fault_too_many_in_its_window_li
     h.store.revoke_lease(h.store.get(h.keys.worker(first)).lease)
     h.workers.end(first)
     h.steps_until(12)
-    assert len(h.x.recoveries) == 1
+    assert len(h.x.recovery.records) == 1
     second = h.worker_of("s0")
     h.store.revoke_lease(h.store.get(h.keys.worker(second)).lease)
     h.workers.end(second)
@@ -353,7 +353,7 @@ def test_the_failure_policy_fails_the_job_on_one_fault_too_many_in_its_window_li
     reason = str(info.value)
     assert "failed 2 times from faults in the last 600s, more than its max_faults=1" in reason
     assert f"recovery 1 (0s ago): {first}: " in reason and f"recovery 2 (0s ago): {second}: " in reason
-    assert len(h.x.recoveries) == 1  # the second was never started: nothing more fenced or moved
+    assert len(h.x.recovery.records) == 1  # the second was never started: nothing more fenced or moved
 
 
 def test_a_negative_failure_policy_setting_fails_the_job_naming_the_field(tmp_path: Path) -> None:
@@ -403,7 +403,7 @@ def test_a_fall_back_past_a_corrupt_commit_lowers_the_cut_the_workers_are_told(t
     h = Harness(tmp_path, workers=4)
     lose_with_a_corrupt_cut(h)
     recovered(h, 1)
-    first = h.x.recoveries[0]
+    first = h.x.recovery.records[0]
     assert first.checkpoint_step == 5 and first.policy == "restart-all"
     assert [(c["slice"], c["step"]) for c in h.x.port.corrupt] == [("s1", 10)]
     h.steps_until(20)
@@ -424,7 +424,7 @@ def test_a_second_loss_after_a_fall_back_restores_from_the_lowered_cut(tmp_path:
     h.store.revoke_lease(h.store.get(h.keys.worker(second)).lease)
     h.workers.end(second)
     recovered(h, 2)
-    assert h.x.recoveries[1].checkpoint_step == 5 and h.x.progress.cut == 5
+    assert h.x.recovery.records[1].checkpoint_step == 5 and h.x.progress.cut == 5
     h.steps_until(20)
     assert [(c["slice"], c["step"]) for c in h.x.port.corrupt] == [("s1", 10)]
     assert h.x.progress.cut == 15

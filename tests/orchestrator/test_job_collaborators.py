@@ -28,6 +28,9 @@ from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress, LogFloor
 from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord
+from rallypoint.recovery.decide import Budget, Fail
+from rallypoint.recovery.remap import NoRoom
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.recovery.load_plan import SlicePlace
@@ -52,17 +55,18 @@ class Parts:
         self.term = JobTerm("pipe", store=self.store, keys=self.keys, election=self.election, clock=self.clock,
                             log=self.log)
         self.progress = JobProgress(self.spec, self.graph)
-        self.places = JobPlacement(self.spec, self.term, clock=self.clock, log=self.log, event=self.event)
+        settings = JobSettings.from_spec(self.spec)
+        self.places = JobPlacement(self.spec, self.term, clock=self.clock, log=self.log, event=self.event,
+                                   settings=settings)
         self.workers = FakeWorkers("pipe", self.spec, self.store, self.keys)
-        self.loads = JobLoads(self.spec, self.workers, self.term, self.places.slices, clock=self.clock, log=self.log)
+        self.loads = JobLoads(self.spec, self.workers, self.term, self.places.slices, clock=self.clock, log=self.log,
+                              settings=settings)
         self.granted: list[list[str]] = []
         self.drains = JobDrains(self.spec, self.graph, term=self.term, placement=self.places, loads=self.loads,
                                 progress=self.progress, clock=self.clock, log=self.log, event=self.event,
-                                grant=self.granted.append, hold=self.hold, running=lambda: True, record=lambda: None)
-        settings = JobSettings.from_spec(self.spec)
-        for c in (self.places, self.loads, self.drains):
-            c.settings = settings
-        self.drains.checkpoints = True
+                                grant=self.granted.append, hold=self.hold, running=lambda: True, record=lambda: None,
+                                settings=settings)
+        self.drains.open_run(checkpoints=True)
 
     def hold(self, hold: Hold) -> None:
         """What the executor does with a drain's hold: the grants keep it, the held workers are granted."""
@@ -143,21 +147,22 @@ def test_a_remap_leases_a_spare_and_apply_makes_it_the_slices_place() -> None:
     p = Parts()
     p.places.place(lambda: read_cluster(p.store, p.keys))
     lost = p.places.slices["s1"].worker
-    placed = p.places.remap({"s1": 1}, frozenset({lost, p.places.slices["s0"].worker}),
-                            record())
+    placed, waited_s = p.places.remap({"s1": 1}, frozenset({lost, p.places.slices["s0"].worker}), 1)
+    assert waited_s == 0.0  # a spare was there
     assert placed["s1"].worker not in (lost, p.places.slices["s0"].worker)
     assert p.places.slices["s1"].worker == lost  # leased, not yet the job's
     p.places.apply(placed)
     assert p.places.slices["s1"].worker == placed["s1"].worker and p.places.resharded == []
 
 
-def test_a_remap_with_no_spare_and_on_no_spare_fail_fails_the_job_naming_the_slice() -> None:
+def test_a_remap_with_no_spare_and_on_no_spare_fail_decides_fail_naming_the_slice_and_leases_nothing() -> None:
     p = Parts(workers=2)
     p.places.settings = JobSettings.from_spec(pipeline_spec(on_no_spare="fail"))
     p.places.place(lambda: read_cluster(p.store, p.keys))
-    with pytest.raises(JobFailed, match="s1"):
-        p.places.remap({"s1": 1}, frozenset({"w0", "w1"}),
-                       record())
+    before = p.leases()
+    decision = p.places.remap({"s1": 1}, frozenset({"w0", "w1"}), 1)
+    assert isinstance(decision, NoRoom) and "s1" in decision.reason  # the recovery carries it out (Failed)
+    assert p.leases() == before
 
 
 def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewer_devices() -> None:
@@ -165,14 +170,29 @@ def test_adopting_a_slice_without_room_with_on_no_spare_shrink_places_it_on_fewe
     spec = pipeline_spec(on_no_spare="shrink")
     spec.slices[1].mesh_shape[:] = [2]
     spec.nodes[1].variants.add(devices=1)
-    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event)
-    p.places.settings = JobSettings.from_spec(spec)
+    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event,
+                            settings=JobSettings.from_spec(spec))
     with pytest.raises(NoSpareDevices):  # a new job: no waiting, no shrinking
         p.places.place(lambda: read_cluster(p.store, p.keys))
     p.places.release_all()
     p.places.place(lambda: read_cluster(p.store, p.keys), adopting=True)
     assert len(p.places.slices["s1"].devices) == 1 and len(p.places.slices["s0"].devices) == 1
     assert [(r.slice, r.devices_before, r.devices_after) for r in p.places.resharded] == [("s1", 2, 1)]
+
+
+@pytest.mark.parametrize(("policy", "why"), [({"on_no_spare": "fail"}, "on_no_spare='fail'"),
+                                             ({"wait_timeout_s": 1}, "of wait_timeout_s=1")])
+def test_adopting_a_slice_without_room_it_may_not_wait_for_returns_fail_saying_why(policy: dict[str, Any],
+                                                                                  why: str) -> None:
+    """The placement decides (Fail, with why); the executor fails the job. A placement that raised JobFailed
+    itself, or placed the slice anyway, fails here."""
+    p = Parts(workers=1)  # one device: s0 takes it, s1 finds no room
+    spec = pipeline_spec(**policy)
+    p.places = JobPlacement(spec, p.term, clock=p.clock, log=p.log, event=p.event,
+                            settings=JobSettings.from_spec(spec))
+    decision = p.places.place(lambda: read_cluster(p.store, p.keys), adopting=True)
+    assert isinstance(decision, NoRoom) and why in decision.reason and "s1" in decision.reason
+    assert "s1" not in p.places.slices and not any(name == "job.placed" for name, _ in p.events)
 
 
 # -- JobDrains ----------------------------------------------------------------------------------------------
@@ -222,7 +242,7 @@ def test_a_drain_that_moves_returns_the_spares_log_floor_and_leaves_the_progress
 def test_a_drain_of_a_job_without_checkpoints_is_cancelled_and_changes_nothing() -> None:
     p = Parts()
     loaded(p)
-    p.drains.checkpoints = False
+    p.drains.open_run(checkpoints=False)
     before = (dict(p.places.slices), p.leases())
     victim = p.places.slices["s1"].worker
     p.drains.start(DrainRequest(victim, "operator", "test", 0.0, 0.0))
@@ -395,3 +415,17 @@ def test_a_stall_is_a_setback_decided_like_any_other_and_its_budget_runs_out() -
     _reason, decision = rec.stalled(31.0, dog, {"w1": "again"}, 4)
     assert isinstance(decision, Fail)
     assert rec.active is None and rec.to_json() == []
+
+
+def test_the_recovery_port_decides_on_a_failed_load_instead_of_raising() -> None:
+    """A load that failed for another reason than a lost worker is a Fail the executor carries out (the job
+    fails); a port that raised JobFailed itself, or returned workers to recover, would fail here."""
+    p = Parts()
+    p.places.place(lambda: read_cluster(p.store, p.keys))
+    port = JobRecoveryPort(p.graph, term=p.term, placement=p.places, loads=p.loads, progress=p.progress,
+                           on_restored=lambda _r: None, job_cut=JobCut(p.term, p.progress))
+    w = p.places.slices["s0"].worker
+    assert port.lost_at_load(Budget(), {}, 0) == {}
+    refused = WorkerCallFailed(w, "LoadJob", grpc.StatusCode.INVALID_ARGUMENT, "the program does not deserialize")
+    decision = port.lost_at_load(Budget(), {w: refused}, 0)
+    assert isinstance(decision, Fail) and "deserialize" in decision.reason

@@ -19,22 +19,11 @@ from rallypoint.orchestrator.job.stop import StopRequest
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.fakes import register_worker
-from tests.integration.test_adoption import Aborted, Context, StandInExecutor, _service
-
-
-class Stopper:
-    def __init__(self) -> None:
-        self.pending: StopRequest | None = None
-        self.asked: list[StopRequest] = []
-
-    def request(self, req: StopRequest) -> bool:
-        self.asked.append(req)
-        self.pending = self.pending or req
-        return True
+from tests.fakes_service import Aborted, Context, StandInExecutor, service_with_stand_ins
 
 
 class Executor(StandInExecutor):
-    """A stand-in executor with what the verbs read: its run directory (checkpoints or not) and its stopper."""
+    """A stand-in executor with what the verbs read of its view: its run (a run directory, or none)."""
 
     checkpoints = True
 
@@ -42,12 +31,11 @@ class Executor(StandInExecutor):
         super().__init__(spec, **kw)
         self.run_dir = Path(kw["checkpoint_root"]) / spec.job / "run-1" if Executor.checkpoints else None
         self.run_id = "run-1"
-        self.stopper = Stopper()
 
 
 @pytest.fixture
 def svc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any]:
-    service, c = _service(monkeypatch, tmp_path)
+    service, c = service_with_stand_ins(monkeypatch, tmp_path)
     monkeypatch.setattr(service_mod, "JobExecutor", Executor)
     Executor.checkpoints = True
     c.election.fenced_txn = lambda compares, success, failure=(): c.store.txn(compares, success, failure)
@@ -103,12 +91,12 @@ def test_a_suspend_is_kept_in_etcd_handed_to_the_executor_and_a_second_request_c
     assert reply.state == "running" and "suspended at its next step boundary, every slice saved" in reply.message
     kept = json.loads(c.store.get(c.keys.control("a")).value)
     assert kept["action"] == "suspend" and kept["by"] == "operator ann" and kept["checkpoint"] is True
-    assert [r.by for r in run.executor.stopper.asked] == ["operator ann"]
+    assert [r.by for r in run.executor.stops_asked] == ["operator ann"]
     before = snapshot(c)
     for verb in ("suspend", "cancel"):
         why = refused(ask(s, verb, "a", by="operator bo"), grpc.StatusCode.FAILED_PRECONDITION)
         assert "already being suspended (asked by operator ann" in why and "nothing changed" in why
-    assert snapshot(c) == before and len(run.executor.stopper.asked) == 1
+    assert snapshot(c) == before and len(run.executor.stops_asked) == 1
     run.executor.go.set()
 
 
@@ -123,7 +111,7 @@ def test_a_job_without_checkpoints_can_be_cancelled_but_not_suspended_nor_given_
                                                                    grpc.StatusCode.FAILED_PRECONDITION)
     assert "a final cut needs them" in refused(ask(s, "cancel", "a", checkpoint=True),
                                                grpc.StatusCode.FAILED_PRECONDITION)
-    assert snapshot(c) == before and run.executor.stopper.asked == []
+    assert snapshot(c) == before and run.executor.stops_asked == []
     assert "without a final checkpoint" in ask(s, "cancel", "a")().message
     run.executor.go.set()
 

@@ -188,7 +188,7 @@ def test_a_nan_loss_stops_the_job_there_keeps_the_cut_before_it_and_blames_no_wo
     commits = read_commits(h.store, h.keys, "pipe")
     assert max(c.step for cs in commits.values() for c in cs) == 6
     assert h.record()["state"] == "failed" and h.record()["cut"] == 6
-    assert "job.recovering" not in h.names() and h.x.failures == [] and h.x.recoveries == []
+    assert "job.recovering" not in h.names() and h.x.port.failures == [] and h.x.recovery.records == []
     assert [e.step for e in h.events if e.event == "step.done"] == list(range(7))
     nonfinite = [json.loads(e.detail) for e in h.events if e.event == "job.nonfinite"]
     assert nonfinite == [{"metric": "loss", "value": "nan", "node": "fwd1", "microbatch": 0, "action": "stop"}]
@@ -207,3 +207,17 @@ def test_with_warn_a_nan_loss_is_one_warning_per_metric_and_the_job_runs_to_its_
     got = read_metrics(run_dir(tmp_path, "pipe", create=False) / METRICS_FILE)
     assert got.steps == list(range(12)) and all(math.isnan(v) for s, v in got.curve("loss") if s >= 7)
     assert max(c.step for cs in read_commits(h.store, h.keys, "pipe").values() for c in cs) == 10
+
+
+def test_check_returns_where_a_stop_job_must_stop_and_moves_nothing_itself(tmp_path: Path) -> None:
+    """``check`` decides (the first value that is not finite, with ``stop``); the executor carries it out
+    through ``stop``: a check that halted the progress or unloaded workers itself would fail here."""
+    h = Harness(tmp_path)
+    m = h.x.job_metrics
+    m.open(None, "stop")
+    assert m.check(pb.InstanceDone(node="fwd1", step=3, metrics={"loss": 0.5})) is None
+    bad = m.check(pb.InstanceDone(node="fwd1", step=3, metrics={"loss": float("nan"), "acc": float("inf")}))
+    assert bad is not None and (bad.metric, bad.step, bad.node) == ("acc", 3, "fwd1")
+    assert h.names() == ["job.nonfinite"] and h.x.progress.halted is None and h.workers.unloaded == []
+    m.open(None, "warn")
+    assert m.check(pb.InstanceDone(node="fwd1", step=4, metrics={"loss": float("nan")})) is None

@@ -41,12 +41,12 @@ def test_the_record_keeps_the_newest_recoveries_summarises_the_rest_and_the_run_
     h.x.begin()
     sizes: dict[int, int] = {}
     for n in range(1, LOSSES + 1):
-        h.steps_until(h.x.completed + 6)
+        h.steps_until(h.x.progress.completed + 6)
         _lose_s1(h, n)
         recovered(h, n)
-        h.steps_until(h.x.completed + 4)
+        h.steps_until(h.x.progress.completed + 4)
         sizes[n] = len(json.dumps(h.record()))
-    assert len(h.x.recoveries) == LOSSES
+    assert len(h.x.recovery.records) == LOSSES
     rec = h.record()
     assert [r["recovery"] for r in rec["recoveries"]] == list(range(LOSSES - RECENT_RECOVERIES + 1, LOSSES + 1))
     earlier = rec["recoveries_earlier"]

@@ -34,15 +34,14 @@ class AskAt(list[pb.JobEvent]):
             self.kill[1]()
             self.kill = None
         if ev.event == self.on and (ev.step == self.step or self.on != "step.done") and self.h is not None:
-            self.h.x.stopper.request(self.request)
+            self.h.x.request_stop(self.request)  # as the service hands it over (JobHandle)
             self.h = None
 
 
 def harness(tmp_path: Path, at: int, request: StopRequest) -> tuple[Harness, AskAt]:
-    h = Harness(tmp_path)
-    events = AskAt(at, request, h)
-    h.events = events
-    h.x.emit = h.x.event_log.tee(h.x.job_metrics.tee(events.append))
+    events = AskAt(at, request)
+    h = Harness(tmp_path, events=events)
+    events.h = h
     return h, events
 
 
@@ -70,7 +69,7 @@ def test_a_suspend_saves_every_slice_at_the_next_boundary_releases_every_device_
     stopping = next(e for e in events if e.event == "job.stopping")
     boundary = json.loads(stopping.detail)["boundary"]
     assert 7 <= boundary <= 9  # the grant when it was asked: no instance of it had started anywhere
-    assert h.x.completed == boundary and h.x.progress.cut == boundary  # every slice committed the boundary
+    assert h.x.progress.completed == boundary and h.x.progress.cut == boundary  # every slice committed the boundary
     for s in ("s0", "s1"):
         assert h.store.get(h.keys.checkpoint("pipe", s, boundary)) is not None
     end = events[-1]
@@ -96,7 +95,7 @@ def test_a_cancel_ends_cancelled_at_a_saved_boundary_or_at_once_without_a_checkp
     rec = h.record()
     assert rec["state"] == "cancelled" and rec["stop"]["checkpoint"] is checkpoint and h.leases() == []
     if checkpoint:
-        assert rec["cut"] == h.x.completed > 6
+        assert rec["cut"] == h.x.progress.completed > 6
     else:
         assert rec["cut"] == 5 and "without a final checkpoint" in rec["reason"]  # the last scheduled commit
 
@@ -161,13 +160,12 @@ def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_i
     spec.nodes[0].variants.add(devices=1, mesh_shape=[1])
     spec.states[0].init_variants.add(devices=1, mesh_shape=[1])
     store = MemoryStore()
-    h = Harness(tmp_path, spec=spec, store=store)
+    events = AskAt(6, StopRequest("suspend", by="operator gus"))
+    h = Harness(tmp_path, spec=spec, store=store, events=events)
+    events.h = h
     for w, n in (("w0", 2), ("w1", 1), ("w2", 1), ("w3", 1)):
         register_worker(store, h.keys, w, n)
-    events = AskAt(6, StopRequest("suspend", by="operator gus"), h)
-    h.events = events
-    h.x.emit = events.append
-    assert h.x.run() is JobState.SUSPENDED and h.x.placement["s0"].count == 2
+    assert h.x.run() is JobState.SUSPENDED and h.x.places.slices["s0"].count == 2
     store.put(h.keys.cordon("w0"), "{}")  # only one-device workers are free now
     election = FakeElection(store, h.keys, h.clock)
     resumed: list[pb.JobEvent] = []
@@ -175,7 +173,7 @@ def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_i
                     checkpoint_root=str(tmp_path), resume=True, loss_grace_s=0.0,
                     workers=FakeWorkers(spec.job, spec, store, h.keys))
     assert x.run() is JobState.SUCCEEDED
-    assert x.placement["s0"].count == 1 and x.placement["s0"].worker != "w0"
+    assert x.places.slices["s0"].count == 1 and x.places.slices["s0"].worker != "w0"
     (change,) = x.places.resharded
     assert change.devices_before == 2 and change.devices_after == 1 and "resumed" in change.why
     done = json.loads(resumed[-1].detail)

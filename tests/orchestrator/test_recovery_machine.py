@@ -24,6 +24,7 @@ from rallypoint.orchestrator.job.recovery_machine import (TRANSITIONS, CatchingU
                                                       RecoveryPort)
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from rallypoint.recovery.decide import Budget, Verdict
+from rallypoint.recovery.remap import NoRoom
 from rallypoint.recovery.replay import Edge, Graph, Node, ReplayPlan, State
 
 P = RecoveryPhase
@@ -71,6 +72,8 @@ class FakeJob(RecoveryPort):
         self.calls: list[tuple[Any, ...]] = []
         self.unanswered: set[str] = set()  # workers whose unload fails
         self.restored_with: list[Recovery] = []
+        self.spare_wait_s = 0.0  # what each remap says it waited for a spare
+        self.generations = {"w0": 1, "w1": 1, "w2": 7, "w3": 7}  # the job's runtimes now
 
     def loaded_workers(self) -> list[str]:
         return sorted(self.loaded)
@@ -105,17 +108,17 @@ class FakeJob(RecoveryPort):
     def devices_of(self, slice_name: str) -> int:
         return 1
 
-    def remap(self, need: Mapping[str, int], exclude: frozenset[str], record: RecoveryRecord, *,
-              lost: Mapping[str, int] = {}) -> dict[str, SlicePlace]:
+    def remap(self, need: Mapping[str, int], exclude: frozenset[str], recovery: int, *,
+              lost: Mapping[str, int] = {}) -> tuple[dict[str, SlicePlace], float]:
         placed = {}
         for s in sorted(need):
             free = [w for w in self.spares if w not in exclude and self.incarnations[w] > lost.get(w, -1)]
             if not free:
-                raise JobFailed(f"no spare for {s}")
+                return NoRoom(reason=f"no spare for {s}")  # the remap planner's decision
             self.spares.remove(free[0])
             placed[s] = SlicePlace(free[0], f"{free[0]}:1", self.incarnations[free[0]], (0,))
         self.calls.append(("remap", tuple(sorted(placed.items()))))
-        return placed
+        return placed, self.spare_wait_s
 
     def place(self, places: Mapping[str, SlicePlace]) -> None:
         self.placement.update(places)
@@ -194,7 +197,7 @@ def test_replay_then_catch_up_end_the_recovery() -> None:
     job = FakeJob(spares=["w2"], commits=[commits_at(10)])
     r, _, _ = recovery(job, {"w1": "gone"})
     r.run_to_replay()
-    r.record.generations = {"w2": 7}
+    assert r.record.generations == {"w0": 1, "w1": 1, "w2": 7, "w3": 7}  # the recovery took them from its port
     for step in (10, 11):
         r.observe("w2", 7, "fwd1", step)
     assert r.phase is P.REPLAYING
@@ -395,3 +398,18 @@ def test_a_live_worker_that_does_not_answer_its_unload_is_fenced() -> None:
     r.run_to_replay()
     assert ("unload", "w1") in job.calls and ("fence", "w1", 101) in job.calls
     assert job.placement["s1"].worker == "w2"
+
+
+def test_the_recovery_alone_writes_its_record_the_wait_a_remap_returns_and_the_runtimes_it_restored() -> None:
+    """A remap returns the seconds it waited for a spare and the port tells the runtimes; the recovery writes
+    both into its own record (the placement and the executor no longer reach into it)."""
+    job = FakeJob(spares=["w2"], commits=[commits_at(10)])
+    job.spare_wait_s, job.generations = 2.5, {"w0": 3, "w2": 9}
+    r, _, _ = recovery(job, {"w1": "gone"})
+    assert r.record.spare_wait_s == 0.0 and r.record.generations == {}
+    r.run_to_replay()
+    assert r.record.spare_wait_s == 2.5 and r.record.to_json()["spare_wait_s"] == 2.5
+    assert r.record.generations == {"w0": 3, "w2": 9}
+    job.generations["w2"] = 10  # a copy: what the port holds later does not change the record
+    assert r.record.generations["w2"] == 9
+

@@ -13,7 +13,7 @@ import pytest
 
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, LATEST_FILE
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.integration.test_adoption import Aborted, Context, StandInExecutor, _service
+from tests.fakes_service import Aborted, Context, StandInExecutor, service_with_stand_ins
 
 
 def spec(job: str = "a", **kw: Any) -> pb.JobSpec:
@@ -47,7 +47,7 @@ def refused(call: Any, code: grpc.StatusCode) -> str:
 
 def test_a_resubmit_of_a_name_with_commits_is_refused_and_changes_nothing(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
-    svc, c = _service(monkeypatch, tmp_path)
+    svc, c = service_with_stand_ins(monkeypatch, tmp_path)
     a_run_with_commits(c, tmp_path)
     before = snapshot(c, tmp_path)
     why = refused(svc.SubmitJob(spec(), Context()), grpc.StatusCode.FAILED_PRECONDITION)
@@ -56,7 +56,7 @@ def test_a_resubmit_of_a_name_with_commits_is_refused_and_changes_nothing(monkey
 
 
 def test_a_submit_with_new_run_starts_a_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    svc, c = _service(monkeypatch, tmp_path)
+    svc, c = service_with_stand_ins(monkeypatch, tmp_path)
     a_run_with_commits(c, tmp_path)
     events = svc.SubmitJob(spec(new_run=True), Context())
     assert next(iter(events)).event == "job.placed"
@@ -74,7 +74,7 @@ def test_names_and_checkpoint_dirs_from_requests_are_refused_with_nothing_writte
     (tmp_path / "outside").mkdir()
     (root / "escape").symlink_to(tmp_path / "outside")
     (root / "linked-job").symlink_to(tmp_path / "outside")
-    svc, c = _service(monkeypatch, root)
+    svc, c = service_with_stand_ins(monkeypatch, root)
     before = snapshot(c, tmp_path)
     bad_slice = spec()
     bad_slice.slices[0].slice = "../../outside"
@@ -98,7 +98,7 @@ def test_resume_refuses_a_latest_that_leads_out_of_the_root(monkeypatch: pytest.
     outside.mkdir(parents=True)
     (outside / JOBSPEC_FILE).write_bytes(spec().SerializeToString())
     (root / "a" / LATEST_FILE).write_text("../../outside/run-x\n")
-    svc, c = _service(monkeypatch, root)
+    svc, c = service_with_stand_ins(monkeypatch, root)
     assert "not a run id" in refused(svc.ResumeJob(pb.ResumeRequest(job="a"), Context()), grpc.StatusCode.NOT_FOUND)
     assert StandInExecutor.made == []
 
@@ -106,7 +106,7 @@ def test_resume_refuses_a_latest_that_leads_out_of_the_root(monkeypatch: pytest.
 def test_adoption_reads_no_run_dir_outside_the_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
-    svc, c = _service(monkeypatch, root)
+    svc, c = service_with_stand_ins(monkeypatch, root)
     outside = a_run_with_commits(c, tmp_path / "elsewhere", "a")  # a record whose run_dir is not under the root
     c.store.put(c.keys.job("a"), json.dumps({"job": "a", "state": "running", "term": 3, "run_dir": str(outside)}))
     linked = root / "b" / "run-1"
@@ -114,7 +114,7 @@ def test_adoption_reads_no_run_dir_outside_the_root(monkeypatch: pytest.MonkeyPa
     linked.symlink_to(outside)  # under the root by name, outside it in fact
     c.store.put(c.keys.job("b"), json.dumps({"job": "b", "state": "running", "term": 3, "run_dir": str(linked)}))
     before = snapshot(c, tmp_path)
-    svc._adopt_all(7)
+    svc.adoption.adopt_all(7)
     assert StandInExecutor.made == [] and snapshot(c, tmp_path) == before
 
 
@@ -122,7 +122,7 @@ def test_a_resubmit_of_a_job_recorded_as_running_is_answered_already_exists(monk
                                                                             tmp_path: Path) -> None:
     """A client that retried its submit on a new leader, which has yet to adopt the job: ALREADY_EXISTS (the
     client then follows the job there), and nothing is started or written."""
-    svc, c = _service(monkeypatch, tmp_path)
+    svc, c = service_with_stand_ins(monkeypatch, tmp_path)
     rd = a_run_with_commits(c, tmp_path)
     c.store.put(c.keys.job("a"), json.dumps({"job": "a", "state": "running", "term": 3, "run": rd.name,
                                              "run_dir": str(rd)}))

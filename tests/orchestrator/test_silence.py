@@ -10,7 +10,7 @@ import pytest
 from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig, WorkerLink
+from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig
 from tests.fakes import MemoryStore
 
 LIMIT = 1.0
@@ -23,7 +23,7 @@ def coordinator() -> Iterator[tuple[Coordinator, FakeClock]]:
                                       suspect_after_s=LIMIT), store=MemoryStore(), clock=clock)
     for w in ("w0", "w1"):
         info = WorkerInfo(w, 7, 1, "127.0.0.1:1", 1, 1, "serving", {})
-        c._links[w] = WorkerLink(c, info, term=1)  # not started: the test plays its heartbeats
+        c._links[w] = c.link(info, term=1)  # not started: the test plays its heartbeats
     try:
         yield c, clock
     finally:

@@ -92,7 +92,7 @@ def test_a_slow_slice_moves_to_the_spare_by_a_drain_and_its_worker_stays_cordone
     assert min(ev["s1"]["step_slowdown"][-4:]) >= 2.0 and ev["s1"]["own_s"][-1] >= (SLOW_S - 0.01) * 0.9  # less its 10 ms of compute_s
     assert ev["s1"]["straggles"] and ev["s1"]["slowdown"] >= 2 * ev["s1"]["peers_slowdown"] and not ev["s0"]["straggles"]
     assert 0 < migrate["detection_s"] < 2.0  # the slowness began at most a few steps before the decision
-    (drain,) = h.x.drain_records
+    (drain,) = h.x.drains.drain_records
     assert drain.reason == "straggler" and drain.state == "done" and drain.moved["s1"] not in (slow, h.worker_of("s0"))
     assert h.worker_of("s1") == drain.moved["s1"] and migrated["moved"] == drain.moved
     cordon = h.store.get(h.keys.cordon(slow))
@@ -110,7 +110,7 @@ def test_slow_for_everyone_alike_is_no_straggler(tmp_path: Path) -> None:
     h.steps_until(20)
     q.everyone = 40.0
     h.steps_until(60)
-    assert straggler_events(h) == [] and h.x.drain_records == []
+    assert straggler_events(h) == [] and h.x.drains.drain_records == []
 
 
 @pytest.mark.parametrize("workers, why", [(2, "no live, uncordoned worker"), (3, "is kept for recoveries")])
@@ -124,7 +124,7 @@ def test_no_spare_is_said_once_a_window_and_nothing_is_cordoned(tmp_path: Path, 
     assert said and {d["decision"] for d in said} == {"no_spare"}, said
     assert why in said[0]["reason"] and said[0]["evidence"]["straggler"] == "s0"
     assert len(said) <= (60 - 20) // 8 + 1
-    assert h.x.drain_records == [] and h.store.get(h.keys.cordon(slow)) is None and h.x.state is JobState.RUNNING
+    assert h.x.drains.drain_records == [] and h.store.get(h.keys.cordon(slow)) is None and h.x.state is JobState.RUNNING
 
 
 def test_report_mode_moves_nothing_and_off_measures_nothing(tmp_path: Path) -> None:
@@ -135,12 +135,12 @@ def test_report_mode_moves_nothing_and_off_measures_nothing(tmp_path: Path) -> N
     h.steps_until(40)
     said = straggler_events(h)
     assert said and {d["decision"] for d in said} == {"keep"} and "only reported" in said[0]["reason"]
-    assert h.x.drain_records == []
+    assert h.x.drains.drain_records == []
     h2, q2 = harness(tmp_path / "o", stragglers="off")
     h2.x.begin()
     q2.slow = h2.worker_of("s1")
     h2.steps_until(40)
-    assert straggler_events(h2) == [] and h2.x.stragglers.baseline == {} and h2.x.drain_records == []
+    assert straggler_events(h2) == [] and h2.x.stragglers.baseline == {} and h2.x.drains.drain_records == []
 
 
 @pytest.mark.parametrize("pause_s, moved", [(stragglers.PAUSE_S * 2, False), (stragglers.PAUSE_S / 2, True)])
@@ -155,7 +155,7 @@ def test_the_whole_job_standing_still_is_nobodys_own_time(tmp_path: Path, monkey
     h.steps_until(60)
     said = straggler_events(h)
     assert ([d["decision"] for d in said][:1] == ["migrate"]) is moved, said
-    assert (len(h.x.drain_records) == 1) is moved
+    assert (len(h.x.drains.drain_records) == 1) is moved
 
 
 def with_a_source(tmp_path: Path, checkpoint_every: int) -> tuple[Harness, stragglers.StragglerWatch, float]:

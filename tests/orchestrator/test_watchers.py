@@ -1,7 +1,8 @@
 """A job's event fan-out: bounded per-stream queues; a slow stream is dropped with a message, never the job.
 
-Pure logic: :class:`~rallypoint.orchestrator.service.jobs._Run` and the service's stream loop with a stand-in
-gRPC context (the 100-watcher test against a real coordinator server is in tests/integration/test_watchers.py).
+Pure logic: :class:`~rallypoint.orchestrator.service.fanout.EventFanOut` and the service's stream loop
+(:func:`~rallypoint.orchestrator.service.fanout.stream_events`) with a stand-in gRPC context (the 100-watcher
+test against a real coordinator server is in tests/integration/test_watchers.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from rallypoint.orchestrator.service import jobs as service_mod
+from rallypoint.orchestrator.service import fanout
 from rallypoint.proto import rallypoint_pb2 as pb
 
 
@@ -30,20 +31,18 @@ class Context:
         raise Aborted(code, details)
 
 
-def _service() -> service_mod.CoordinatorService:
-    svc = service_mod.CoordinatorService.__new__(service_mod.CoordinatorService)
-    svc.log = SimpleNamespace(warning=lambda *a, **k: None)  # type: ignore[assignment]
-    return svc
+QUIET = SimpleNamespace(warning=lambda *a, **k: None)  # the service's logger
 
 
 def test_a_stream_that_falls_behind_is_dropped_with_a_message_and_the_job_and_the_others_go_on() -> None:
-    run = service_mod._Run(job="j", term=1, adopted=False)
+    run = fanout.EventFanOut("j")
     slow, fast = run.subscribe(), run.subscribe()
-    total = 3 * service_mod.SUBSCRIBER_QUEUE_MAX
+    total = 3 * fanout.SUBSCRIBER_QUEUE_MAX
     seen: list[pb.JobEvent] = []
-    reader = threading.Thread(target=lambda: seen.extend(_service()._stream(run, fast, Context())), daemon=True)
+    reader = threading.Thread(target=lambda: seen.extend(fanout.stream_events(run, fast, Context(), QUIET)),
+                              daemon=True)
     reader.start()
-    batch = service_mod.SUBSCRIBER_QUEUE_MAX // 2
+    batch = fanout.SUBSCRIBER_QUEUE_MAX // 2
 
     def job() -> None:  # the executor's emits, paced as a job would be: the reading stream keeps up
         for i in range(total):
@@ -62,10 +61,10 @@ def test_a_stream_that_falls_behind_is_dropped_with_a_message_and_the_job_and_th
         published.join(0.005)
     reader.join(10)
     assert [e.step for e in seen] == list(range(total)) + [total], "the stream that kept up lost events"
-    assert slow.qsize() <= service_mod.SUBSCRIBER_QUEUE_MAX, "a slow stream's queue grew without bound"
+    assert slow.qsize() <= fanout.SUBSCRIBER_QUEUE_MAX, "a slow stream's queue grew without bound"
     assert slow not in run.subscribers
     with pytest.raises(Aborted) as aborted:
-        list(_service()._stream(run, slow, Context()))
+        list(fanout.stream_events(run, slow, Context(), QUIET))
     assert aborted.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "fell" in aborted.value.details and "behind" in aborted.value.details and "follow it again" in \
         aborted.value.details
