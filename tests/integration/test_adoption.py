@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import grpc
 import pytest
@@ -27,7 +26,6 @@ from rallypoint.chaos.runner import LeaseHistory
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
-from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
@@ -35,7 +33,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from tests.conftest import read_events, wait_until
 from tests.fakes_service import Aborted, Context, StandInExecutor, looked_at_the_term, saved_run, service_with_stand_ins
-from tests.helpers.cluster import leader, pipeline_and_digest
+from tests.helpers.cluster import assert_settled, job_record, leader, pipeline_and_digest
 
 STEPS = 24
 EVERY = 5
@@ -44,24 +42,6 @@ EVERY = 5
 @pytest.fixture(scope="module")
 def pipeline() -> tuple[CompiledProgram, str]:
     return pipeline_and_digest(STEPS)  # made once for the session's modules of the same pipeline
-
-
-def _record(lc: LocalCluster, job: str) -> dict[str, Any]:
-    store = lc.store()
-    try:
-        kv = store.get(lc.keys.job(job))
-        assert kv is not None
-        return kv.json()
-    finally:
-        store.close()
-
-
-def _assert_settled(lc: LocalCluster) -> None:
-    store = lc.store()
-    try:
-        assert all(not s.holders for s in read_cluster(store, lc.keys).workers.values()), "device leases outlived the job"
-    finally:
-        store.close()
 
 
 def _no_resume(lc: LocalCluster) -> None:
@@ -118,9 +98,9 @@ def test_leader_killed_mid_job_the_new_leader_adopts_it_and_it_finishes_bitwise_
     adopting = read_events(lc.process(new).log, "job.adopting")
     assert [a["job"] for a in adopting] == [job] and adopting[0]["old_term"] == old_term
     _no_resume(lc)
-    rec = _record(lc, job)
+    rec = job_record(lc, job)
     assert rec["state"] == "succeeded" and rec["term"] == new_term and rec["step_done"] == STEPS
-    _assert_settled(lc)
+    assert_settled(lc)
     # Both leaders wrote the run's metrics.jsonl, the adoption marked at the cut it went on from. The workers keep
     # committing cuts while no leader listens, so that cut may lie past the step of the kill. The steps whose
     # instances completed while no leader listened (after the old leader's last line, which it wrote before it sent
@@ -188,7 +168,7 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
     assert not read_events(old_log, "job.failed"), "the deposed leader failed the job"
     assert read_events(lc.process(new).log, "job.adopting")
     _no_resume(lc)
-    rec = _record(lc, job)
+    rec = job_record(lc, job)
     assert rec["state"] == "succeeded" and rec["term"] == new_term
     _catch_up(lc, job, jobs_history, leases_history)
     jobs_history.close()
@@ -199,7 +179,7 @@ def test_hung_leader_is_deposed_its_executor_hands_off_without_writing_and_the_j
              and json.loads(e.kv.value).get("term") == old_term]
     assert not stale, stale
     assert leader(lc) == (new, new_term), "leadership changed hands again"
-    _assert_settled(lc)
+    assert_settled(lc)
 
 
 def _catch_up(lc: LocalCluster, job: str, jobs: LeaseHistory, leases: LeaseHistory) -> None:
