@@ -24,7 +24,8 @@ from typing import Any
 
 from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.drains import JobDrains
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.recovery.decide import Verdict
 from rallypoint.orchestrator.job.goodput import StepTimes
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.metrics import JobMetrics

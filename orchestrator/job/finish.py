@@ -8,7 +8,7 @@ replay to the end on a spare) and the executor asks again.
 
 from __future__ import annotations
 
-from rallypoint.orchestrator.job.failures import Verdict
+from rallypoint.recovery.decide import Verdict
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.orchestrator.job.workers import JobWorkers

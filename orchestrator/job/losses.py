@@ -20,11 +20,12 @@ from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
 from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import JobFailed, JobState
-from rallypoint.orchestrator.job.watchdog import ProgressWatchdog, laggards, lagging_nodes
+from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.decide import Budget, Fail, Refence
 from rallypoint.recovery.replay import Graph
+from rallypoint.recovery.stalls import laggards, lagging_nodes
 
 
 class JobLosses:

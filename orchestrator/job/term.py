@@ -55,6 +55,8 @@ class JobTerm:
         self.job, self.store, self.keys, self.election, self.clock, self.log = job, store, keys, election, clock, log
         self.term = election.term or 0
         self.writer = TermWriter(election, self.term)  # this job writes under the term that started it, or not at all
+        # The cluster's device leases, written under this term only: built once, as the term and writer are.
+        self._leases = DeviceLeases(store, keys, fenced_txn=self.writer.txn, term=self.term, clock=clock)
         self.on_unpaused = on_unpaused
         self.run_dir: Path | None = None  # where commit records lie beside the checkpoints (:meth:`open_run`)
         self.resume = resume
@@ -141,7 +143,8 @@ class JobTerm:
             return False
 
     def leases(self) -> DeviceLeases:
-        return DeviceLeases(self.store, self.keys, fenced_txn=self.writer.txn, term=self.term, clock=self.clock)
+        """The device leases, fenced by this job's term."""
+        return self._leases
 
     # -- commits ------------------------------------------------------------------------------
 

@@ -4,10 +4,11 @@ The executor tells it of every sign of progress (an instance done, a checkpoint
 committed, a recovery restored); :meth:`ProgressWatchdog.check` says, once per
 quiet period of ``timeout_s``, that the job stalled and for how long. The executor
 then reports ``job.stalled`` with the reason and starts a recovery of the workers it
-waits on (:func:`laggards`).
+waits on (:func:`rallypoint.recovery.stalls.laggards`).
 
 A node that has not yet run once on its current runtime compiles at its first call
-(minutes, for a large model): while a node the job waits on (:func:`lagging_nodes`)
+(minutes, for a large model): while a node the job waits on
+(:func:`rallypoint.recovery.stalls.lagging_nodes`)
 has not, the quiet period may last ``compile_timeout_s`` instead (:meth:`ProgressWatchdog.compiling`),
 so a healthy worker that compiles is not fenced. Stalls are counted per sliding window
 of ``window_s`` (:attr:`ProgressWatchdog.stalls`), not per lifetime: a long job is not
@@ -16,7 +17,7 @@ failed for a few stalls far apart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable
 
 from rallypoint.basics.clock import Clock
 
@@ -64,28 +65,3 @@ class ProgressWatchdog:
         self._stalls.append(self.clock.monotonic())
         self.last = self.clock.monotonic()  # the next report only after another quiet period
         return quiet
-
-
-def lagging_nodes(nodes: Iterable[tuple[str, str]], done_through: Callable[[str], int],
-                  steps: int) -> list[tuple[str, str]]:
-    """The (node, slice) pairs furthest behind; none when every node is at ``steps``."""
-    pairs = list(nodes)
-    progress = {n: done_through(n) for n, _ in pairs}
-    if not progress:
-        return []
-    low = min(progress.values())
-    return [] if low >= steps else [(n, sl) for n, sl in pairs if progress[n] == low]
-
-
-def laggards(nodes: Iterable[tuple[str, str]], done_through: Callable[[str], int], worker_of: Mapping[str, str],
-             steps: int) -> dict[str, str]:
-    """The workers holding the nodes furthest behind, each with why.
-
-    ``nodes``: (node, slice) pairs; ``worker_of``: slice -> worker. A job that is not
-    behind anywhere (every node at ``steps``) has none.
-    """
-    out: dict[str, str] = {}
-    for n, sl in lagging_nodes(nodes, done_through, steps):
-        if sl in worker_of:
-            out.setdefault(worker_of[sl], f"node {n!r} made no progress past step {done_through(n)}")
-    return out

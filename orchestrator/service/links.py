@@ -20,7 +20,8 @@ from rallypoint.basics.retry import retrying
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.etcd.cluster_view import WorkerInfo
-from rallypoint.orchestrator.job.failures import Verdict, classify_rpc_error
+from rallypoint.orchestrator.job.failures import classify_rpc_error
+from rallypoint.recovery.decide import Verdict
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 

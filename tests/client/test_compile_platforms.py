@@ -17,7 +17,8 @@ from rallypoint.client.compile import compile_program, export_platforms
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import ReferenceExecutor
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.recovery.decide import Verdict
 from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.workers.programs import PlatformMismatch, load_exported, slice_mesh
 from rallypoint.workers.runtime.load import program_fault

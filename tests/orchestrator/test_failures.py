@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rallypoint.orchestrator.job.failures import PROCESS_GONE_MARKERS, Verdict, classify_rpc_error
+from rallypoint.orchestrator.job.failures import PROCESS_GONE_MARKERS, classify_rpc_error
+from rallypoint.recovery.decide import Verdict
 
 C = grpc.StatusCode
 

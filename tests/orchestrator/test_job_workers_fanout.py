@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rallypoint.orchestrator.job.failures import Verdict
+from rallypoint.recovery.decide import Verdict
 from rallypoint.orchestrator.job.workers import JobWorkers, transfer_deadline_s
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc

@@ -1,11 +1,13 @@
-"""orchestrator/job/watchdog.py: stalls are reported once per quiet period; the laggards are who the job waits on."""
+"""orchestrator/job/watchdog.py: stalls are reported once per quiet period; recovery/stalls.py: the laggards
+are who the job waits on."""
 
 from __future__ import annotations
 
 import pytest
 
 from rallypoint.basics.clock import FakeClock
-from rallypoint.orchestrator.job.watchdog import ProgressWatchdog, laggards
+from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
+from rallypoint.recovery.stalls import laggards
 
 
 def test_a_stall_is_reported_once_per_quiet_period_and_progress_rearms_it() -> None:

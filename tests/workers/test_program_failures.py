@@ -18,7 +18,8 @@ import pytest
 from rallypoint.client import Program
 from rallypoint.client.compile import compile_program
 from rallypoint.client.jobspec import job_spec
-from rallypoint.orchestrator.job.failures import Verdict, WorkerCallFailed
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.recovery.decide import Verdict
 from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import ProgramFailure, parse_error
