@@ -27,3 +27,11 @@ def test_an_unknown_name_names_itself() -> None:
         assert "Programme" in str(exc)
     else:
         raise AssertionError("rallypoint.client.Programme resolved")
+
+
+def test_the_program_api_page_lists_every_public_name() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "program-api.md").read_text()
+    missing = [name for name in client.__all__ if f"`{name}`" not in page]
+    assert missing == []
