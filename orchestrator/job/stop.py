@@ -138,7 +138,9 @@ class JobStop:
         """One look from the executor's loop: begin the stop (returns the hold of every placed worker at the
         boundary, for the executor to carry out), or end the job once it is saved (raises :class:`JobStopped`)."""
         req = self.pending
-        if req is None:
+        if req is None or not req.saves:
+            # A cancel without a final checkpoint is the interrupt's alone (request() sends it right after taking
+            # the request): it never waits for a boundary, even when this look comes between the two.
             return None
         if state is JobState.STOPPING:
             assert self.boundary is not None

@@ -13,8 +13,9 @@ import pytest
 from rallypoint.orchestrator.job.record import EVENTS_FILE
 from rallypoint.orchestrator.job.state import RECORD_TRANSITIONS, TRANSITIONS, JobState, JobStateError, \
     record_transition
-from rallypoint.orchestrator.job.stop import StopRequest
+from rallypoint.orchestrator.job.stop import JobStop, StopRequest
 from rallypoint.proto import rallypoint_pb2 as pb
+from tests.fakes import FakeLog
 from tests.helpers.executor import Harness, pipeline_spec
 
 
@@ -180,3 +181,48 @@ def test_a_resume_places_a_slice_declared_min_max_on_the_most_devices_free_for_i
     assert resumed[-1].event == "job.finished" and done["exact"] is False  # within the reshard tolerance
     (back,) = [e for e in resumed if e.event == "job.resumed"]
     assert back.step == json.loads(events[-1].detail)["cut"] == done["start_step"]
+
+
+class _Progress:
+    granted, completed, all_granted = 7, 5, False
+
+
+class _Drains:
+    drains: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, reason: str) -> None:
+        self.aborted.append(reason)
+
+
+class _Recovery:
+    active = None
+
+
+def _stop(interrupts: list[BaseException], moves: list[Any], events: list[str], drains: _Drains) -> JobStop:
+    """A JobStop alone: its interrupt is noted, not yet seen by a loop."""
+    return JobStop("j", placed=lambda: {"s0": "w0"}, progress=_Progress(), drains=drains, recovery=_Recovery(),
+                   interrupt=interrupts.append, set_state=lambda *a, **k: moves.append(a),
+                   event=lambda name, **k: events.append(name), log=FakeLog())
+
+
+def test_a_cancel_without_a_checkpoint_never_begins_a_boundary_stop_even_before_its_interrupt_lands() -> None:
+    # The service's thread takes the request, then interrupts the term; the executor's loop may look in between
+    # (seen on a loaded machine: job.stopping, then job.cancelled). That look must not begin a boundary stop.
+    interrupts: list[BaseException] = []
+    moves: list[Any] = []
+    events: list[str] = []
+    drains = _Drains()
+    stop = _stop(interrupts, moves, events, drains)
+    assert stop.request(StopRequest("cancel", by="operator dee"))
+    assert len(interrupts) == 1
+    assert stop.check(JobState.RUNNING) is None  # no hold: nothing waits for a boundary
+    assert moves == [] and events == [] and drains.aborted == [] and stop.boundary is None
+    # A cancel with a final checkpoint does begin one, at the grant.
+    saving = _stop(interrupts, moves, events, drains)
+    assert saving.request(StopRequest("cancel", checkpoint=True, by="operator dee"))
+    hold = saving.check(JobState.RUNNING)
+    assert hold is not None and hold.step == 7 and hold.workers == ("w0",) and events == ["job.stopping"]
+    assert len(interrupts) == 1  # it interrupted nothing
