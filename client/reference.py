@@ -24,14 +24,15 @@ from rallypoint.workers.programs import load_exported
 
 
 def state_digest(states: Mapping[str, Any]) -> str:
-    """sha256 over every state value, in a fixed order: state name, tree structure, then
-    each leaf's dtype, shape and bytes (:func:`rallypoint.proto.digest.leaves_digest`)."""
+    """sha256 over every state value, in a fixed order: state name, tree structure (the same text in
+    every process: :func:`rallypoint.proto.digest.structure`), then each leaf's dtype, shape and bytes
+    (:func:`rallypoint.proto.digest.leaves_digest`)."""
     import jax
 
-    from rallypoint.proto.digest import leaves_digest
+    from rallypoint.proto.digest import leaves_digest, structure
 
     flat = ((name, *jax.tree_util.tree_flatten(value)) for name, value in states.items())
-    return leaves_digest((name, str(treedef), leaves) for name, leaves, treedef in flat)
+    return leaves_digest((name, structure(treedef), leaves) for name, leaves, treedef in flat)
 
 
 def to_host(tree: Any) -> Any:

@@ -1,7 +1,8 @@
 """The state digest over flat leaves as they travel on the wire.
 
-``sha256`` over every state in name order: the name and its pytree structure (as
-JAX prints it), then each leaf's dtype, shape and bytes. :func:`rallypoint.client.reference.state_digest`
+``sha256`` over every state in name order: the name and its pytree structure (node types
+by name, static fields by value, no object addresses: :func:`structure`), then each leaf's
+dtype, shape and bytes. :func:`rallypoint.client.reference.state_digest`
 computes the same from the pytrees, so the coordinator can report the digest of a
 job whose client holds no program (``rallypoint resume``).
 """
@@ -10,12 +11,54 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
+
+
+def structure(treedef: Any) -> str:
+    """A pytree structure (a JAX ``PyTreeDef``) as text that is the same in every process.
+
+    ``str(treedef)`` prints a custom node's static fields by ``repr``, and a static function or
+    object (a Flax ``TrainState``'s ``apply_fn`` and ``tx``) prints with its memory address, which
+    changes from one process to the next. Here each node is its type by qualified name,
+    its static data with plain values kept (dict keys, field names, numbers, strings) and any other
+    object named by its type (a function by its qualified name), then its children in order.
+    """
+    node = treedef.node_data()
+    if node is None:
+        return "*"
+    kind, aux = node
+    inner = ",".join(structure(child) for child in treedef.children())
+    return f"{_name(kind)}[{_static(aux)}]({inner})"
+
+
+def _name(obj: Any) -> str:
+    """A type or function by its qualified name, not its module: a job file's own classes and functions live in
+    ``__main__`` in one process and in a module named after the file in another."""
+    return getattr(obj, "__qualname__", type(obj).__qualname__)
+
+
+def _static(value: Any) -> str:
+    """Static pytree data as text without addresses (see :func:`structure`)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, Enum):
+        return f"{_name(type(value))}.{value.name}"
+    if isinstance(value, (tuple, list)):
+        items = ",".join(_static(v) for v in value)
+        return f"{_name(type(value))}({items})" if type(value) not in (tuple, list) else f"[{items}]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_static(k)}:{_static(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(_static(v) for v in value)) + "}"
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return _name(value)  # a class or a function: its name, never its address
+    return f"<{_name(type(value))}>"
 
 
 def leaves_digest(states: Iterable[tuple[str, str, Sequence[Any]]]) -> str:
