@@ -137,6 +137,7 @@ class Injectors:
     def __init__(self, target: Target) -> None:
         self.t = target
         self.fired: Counter[str] = Counter()
+        self._struck: float | None = None  # when the fault being fired took effect (wall clock)
         self.healed: Counter[str] = Counter()
         self.straggling: set[str] = set()  # workers a straggler fault slows now
         self.straggled: set[str] = set()  # workers whose straggler fault healed
@@ -146,7 +147,10 @@ class Injectors:
         fn = getattr(self, spec.kind, None)
         if fn is None:
             raise InjectionError(f"no injector for fault kind {spec.kind!r}")
+        self._struck = None
         detail, heal = fn(spec)
+        if self._struck is not None:  # the fault took effect here (the target was looked up before)
+            detail["struck_at"] = self._struck
         self.fired[spec.kind] += 1
         if heal is None:
             return detail, None
@@ -163,6 +167,7 @@ class Injectors:
     def _signal(self, name: str, sig: int) -> int:
         rec = self.t.lc.process(name)
         os.kill(rec.pid, sig)
+        self._struck = time.time()
         return rec.pid
 
     def kill(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
@@ -285,6 +290,7 @@ class Injectors:
             raise InjectionError("this cluster was not started partitionable (no network control)")
         w = self.t.worker_of(spec.target)
         self.t.network.partition(w)
+        self._struck = time.time()
 
         def heal() -> dict[str, Any]:
             self.t.network.heal(w)

@@ -42,6 +42,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
 from rallypoint.orchestrator.control.membership import MembershipChange, MembershipMonitor
 from rallypoint.orchestrator.service.links import WorkerLink
+from rallypoint.orchestrator.service.silence import SilenceWatch
 from rallypoint.orchestrator.observe.metrics import CoordinatorMetrics
 from rallypoint.etcd.cluster_view import WorkerInfo
 from rallypoint.etcd.etcd_store import EtcdStore
@@ -172,7 +173,8 @@ class Coordinator:
         self._confirmed_at = float("-inf")
         self._listeners: list[tuple[Callable[[int], None], Callable[[str], None]]] = []
         self._fence_listeners: list[Callable[[str, int, str], None]] = []
-        self._silence_checked = float("-inf")
+        self.silence = (SilenceWatch(config.suspect_after_s, config.attach_interval_s, clock)
+                        if config.suspect_after_s else None)
         self.log = get_logger("rallypoint.coordinator", cluster=config.cluster, coordinator=config.coordinator_id)
         if self.metrics is not None:
             self.log.info("metrics.serving", address=self.metrics.address, url=self.metrics.server.url)
@@ -202,7 +204,8 @@ class Coordinator:
 
     def add_fence_listener(self, on_fenced: Callable[[str, int, str], None]) -> None:
         """Call ``on_fenced(worker, incarnation, reason)`` as soon as this leader has revoked a
-        worker's lease, before etcd's watch reports the registration gone: the executors
+        worker's lease (a lost connection), or has found it silent (before the revoke: the executors'
+        recoveries fence it themselves), before etcd's watch reports the registration gone: the executors
         start their recoveries without waiting for their next registration check. It runs
         on the coordinator thread; an exception is logged and changes nothing else."""
         self._fence_listeners.append(on_fenced)
@@ -309,8 +312,9 @@ class Coordinator:
                 **fields,
             )
 
-    def _handle_suspect(self, info: WorkerInfo, reason: str, detail: str, at: float) -> None:
-        """Fence a worker whose process is gone: revoke its lease if it is still that incarnation."""
+    def _handle_suspect(self, info: WorkerInfo, reason: str, detail: str, at: float, told: bool = False) -> None:
+        """Fence a worker whose process is gone: revoke its lease if it is still that incarnation; then tell the
+        fence listeners, unless they were ``told`` already (a silent worker: :meth:`_check_silence`)."""
         self.election.check()
         self._revoked[(info.worker, info.incarnation)] = (reason, at)
         lease = fence_worker(self.store, self.keys, self.election.fenced_txn, info.worker, info.incarnation)
@@ -321,42 +325,36 @@ class Coordinator:
             "lease.revoked", worker=info.worker, incarnation=info.incarnation, lease=f"{lease:x}",
             reason=reason, detail=detail, fence_s=round(self.clock.monotonic() - at, 4),
         )
+        if not told:
+            self._tell_fenced(info, f"{reason}: {detail}" if detail else reason)
+
+    def _tell_fenced(self, info: WorkerInfo, reason: str) -> None:
         for on_fenced in list(self._fence_listeners):
             try:
-                on_fenced(info.worker, info.incarnation, f"{reason}: {detail}" if detail else reason)
+                on_fenced(info.worker, info.incarnation, reason)
             except Exception as exc:
                 self.log.exception("coordinator.listener_failed", listener="fenced", error=repr(exc))
 
     def _check_silence(self) -> None:
-        """Suspect every worker whose Attach stream has been silent for ``suspect_after_s``.
-
-        Silence is measured against this coordinator's own loop: if the loop itself was held
-        up that long (the process was stopped, or starved), nobody's silence counts, since
-        the heartbeats may be waiting unread; the count starts again from now.
-        """
-        limit = self.config.suspect_after_s
-        if not limit:
+        """Suspect every worker whose Attach stream has been silent for ``suspect_after_s``, pauses of this
+        process set aside (:mod:`~rallypoint.orchestrator.service.silence`). The jobs on it are told at once
+        (their recoveries fence it too); the leader's own fence follows on this loop."""
+        if self.silence is None:
             return
-        now = self.clock.monotonic()
-        held_up = now - self._silence_checked > limit / 2
-        self._silence_checked = now
-        for link in list(self._links.values()):
-            if held_up:
-                link.heard_at = max(link.heard_at, now)
-                continue
-            quiet = now - link.heard_at
-            if quiet >= limit and not link.suspected:
-                link.suspected = True
-                self.log.warning("worker.silent", worker=link.info.worker, incarnation=link.info.incarnation,
-                                 silent_s=round(quiet, 3), limit_s=limit)
-                self.suspect(link.info, reason="silent",
-                             detail=f"no heartbeat for {quiet:.2f}s (suspect_after_s {limit:g})")
+        for link, quiet in self.silence.silent(list(self._links.values())):
+            link.suspected = True
+            limit = self.config.suspect_after_s
+            self.log.warning("worker.silent", worker=link.info.worker, incarnation=link.info.incarnation,
+                             silent_s=round(quiet, 3), limit_s=limit)
+            detail = f"no heartbeat for {quiet:.2f}s (suspect_after_s {limit:g})"
+            self._tell_fenced(link.info, f"silent: {detail}")
+            self._events.put(("suspect", (link.info, "silent", detail, self.clock.monotonic(), True)))
 
     def lead_step(self, timeout_s: float = 0.25) -> None:
         """One iteration of the leader loop: look for silent workers, handle one event, or confirm the term."""
         self._check_silence()
-        if self.config.suspect_after_s:
-            timeout_s = min(timeout_s, self.config.suspect_after_s / 4)
+        if self.silence is not None:  # a silent worker is looked at within a heartbeat period of its limit
+            timeout_s = min(timeout_s, self.config.attach_interval_s)
         try:
             kind, payload = self._events.get(timeout=timeout_s)
         except queue.Empty:
@@ -429,6 +427,8 @@ class Coordinator:
         """Run until :meth:`stop`. etcd outages are retried (tenacity, on the injected clock), never fatal;
         any other error steps this coordinator down and it campaigns again (``coordinator.step_failed``)."""
         self.server.start()
+        if self.silence is not None:
+            threading.Thread(target=self.silence.run, args=(self._stop,), name="silence-ticker", daemon=True).start()
         step = retrying(clock=self.clock, what="coordinator step", retry_on=StoreError, should_stop=self._stop.is_set,
                         initial_s=STEP_BACKOFF_S, max_s=STEP_BACKOFF_MAX_S, before_sleep=self._store_retry_logged)
         while not self._stop.is_set():
