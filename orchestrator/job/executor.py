@@ -139,7 +139,8 @@ class JobExecutor:
                             on_unpaused=self._unpaused, resume=self.resume)
         self.progress = JobProgress(spec, self.graph)
         self.job_cut = JobCut(self.term, self.progress)  # moves the cut, the commits and the log floor (job/cut.py)
-        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event, settings=asked)
+        self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event, settings=asked,
+                                   leased=hooks.leased)
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store), clock=clock)
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log,
                               settings=asked)
@@ -291,9 +292,9 @@ class JobExecutor:
             self.term.leases().release(self.spec.job)
             self.loads.unload_everywhere(read_cluster(self.store, self.keys))
 
-    def _load_all_from_cut(self) -> dict[str, str] | Fail:
-        """Resume or adopt: every slice from the newest consistent cut that restores; the workers lost (or Fail)."""
-        newest = self.port.load_newest_cut(self.budget)
+    def _load_all_from_cut(self, workers: set[str] | None) -> dict[str, str] | Fail:
+        """Resume or adopt: the slices of ``workers`` (None: all) from the newest cut that restores; those lost (or Fail)."""
+        newest = self.port.load_newest_cut(self.budget, workers)
         if isinstance(newest, Fail):
             return newest
         c, commits, failed = newest
@@ -387,13 +388,15 @@ class JobExecutor:
         self._prepare()
         self._set_state(JobState.PLACING, adopted=self.adopted, resumed=self.resume)
         try:
-            failed = self._place()
+            placed = self._place()
         finally:
             self.places.withdraw_yields()
-        if failed is not None:  # the placement's decision, carried out here
-            raise JobFailed(failed.reason)
+        if isinstance(placed, NoRoom):  # the placement's decision, carried out here
+            raise JobFailed(placed.reason)
+        gone, alive = self.places.as_lead_losses(placed)  # lost while placed: not loaded (a gang with its member)
+        load = {p.worker for p in self.places.slices.values()} - set(gone) if gone else None
         self._set_state(JobState.LOADING)
-        lost = self._load_all_from_cut() if self.resume else self.port.lost_at_load(self.budget, self.loads.load(None, 0, {}), 0)
+        lost = self._load_all_from_cut(load) if self.resume else self.port.lost_at_load(self.budget, self.loads.load(load, 0, {}), 0)
         if isinstance(lost, Fail):  # the loads' decision, carried out here
             raise JobFailed(lost.reason)
         self._set_state(JobState.RUNNING)
@@ -401,12 +404,12 @@ class JobExecutor:
                    resumed=self.resume, adopted=self.adopted)
         self._warm_soon("placed")
         self.progress.widen(self.spec.window)
-        if lost:  # workers lost while the job was loading: an ordinary recovery moves their slices
-            self.losses.recover(lost)
+        if gone or lost:  # workers lost while the job was placed or loading: an ordinary recovery moves their slices
+            self.losses.recover({**gone, **lost}, unload=alive)
         else:
             self._grant()
 
-    def _place(self) -> NoRoom | None:
+    def _place(self) -> dict[str, str] | NoRoom:
         return self.places.place(lambda: read_cluster(self.store, self.keys), adopting=self.adopted,
                                  resuming=self.resume and not self.adopted)
 

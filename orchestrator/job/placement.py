@@ -54,12 +54,15 @@ class JobPlacement:
         clock, log: the injected clock and the executor's logger.
         event: sends a job event (``event(name, step=..., **detail)``).
         settings: the job's recovery settings (None: the spec's are not valid, and the job fails before it places).
+        leased: a test's hook, called (slice -> its workers, a gang's lead first) once :meth:`place` has leased
+            every slice.
     """
 
-    def __init__(self, spec: pb.JobSpec, term: JobTerm, *, clock: Clock, log: Any,
-                 event: Callable[..., None], settings: JobSettings | None = None) -> None:
+    def __init__(self, spec: pb.JobSpec, term: JobTerm, *, clock: Clock, log: Any, event: Callable[..., None],
+                 settings: JobSettings | None = None,
+                 leased: Callable[[Mapping[str, tuple[str, ...]]], None] | None = None) -> None:
         self.spec, self.term, self.clock, self.log, self.event = spec, term, clock, log, event
-        self.settings = settings
+        self.settings, self._leased = settings, leased  # leased: a test's hook (ExecutorHooks.leased)
         self._places: dict[str, SlicePlace] = {}
         self.resharded: list[Reshard] = []  # each change of a slice's device count (shrink, grow)
         self.nondeterministic: set[str] = set()  # workers it placed on that run nondeterministic kernels
@@ -130,9 +133,11 @@ class JobPlacement:
     # -- placing the job ---------------------------------------------------------------------------
 
     def place(self, snapshot: Callable[[], ClusterSnapshot], *, adopting: bool = False,
-              resuming: bool = False) -> NoRoom | None:
+              resuming: bool = False) -> dict[str, str] | NoRoom:
         """Lease devices for every slice (the largest first), taking room from lower-priority jobs if need be;
         :class:`NoRoom` (the executor fails the job with its reason) when a slice cannot be placed after all.
+        Else the workers it chose that were lost meanwhile (worker -> why; a gang member's too): their slices
+        stay placed on them, the executor loads the others and recovers these like any loss (docs/recovery.md).
 
         ``adopting``: a new leader places a job that was running (its workers may have been lost with the old
         leader); a slice that finds no room then waits, shrinks or fails as the job's ``on_no_spare`` says, like
@@ -141,9 +146,9 @@ class JobPlacement:
         within its counts, whatever ``on_no_spare`` says: a resume runs on whatever is free (within the reshard
         tolerance when a count changed). A new job that finds no room fails at once (raises :class:`NoSpareDevices`).
         """
-        leases = self.term.leases()
+        leases, before = self.term.leases(), snapshot()
         gangs: dict[str, tuple[Placement, ...]] = {}
-        largest = max((w.info.devices for w in snapshot().workers.values()), default=0)
+        largest = max((w.info.devices for w in before.workers.values()), default=0)
         for s in sorted(self.spec.slices, key=lambda s: -self.devices_of(s.slice)):
             if min(self.device_counts.get(s.slice) or [self.devices_of(s.slice)]) > largest > 0:
                 # no worker holds it at any of its device counts: a multi-host slice (docs/multihost.md)
@@ -164,27 +169,28 @@ class JobPlacement:
             if isinstance(p, NoRoom):
                 return p
             self._places[s.slice] = SlicePlace(p.worker, "", p.incarnation, p.devices)
-        snap = snapshot()
+        if self._leased is not None:
+            self._leased({s: tuple(q.worker for q in gangs.get(s, ())) or (p.worker,) for s, p in self._places.items()})
+        snap, lost = snapshot(), dict[str, str]()
 
-        def lost(p: Any) -> bool:
+        def found(p: Any, name: str) -> SlicePlace:
             w = snap.workers.get(p.worker)
-            return w is None or w.info.incarnation != p.incarnation
-
-        def found(p: Any) -> SlicePlace:
-            w = snap.workers[p.worker].info
-            if not w.deterministic:
+            if w is None or w.info.incarnation != p.incarnation:  # a loss for the recovery, not the job's end
+                lost.setdefault(p.worker, f"lost while the job was being placed (it held slice {name!r})")
+                w = before.workers.get(p.worker)  # the address it had, for the routes until the recovery
+                return SlicePlace(p.worker, w.info.address if w else "", p.incarnation, p.devices)
+            if not w.info.deterministic:
                 self.nondeterministic.add(p.worker)
-            return SlicePlace(p.worker, w.address, p.incarnation, p.devices, w.data_address)
+            return SlicePlace(p.worker, w.info.address, p.incarnation, p.devices, w.info.data_address)
 
         for name, p in self._places.items():
-            gone = next((q.worker for q in (*gangs.get(name, ()), p) if lost(q)), None)
-            if gone is not None:
-                return NoRoom(reason=f"worker {gone} holding slice {name!r} was lost while the job was being placed")
-            members, lead = tuple(found(m) for m in gangs.get(name, ())), found(p)
+            members, lead = tuple(found(m, name) for m in gangs.get(name, ())), found(p, name)
             self._places[name] = SlicePlace(lead.worker, lead.address, lead.incarnation, lead.devices,
                                             lead.data_address, members)
+        if lost:
+            self.log.warning("job.lost_while_placing", lost=lost)
         self.event("job.placed", **self.to_json())
-        return None
+        return lost
 
     def _shrunk(self, slice_name: str, why: str, counts: Sequence[int] | None = None) -> Placement | None:
         """The slice leased on the most devices free for it below its full count, among ``counts`` (default: the

@@ -128,7 +128,10 @@ class JobRecoveryPort(RecoveryPort):
         self.places.apply(places)
 
     def unload(self, worker: str) -> bool:
-        if not self.loads.workers.unload(worker):
+        if worker not in self.loads.loaded:  # never loaded (its gang lost a member while the job was placed)
+            if not self.registered(worker):
+                return False
+        elif not self.loads.workers.unload(worker):
             return False
         self.places.release_on(worker, self.places.on(worker), f"releasing the job's devices on worker {worker}")
         return True
@@ -156,15 +159,17 @@ class JobRecoveryPort(RecoveryPort):
         self.job_cut.reset_logs()  # every runtime restarts from the cut: the executor's mover lowers the log floor
         self.loads.reset_all()
 
-    def load_newest_cut(self, budget: Budget) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]] | Fail:
-        """Resume or adopt: load every slice from the newest consistent cut that restores, falling back past one
-        that does not (its commit dropped) within ``budget``. Returns the cut, the commits that count (slice ->
-        steps) and the workers that failed to load for another reason (a recovery moves the lost ones); or,
-        when no cut restores, :class:`Fail` (the executor fails the job)."""
+    def load_newest_cut(self, budget: Budget, workers: set[str] | None = None
+                        ) -> tuple[int, dict[str, list[int]], dict[str, WorkerCallFailed]] | Fail:
+        """Resume or adopt: load every slice (of ``workers``, default all: not those lost while the job was
+        placed) from the newest consistent cut that restores, falling back past one that does not (its commit
+        dropped) within ``budget``. Returns the cut, the commits that count (slice -> steps) and the workers that
+        failed to load for another reason (a recovery moves the lost ones); or, when no cut restores,
+        :class:`Fail` (the executor fails the job)."""
         commits, before, corrupt_count = self.term.commits(), None, 0
         while True:
             c = self.cut_step(commits, before)
-            failed = self._reload_refused(self.loads.load(None, c, commits), c, commits, budget)
+            failed = self._reload_refused(self.loads.load(workers, c, commits), c, commits, budget)
             if not any(f.verdict is Verdict.CORRUPT for f in failed.values()):
                 return c, {s: [x.step for x in cs if before is None or x.step < before]
                            for s, cs in commits.items()}, failed

@@ -1,10 +1,14 @@
 """Jobs on a real local cluster (tests/integration/): the 4-stage pipeline and its reference digest, a
-one-slice counter job, a run that injects faults, and what etcd says of the cluster after."""
+one-slice counter job, a run that injects faults, what etcd says of the cluster after, and a leader
+run in the test's own process (for hooks a command line cannot carry)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -16,7 +20,9 @@ from rallypoint.client.reference import ReferenceExecutor, RunResult
 from rallypoint.client.submission import submit
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.proto import rallypoint_pb2 as pb
+from tests.conftest import wait_until
 from tests.examples import example
 
 
@@ -103,3 +109,34 @@ def job_record(lc: LocalCluster, job: str) -> dict[str, Any]:
         return kv.json()
     finally:
         store.close()
+
+
+@contextlib.contextmanager
+def leader_in_process(lc: LocalCluster, hooks: ExecutorHooks) -> Iterator[Any]:
+    """A real coordinator of this process leads ``lc``, its executors built with ``hooks`` (``ExecutorHooks.leased``
+    is a callable: no command line carries it); the cluster's own coordinators are stopped first (SIGTERM: they
+    step down). Stopped on the way out."""
+    from rallypoint.basics.tls import TlsConfig
+    from rallypoint.cluster import local_security
+    from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig
+    from rallypoint.orchestrator.service.jobs import serve_jobs
+
+    cfg, name = lc.config, "c-test"
+    for p in lc.processes:
+        if p.role == "coordinator":
+            lc.signal(p.name, signal.SIGTERM)
+            lc.reap(p.name, timeout_s=30)
+    local_security.issue_process(lc.tls_dir, name, role="coordinator", host=cfg.host, cluster=cfg.cluster, net=None)
+    c = Coordinator(CoordinatorConfig(
+        tls=TlsConfig.from_dir(lc.tls_dir, name).check_role("coordinator"), cluster=cfg.cluster, coordinator_id=name,
+        endpoints=tuple(lc.endpoints), lease_ttl_s=cfg.lease_ttl_s, checkpoint_dir=str(lc.checkpoint_dir),
+        suspect_after_s=cfg.suspect_after_s, host=cfg.host, hooks=hooks))
+    serve_jobs(c)
+    thread = threading.Thread(target=c.run, name=f"coordinator-{name}", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: c.election.is_leader, 20, "the in-process coordinator to lead")
+        yield c
+    finally:
+        c.stop()
+        thread.join(30)

@@ -11,6 +11,7 @@ from rallypoint.basics.clock import FakeClock
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.etcd.keys import Keys
 from rallypoint.orchestrator.job.executor import JobExecutor
+from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -38,7 +39,8 @@ def pipeline_spec(steps: int = 20, checkpoint_every: int = 5, **kw: Any) -> pb.J
 
 class Harness:
     def __init__(self, tmp_path: Path, *, workers: int = 3, spec: pb.JobSpec | None = None, adopted: bool = False,
-                 store: MemoryStore | None = None, events: list[pb.JobEvent] | None = None) -> None:
+                 store: MemoryStore | None = None, events: list[pb.JobEvent] | None = None, resume: bool = False,
+                 hooks: ExecutorHooks = ExecutorHooks()) -> None:
         self.keys = Keys("t")
         self.store = store or MemoryStore()
         self.clock = FakeClock()
@@ -50,7 +52,7 @@ class Harness:
         self.workers = FakeWorkers(self.spec.job, self.spec, self.store, self.keys)
         self.x = JobExecutor(self.spec, store=self.store, keys=self.keys, election=self.election,
                              emit=self.events.append, clock=self.clock, checkpoint_root=str(tmp_path),
-                             adopted=adopted, loss_grace_s=0.0, workers=self.workers)
+                             adopted=adopted, resume=resume, hooks=hooks, loss_grace_s=0.0, workers=self.workers)
 
     def names(self) -> list[str]:
         return [e.event for e in self.events if e.event != "step.done"]

@@ -270,7 +270,7 @@ def test_a_worker_lost_while_the_job_loads_is_recovered_not_fatal(tmp_path: Path
     h.store.revoke_lease(h.store.get(h.keys.worker(victim)).lease)  # killed 0.06 s into the job
     h.workers.load_failures = [{victim: call_failed(victim, grpc.StatusCode.UNAVAILABLE, "Connection refused")}]
     h.x._prepare = lambda: None  # type: ignore[method-assign]  # already done, placement kept
-    h.x._place = lambda: None  # type: ignore[method-assign]
+    h.x._place = lambda: {}  # type: ignore[method-assign]
     assert h.x.run() is JobState.SUCCEEDED
     assert h.x.recovery.records[0].lost == {victim: ["s1"]} and h.worker_of("s1") != victim
     assert "job.recovered" in h.names()
@@ -323,7 +323,7 @@ def test_a_slice_whose_nodes_never_ran_compiles_and_is_not_stalled_before_the_co
     victim = h.worker_of("s0")
     h.workers.silent.add(victim)  # its first call compiles for minutes: nothing from it yet
     h.x._prepare = lambda: None  # type: ignore[method-assign]  # already done, placement kept
-    h.x._place = lambda: None  # type: ignore[method-assign]
+    h.x._place = lambda: {}  # type: ignore[method-assign]
     h.x.begin()
     for advance in (31, 31, 31, 31, 500):
         h.clock.advance(advance)
