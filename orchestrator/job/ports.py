@@ -106,7 +106,10 @@ class JobRecoveryPort(RecoveryPort):
         return self.term.commits()
 
     def cut_step(self, commits: Commits, before: int | None) -> int:
-        return self.term.cut_of(commits, stateful_slices(self.progress.spec), before)
+        # Nor past a step a slice without states has not reached: it restores nothing and starts from the cut.
+        reached = self.progress.stateless_through + 1
+        return self.term.cut_of(commits, stateful_slices(self.progress.spec),
+                                reached if before is None else min(before, reached))
 
     def drop_commit(self, slice_name: str, step: int, error: str) -> None:
         self.job_cut.drop_commit(slice_name, step)  # the executor's mover drops it, in etcd and in the progress

@@ -10,7 +10,10 @@ its log and the application only reads ``Storage``:
   owner of the window, the holds, the halt and the refused grants;
 * ``start``: the step the job's runtimes started from (0, or the cut it resumed from);
 * ``cut``: the newest consistent cut: the newest step every slice with states has a
-  commit at. It goes **up** as commits are heard and **down** when a commit is dropped
+  commit at and every node of a slice without states has run all its instances below (such
+  a slice saves nothing, so no commit says how far it got: restarted from a cut it had not
+  reached, it would skip the steps between, and the job would wait on them for ever). It
+  goes **up** as commits are heard and **down** when a commit is dropped
   (a checkpoint that did not restore) or a recovery restores from an older cut, so the
   workers are never told to protect a step that no longer counts while releasing the
   one the job now stands on;
@@ -68,6 +71,7 @@ class JobProgress:
     def __init__(self, spec: pb.JobSpec, graph: Graph) -> None:
         self.spec, self.graph = spec, graph
         self._ckpt_slices = stateful_slices(spec)
+        self._stateless_nodes = [n.name for n in spec.nodes if n.slice not in set(self._ckpt_slices)]
         self._mb = {n.name: (spec.microbatches if n.per_microbatch else 1) for n in spec.nodes}
         self._completed = self._start = self._cut = 0
         self.grants = Grants(spec.steps)
@@ -125,6 +129,12 @@ class JobProgress:
                 return s
             s += 1
         return self.spec.steps
+
+    @property
+    def stateless_through(self) -> int:
+        """Every node of the slices without states has run all its instances below this step (the job's steps when
+        there are none): no cut may pass it, since such a slice restarts from the cut with nothing to restore."""
+        return min((self.done_through(n) for n in self._stateless_nodes), default=self.spec.steps)
 
     def saved(self, slice_name: str, step: int) -> bool:
         """Whether the slice's commit at ``step`` was heard."""
@@ -208,10 +218,14 @@ class JobProgress:
         return None if cut == old else cut
 
     def _recut(self) -> int | None:
-        """Raise the cut to the newest step every slice with states has a commit at (None: it stays)."""
+        """Raise the cut to the newest step every slice with states has a commit at and the nodes of the slices
+        without states have passed (None: it stays). A commit above their progress counts once a later commit
+        is heard after they passed it."""
         if not self._ckpt_slices:
             return None
-        cut = max(set.intersection(*(self._committed[s] for s in self._ckpt_slices)), default=self._cut)
+        reached = self.stateless_through
+        cut = max((c for c in set.intersection(*(self._committed[s] for s in self._ckpt_slices)) if c <= reached),
+                  default=self._cut)
         if cut <= self._cut:
             return None
         self._cut = cut

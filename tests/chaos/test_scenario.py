@@ -33,11 +33,11 @@ def test_the_same_seed_gives_the_same_random_schedule_and_another_seed_another()
     assert all(f.origin == "random" and f.at_s is not None and 0 <= f.at_s < 150 for f in first)
 
 
-def test_only_the_storm_and_the_short_campaign_ask_for_a_supervised_cluster() -> None:
+def test_only_the_storms_and_the_short_campaign_ask_for_a_supervised_cluster() -> None:
     supervised = {p.stem for p in SCENARIOS if load_scenario(p).supervise}
     # Random leader kills can outnumber the coordinators (campaign-short seed 11: three); elsewhere a killed process
     # stays dead, as the scenarios expect.
-    assert supervised == {"campaign-storm", "campaign-short"}
+    assert supervised == {"campaign-storm", "campaign-storm-eval", "campaign-short"}
     storm = load_scenario(ROOT / "scenarios" / "campaign-storm.toml")
     assert (storm.workers, storm.spares) == (4, 2) and storm.random is not None
 

@@ -37,6 +37,18 @@ def pipeline_spec(steps: int = 20, checkpoint_every: int = 5, **kw: Any) -> pb.J
         **kw)
 
 
+def eval_spec(steps: int = 20, checkpoint_every: int = 5) -> pb.JobSpec:
+    """:func:`pipeline_spec` with a slice ``ev`` that holds no state: a source ``held`` every step, and ``evaluate``
+    every 3 steps reading it and s1's state p1."""
+    spec = pipeline_spec(steps=steps, checkpoint_every=checkpoint_every)
+    spec.slices.append(pb.SliceAssignment(slice="ev", mesh_shape=[1]))
+    spec.nodes.extend([pb.NodeProgram(name="held", slice="ev", every=1),
+                       pb.NodeProgram(name="evaluate", slice="ev", every=3,
+                                      inputs=[pb.InputBinding(arg="x", kind=B.REF, node="held", output="x"),
+                                              pb.InputBinding(arg="p", kind=B.STATE, state="p1")])])
+    return spec
+
+
 class Harness:
     def __init__(self, tmp_path: Path, *, workers: int = 3, spec: pb.JobSpec | None = None, adopted: bool = False,
                  store: MemoryStore | None = None, events: list[pb.JobEvent] | None = None, resume: bool = False,

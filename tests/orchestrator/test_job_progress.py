@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.helpers.executor import progress, run
+from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.recovery.replay import Graph
+from tests.helpers.executor import eval_spec, progress, run
 
 
 def test_a_step_completes_when_every_instance_is_heard_and_the_grant_follows() -> None:
@@ -35,6 +37,29 @@ def test_the_cut_rises_once_every_slice_with_states_committed_a_step() -> None:
     assert p.commit("s1", 5) == 5 and p.cut == 5
     assert p.commit("s1", 10) is None and p.commit("s0", 10) == 10
     assert p.commit("s0", 5) is None and p.cut == 10  # an old commit heard again (a replay) moves nothing
+
+
+def test_the_cut_never_passes_a_step_a_slice_without_states_has_not_reached() -> None:
+    # Slice ev holds no state and saves nothing: restarted from a cut past its progress, it would skip the steps
+    # between (held at 13 and 14 here) and the job would wait on them for ever.
+    spec = eval_spec()
+    p = JobProgress(spec, Graph.from_spec(spec))
+    for step in range(13):
+        for node in ("fwd0", "fwd1", "held", *(["evaluate"] if step % 3 == 0 else [])):
+            p.instance(pb.InstanceDone(node=node, step=step))
+    for step in (13, 14):  # the stages run on; ev is stuck before step 13
+        for node in ("fwd0", "fwd1"):
+            p.instance(pb.InstanceDone(node=node, step=step))
+    assert [d.step for d in p.complete()][-1] == 12 and p.stateless_through == 13
+    for s in ("s0", "s1"):
+        p.commit(s, 10)
+    assert p.cut == 10
+    assert p.commit("s0", 15) is None and p.commit("s1", 15) is None and p.cut == 10  # ev has not reached 15
+    for step in (13, 14):
+        p.instance(pb.InstanceDone(node="held", step=step))
+    p.instance(pb.InstanceDone(node="evaluate", step=15))  # ev runs ahead: its next instance is at 15
+    assert p.stateless_through == 15
+    assert p.commit("s0", 20) == 15 == p.cut  # the commits at 15 count once ev passed them (a later one heard)
 
 
 def test_a_restore_from_an_older_cut_lowers_it_and_forgets_commits_past_it() -> None:
