@@ -67,11 +67,13 @@ chaos: $(STAMP)
 	@fail=0; for s in scenarios/*.toml; do case $$s in */campaign*) continue;; esac; echo "== $$s"; \
 	$(VENV)/bin/rallypoint chaos run $$s || fail=1; done; exit $$fail
 
-# A soak campaign: the campaign scenario over 20 seeds, each a full run with every invariant; then ten minutes of
-# faults every 5 s on a supervised cluster (killed processes come back as new incarnations).
+# A soak campaign: the campaign scenario over 20 seeds, each a full run with every invariant; then the storm (ten
+# minutes of faults every 5 s on a supervised cluster: killed processes come back as new incarnations) over 10 seeds,
+# and the storm once on the pipeline with a stateless evaluator slice (about two hours in all).
 soak: $(STAMP)
 	$(VENV)/bin/rallypoint chaos campaign scenarios/campaign.toml --seeds 20
-	$(VENV)/bin/rallypoint chaos run scenarios/campaign-storm.toml
+	$(VENV)/bin/rallypoint chaos campaign scenarios/campaign-storm.toml --seeds 10
+	$(VENV)/bin/rallypoint chaos run scenarios/campaign-storm-eval.toml
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/rallypoint.proto
