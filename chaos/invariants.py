@@ -6,7 +6,7 @@ final state) and pass it in, so the checks are tested on synthetic histories too
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,15 +101,29 @@ def _instances(node: str, info: NodeInfo, start: int, stop: int, microbatches: i
     return {(node, s, m) for s in range(first, stop, info.every) for m in mbs}
 
 
-def check_applied_once(runtimes: list[dict], nodes: dict[str, NodeInfo], *, microbatches: int, steps: int) -> Check:
+def check_applied_once(runtimes: list[dict], nodes: dict[str, NodeInfo], *, microbatches: int, steps: int,
+                       stateless: Collection[str] = ()) -> Check:
     """2. Every step applied exactly once per node, from the workers' instance records.
 
-    Per slice, the runtimes that held it form a lineage in load order. Each must
-    start at step 0 or at the checkpoint step it restored (anything else skips or
-    repeats state updates); none may run an instance twice; and each must run every
-    instance of its slice's nodes from its start up to where the next runtime of the
-    slice took over (the end of the job for the last). Work a lost runtime did past
-    that point was thrown away with it and is not counted.
+    ``runtimes``: the records of every runtime of the job, in load order (``read_records``);
+    ``stateless``: the slices that hold no state. No runtime may run an instance twice,
+    nor one of a step before the step it started at (its restored state has it applied).
+
+    A slice's runtimes form a tree, not a chain: a runtime started at step ``k > 0``
+    carries on from the checkpoint of step ``k`` (it must have restored exactly that
+    step), and that checkpoint was made by whichever earlier runtime of the slice applied
+    every instance before ``k``: not always the one loaded just before it (a leader lost
+    mid-recovery leaves a replacement that replayed nothing, and the next leader's
+    adoption reloads every slice from a newer cut that the lost worker's runtime had
+    made). So each runtime started at ``k > 0`` needs a *producer*: an earlier runtime of
+    the slice, itself started from a state applied exactly once, that ran every instance
+    of the slice from its own start up to ``k``. The last runtime of the slice must run
+    every instance from its start to the end of the job. Work a runtime did past the
+    state someone carried on from was thrown away with it and is not counted.
+
+    A slice without state carries nothing from step to step: its runtime may start at any
+    step without restoring one (``restored_from`` None); every instance of it must have
+    run in some runtime of the slice.
     """
     problems: list[str] = []
     slices = sorted({i.slice for i in nodes.values()})
@@ -119,37 +133,87 @@ def check_applied_once(runtimes: list[dict], nodes: dict[str, NodeInfo], *, micr
         if not lineage:
             problems.append(f"slice {s}: no runtime recorded any instance")
             continue
-        if lineage[0]["start_step"] != 0:
-            problems.append(f"slice {s}: the first runtime {lineage[0]['runtime']} started at step "
-                            f"{lineage[0]['start_step']}, not 0")
-        for i, r in enumerate(lineage):
-            runs_checked += 1
-            start = int(r["start_step"])
-            if start > 0 and r.get("restored_from") != start:
-                problems.append(f"slice {s}: runtime {r['runtime']} started at step {start} but restored the "
-                                f"checkpoint of step {r.get('restored_from')}: the steps between were not applied")
-            mine = [(x["n"], int(x["s"]), int(x["m"])) for x in r["instances"] if x["n"] in nodes
-                    and nodes[x["n"]].slice == s]
-            seen: set[tuple[str, int, int]] = set()
-            for key in mine:
-                if key in seen:
-                    problems.append(f"slice {s}: runtime {r['runtime']} ran {key[0]} step {key[1]} microbatch "
-                                    f"{key[2]} twice")
-                seen.add(key)
-            stop = int(lineage[i + 1]["start_step"]) if i + 1 < len(lineage) else steps
-            want: set[tuple[str, int, int]] = set()
+        runs_checked += len(lineage)
+        ran = [_ran_once(r, s, nodes, problems) for r in lineage]
+
+        def want(start: int, stop: int, s: str = s) -> set[tuple[str, int, int]]:
+            out: set[tuple[str, int, int]] = set()
             for n, info in nodes.items():
                 if info.slice == s:
-                    want |= _instances(n, info, start, stop, microbatches)
-            missing = sorted(want - seen, key=lambda k: (k[1], k[0], k[2]))
+                    out |= _instances(n, info, start, stop, microbatches)
+            return out
+
+        if s in stateless:
+            missing = want(0, steps) - set().union(*ran)
             if missing:
-                shown = ", ".join(f"{n}@{st}/{m}" for n, st, m in missing[:5])
-                problems.append(f"slice {s}: runtime {r['runtime']} (steps {start}..{stop}) never ran "
-                                f"{len(missing)} instances: {shown}{' ...' if len(missing) > 5 else ''}")
+                problems.append(f"slice {s} (no state): no runtime of it ran {_listed(missing)}")
+            continue
+        valid: list[bool] = []  # per runtime, in load order: did it start from a state applied exactly once?
+        for i, r in enumerate(lineage):
+            valid.append(int(r["start_step"]) == 0 or _carried_on(i, lineage, ran, valid, want, problems, s))
+        last, start = lineage[-1], int(lineage[-1]["start_step"])
+        missing = want(start, steps) - ran[-1]
+        if missing:
+            problems.append(f"slice {s}: runtime {last['runtime']} (steps {start}..{steps}) never ran {_listed(missing)}")
     if problems:
         return Check("applied-exactly-once", False, "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
     return Check("applied-exactly-once", True, f"{runs_checked} runtimes over {len(slices)} slices: every instance of "
                  f"steps 0..{steps - 1} applied once along each slice's lineage")
+
+
+def _listed(missing: set[tuple[str, int, int]]) -> str:
+    shown = ", ".join(f"{n}@{st}/{m}" for n, st, m in sorted(missing, key=lambda k: (k[1], k[0], k[2]))[:5])
+    return f"{len(missing)} instances: {shown}{' ...' if len(missing) > 5 else ''}"
+
+
+def _ran_once(r: dict, s: str, nodes: dict[str, NodeInfo], problems: list[str]) -> set[tuple[str, int, int]]:
+    """The instances of slice ``s`` runtime ``r`` ran; one run twice, or before its start, is a problem."""
+    start = int(r["start_step"])
+    seen: set[tuple[str, int, int]] = set()
+    for x in r["instances"]:
+        if x["n"] not in nodes or nodes[x["n"]].slice != s:
+            continue
+        key = (x["n"], int(x["s"]), int(x["m"]))
+        if key in seen:
+            problems.append(f"slice {s}: runtime {r['runtime']} ran {key[0]} step {key[1]} microbatch {key[2]} twice")
+        elif key[1] < start:
+            problems.append(f"slice {s}: runtime {r['runtime']} started at step {start} but ran {key[0]} step "
+                            f"{key[1]} microbatch {key[2]}: applied again on a state that had it")
+        seen.add(key)
+    return seen
+
+
+def _carried_on(i: int, lineage: list[dict], ran: list[set[tuple[str, int, int]]], valid: list[bool],
+                want: Callable[[int, int], set[tuple[str, int, int]]], problems: list[str], s: str) -> bool:
+    """Whether runtime ``lineage[i]`` (started at ``k > 0``) restored step ``k`` and an earlier runtime of the
+    slice that started well (``valid``) applied every instance before ``k``; if not, says why in ``problems``."""
+    r = lineage[i]
+    k = int(r["start_step"])
+    if r.get("restored_from") != k:
+        problems.append(f"slice {s}: runtime {r['runtime']} started at step {k} but restored the checkpoint of step "
+                        f"{r.get('restored_from')}: the steps between were not applied")
+        return False
+    gaps: list[tuple[int, set[tuple[str, int, int]]]] = []
+    for j in reversed(range(i)):  # the newest producer first
+        start = int(lineage[j]["start_step"])
+        if start >= k:
+            continue
+        missing = want(start, k) - ran[j]
+        if not missing and valid[j]:
+            return True
+        gaps.append((j, missing))
+    if not gaps:
+        problems.append(f"slice {s}: runtime {r['runtime']} restored the checkpoint of step {k}, but no earlier "
+                        f"runtime of the slice started before step {k}")
+        return False
+    j, missing = min(gaps, key=lambda g: len(g[1]))  # the nearest miss (first found among the fewest missing)
+    p = lineage[j]
+    why = (f"never ran {_listed(missing)}" if missing else
+           f"itself started from a state not applied exactly once (step {p['start_step']})")
+    problems.append(f"slice {s}: runtime {r['runtime']} restored the checkpoint of step {k}, but no earlier runtime "
+                    f"applied every instance before it: the nearest, {p['runtime']} (steps {p['start_step']}..{k}), "
+                    f"{why}")
+    return False
 
 
 def check_lease_history(events: list[WatchEvent], complete: bool) -> Check:

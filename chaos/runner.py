@@ -235,7 +235,8 @@ class ScenarioRun:
                          nondeterministic=job.detail.get("nondeterministic_workers") or ()),
             check_applied_once(evidence["runtimes"], {n: NodeInfo(sp.slice, sp.every, sp.per == "microbatch")
                                                       for n, sp in program.nodes.items()},
-                               microbatches=program.microbatches, steps=program.steps),
+                               microbatches=program.microbatches, steps=program.steps,
+                               stateless=set(program.slices) - {st.slice for st in program.states.values()}),
             check_lease_history(history.events, history.complete),
             check_checkpoints(evidence["commits"]),
             check_outcome(job.outcome["state"], job.outcome.get("reason", ""), wall, expect=s.expect_outcome,

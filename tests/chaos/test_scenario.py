@@ -1,4 +1,4 @@
-"""Scenario files and the pure invariant checks: no processes."""
+"""Scenario files and the pure outcome check: no processes (applied-exactly-once: test_applied_once.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.chaos.invariants import NodeInfo, check_applied_once, check_outcome
+from rallypoint.chaos.invariants import check_outcome
 from rallypoint.chaos.scenario import KINDS, load_scenario
 from rallypoint.basics.errors import ConfigError
 
@@ -120,36 +120,6 @@ def test_unreadable_or_invalid_toml_is_refused_with_the_path(tmp_path: Path) -> 
     bad.write_text("name = [unclosed\n")
     with pytest.raises(ConfigError, match=f"scenario {bad} is not valid TOML"):
         load_scenario(bad)
-
-
-NODES = {"a": NodeInfo("s0", 1, False), "b": NodeInfo("s1", 1, True)}
-
-
-def runtime(name: str, slices: list[str], start: int, restored: int | None, inst: list[tuple[str, int, int]],
-            at: float) -> dict:
-    return {"runtime": name, "slices": slices, "start_step": start, "restored_from": restored, "loaded_at": at,
-            "instances": [{"n": n, "s": s, "m": m} for n, s, m in inst]}
-
-
-def full(node: str, lo: int, hi: int, mbs: tuple[int, ...]) -> list[tuple[str, int, int]]:
-    return [(node, s, m) for s in range(lo, hi) for m in mbs]
-
-
-def test_applied_once_accepts_a_lineage_restored_at_a_cut_and_catches_gaps_skips_and_repeats() -> None:
-    a_all = runtime("w0", ["s0"], 0, None, full("a", 0, 6, (-1,)), 1.0)
-    b_dead = runtime("w1", ["s1"], 0, None, full("b", 0, 4, (0, 1)) + [("b", 5, 0)], 1.0)  # ran ahead, then died
-    b_new = runtime("w2", ["s1"], 3, 3, full("b", 3, 6, (0, 1)), 2.0)
-    ok = check_applied_once([a_all, b_dead, b_new], NODES, microbatches=2, steps=6)
-    assert ok.ok, ok.evidence
-    skipped = runtime("w2", ["s1"], 4, 3, full("b", 4, 6, (0, 1)), 2.0)  # restored 3, started at 4: no replay
-    bad = check_applied_once([a_all, b_dead, skipped], NODES, microbatches=2, steps=6)
-    assert not bad.ok and "started at step 4 but restored the checkpoint of step 3" in bad.evidence
-    gap = runtime("w2", ["s1"], 3, 3, full("b", 3, 6, (0, 1))[:-1], 2.0)
-    bad = check_applied_once([a_all, b_dead, gap], NODES, microbatches=2, steps=6)
-    assert not bad.ok and "never ran 1 instances: b@5/1" in bad.evidence
-    twice = runtime("w0", ["s0"], 0, None, full("a", 0, 6, (-1,)) + [("a", 2, -1)], 1.0)
-    bad = check_applied_once([twice, b_dead, b_new], NODES, microbatches=2, steps=6)
-    assert not bad.ok and "ran a step 2 microbatch -1 twice" in bad.evidence
 
 
 def test_outcome_checks_state_reason_and_time_bound() -> None:
