@@ -413,6 +413,7 @@ class JobExecutor:
     def finish(self) -> pb.JobEvent:
         """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
         self._set_state(JobState.FINISHING)
+        self.hooks.at_finish(self.spec.job)  # tests only: the finish gate (hooks.py)
         while not isinstance(states := fetch_final(self.workers, self.term), list):
             lost = states  # some workers did not answer: recovered like any loss, then all are asked again
             self.log.warning("job.lost_while_finishing", lost=sorted(lost))
