@@ -163,10 +163,13 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
                    "(docs/control-plane.md).")
 @click.option("--test-skip-replay", is_flag=True, hidden=True,
               help="Fault hook for tests: recoveries skip the replay (the chaos suite proves its checks catch it).")
+@click.option("--test-finish-gate", default="", hidden=True,
+              help="Fault hook for tests: a job entering FINISHING writes JOB.finishing in this directory and fetches "
+                   "its final state once JOB.go is there.")
 def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str,
                 keep_runs: int, keep_history_s: float, host: str, suspect_after_s: float, metrics_port: int | None,
                 dashboard_host: str,
-                dashboard_port: int, max_watchers: int, test_skip_replay: bool) -> None:
+                dashboard_port: int, max_watchers: int, test_skip_replay: bool, test_finish_gate: str) -> None:
     """Run a coordinator (several run; one leads)."""
     from rallypoint.orchestrator.service.coordinator import Coordinator, CoordinatorConfig
     from rallypoint.orchestrator.service.dashboard import start_dashboard
@@ -175,7 +178,7 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
 
     configure_logs()
     name, endpoints = parse_cluster(cluster)
-    hooks = ExecutorHooks(skip_replay=test_skip_replay)
+    hooks = ExecutorHooks(skip_replay=test_skip_replay, finish_gate=test_finish_gate)
     tls = tls_from_options(tls_dir, insecure, ident, "coordinator")
     c = Coordinator(CoordinatorConfig(tls=tls, cluster=name or "local", coordinator_id=ident, endpoints=endpoints,
                                       lease_ttl_s=lease_ttl_s, checkpoint_dir=checkpoint_dir, keep_runs=keep_runs,

@@ -172,6 +172,8 @@ class LocalCluster:
                 base += ["--host", self.config.host]
             if self.config.coordinator_hooks.skip_replay:
                 base += ["--test-skip-replay"]
+            if self.config.coordinator_hooks.finish_gate:
+                base += ["--test-finish-gate", self.config.coordinator_hooks.finish_gate]
         return base
 
     def _place(self, name: str) -> WorkerNetwork | None:

@@ -2,7 +2,7 @@
 
 A worker that fails an RPC for a reason the coordinator must act on attaches it as
 trailing metadata (key :data:`ERROR_KEY`, a JSON object with a ``kind``), so the
-coordinator reads a typed value instead of parsing the message. Today's kind:
+coordinator reads a typed value instead of parsing the message. Today's kinds:
 
 * ``corrupt_checkpoint`` with ``slice`` and ``step``: a checkpoint of the cut failed
   to restore (status DATA_LOSS); its commit stops counting.
@@ -10,6 +10,9 @@ coordinator reads a typed value instead of parsing the message. Today's kind:
   ``error``: the job's own program failed on the worker, deterministically (an
   exception in an init, an XLA compile error, out of device memory, a shape error;
   status INTERNAL): no worker is to blame, the job fails.
+* ``member_lost`` with ``worker`` and ``error``: the worker leads a multi-host slice whose
+  member on ``worker`` was lost while the call ran (status ABORTED; the lead itself is
+  alive): the coordinator recovers the slice, as for a member lost while it runs.
 """
 
 from __future__ import annotations
@@ -48,7 +51,21 @@ def program_failed_metadata(part: str, error: str) -> tuple[tuple[str, str], ...
     return ((ERROR_KEY, json.dumps({"kind": "program_failed", "part": part, "error": error})),)
 
 
-def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | ProgramFailure | None:
+@dataclass(frozen=True, slots=True)
+class MemberLost:
+    """A member of a multi-host slice the called worker leads was lost: the one on ``worker``, with ``error``
+    (``worker`` empty: the lead's own member)."""
+
+    worker: str
+    error: str
+
+
+def member_lost_metadata(worker: str, error: str) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that reports a lost member of a multi-host slice the called worker leads."""
+    return ((ERROR_KEY, json.dumps({"kind": "member_lost", "worker": worker, "error": error})),)
+
+
+def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | ProgramFailure | MemberLost | None:
     """The typed error in a call's trailing metadata, or None (absent or not understood)."""
     for item in metadata or ():
         key, value = (item.key, item.value) if hasattr(item, "key") else item
@@ -66,4 +83,7 @@ def parse_error(metadata: Iterable[Any] | None) -> CorruptCheckpoint | ProgramFa
         if isinstance(d, dict) and d.get("kind") == "program_failed":
             part, error = d.get("part"), d.get("error")
             return ProgramFailure(part, error) if isinstance(part, str) and isinstance(error, str) else None
+        if isinstance(d, dict) and d.get("kind") == "member_lost":
+            worker, error = d.get("worker"), d.get("error")
+            return MemberLost(worker, error) if isinstance(worker, str) and isinstance(error, str) else None
     return None

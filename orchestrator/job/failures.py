@@ -17,6 +17,10 @@
 - ``CANCELLED``: a cancellation (ours, or the server's as it shuts down). Never a
   suspicion: a recovery asks again, and fences only a worker whose registration is gone.
 
+A worker that leads a multi-host slice and answers that a member of it was lost meanwhile
+(ABORTED, with the member's worker as a typed error, ``member_lost``) keeps the verdict of its
+code: it is alive. The caller reads :attr:`WorkerCallFailed.member_lost` and recovers the slice.
+
 What to *do* on a verdict is the caller's policy, and each is explicit: the leader's
 link to a worker fences on ``LOST`` and lets the lease decide on ``SUSPECT``; a job's
 executor recovers on ``LOST``; a recovery in progress decides through
@@ -31,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from rallypoint.proto.errors import CorruptCheckpoint, ProgramFailure, parse_error
+from rallypoint.proto.errors import CorruptCheckpoint, MemberLost, ProgramFailure, parse_error
 from rallypoint.recovery.decide import Verdict
 
 
@@ -80,6 +84,8 @@ class WorkerCallFailed(Exception):
         self.program: ProgramFailure | None = None
         if code is grpc.StatusCode.INTERNAL and isinstance(typed, ProgramFailure):
             self.verdict, self.program = Verdict.PROGRAM, typed
+        # the worker (alive) leads a multi-host slice that lost a member meanwhile: the member's loss, the caller's
+        self.member_lost: MemberLost | None = typed if isinstance(typed, MemberLost) else None
 
     @classmethod
     def from_rpc_error(cls, worker: str, what: str, exc: BaseException) -> WorkerCallFailed:

@@ -4,18 +4,41 @@
 fetch from every worker at once, and say which workers are lost if any did not answer. It
 decides, the executor acts: a worker lost meanwhile is recovered like any other (its slices
 replay to the end on a spare) and the executor asks again.
+
+A multi-host slice's final state is gathered by its lead from the members' shards, so a member
+lost meanwhile fails the lead's fetch: the lead answers so, naming the member's worker
+(``member_lost``, :mod:`rallypoint.proto.errors`), and :func:`final_losses` counts it as that
+member's loss, the lead's with it (alive: the recovery unloads the job there), exactly as a member
+lost while the slice runs (``JobPlacement.group_lost``; docs/multihost.md). A member whose
+registration is gone counts so too (``JobPlacement.as_lead_losses``), whatever the lead answered.
 """
 
 from __future__ import annotations
 
-from rallypoint.recovery.decide import Verdict
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from rallypoint.orchestrator.job.failures import WorkerCallFailed
+from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.decide import Verdict
+
+GroupLoss = Callable[[str, str, str], tuple[dict[str, str], frozenset[str]]]
+"""``JobPlacement.group_lost``: (lead, the lost member's worker, why) -> the losses, and those of them alive."""
 
 
-def fetch_final(workers: JobWorkers, term: JobTerm) -> list[pb.StateValue] | dict[str, str]:
+class FinalLosses(NamedTuple):
+    """The workers lost while the final state was fetched, each with why; and those of them alive (leads whose
+    multi-host slice lost a member: the recovery unloads the job there rather than fencing them)."""
+
+    lost: dict[str, str]
+    alive: frozenset[str]
+
+
+def fetch_final(workers: JobWorkers, term: JobTerm, places: JobPlacement) -> list[pb.StateValue] | FinalLosses:
     """Every worker's final states, or (some did not answer) the workers lost, each with why.
 
     Raises:
@@ -24,9 +47,35 @@ def fetch_final(workers: JobWorkers, term: JobTerm) -> list[pb.StateValue] | dic
     states, failed = workers.fetch_all()
     if not failed:
         return states
-    lost = {w: f"lost while its final state was fetched: {exc}" for w, exc in failed.items()
-            if exc.verdict is Verdict.LOST}
-    lost.update(term.gone({w: workers.identity[w].incarnation for w in failed if w in workers.identity}))
+    watched = {w: workers.identity[w].incarnation for w in failed if w in workers.identity} | places.gang_members()
+    return final_losses(failed, places.as_lead_losses(term.gone(watched)), places.group_lost)
+
+
+def final_losses(failed: Mapping[str, WorkerCallFailed], gone: tuple[Mapping[str, str], frozenset[str]],
+                 group_lost: GroupLoss) -> FinalLosses:
+    """The losses that the fetch's failures by worker (``failed``) amount to, with ``gone``: the workers whose
+    registration is gone, each with why, and the leads of the gangs they were members of (alive), as
+    ``JobPlacement.as_lead_losses`` gives them. A lead that answered that a member of its slice was lost
+    (``member_lost``) loses its slice as ``group_lost`` says; a worker whose process is gone (``LOST``) is lost.
+
+    Raises:
+        JobFailed: some fetch failed and no worker is lost (a refusal, not a loss).
+    """
+    lost: dict[str, str] = {}
+    alive: set[str] = set()
+    dead: set[str] = set()
+    for w, exc in failed.items():
+        if exc.member_lost is not None:
+            more, up = group_lost(w, exc.member_lost.worker,
+                                  f"lost a member while its final state was fetched: {exc.member_lost.error}")
+            lost.update(more)
+            alive |= up
+        elif exc.verdict is Verdict.LOST:
+            lost[w] = f"lost while its final state was fetched: {exc}"
+            dead.add(w)
+    gone_lost, gone_alive = gone
+    lost.update(gone_lost)
+    dead |= set(gone_lost) - gone_alive
     if not lost:
         raise JobFailed(f"could not fetch the final state: {next(iter(failed.values()))}")
-    return lost
+    return FinalLosses(lost, frozenset((alive | gone_alive) - dead))

@@ -30,8 +30,8 @@ from rallypoint.basics.errors import AllocationError, NoSpareDevices, NotLeader,
 from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_cluster
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.control.devices import DeviceLeases, Placement
-from rallypoint.orchestrator.job.recovery import JobSettings, RecoveryRecord, Reshard
-from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES, JobFailed
+from rallypoint.orchestrator.job.recovery import JobSettings, Reshard
+from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.recovery.load_plan import SlicePlace, device_counts
 from rallypoint.proto import rallypoint_pb2 as pb

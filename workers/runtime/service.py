@@ -22,10 +22,11 @@ from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.proto import codec
-from rallypoint.proto.errors import corrupt_checkpoint_metadata, program_failed_metadata
+from rallypoint.proto.errors import corrupt_checkpoint_metadata, member_lost_metadata, program_failed_metadata
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
+from rallypoint.workers.gang.group import GroupLost
 from rallypoint.workers.gang.link import MemberPool, relay
 from rallypoint.workers.gang.pieces import PieceAssembler, PieceError, whole_header
 from rallypoint.workers.code import CodeCache
@@ -269,7 +270,14 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
                 _abort(context, grpc.StatusCode.ABORTED, f"job {rt.job!r} was unloaded before it finished")
             if not context.is_active():
                 return
-        yield from rt.final_states()
+        try:
+            states = rt.final_states()  # a multi-host slice's states are gathered from its members here
+        except GroupLost as exc:  # typed, so the coordinator recovers the member's loss (docs/multihost.md)
+            self.log.warning("fetch.member_lost", job=rt.job, member=exc.member, member_worker=exc.worker,
+                             error=str(exc))
+            context.set_trailing_metadata(member_lost_metadata(exc.worker, str(exc)))
+            _abort(context, grpc.StatusCode.ABORTED, f"job {rt.job!r}: fetching its final state: {exc}")
+        yield from states
 
     def UnloadJob(self, request: pb.UnloadJobRequest, context: grpc.ServicerContext) -> pb.UnloadJobResponse:
         self._admit(request.to, context)
