@@ -126,18 +126,25 @@ def limit_of(rec: dict[str, Any], kind: str, node_slice: dict[str, str], instanc
     return {**parts, "total": sum(parts.values())}
 
 
-def detections(summary: dict[str, Any]) -> list[float]:
+def detections(summary: dict[str, Any]) -> tuple[list[float], int, int]:
     """Seconds from each hang or partition taking effect (the signal sent, the network cut) to the recovery that
-    took its worker (wall clock)."""
-    out = []
+    took its worker (wall clock); how many took effect and were never detected; how many the harness could not
+    fire (its own etcd lookup of the target failed: nothing was injected)."""
+    out, undetected, unfired = [], 0, 0
     for f in summary["faults"]:
-        if f["kind"] in ("hang", "partition") and f.get("worker"):
-            struck = f.get("detail", {}).get("struck_at", f["at"])
-            opened = [r["detected_at"] for r in summary["recoveries"]
-                      if f["worker"] in r["lost"] and r["detected_at"] >= struck]
-            if opened:
-                out.append(round(min(opened) - struck, 3))
-    return out
+        if f["kind"] not in ("hang", "partition"):
+            continue
+        if f.get("error") or not f.get("worker"):
+            unfired += 1
+            continue
+        struck = f.get("detail", {}).get("struck_at", f["at"])
+        opened = [r["detected_at"] for r in summary["recoveries"]
+                  if f["worker"] in r["lost"] and r["detected_at"] >= struck]
+        if opened:
+            out.append(round(min(opened) - struck, 3))
+        else:
+            undetected += 1
+    return out, undetected, unfired
 
 
 def distribution(xs: list[float]) -> dict[str, float | int]:
@@ -152,7 +159,7 @@ def detection_beside_hogs(runs: int, hogs: int, steps: int, every: int) -> tuple
     their distribution, and whether every run passed its invariants."""
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
     seen: dict[str, list[float]] = {"hang": [], "partition": []}
-    ok, missed = True, 0
+    ok, missed, unfired = True, 0, 0
     try:
         for i in range(runs):
             for kind in seen:
@@ -160,15 +167,15 @@ def detection_beside_hogs(runs: int, hogs: int, steps: int, every: int) -> tuple
                 fault = FaultSpec(kind, target, at_step=steps // 3, duration_s=3.0)
                 summary, _ = run_scenario(scenario(f"detect-{kind}", steps, every, (fault,)), say=lambda _d: None)
                 ok &= bool(summary["ok"])
-                got = detections(summary)
-                missed += not got
+                got, undetected, not_fired = detections(summary)
+                missed, unfired = missed + undetected, unfired + not_fired
                 seen[kind] += got
     finally:
         for p in spin:
             p.kill()
             p.wait()
     both = seen["hang"] + seen["partition"]
-    return {"hogs": hogs, "runs": runs, "undetected": missed, "hang": distribution(seen["hang"]),
+    return {"hogs": hogs, "runs": runs, "undetected": missed, "not_fired": unfired, "hang": distribution(seen["hang"]),
             "partition": distribution(seen["partition"]), "all": distribution(both), "samples": seen}, ok
 
 
@@ -278,7 +285,8 @@ def main() -> int:
 def _print_detection(d: dict[str, Any]) -> None:
     w = sys.stderr.write
     w(f"detection beside {d['hogs']} CPU hogs (fault injected -> recovery opened, s; suspect after {SUSPECT_AFTER_S} s, "
-      f"target p90 <= {SUSPECT_AFTER_S + 0.5} s), {d['undetected']} faults never detected:\n")
+      f"target p90 <= {SUSPECT_AFTER_S + 0.5} s), {d['undetected']} faults never detected, {d['not_fired']} not fired "
+      "(the harness's lookup of the target failed):\n")
     for kind in ("hang", "partition", "all"):
         r = d[kind]
         w(f"  {kind:10} n={r['n']}" + ("".join(f"  {k} {r[k]}" for k in ("min", "p50", "p90", "max")) if r["n"] else "")
