@@ -120,8 +120,10 @@ def test_an_evaluator_lost_behind_the_cut_the_stages_committed_restarts_from_whe
     assert not errors, errors
     assert [f.get("signal") for f in fired] == ["SIGKILL"], fired
     assert result.state_digest == reference
-    (r,) = result.recovery["recoveries"]
+    # The evaluator's recovery is the first; a loaded host may add a stall's (its replacement slow to start), which
+    # the job survives like any other. Before the fix this one restarted the evaluator at the stages' newer cut and
+    # the job stalled on the steps it skipped until its budget ran out.
+    r = result.recovery["recoveries"][0]
     assert r["lost"] == {fired[0]["worker"]: ["eval"]}
     assert r["checkpoint_step"] <= BLOCK_AT, r  # not the stages' newer commits: the evaluator had not reached them
-    assert result.recovery["stalls"] == 0
     assert_settled(lc)
