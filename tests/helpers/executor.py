@@ -88,6 +88,20 @@ class Harness:
         return self.x.places.slices[slice_name].worker
 
 
+def join_while_waiting(h: Harness, worker: str = "w9", after_s: float = 5.0) -> list[Any]:
+    """Register ``worker`` (1 device) once the executor has slept ``after_s`` of its fake clock from now (a worker
+    joins while the job waits for room); the list holds its registration once it joined."""
+    sleep, joined, start = h.clock.sleep, [], h.clock.monotonic()
+
+    def sleep_then_join(seconds: float) -> None:
+        sleep(seconds)
+        if not joined and h.clock.monotonic() - start >= after_s:
+            joined.append(register_worker(h.store, h.keys, worker, 1))
+
+    h.clock.sleep = sleep_then_join  # type: ignore[method-assign]
+    return joined
+
+
 def recovered(h: Harness, count: int) -> None:
     for _ in range(100):
         if len(h.x.recovery.records) >= count and h.x.state is JobState.RUNNING:

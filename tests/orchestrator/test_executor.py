@@ -20,7 +20,7 @@ from rallypoint.orchestrator.job.state import HandedOff, JobFailed, JobState
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.errors import corrupt_checkpoint_metadata
 from tests.fakes import call_failed, register_worker
-from tests.helpers.executor import Harness, pipeline_spec, recovered
+from tests.helpers.executor import Harness, join_while_waiting, pipeline_spec, recovered
 
 def test_begin_places_loads_and_grants_then_steps_complete_the_job(tmp_path: Path) -> None:
     h = Harness(tmp_path)
@@ -221,15 +221,7 @@ def adopt_after_losing_two_of_three(tmp_path: Path, **spec: Any) -> Harness:
 
 def test_an_adopted_slice_without_room_waits_for_a_worker_as_on_no_spare_wait_says(tmp_path: Path) -> None:
     h = adopt_after_losing_two_of_three(tmp_path, wait_timeout_s=30)
-    sleep, joined = h.clock.sleep, []
-
-    def sleep_then_join(seconds: float) -> None:  # 5 s into the wait, a worker registers
-        sleep(seconds)
-        if not joined and h.clock.monotonic() - start >= 5:
-            joined.append(register_worker(h.store, h.keys, "w9", 1))
-
-    h.clock.sleep = sleep_then_join  # type: ignore[method-assign]
-    start = h.clock.monotonic()
+    joined = join_while_waiting(h)  # 5 s into the wait, a worker registers
     assert h.x.run() is JobState.SUCCEEDED, h.record().get("reason")
     assert joined and {h.worker_of("s0"), h.worker_of("s1")} == {"w0", "w9"}
     waiting = [json.loads(e.detail) for e in h.events if e.event == "job.waiting"]

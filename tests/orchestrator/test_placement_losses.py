@@ -16,8 +16,8 @@ from typing import Any
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.state import JobState
-from tests.fakes import MemoryStore, register_worker
-from tests.helpers.executor import Harness, pipeline_spec
+from tests.fakes import MemoryStore
+from tests.helpers.executor import Harness, join_while_waiting, pipeline_spec
 
 Killer = Callable[[Mapping[str, tuple[str, ...]]], None]
 
@@ -74,15 +74,7 @@ def test_a_loss_while_placed_with_no_spare_fails_as_on_no_spare_fail_says_after_
 
 def test_a_loss_while_placed_with_no_spare_waits_for_a_worker_as_on_no_spare_wait_says(tmp_path: Path) -> None:
     h = harness_killing(tmp_path, "s0", [], workers=2, spec=pipeline_spec(wait_timeout_s=30))
-    sleep, joined = h.clock.sleep, []
-
-    def sleep_then_join(seconds: float) -> None:  # 5 s into the wait, a worker registers
-        sleep(seconds)
-        if not joined and h.clock.monotonic() - start >= 5:
-            joined.append(register_worker(h.store, h.keys, "w9", 1))
-
-    h.clock.sleep = sleep_then_join  # type: ignore[method-assign]
-    start = h.clock.monotonic()
+    joined = join_while_waiting(h)  # 5 s into the wait, a worker registers
     assert h.x.run() is JobState.SUCCEEDED, h.record().get("reason")
     assert joined and h.worker_of("s0") == "w9"
     waiting = [json.loads(e.detail) for e in h.events if e.event == "job.waiting"]
