@@ -15,10 +15,11 @@ pytree; the result is a tuple in the order of ``outputs``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.client.layouts import check_layout, is_sharded, resolve_layout
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
 from rallypoint.workers.programs import slice_mesh as mesh_over
 from rallypoint.workers.platform import PLATFORMS
@@ -99,6 +100,12 @@ class CompiledState:
     producer: tuple[str, str] | None
     variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported init
     platforms: tuple[str, ...] = ()  # what its init was lowered for
+    specs: tuple[Any, ...] = ()  # its layout: a PartitionSpec per leaf over the slice's mesh (client/layouts.py)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether some leaf is split over a mesh axis (else the state is replicated over its slice)."""
+        return is_sharded(self.specs)
 
 
 def _unflatten_all(trees: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
@@ -310,6 +317,46 @@ def check_depends_on_step(node: NodeSpec, fn: Callable[..., Any], in_avals: Sequ
         )
 
 
+Layouts = tuple[tuple[Any, ...], tuple[Any, ...]]
+"""A node's PartitionSpec per flat input leaf and per flat output leaf."""
+
+
+def _node_layouts(program: Program, node: NodeSpec, names: Sequence[str], in_trees: Sequence[Any],
+                  out_trees: Sequence[Any], state_specs: Mapping[str, tuple[Any, ...]]) -> Layouts:
+    """A node's layouts: what it declares for an input or output (one spec for all its leaves), else a state's
+    layout for a state it reads on its own slice or updates, else replicated.
+
+    Raises:
+        ProgramError: the node reads a sharded state of another slice and declares no layout for it.
+    """
+    ins: list[Any] = []
+    for arg, tree in zip(names, in_trees, strict=True):
+        src = node.inputs.get(arg)
+        if arg in node.shardings or not isinstance(src, StateRef):
+            ins += [node.shardings.get(arg)] * tree.num_leaves
+        elif program.states[src.name].slice == node.slice:
+            ins += state_specs[src.name]
+        elif is_sharded(state_specs[src.name]):
+            raise ProgramError(
+                f"node {node.name!r} on slice {node.slice!r} reads state {src.name!r}, which is sharded over slice "
+                f"{program.states[src.name].slice!r}: declare how it lies on {node.slice!r} "
+                f"(shardings={{{arg!r}: PartitionSpec(...)}}: it is sent there whole), or read it on its own slice")
+        else:
+            ins += [None] * tree.num_leaves
+    updated = dict(node.updates)
+    outs: list[Any] = []
+    for out, tree in zip(node.outputs, out_trees, strict=True):
+        if out in updated and out not in node.shardings:
+            outs += state_specs[updated[out]]
+        else:
+            outs += [node.shardings.get(out)] * tree.num_leaves
+    return tuple(ins), tuple(outs)
+
+
+def _shardings_on(mesh: Any, layouts: Layouts) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    return tuple(_sharding(mesh, s) for s in layouts[0]), tuple(_sharding(mesh, s) for s in layouts[1])
+
+
 def compile_program(program: Program, *, platforms: Sequence[str] | None = None) -> CompiledProgram:
     """Validate, trace and export every node and state init of ``program``.
 
@@ -326,23 +373,33 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
     import jax.numpy as jnp
 
     state_avals: dict[str, Any] = {}
+    state_specs: dict[str, tuple[Any, ...]] = {}
     states: dict[str, CompiledState] = {}
     for st in program.states.values():
         mesh = slice_mesh(program, st.slice)
         try:
-            aval = jax.eval_shape(st.init)
+            with jax.set_mesh(mesh):
+                aval = jax.eval_shape(st.init)
         except Exception as exc:  # user code: report it against the state
             raise ProgramError(f"init of state {st.name!r} failed to trace: {type(exc).__name__}: {exc}") from exc
         state_avals[st.name] = aval
         tree = jax.tree_util.tree_structure(aval)
         init_flat = flat_callable(lambda init=st.init: (init(),), [])
-        exported = jax.export.export(jax.jit(init_flat, out_shardings=_sharding(mesh, None)), platforms=targets)()
-        variants = {c: bytes(jax.export.export(jax.jit(init_flat, out_shardings=_sharding(other, None)),
-                                               platforms=targets)().serialize())
-                    for c, other in _other_meshes(program, st.slice).items()}
+        specs = tuple(resolve_layout(st.name, st.sharding, st.axis_rules, aval, init_flat, mesh))
+        sl = program.slices[st.slice]
+        check_layout(st.name, specs, aval, sl.mesh_axes, {c: sl.mesh_shape_for(c) for c in sl.device_counts()})
+        state_specs[st.name] = specs
+
+        def export_init(on: Any, init_flat: Any = init_flat, specs: tuple[Any, ...] = specs) -> Any:
+            with jax.set_mesh(on):  # bare PartitionSpecs in init name this mesh's axes
+                return jax.export.export(jax.jit(init_flat, out_shardings=tuple(_sharding(on, s) for s in specs)),
+                                         platforms=targets)()
+
+        exported = export_init(mesh)
+        variants = {c: bytes(export_init(other).serialize()) for c, other in _other_meshes(program, st.slice).items()}
         states[st.name] = CompiledState(
             st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name), variants,
-            tuple(exported.platforms),
+            tuple(exported.platforms), specs,
         )
 
     out_avals: dict[str, dict[str, Any]] = {}
@@ -373,7 +430,8 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             if node.host:
                 result = host_sample(node)
             else:
-                result = jax.eval_shape(fn, *in_avals)
+                with jax.set_mesh(mesh):
+                    result = jax.eval_shape(fn, *in_avals)
                 if node.is_source:
                     check_depends_on_step(node, fn, in_avals)
         except ProgramError:
@@ -392,27 +450,25 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
                 )
         in_trees = tuple(jax.tree_util.tree_structure(a) for a in in_avals)
         out_trees = tuple(jax.tree_util.tree_structure(out_avals[name][o]) for o in node.outputs)
-        in_sh = tuple(_sharding(mesh, node.shardings.get(a)) for a, t in zip(names, in_trees) for _ in range(t.num_leaves))
-        out_sh = tuple(
-            _sharding(mesh, node.shardings.get(o)) for o, t in zip(node.outputs, out_trees) for _ in range(t.num_leaves)
-        )
+        layouts = _node_layouts(program, node, names, in_trees, out_trees, state_specs)
+        in_sh, out_sh = _shardings_on(mesh, layouts)
         flat_avals = [leaf for a in in_avals for leaf in jax.tree_util.tree_leaves(a)]
         if node.host:  # what is exported is its layout: the identity over its outputs, as they lie on the slice
             fn, in_trees, flat_avals = _layout(node, out_trees, out_avals[name])
             in_sh = out_sh
-        exported = jax.export.export(
-            jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh), platforms=targets
-        )(*flat_avals)
+        with jax.set_mesh(mesh):
+            exported = jax.export.export(
+                jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh), platforms=targets
+            )(*flat_avals)
         variants: dict[int, bytes] = {}
         for c, other in _other_meshes(program, node.slice).items():  # the same program on fewer devices
-            sh_out = tuple(_sharding(other, node.shardings.get(o)) for o, t in zip(node.outputs, out_trees)
-                           for _ in range(t.num_leaves))
-            sh_in = sh_out if node.host else tuple(_sharding(other, node.shardings.get(a))
-                                                   for a, t in zip(names, in_trees) for _ in range(t.num_leaves))
+            sh_in, sh_out = _shardings_on(other, layouts)
+            sh_in = sh_out if node.host else sh_in
             try:
-                variants[c] = bytes(jax.export.export(jax.jit(flat_callable(fn, in_trees), in_shardings=sh_in,
-                                                              out_shardings=sh_out),
-                                                      platforms=targets)(*flat_avals).serialize())
+                with jax.set_mesh(other):
+                    variants[c] = bytes(jax.export.export(jax.jit(flat_callable(fn, in_trees), in_shardings=sh_in,
+                                                                  out_shardings=sh_out),
+                                                          platforms=targets)(*flat_avals).serialize())
             except Exception as exc:  # e.g. a dimension the smaller mesh does not divide
                 raise ProgramError(f"node {name!r} cannot run on {c} devices of slice {node.slice!r} (declared "
                                    f"devices=(min, max)): {type(exc).__name__}: {exc}; raise the minimum") from exc

@@ -141,9 +141,13 @@ class SliceSpec:
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
+    """A loop-carried value: its slice, its step-0 ``init()``, its layout (:mod:`rallypoint.client.layouts`)."""
+
     name: str
     slice: str
     init: Callable[[], Any]
+    sharding: Any = None
+    axis_rules: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +285,14 @@ class Program:
         self.slices[name] = spec
         return name
 
-    def state(self, name: str, *, slice: str, init: Callable[[], Any]) -> StateRef:
-        """Declare a loop-carried value on ``slice`` with its step-0 value ``init()``."""
+    def state(self, name: str, *, slice: str, init: Callable[[], Any], sharding: Any = None,
+              axis_rules: Sequence[tuple[str, str | None]] | None = None) -> StateRef:
+        """Declare a loop-carried value on ``slice`` with its step-0 value ``init()``, laid out over the
+        slice's mesh as ``sharding`` says (with ``axis_rules``), else as ``init`` lays it out, else
+        replicated: :mod:`rallypoint.client.layouts`, docs/program-api.md "Sharded state"."""
         self._fresh("state", name)
         self._known_slice(f"state {name!r}", slice)
-        self.states[name] = StateSpec(name, slice, init)
+        self.states[name] = StateSpec(name, slice, init, sharding, axis_rules)
         return StateRef(name, slice)
 
     def source(
