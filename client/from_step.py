@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client.errors import ProgramError
+from rallypoint.client.layouts import abstract_mesh
 from rallypoint.etcd.keys import check_name
 
 SLICE, STATE, SOURCE, NODE = "main", "state", "batch", "step"
@@ -36,7 +37,8 @@ def from_step(
     source: Callable[[int, int], Any], steps: int, devices: int | tuple[int, int] = 1,
     mesh_axes: Sequence[str] = ("data",), mesh_shape: Sequence[int] | None = None,
     batch_sharding: PartitionSpec | Mapping[str, PartitionSpec] | None = None, host_source: bool = True,
-    prefetch: int = 0, checkpoint_every: int = 10,
+    prefetch: int = 0, checkpoint_every: int = 10, state_sharding: Any = None,
+    axis_rules: Sequence[tuple[str, str | None]] | None = None,
 ) -> Any:
     """The one-slice program running ``train_step`` unchanged (``cls``: :class:`Program`).
 
@@ -58,7 +60,15 @@ def from_step(
         batch_sharding: how the batch lies over the mesh: one PartitionSpec for every key, or a
             dict key -> PartitionSpec (keys left out take the default). Default: each key's
             arrays split along their first axis over the first mesh axis (data parallelism),
-            scalars replicated. The state is replicated over the slice.
+            scalars replicated.
+        state_sharding: how the train state lies over the mesh (FSDP, tensor parallelism): one
+            PartitionSpec for every leaf, a tree of them following the state's tree (an
+            ``nnx.get_partition_spec`` of the model's state), or a callable from the abstract state
+            to either. Default: as ``init`` lays its result out (Flax NNX variables carrying sharding
+            metadata, ``with_sharding_constraint``, ``jax.jit(out_shardings=...)``: the slice's mesh is
+            set while ``init`` is traced), else replicated. See :mod:`rallypoint.client.layouts`.
+        axis_rules: logical axis name -> mesh axis pairs applied to the state's specs (Flax's
+            logical axis rules).
         host_source: whether ``source`` is a host source (see ``source``).
         prefetch: a host source's instances read ahead on the worker (0: the default).
         checkpoint_every: save the state every this many steps.
@@ -80,14 +90,15 @@ def from_step(
     prog = cls(name, steps=steps, checkpoint_every=checkpoint_every)
     where = f"Program.from_step {name!r}"
     sl = prog.slice(SLICE, devices, mesh_axes=tuple(mesh_axes), mesh_shape=mesh_shape)
-    state_aval = _trace(where, "init()", init)
-    batch_aval = _sample_host(where, source) if host_source else _trace_source(where, source)
-    keys = _batch_keys(where, batch_aval)
-    outputs = keys if keys is not None else (SOURCE,)
-    shardings = _batch_shardings(where, batch_sharding, batch_aval, keys, prog.slices[sl].mesh_axes[0])
-    metrics = _metric_outputs(where, train_step, state_aval, batch_aval)
+    with abstract_mesh(prog.slices[sl].mesh_shape, prog.slices[sl].mesh_axes):  # as compile traces them
+        state_aval = _trace(where, "init()", init)
+        batch_aval = _sample_host(where, source) if host_source else _trace_source(where, source)
+        keys = _batch_keys(where, batch_aval)
+        outputs = keys if keys is not None else (SOURCE,)
+        shardings = _batch_shardings(where, batch_sharding, batch_aval, keys, prog.slices[sl].mesh_axes[0])
+        metrics = _metric_outputs(where, train_step, state_aval, batch_aval)
 
-    state = prog.state(STATE, slice=sl, init=init)
+    state = prog.state(STATE, slice=sl, init=init, sharding=state_sharding, axis_rules=axis_rules)
     batch = prog.source(SOURCE, source, slice=sl, outputs=outputs, per="step", shardings=shardings,
                         host=host_source, prefetch=prefetch)
     inputs = {_input(o, keys): batch[o] for o in outputs}

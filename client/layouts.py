@@ -135,6 +135,16 @@ def init_layout(init_flat: Callable[..., Any], mesh: Any) -> list[PartitionSpec]
     return out if any_named else None
 
 
+def abstract_mesh(mesh_shape: Sequence[int], mesh_axes: Sequence[str]) -> Any:
+    """A context in which user code is traced as on a slice of this mesh, with no devices needed
+    (``jax.sharding.use_abstract_mesh``): sharding annotations in it name the slice's axes."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    return jax.sharding.use_abstract_mesh(
+        AbstractMesh(tuple(mesh_shape), tuple(mesh_axes), axis_types=(AxisType.Auto,) * len(mesh_axes)))
+
+
 def _axis_names(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
