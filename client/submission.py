@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from rallypoint.client.compile import CompiledProgram
+from rallypoint.client.compile import CompiledProgram, slice_mesh
+from rallypoint.client.errors import ProgramError
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.reference import RunResult, state_digest
 from rallypoint.basics.clock import SYSTEM_CLOCK
@@ -64,7 +65,7 @@ def submit(
     compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, new_run: bool = False,
-    code_dir: str | None = None, **recovery: Any,
+    code_dir: str | None = None, final_state: str = "sharded", **recovery: Any,
 ) -> RunResult:
     """Run ``compiled`` on the cluster; return its final state and digest.
 
@@ -75,10 +76,16 @@ def submit(
     its run id) instead of being refused (docs/operations.md, "Runs").
     ``code_dir``: the directory shipped as the job's code bundle (default: the job file's, when
     the program has host sources; docs/data.md).
+    ``final_state``: ``"sharded"``: a sharded state comes back laid out as it was, over this process's
+    devices of its slice's mesh (host arrays when this process has too few); ``"host"``: every state
+    as host arrays. A replicated state is host arrays either way.
 
     Raises:
         JobError: the job failed (the reason names what went wrong).
+        ValueError: ``final_state`` is neither ``"sharded"`` nor ``"host"`` (before anything is submitted).
     """
+    if final_state not in ("sharded", "host"):
+        raise ValueError(f"final_state must be 'sharded' or 'host', got {final_state!r}")
     spec = job_spec(compiled, window=window, code_dir=code_dir, **recovery)
     spec.new_run = new_run
     spec.submit_id = uuid.uuid4().hex  # a retried submit follows the run this one started (service.py)
@@ -98,8 +105,29 @@ def submit(
     if detail.get("state_digest") and detail["state_digest"] != digest:
         raise JobError(f"job {spec.job!r}: the coordinator's state digest {detail['state_digest']} differs "
                        f"from the one of the states it sent ({digest})")
+    if final_state == "sharded":
+        states = _laid_out(compiled, states)
     return RunResult(spec.job, spec.steps, states, digest, time.perf_counter() - t0, metrics_log,
                      recovery={k: detail[k] for k in RECOVERY_SUMMARY if k in detail})
+
+
+def _laid_out(compiled: CompiledProgram, states: dict[str, Any]) -> dict[str, Any]:
+    """Each sharded state laid out as it was on its slice, over this process's devices of the slice's mesh (as
+    host arrays when this process has too few); the replicated ones as they are."""
+    import jax
+
+    out = dict(states)
+    for name, value in states.items():
+        cs = compiled.states[name]
+        if not cs.sharded:
+            continue
+        try:
+            mesh = slice_mesh(compiled.program, cs.slice)
+        except ProgramError:
+            continue
+        shardings = [jax.sharding.NamedSharding(mesh, spec) for spec in cs.specs]
+        out[name] = cs.tree.unflatten(jax.device_put(jax.tree_util.tree_leaves(value), shardings))
+    return out
 
 
 class JobFollower:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from rallypoint.client.commands.faults import Fault
 from rallypoint.client.compile import compile_program
@@ -45,6 +46,8 @@ def test_a_sharded_state_is_recovered_bitwise_after_a_kill_and_resharded_onto_fe
         # A kill with a spare of the slice's shape: restored shard by shard onto it, bitwise.
         killed, injector = run(lc, compiled, [Fault("dp", "dp", 7)], checkpoint_every=5)
         assert killed.state_digest == reference.state_digest
+        w1 = killed.states["params"]["w1"]  # handed back laid out as it was (this process has the 4 devices)
+        assert w1.sharding.spec == P(None, "data") and {s.data.shape for s in w1.addressable_shards} == {(16, 16)}
         assert len(killed.recovery["recoveries"]) == 1 and killed.recovery.get("exact", True) is True
         lost = injector.fired[0]["worker"]
 
@@ -59,7 +62,9 @@ def test_a_sharded_state_is_recovered_bitwise_after_a_kill_and_resharded_onto_fe
                 leases.uncordon(later)
 
         resharded, _ = run(lc, compile_program(sharded_job.build(steps=STEPS)), [Fault("dp", "dp", 7)],
-                           on_event=on_event, on_no_spare="shrink", checkpoint_every=5, new_run=True)
+                           on_event=on_event, on_no_spare="shrink", checkpoint_every=5, new_run=True,
+                           final_state="host")
+        assert isinstance(resharded.states["params"]["w1"], np.ndarray)
         rec = resharded.recovery
         shrink, grow = rec["resharded"]
         assert (shrink["from"], shrink["to"], grow["from"], grow["to"]) == (4, 2, 2, 4)
