@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(PY) bench/mttr.py
 	$(PY) bench/multihost.py
 	$(PY) bench/lifecycle.py
+	$(PY) bench/donation.py
 
 # Every scenario once (the campaign scenarios are for `make soak`: they vary by seed).
 chaos: $(STAMP)
