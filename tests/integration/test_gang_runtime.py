@@ -1,5 +1,6 @@
-"""Multi-host slices on a real cluster: the data-parallel example's one slice of 4 devices as a gang of 2 workers
-x 2 devices, its members on real worker daemons (docs/multihost.md).
+"""Multi-host slices on a real cluster: one data-parallel slice of 4 devices, its weights and Adam's moments sharded
+over them (tests/helpers/sharded_job.py: FSDP), as a gang of 2 workers x 2 devices, its members on real worker
+daemons (docs/multihost.md). Each member holds, saves and restores only its own shards of the state.
 
 The executor places the gang and moves it whole off a drained member; a lost member (the lead killed here;
 one that does not lead cut off the network on a host of its own, and killed in the multihost-kill chaos
@@ -27,7 +28,8 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import request_drain
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import read_events
-from tests.examples import example
+from rallypoint.workers.checkpoints.checksums import read_listing
+from tests.helpers import sharded_job
 from tests.helpers.cluster import job_record, snapshot
 
 STEPS = 6
@@ -39,7 +41,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
     lc = local_cluster(workers=4, spares=0, devices_per_worker=2, coordinators=1)
-    compiled = compile_program(example("data_parallel").build(steps=STEPS, devices=4))  # no worker has 4
+    compiled = compile_program(sharded_job.build(steps=STEPS, devices=4))  # no worker has 4
     cold = {"warm_spares": 0}  # no member processes started ahead but in the drained run, which checks them: each
     # costs a JAX import of CPU on a machine of 2 cores
     whole = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, **cold)
@@ -55,7 +57,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     # drain step (each member its shards), onto a new gang sharing no worker with the old one. Nothing is lost, so
     # nothing is fenced or replayed, and no recovery runs; the run ends bitwise equal. (A longer run, granted a
     # step at a time, so that the drain is taken up before every step is granted.)
-    longer = compile_program(example("data_parallel").build(steps=DRAIN_STEPS, devices=4))
+    longer = compile_program(sharded_job.build(steps=DRAIN_STEPS, devices=4))
     plain = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1, new_run=True,
                    **cold)
     before = snapshot(lc)
@@ -128,6 +130,13 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     # (workers/gang/checkpoint.py), nothing gathered on the lead.
     committed = [e for w in ("w0", "w1", "w2", "w3") for e in read_events(lc.process(w).log, "checkpoint.committed")]
     assert committed and all(e["checksum"].startswith("sha256-shards:") for e in committed), committed
+    # The state is sharded (FSDP over the gang's 4 devices): each checkpoint lists each weight in four quarters of
+    # its columns, each saved by the member holding it (a replicated state would list each leaf once, whole).
+    kept = [Path(e["path"]) for e in committed if Path(e["path"]).exists()]  # retention deleted the older ones
+    assert kept, committed
+    for path in kept:
+        w1 = [x for x in read_listing(path) if x["state"] == "params" and x["leaf"] == 0]
+        assert sorted(x["index"][1] for x in w1) == [[0, 16], [16, 32], [32, 48], [48, 64]], (path, w1)
     # The new gang restored from memory: each part's copy survived the lead's host on its other holder (the lead's
     # part on its holder, member 1's on its own worker). A restore that finds no copy reads the disk and says why.
     # (Whether the copies of the cut were all pushed before the kill depends on when it came: a copy goes once its
@@ -196,7 +205,7 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
     config = LocalClusterConfig(state_dir=tmp_path / "cluster", workers=3, spares=0, devices_per_worker=2,
                                 coordinators=1, lease_ttl_s=2, compile_cache_dir=compile_cache)
     with partitionable_cluster(config, mode="netns") as (lc, control):
-        compiled = compile_program(example("data_parallel").build(steps=STEPS, devices=4))
+        compiled = compile_program(sharded_job.build(steps=STEPS, devices=4))
         if not _BASELINE:  # a gang of the same shape computes the same bits on any cluster: run once per module
             _BASELINE.append(submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster,
                                     checkpoint_every=2, warm_spares=0).state_digest)

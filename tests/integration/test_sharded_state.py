@@ -1,17 +1,15 @@
-"""Sharded state on a real local cluster: recovered bitwise after a kill, resharded onto fewer devices and back,
-and split across the members of a multi-host slice (docs/program-api.md "Sharded state").
+"""Sharded state on a real local cluster: recovered bitwise after a kill, resharded onto fewer devices and back
+(docs/program-api.md "Sharded state"). A multi-host slice's sharded state, split across its members through a
+drain, a kill and the in-memory tier: tests/integration/test_gang_runtime.py.
 
 The job (tests/helpers/sharded_job.py) keeps its weights and Adam's moments split over the slice's ``data`` axis.
 A run that loses its worker and is restored onto a spare of the same shape ends bitwise equal to the in-process
-reference; one that shrinks 4 -> 2 and grows back ends within the reshard tolerance and says so. A slice larger
-than any worker runs as a gang whose members each hold, save and restore only their own shards.
+reference; one that shrinks 4 -> 2 and grows back ends within the reshard tolerance and says so.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -74,30 +72,4 @@ def test_a_sharded_state_is_recovered_bitwise_after_a_kill_and_resharded_onto_fe
     finally:
         leases.release("blocker")
         store.close()
-    assert_settled(lc)
-
-
-def test_a_gang_slice_holds_its_sharded_state_split_across_its_members_and_recovers_a_lost_member_bitwise(
-    local_cluster: Callable[..., LocalCluster],
-) -> None:
-    compiled = compile_program(sharded_job.build(steps=STEPS, devices=4))  # no worker has 4: a gang of 2 x 2
-    lc = local_cluster(workers=2, spares=2, devices_per_worker=2, coordinators=1)
-    # The gang's reductions cross processes (gloo): its bits are those of a gang of this shape, so the run
-    # without a fault is the reference (the in-process one agrees to rounding).
-    whole, _ = run(lc, compiled, [], checkpoint_every=5, warm_spares=0)
-    reference = ReferenceExecutor(compiled).run()
-    for got, want in zip(jax.tree_util.tree_leaves(whole.states), jax.tree_util.tree_leaves(reference.states),
-                         strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-    result, injector = run(lc, compiled, [Fault("dp", "dp", 7)], checkpoint_every=5, warm_spares=0, new_run=True)
-    assert result.state_digest == whole.state_digest
-    assert len(result.recovery["recoveries"]) == 1 and injector.fired[0]["worker"] in ("w0", "w1")
-    # Every checkpoint's listing: each leaf of the weights in 4 pieces (a quarter of its columns each), each
-    # saved by the member holding it; a replicated state would list each leaf once, whole.
-    listings = sorted(Path(lc.checkpoint_dir).rglob("shards.json"))
-    assert listings, "the gang wrote no sharded checkpoint"
-    for path in listings:
-        w1 = [e for e in json.loads(path.read_text()) if e["state"] == "params" and e["leaf"] == 0]
-        assert sorted(e["index"][1] for e in w1) == [[0, 16], [16, 32], [32, 48], [48, 64]], path
-        assert all(e["index"][0] == [0, sharded_job.FEATURES] for e in w1), path
     assert_settled(lc)
