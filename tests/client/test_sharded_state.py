@@ -22,10 +22,19 @@ from rallypoint.client.compile import compile_program, ensure_host_devices, slic
 from rallypoint.client.program import Program, ProgramError
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.workers.programs import load_exported
-from tests.helpers import sharded_job
-from tests.helpers.sharded_job import per_device_bytes
+from tests.examples import example
 
 ensure_host_devices(4)
+fsdp = example("fsdp")
+
+
+def per_device_bytes(leaves: Any) -> dict[Any, int]:
+    """Bytes each device holds of ``leaves`` (jax.Arrays), from their addressable shards."""
+    held: dict[Any, int] = {}
+    for x in jax.tree_util.tree_leaves(leaves):
+        for s in x.addressable_shards:
+            held[s.device] = held.get(s.device, 0) + int(s.data.nbytes)
+    return held
 
 
 def _one_state(sharding: Any = None, *, init: Any = None, devices: Any = 4, axes: tuple[str, ...] = ("data",),
@@ -44,7 +53,7 @@ def _specs(prog: Program) -> tuple[Any, ...]:
 
 
 def test_a_declared_layout_is_kept_by_the_init_and_by_the_node_that_reads_and_updates_the_state() -> None:
-    compiled = compile_program(sharded_job.build())
+    compiled = compile_program(fsdp.build())
     assert compiled.states["params"].specs == (P(None, "data"), P("data"))
     assert compiled.states["params"].sharded and compiled.states["opt_state"].sharded
     node = jax.export.deserialize(bytearray(compiled.nodes["train"].exported))
@@ -52,12 +61,12 @@ def test_a_declared_layout_is_kept_by_the_init_and_by_the_node_that_reads_and_up
     ins = [s.spec for s in node.in_shardings_jax(mesh)]
     outs = [s.spec for s in node.out_shardings_jax(mesh)]
     assert ins[:2] == [P(None, "data"), P("data")] and outs[:2] == [P(None, "data"), P("data")]
-    replicated = compile_program(sharded_job.build(sharded=False))
+    replicated = compile_program(fsdp.build(sharded=False))
     assert not replicated.states["params"].sharded
 
 
 def test_a_sharded_init_holds_a_quarter_of_the_state_per_device_where_a_replicated_one_holds_all_of_it() -> None:
-    sharded, replicated = compile_program(sharded_job.build()), compile_program(sharded_job.build(sharded=False))
+    sharded, replicated = compile_program(fsdp.build()), compile_program(fsdp.build(sharded=False))
     mesh = slice_mesh(sharded.program, "dp")
     total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(sharded.states["params"].aval))
     split = per_device_bytes(load_exported(sharded.states["params"].exported_init, mesh)())
@@ -76,8 +85,8 @@ def test_a_sharded_init_holds_a_quarter_of_the_state_per_device_where_a_replicat
 
 
 def test_a_sharded_run_in_process_matches_the_replicated_one_to_the_tolerance_of_another_reduction_order() -> None:
-    a = ReferenceExecutor(compile_program(sharded_job.build(steps=4))).run()
-    b = ReferenceExecutor(compile_program(sharded_job.build(steps=4, sharded=False))).run()
+    a = ReferenceExecutor(compile_program(fsdp.build(steps=4))).run()
+    b = ReferenceExecutor(compile_program(fsdp.build(steps=4, sharded=False))).run()
     for x, y in zip(jax.tree_util.tree_leaves(a.states), jax.tree_util.tree_leaves(b.states), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 

@@ -1,5 +1,5 @@
 """Multi-host slices on a real cluster: one data-parallel slice of 4 devices, its weights and Adam's moments sharded
-over them (tests/helpers/sharded_job.py: FSDP), as a gang of 2 workers x 2 devices, its members on real worker
+over them (tests/helpers/fsdp.py: FSDP), as a gang of 2 workers x 2 devices, its members on real worker
 daemons (docs/multihost.md). Each member holds, saves and restores only its own shards of the state.
 
 The executor places the gang and moves it whole off a drained member; a lost member (the lead killed here;
@@ -29,9 +29,10 @@ from rallypoint.etcd.drains import request_drain
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import read_events
 from rallypoint.workers.checkpoints.checksums import read_listing
-from tests.helpers import sharded_job
 from tests.helpers.cluster import job_record, snapshot
+from tests.examples import example
 
+fsdp = example("fsdp")
 STEPS = 6
 DRAIN_STEPS = 14
 _BASELINE: list[str] = []  # the gang's fault-free digest (the same bits on any cluster of the same gang shape)
@@ -41,7 +42,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
     lc = local_cluster(workers=4, spares=0, devices_per_worker=2, coordinators=1)
-    compiled = compile_program(sharded_job.build(steps=STEPS, devices=4))  # no worker has 4
+    compiled = compile_program(fsdp.build(steps=STEPS, devices=4))  # no worker has 4
     cold = {"warm_spares": 0}  # no member processes started ahead but in the drained run, which checks them: each
     # costs a JAX import of CPU on a machine of 2 cores
     whole = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, **cold)
@@ -57,7 +58,7 @@ def test_the_executor_places_a_slice_larger_than_any_worker_as_a_gang_moves_it_w
     # drain step (each member its shards), onto a new gang sharing no worker with the old one. Nothing is lost, so
     # nothing is fenced or replayed, and no recovery runs; the run ends bitwise equal. (A longer run, granted a
     # step at a time, so that the drain is taken up before every step is granted.)
-    longer = compile_program(sharded_job.build(steps=DRAIN_STEPS, devices=4))
+    longer = compile_program(fsdp.build(steps=DRAIN_STEPS, devices=4))
     plain = submit(longer, endpoints=lc.endpoints, cluster=lc.keys.cluster, checkpoint_every=2, window=1, new_run=True,
                    **cold)
     before = snapshot(lc)
@@ -205,7 +206,7 @@ def test_on_hosts_of_their_own_a_gang_loses_a_partitioned_member_and_ends_bitwis
     config = LocalClusterConfig(state_dir=tmp_path / "cluster", workers=3, spares=0, devices_per_worker=2,
                                 coordinators=1, lease_ttl_s=2, compile_cache_dir=compile_cache)
     with partitionable_cluster(config, mode="netns") as (lc, control):
-        compiled = compile_program(sharded_job.build(steps=STEPS, devices=4))
+        compiled = compile_program(fsdp.build(steps=STEPS, devices=4))
         if not _BASELINE:  # a gang of the same shape computes the same bits on any cluster: run once per module
             _BASELINE.append(submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster,
                                     checkpoint_every=2, warm_spares=0).state_digest)

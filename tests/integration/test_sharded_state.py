@@ -2,7 +2,7 @@
 (docs/program-api.md "Sharded state"). A multi-host slice's sharded state, split across its members through a
 drain, a kill and the in-memory tier: tests/integration/test_gang_runtime.py.
 
-The job (tests/helpers/sharded_job.py) keeps its weights and Adam's moments split over the slice's ``data`` axis.
+The job (tests/helpers/fsdp.py) keeps its weights and Adam's moments split over the slice's ``data`` axis.
 A run that loses its worker and is restored onto a spare of the same shape ends bitwise equal to the in-process
 reference; one that shrinks 4 -> 2 and grows back ends within the reshard tolerance and says so.
 """
@@ -22,8 +22,10 @@ from rallypoint.cluster.local import LocalCluster
 from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import RESHARD_TOLERANCE, states_close
-from tests.helpers import sharded_job
 from tests.helpers.cluster import assert_settled, run
+from tests.examples import example
+
+fsdp = example("fsdp")
 
 STEPS = 20
 
@@ -35,7 +37,7 @@ def _leaves(result) -> dict[str, list[np.ndarray]]:  # type: ignore[no-untyped-d
 def test_a_sharded_state_is_recovered_bitwise_after_a_kill_and_resharded_onto_fewer_devices_and_back(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    compiled = compile_program(sharded_job.build(steps=STEPS))
+    compiled = compile_program(fsdp.build(steps=STEPS))
     reference = ReferenceExecutor(compiled).run()
     lc = local_cluster(workers=1, spares=3, devices_per_worker=4, coordinators=1)
     store = lc.store()
@@ -59,7 +61,7 @@ def test_a_sharded_state_is_recovered_bitwise_after_a_kill_and_resharded_onto_fe
             if ev.event == "job.recovered":
                 leases.uncordon(later)
 
-        resharded, _ = run(lc, compile_program(sharded_job.build(steps=STEPS)), [Fault("dp", "dp", 7)],
+        resharded, _ = run(lc, compile_program(fsdp.build(steps=STEPS)), [Fault("dp", "dp", 7)],
                            on_event=on_event, on_no_spare="shrink", checkpoint_every=5, new_run=True,
                            final_state="host")
         assert isinstance(resharded.states["params"]["w1"], np.ndarray)

@@ -1,8 +1,19 @@
-"""A small job whose state is sharded over its slice (FSDP over the ``data`` axis), for the sharded-state tests.
+"""FSDP on one slice: the weights and Adam's moments split over the slice's devices, not copied to each.
 
-Two layers of weights and Adam's moments, each leaf split over ``data`` along a dimension every device count
-of the slice divides; the batch is split the same way. ``sharded=False`` is the same job with the state
-replicated (the layout every state had before states could be sharded).
+One slice of 4 devices with a "data" mesh axis (it may run on 2 after a loss with
+``on_no_spare="shrink"`` and grows back). The batch is split over "data" as in
+examples/data_parallel.py, and so is the state: ``prog.state(..., sharding=...)`` gives each
+weight's layout (``w1``'s columns and ``w2`` over "data"), and Adam's moments get theirs from a
+function of the abstract state (each leaf whose last dimension is the hidden width is split there;
+Adam's step count stays replicated). Each device holds a quarter of the state; XLA gathers the
+weights for the forward pass and reduce-scatters the gradients. A run that loses its worker is
+restored shard by shard onto a spare and ends bitwise equal to the run without the loss; one that
+shrinks onto 2 devices restores each leaf split over the 2-device mesh (docs/program-api.md,
+"Sharded state")::
+
+    .venv/bin/rallypoint run examples/fsdp.py --devices-per-worker 4 --fail kill:dp@12
+
+``build(sharded=False)`` is the same job with the state replicated, for comparison.
 """
 
 from __future__ import annotations
@@ -48,9 +59,9 @@ def train_step(params: Any, opt_state: Any, x: Any, y: Any) -> dict[str, Any]:
     return {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "loss": loss}
 
 
-def build(steps: int = 20, devices: int | tuple[int, int] = (2, 4), *, sharded: bool = True,
+def build(steps: int = 30, devices: int | tuple[int, int] = (2, 4), *, sharded: bool = True,
           checkpoint_every: int = 5) -> Program:
-    prog = Program("sharded" if sharded else "replicated", steps=steps, checkpoint_every=checkpoint_every)
+    prog = Program("fsdp" if sharded else "fsdp-replicated", steps=steps, checkpoint_every=checkpoint_every)
     dp = prog.slice("dp", devices=devices, mesh_axes=("data",))
     params = prog.state("params", slice=dp, init=init_params, sharding=PARAM_SPECS if sharded else None)
     opt_state = prog.state("opt_state", slice=dp, init=lambda: optimizer.init(init_params()),
@@ -65,10 +76,4 @@ def build(steps: int = 20, devices: int | tuple[int, int] = (2, 4), *, sharded: 
     return prog
 
 
-def per_device_bytes(leaves: Any) -> dict[Any, int]:
-    """Bytes each device holds of ``leaves`` (jax.Arrays), from their addressable shards."""
-    held: dict[Any, int] = {}
-    for x in jax.tree_util.tree_leaves(leaves):
-        for s in x.addressable_shards:
-            held[s.device] = held.get(s.device, 0) + int(s.data.nbytes)
-    return held
+program = build()
