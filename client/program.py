@@ -339,8 +339,8 @@ class Program:
             updates: output name -> state it produces for the next step.
             every: run only at steps divisible by ``every``; the states it updates keep
                 their value in between (e.g. parameters sent to a sampler every k steps).
-            shardings: PartitionSpec over the slice's mesh per input or output name
-                (default: replicated).
+            shardings: PartitionSpec over the slice's mesh per input or output name (default: a state
+                read on its own slice, or an output updating one, as the state lies; else replicated).
         """
         resolved: dict[str, Input] = {}
         for arg, src in inputs.items():
