@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint.client.layouts import check_layout, is_sharded, resolve_layout
+from rallypoint.client.layouts import check_layout, is_sharded, resolve_layout, traced_on
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
 from rallypoint.workers.programs import slice_mesh as mesh_over
 from rallypoint.workers.platform import PLATFORMS
@@ -378,7 +378,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
     for st in program.states.values():
         mesh = slice_mesh(program, st.slice)
         try:
-            with jax.set_mesh(mesh):
+            with traced_on(mesh, st.axis_rules):
                 aval = jax.eval_shape(st.init)
         except Exception as exc:  # user code: report it against the state
             raise ProgramError(f"init of state {st.name!r} failed to trace: {type(exc).__name__}: {exc}") from exc
@@ -390,8 +390,9 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
         check_layout(st.name, specs, aval, sl.mesh_axes, {c: sl.mesh_shape_for(c) for c in sl.device_counts()})
         state_specs[st.name] = specs
 
-        def export_init(on: Any, init_flat: Any = init_flat, specs: tuple[Any, ...] = specs) -> Any:
-            with jax.set_mesh(on):  # bare PartitionSpecs in init name this mesh's axes
+        def export_init(on: Any, init_flat: Any = init_flat, specs: tuple[Any, ...] = specs,
+                        rules: Any = st.axis_rules) -> Any:
+            with traced_on(on, rules):  # bare PartitionSpecs in init name this mesh's axes
                 return jax.export.export(jax.jit(init_flat, out_shardings=tuple(_sharding(on, s) for s in specs)),
                                          platforms=targets)()
 
@@ -402,7 +403,8 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             tuple(exported.platforms), specs,
         )
 
-    out_avals: dict[str, dict[str, Any]] = {}
+    rules_of = {st.slice: st.axis_rules for st in reversed(program.states.values()) if st.axis_rules is not None}
+    out_avals: dict[str, dict[str, Any]] = {}  # (a slice's nodes are traced with the axis rules of its states)
     nodes: dict[str, CompiledNode] = {}
     order = program.topo_order()
     m = program.microbatches
@@ -430,7 +432,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             if node.host:
                 result = host_sample(node)
             else:
-                with jax.set_mesh(mesh):
+                with traced_on(mesh, rules_of.get(node.slice)):
                     result = jax.eval_shape(fn, *in_avals)
                 if node.is_source:
                     check_depends_on_step(node, fn, in_avals)
@@ -456,7 +458,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
         if node.host:  # what is exported is its layout: the identity over its outputs, as they lie on the slice
             fn, in_trees, flat_avals = _layout(node, out_trees, out_avals[name])
             in_sh = out_sh
-        with jax.set_mesh(mesh):
+        with traced_on(mesh, rules_of.get(node.slice)):
             exported = jax.export.export(
                 jax.jit(flat_callable(fn, in_trees), in_shardings=in_sh, out_shardings=out_sh), platforms=targets
             )(*flat_avals)
@@ -465,7 +467,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             sh_in, sh_out = _shardings_on(other, layouts)
             sh_in = sh_out if node.host else sh_in
             try:
-                with jax.set_mesh(other):
+                with traced_on(other, rules_of.get(node.slice)):
                     variants[c] = bytes(jax.export.export(jax.jit(flat_callable(fn, in_trees), in_shardings=sh_in,
                                                                   out_shardings=sh_out),
                                                           platforms=targets)(*flat_avals).serialize())

@@ -21,7 +21,9 @@ dimensions, or does not divide a dimension on one of the device counts the slice
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -117,12 +119,12 @@ def apply_rules(state: str, specs: Sequence[PartitionSpec], rules: AxisRules | N
     return [PartitionSpec(*(one(e) for e in s)) for s in specs]
 
 
-def init_layout(init_flat: Callable[..., Any], mesh: Any) -> list[PartitionSpec] | None:
-    """How ``init`` lays out its own leaves on ``mesh`` (compiled once, the slice's mesh set); None when it
-    lays out none of them (every leaf as XLA likes it: the state is replicated)."""
+def init_layout(init_flat: Callable[..., Any], mesh: Any, rules: AxisRules | None = None) -> list[PartitionSpec] | None:
+    """How ``init`` lays out its own leaves on ``mesh`` (compiled once, traced as :func:`traced_on` says); None
+    when it lays out none of them (every leaf as XLA likes it: the state is replicated)."""
     import jax
 
-    with jax.set_mesh(mesh):
+    with traced_on(mesh, rules):
         compiled = jax.jit(init_flat).lower().compile()
     out, any_named = [], False
     for s in compiled.output_shardings:
@@ -135,14 +137,30 @@ def init_layout(init_flat: Callable[..., Any], mesh: Any) -> list[PartitionSpec]
     return out if any_named else None
 
 
-def abstract_mesh(mesh_shape: Sequence[int], mesh_axes: Sequence[str]) -> Any:
-    """A context in which user code is traced as on a slice of this mesh, with no devices needed
-    (``jax.sharding.use_abstract_mesh``): sharding annotations in it name the slice's axes."""
+@contextlib.contextmanager
+def traced_on(mesh: Any, rules: AxisRules | None = None) -> Iterator[None]:
+    """The context user code is traced in for a slice: its mesh set (a ``jax.sharding.Mesh``: ``jax.set_mesh``;
+    an ``AbstractMesh``: ``jax.sharding.use_abstract_mesh``, no devices needed), so sharding annotations name its
+    axes, and, when the job uses Flax and gives ``rules``, Flax's logical axis rules set to them (so NNX variables
+    annotated with logical names are created laid out over the mesh)."""
     import jax
+
+    with contextlib.ExitStack() as stack:
+        if isinstance(mesh, jax.sharding.AbstractMesh):
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+        else:
+            stack.enter_context(jax.set_mesh(mesh))
+        nnx = sys.modules.get("flax.nnx")
+        if rules is not None and nnx is not None and hasattr(nnx, "logical_axis_rules"):
+            stack.enter_context(nnx.logical_axis_rules(list(rules)))
+        yield
+
+
+def abstract_mesh(mesh_shape: Sequence[int], mesh_axes: Sequence[str]) -> Any:
+    """The slice's mesh with no devices (``AxisType.Auto`` axes, as :func:`slice_mesh` makes them)."""
     from jax.sharding import AbstractMesh, AxisType
 
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh(tuple(mesh_shape), tuple(mesh_axes), axis_types=(AxisType.Auto,) * len(mesh_axes)))
+    return AbstractMesh(tuple(mesh_shape), tuple(mesh_axes), axis_types=(AxisType.Auto,) * len(mesh_axes))
 
 
 def _axis_names(entry: Any) -> tuple[str, ...]:
@@ -198,7 +216,7 @@ def resolve_layout(state: str, declared: Any, rules: AxisRules | None, aval: Any
         specs = declared_specs(state, declared, aval)
     else:
         try:
-            found = init_layout(init_flat, mesh)
+            found = init_layout(init_flat, mesh, rules)
         except Exception as exc:  # user code: report it against the state
             raise ProgramError(f"init of state {state!r} failed to compile on its slice's mesh: "
                                f"{type(exc).__name__}: {exc}") from exc

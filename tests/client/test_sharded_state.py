@@ -180,3 +180,22 @@ def test_a_sharding_function_that_fails_is_reported_against_the_state() -> None:
     with pytest.raises(ProgramError, match=re.escape("state 'w': its sharding function failed on the abstract "
                                                      "state: KeyError: 'params'")):
         compile_program(_one_state(broken))
+
+
+def test_logical_axis_names_on_nnx_variables_are_laid_out_by_the_jobs_axis_rules_alone() -> None:
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (8, 16)), out_sharding=("embed", "mlp"))
+            self.b = nnx.Param(jnp.zeros((16,)), out_sharding=("mlp",))
+
+    def init() -> Any:  # Flax's eager sharding maps the names with the rules the job gives (no mesh, no rules here)
+        return nnx.to_pure_dict(nnx.state(Model(nnx.Rngs(0)), nnx.Param))
+
+    def train_step(state: Any, batch: Any) -> Any:
+        return jax.tree_util.tree_map(lambda p: p - 0.1 * jnp.mean(batch["x"]), state), {}
+
+    rules = (("embed", None), ("mlp", "model"))
+    prog = Program.from_step("nnx-rules", init=init, train_step=train_step, steps=2, devices=8,
+                             mesh_axes=("data", "model"), mesh_shape=(2, 4), host_source=False,
+                             source=lambda step, mb: {"x": jnp.ones((8, 8)) * step}, axis_rules=rules)
+    assert compile_program(prog).states["state"].specs == (P("model"), P(None, "model"))
