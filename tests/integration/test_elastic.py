@@ -1,8 +1,9 @@
 """Another device count on a real local cluster: shrink onto fewer devices after a loss, grow back.
 
-The data-parallel example declares its slice ``devices=(2, 4)``: its programs are
-exported for 4 and 2 devices. A loss with no 4-device spare restores the slice onto 2
-devices of a half-used worker (``on_no_spare='shrink'``); once a worker with room for 4
+The FSDP example (its weights and Adam's moments split over the slice's devices) declares its
+slice ``devices=(2, 4)``: its programs, and its state's layout, are exported for 4 and 2 devices.
+A loss with no 4-device spare restores the slice onto 2 devices of a half-used worker
+(``on_no_spare='shrink'``), each leaf split over the 2-device mesh; once a worker with room for 4
 appears, a drain moves it back onto 4. The run then matches the reference within
 :data:`rallypoint.proto.digest.RESHARD_TOLERANCE`, and says so in ``job.finished``.
 """
@@ -36,7 +37,7 @@ def final_leaves(result) -> dict[str, list[np.ndarray]]:  # type: ignore[no-unty
 def test_a_slice_shrinks_onto_fewer_devices_after_a_loss_then_grows_back_within_the_tolerance(
     local_cluster: Callable[..., LocalCluster],
 ) -> None:
-    compiled = compile_program(example("data_parallel").build(steps=STEPS))
+    compiled = compile_program(example("fsdp").build(steps=STEPS))
     reference = ReferenceExecutor(compiled).run()
     lc = local_cluster(workers=1, spares=2, devices_per_worker=4, coordinators=1)
     store = lc.store()
@@ -52,7 +53,8 @@ def test_a_slice_shrinks_onto_fewer_devices_after_a_loss_then_grows_back_within_
                 leases.uncordon("w2")
 
         result, injector = run(lc, compiled, [Fault("dp", "dp", 40)], on_event=on_event, on_no_spare="shrink",
-                               checkpoint_every=10)
+                               checkpoint_every=10, final_state="host")
+        assert isinstance(result.states["params"]["w1"], np.ndarray)  # as asked, not laid out on this process
         rec = result.recovery
         (r,) = rec["recoveries"]
         assert r["moved"] == {"dp": "w1"}
