@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/dispatch.py
 	$(PY) bench/device.py
 	$(PY) bench/lm.py
+	$(PY) bench/sharded.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
 	$(PY) bench/elastic.py

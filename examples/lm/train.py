@@ -3,12 +3,19 @@
     rallypoint run --reference examples/lm/train.py --steps 40          # in process
     LM_VARIANT=pipeline rallypoint run --reference examples/lm/train.py
 
-Two layouts of the same model (model.py), chosen by ``LM_VARIANT``:
+Four layouts of the same model (model.py), chosen by ``LM_VARIANT``:
 
 - ``dp`` (default): one slice of ``LM_DEVICES`` devices (4; it may shrink to 2 and grows
   back) with a "data" mesh axis. A per-step host source reads the step's ``LM_BATCH``
   windows; the train node computes the loss and gradients on the sharded batch (XLA adds
   the cross-device reduction) and applies Adam to the replicated weights.
+- ``fsdp``: the same slice and step, with the weights and Adam's state sharded over
+  "data" (each leaf split along its largest dimension that ``LM_DEVICES`` divides; the
+  scalars and the leaves nothing divides replicated): each device holds about a quarter.
+- ``tp``: one slice of ``LM_DEVICES`` devices as a 2-D mesh ("data", "model") of shape
+  ``(LM_DEVICES / LM_TENSOR, LM_TENSOR)`` ((2, 2); it may shrink to (1, 2)): the MLP and the
+  attention heads split over "model" (Megatron style), every other leaf FSDP over "data"
+  where it divides, the batch over "data".
 - ``pipeline``: two stages of two devices each, batch sharded on "data" inside each stage.
   Stage 0 holds the embeddings and the first half of the blocks, stage 1 the rest and the
   head. Per microbatch: forward on stage 0, loss and backward on stage 1, backward on
@@ -42,13 +49,14 @@ from rallypoint.client import Program, ProgramError, gather
 from rallypoint.client.data import GrainBatches, TokenWindows
 
 DATA = P("data")  # the batch axis over the slice's "data" mesh axis
+VARIANTS = ("dp", "fsdp", "tp", "pipeline")
 
 
 @dataclass(frozen=True)
 class LMConfig:
     """The job's settings; each field ``x`` is read from ``LM_X`` (``LM_D_MODEL``, ``LM_STEPS``, ...)."""
 
-    variant: str = "dp"  # dp | pipeline
+    variant: str = "dp"  # dp | fsdp | tp | pipeline
     steps: int = 100
     layers: int = 2
     d_model: int = 64
@@ -56,7 +64,8 @@ class LMConfig:
     context: int = 64
     batch: int = 16  # sequences per step (all microbatches together)
     microbatches: int = 2  # pipeline: microbatches per step
-    devices: int = 4  # dp: the slice's devices (it may shrink to 2); pipeline: each stage has 2
+    devices: int = 4  # dp, fsdp, tp: the slice's devices (it may shrink to 2); pipeline: each stage has 2
+    tensor: int = 2  # tp: the size of the "model" mesh axis
     lr: float = 3e-3
     seed: int = 0
     data_seed: int = 0
@@ -72,13 +81,21 @@ class LMConfig:
         """The first block of stage 1 (pipeline)."""
         return max(1, self.layers // 2)
 
+    @property
+    def data(self) -> int:
+        """The size of the "data" mesh axis on the slice's most devices (the pipeline: each stage's)."""
+        return {"pipeline": 2, "tp": self.devices // self.tensor}.get(self.variant, self.devices)
+
     def check(self) -> "LMConfig":
-        if self.variant not in ("dp", "pipeline"):
-            raise ProgramError(f"LM_VARIANT must be dp or pipeline, got {self.variant!r}")
+        if self.variant not in VARIANTS:
+            raise ProgramError(f"LM_VARIANT must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         if self.variant == "pipeline" and self.layers < 2:
             raise ProgramError("the pipeline needs LM_LAYERS >= 2 (one block per stage at least)")
+        if self.variant == "tp" and (self.tensor < 1 or self.devices % self.tensor or self.heads % self.tensor):
+            raise ProgramError(f"LM_TENSOR {self.tensor} must divide LM_DEVICES {self.devices} and LM_HEADS "
+                               f"{self.heads} (the tp variant splits the heads over the \"model\" axis)")
         per_mb = self.batch // self.microbatches if self.variant == "pipeline" else self.batch
-        shards = 2 if self.variant == "pipeline" else self.devices
+        shards = self.data
         if self.variant == "pipeline" and self.batch % self.microbatches or per_mb % shards:
             m = self.microbatches if self.variant == "pipeline" else 1
             raise ProgramError(f"LM_BATCH {self.batch} must split into {m} microbatches of a multiple of {shards} "
@@ -114,10 +131,55 @@ def lm_batch(step: int, microbatch: int) -> dict[str, Any]:
     return _batches(cfg.data_dir, cfg.corpus_bytes, cfg.context, cfg.batch // m, m, cfg.data_seed)(step, microbatch)
 
 
-# -- data parallelism: one slice ---------------------------------------------------------------------------
+# -- one slice: data parallel, FSDP, tensor parallel ------------------------------------------------------
+
+# tp: the leaves split over "model", by the end of their path (Megatron: the MLP's hidden units and the
+# attention heads; each device computes its share of them, XLA adds the all-reduce after `down` and `out`).
+TENSOR_PARALLEL = {
+    ("up", "kernel"): P(None, "model"),  # (d, 4d)
+    ("up", "bias"): P("model"),  # (4d,): the hidden units as the kernel splits them
+    ("down", "kernel"): P("model", None),  # (4d, d)
+    **{(qkv, "kernel"): P(None, "model", None) for qkv in ("query", "key", "value")},  # (d, heads, head_dim)
+    **{(qkv, "bias"): P("model", None) for qkv in ("query", "key", "value")},  # (heads, head_dim)
+    ("out", "kernel"): P("model", None, None),  # (heads, head_dim, d)
+}
+
+
+def _names(path: Any) -> tuple[Any, ...]:
+    return tuple(getattr(e, "key", getattr(e, "name", getattr(e, "idx", e))) for e in path)
+
+
+def leaf_spec(cfg: LMConfig, path: tuple[Any, ...], shape: tuple[int, ...]) -> P:
+    """One leaf's layout: in ``tp``, a tensor-parallel leaf by its path's end; otherwise FSDP: split the largest
+    dimension that the "data" axis divides (its size on the most devices: fewer devices divide it too) over
+    "data"; a scalar, or a leaf no dimension of which divides, replicated. ``dp``: everything replicated."""
+    if cfg.variant == "tp":
+        for tail, spec in TENSOR_PARALLEL.items():
+            if path[-len(tail):] == tail:
+                return spec
+    if cfg.variant == "dp" or cfg.data == 1:
+        return P()
+    for dim in sorted(range(len(shape)), key=lambda i: -shape[i]):  # the largest first (the first of equals)
+        if shape[dim] % cfg.data == 0:
+            return P(*(None,) * dim, "data")
+    return P()
+
+
+def state_sharding(cfg: LMConfig) -> Any:
+    """The ``sharding=`` of the weights and of Adam's state: a function of the abstract state. A leaf's spec
+    depends on its path's end and shape only, so Adam's moments (``mu``, ``nu``: the weights' tree under
+    ``ScaleByAdamState``) lie as the weights they follow, and its step count is replicated."""
+    if cfg.variant == "dp":
+        return None
+
+    def specs(aval: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(lambda path, leaf: leaf_spec(cfg, _names(path), leaf.shape), aval)
+
+    return specs
 
 
 def build_dp(cfg: LMConfig) -> Program:
+    """The one-slice variants (``dp``, ``fsdp``, ``tp``): one train node, the state laid out as the variant says."""
     mc, opt = cfg.model, lm.optimizer(cfg.lr)
     last = cfg.layers
 
@@ -133,12 +195,18 @@ def build_dp(cfg: LMConfig) -> Program:
         return {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "loss": loss,
                 "tokens": jnp.float32(targets.size)}
 
-    prog = Program("lm-dp", steps=cfg.steps, checkpoint_every=10)
-    devices = (2, cfg.devices) if cfg.devices > 2 else cfg.devices
-    dp = prog.slice("dp", devices=devices, mesh_axes=("data",))
-    params = prog.state("params", slice=dp, init=init_params)
+    name = cfg.variant
+    prog = Program(f"lm-{name}", steps=cfg.steps, checkpoint_every=10)
+    low = cfg.tensor if name == "tp" else 2  # tp shrinks its "data" axis, down to (1, LM_TENSOR)
+    devices = (low, cfg.devices) if cfg.devices > low else cfg.devices
+    mesh = {"mesh_axes": ("data", "model"), "mesh_shape": (cfg.data, cfg.tensor)} if name == "tp" else \
+        {"mesh_axes": ("data",)}
+    dp = prog.slice(name, devices=devices, **mesh)
+    layout = state_sharding(cfg)
+    params = prog.state("params", slice=dp, init=init_params, sharding=layout)
     # Adam's moments are zeros of the weights' shapes: eval_shape makes no weights (one init less to compile)
-    opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(jax.eval_shape(init_params)))
+    opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(jax.eval_shape(init_params)),
+                           sharding=layout)
     batch = prog.source("batch", lm_batch, slice=dp, per="step", outputs=("inputs", "targets"), host=True,
                         shardings={"inputs": DATA, "targets": DATA})
     step = prog.node("train", train_step, slice=dp,

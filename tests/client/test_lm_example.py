@@ -12,10 +12,7 @@ import pytest
 from rallypoint.client.jobfile import load_program
 from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import run_reference
-
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "lm" / "train.py"
-TINY = {"LM_D_MODEL": "32", "LM_HEADS": "2", "LM_CONTEXT": "16", "LM_BATCH": "8", "LM_LR": "0.01",
-        "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2"}
+from tests.helpers.lm import TINY, TRAIN
 
 
 @pytest.fixture
@@ -68,9 +65,11 @@ def test_prepare_is_idempotent(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("env", "message"), [
-    ({"LM_VARIANT": "tensor"}, "LM_VARIANT must be dp or pipeline"),
+    ({"LM_VARIANT": "tensor"}, "LM_VARIANT must be one of dp, fsdp, tp, pipeline"),
     ({"LM_BATCH": "6", "LM_DEVICES": "4"}, "LM_BATCH 6 must split"),
     ({"LM_VARIANT": "pipeline", "LM_BATCH": "6"}, "LM_BATCH 6 must split"),
+    ({"LM_VARIANT": "tp", "LM_DEVICES": "4", "LM_TENSOR": "3"}, "LM_TENSOR 3 must divide"),
+    ({"LM_VARIANT": "tp", "LM_DEVICES": "4", "LM_BATCH": "3"}, "LM_BATCH 3 must split"),
 ])
 def test_a_bad_setting_names_its_variable(env: dict[str, str], message: str, tiny: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
