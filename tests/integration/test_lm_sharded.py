@@ -1,14 +1,15 @@
-"""The LM example's sharded variants on a real local cluster: a kill, then a shrink, per variant.
+"""The LM example's sharded variants on a real local cluster: ``fsdp`` through a kill, ``tp`` through a shrink.
 
 ``fsdp`` (weights and Adam's state split over "data") and ``tp`` (the MLP and the heads over
-"model" of a (2, 2) mesh, the rest over "data"), tiny, on one cluster each of three workers of
-4 devices. First a SIGKILL of the slice's worker: the slice comes back on a spare of 4 devices
-from its sharded checkpoint, replays, and ends bitwise equal to the in-process reference of
-the same sharded programs. Then a second run of the job with a kill and no 4-device spare left
-(``on_no_spare='shrink'``): the slice restores onto 2 devices (fsdp: 2-way "data"; tp: mesh
-(1, 2)) in the shrunk mesh's layouts, ends bitwise equal to the 2-device programs run in process,
-and within the reshard tolerance of the 4-device reference (``exact: false``), all but the
-attention key biases, which Adam drives with rounding noise (tests/helpers/lm.py).
+"model" of a (2, 2) mesh, the rest over "data"), tiny, on one cluster of three workers of 4
+devices. First ``fsdp`` with a SIGKILL of the slice's worker: the slice comes back on a spare of
+4 devices from its sharded checkpoint, replays, and ends bitwise equal to the in-process reference
+of the same sharded programs. Then ``tp`` with a kill and no 4-device spare left
+(``on_no_spare='shrink'``): the slice restores onto 2 devices (mesh (1, 2)) in the shrunk mesh's
+layouts, ends bitwise equal to the 2-device programs run in process, and within the reshard
+tolerance of the 4-device reference (``exact: false``), all but the attention key biases, which
+Adam drives with rounding noise (tests/helpers/lm.py). (Each variant's layouts, and the other's
+moves, are the same code paths: tests/client/test_lm_sharded.py checks both layouts.)
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ devices moves a weight by up to the rate; at the example's 3e-3 (or the tiny tes
 run that shrank at step 0 end further from the 4-device run than the reshard tolerance; at 3e-4 none does."""
 
 
-@pytest.mark.parametrize("variant", ["fsdp", "tp"])
-def test_a_sharded_lm_recovers_bitwise_from_a_kill_and_within_the_tolerance_from_a_shrink(
-    variant: str, local_cluster: Callable[..., LocalCluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_fsdp_lm_recovers_bitwise_from_a_kill_and_the_tp_lm_within_the_tolerance_from_a_shrink(
+    local_cluster: Callable[..., LocalCluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    variant = "fsdp"
     tiny_lm(monkeypatch, tmp_path / "lm-data", variant=variant, devices="4", lr=str(LR))  # the workers see them too
     compiled = compile_program(load_program(TRAIN, steps=STEPS))
     assert all(st.sharded for st in compiled.states.values())
@@ -56,8 +57,14 @@ def test_a_sharded_lm_recovers_bitwise_from_a_kill_and_within_the_tolerance_from
     loss = [m["loss"] for m in result.metrics]
     assert len(loss) == STEPS and loss[-1] < loss[0], loss
 
-    # A shrink: the job again (a new run), with 2 of the spare's 4 devices taken, so the kill leaves no room for 4.
-    # No checkpoint before the kill: the slice restores from the inits onto 2 devices and runs every step there.
+    # A shrink: the tp job, with 2 of the spare's 4 devices taken, so the kill leaves no room for 4. No checkpoint
+    # before the kill: the slice restores from the inits onto 2 devices and runs every step there. (The workers'
+    # host source reads the same batches for either variant.)
+    variant = "tp"
+    monkeypatch.setenv("LM_VARIANT", variant)
+    compiled = compile_program(load_program(TRAIN, steps=STEPS))
+    assert all(st.sharded for st in compiled.states.values())
+    reference = ReferenceExecutor(compiled).run()
     up = sorted(snapshot(lc).workers)
     assert len(up) == 2, up
     store = lc.store()
@@ -65,7 +72,7 @@ def test_a_sharded_lm_recovers_bitwise_from_a_kill_and_within_the_tolerance_from
     try:
         assert leases.lease("blocker", "b", up[1], [0, 1]) is not None
         result, injector = run(lc, compiled, [Fault(variant, variant, KILL_AT)], checkpoint_every=STEPS,
-                               on_no_spare="shrink", new_run=True)
+                               on_no_spare="shrink")
     finally:
         leases.release("blocker")
         store.close()
