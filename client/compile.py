@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint.client.layouts import check_layout, is_sharded, resolve_layout, traced_on
+from rallypoint.client.layouts import check_layout, check_rules, is_sharded, resolve_layout, traced_on
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
 from rallypoint.workers.programs import slice_mesh as mesh_over
 from rallypoint.workers.platform import PLATFORMS
@@ -377,21 +377,22 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
     states: dict[str, CompiledState] = {}
     for st in program.states.values():
         mesh = slice_mesh(program, st.slice)
+        rules = check_rules(st.name, st.axis_rules)
         try:
-            with traced_on(mesh, st.axis_rules):
+            with traced_on(mesh, rules):
                 aval = jax.eval_shape(st.init)
         except Exception as exc:  # user code: report it against the state
             raise ProgramError(f"init of state {st.name!r} failed to trace: {type(exc).__name__}: {exc}") from exc
         state_avals[st.name] = aval
         tree = jax.tree_util.tree_structure(aval)
         init_flat = flat_callable(lambda init=st.init: (init(),), [])
-        specs = tuple(resolve_layout(st.name, st.sharding, st.axis_rules, aval, init_flat, mesh))
+        specs = tuple(resolve_layout(st.name, st.sharding, rules, aval, init_flat, mesh))
         sl = program.slices[st.slice]
         check_layout(st.name, specs, aval, sl.mesh_axes, {c: sl.mesh_shape_for(c) for c in sl.device_counts()})
         state_specs[st.name] = specs
 
         def export_init(on: Any, init_flat: Any = init_flat, specs: tuple[Any, ...] = specs,
-                        rules: Any = st.axis_rules) -> Any:
+                        rules: Any = rules) -> Any:
             with traced_on(on, rules):  # bare PartitionSpecs in init name this mesh's axes
                 return jax.export.export(jax.jit(init_flat, out_shardings=tuple(_sharding(on, s) for s in specs)),
                                          platforms=targets)()
@@ -403,7 +404,8 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             tuple(exported.platforms), specs,
         )
 
-    rules_of = {st.slice: st.axis_rules for st in reversed(program.states.values()) if st.axis_rules is not None}
+    rules_of = {st.slice: check_rules(st.name, st.axis_rules) for st in reversed(program.states.values())
+                if st.axis_rules is not None}
     out_avals: dict[str, dict[str, Any]] = {}  # (a slice's nodes are traced with the axis rules of its states)
     nodes: dict[str, CompiledNode] = {}
     order = program.topo_order()

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client.errors import ProgramError
-from rallypoint.client.layouts import abstract_mesh, traced_on
+from rallypoint.client.layouts import abstract_mesh, check_rules, traced_on
 from rallypoint.etcd.keys import check_name
 
 SLICE, STATE, SOURCE, NODE = "main", "state", "batch", "step"
@@ -90,7 +90,8 @@ def from_step(
     prog = cls(name, steps=steps, checkpoint_every=checkpoint_every)
     where = f"Program.from_step {name!r}"
     sl = prog.slice(SLICE, devices, mesh_axes=tuple(mesh_axes), mesh_shape=mesh_shape)
-    with traced_on(abstract_mesh(prog.slices[sl].mesh_shape, prog.slices[sl].mesh_axes), axis_rules):  # as compile
+    rules = check_rules(STATE, axis_rules)
+    with traced_on(abstract_mesh(prog.slices[sl].mesh_shape, prog.slices[sl].mesh_axes), rules):  # as compile
         state_aval = _trace(where, "init()", init)
         batch_aval = _sample_host(where, source) if host_source else _trace_source(where, source)
         keys = _batch_keys(where, batch_aval)

@@ -75,10 +75,10 @@ def declared_specs(state: str, declared: Any, aval: Any) -> list[PartitionSpec]:
     if _is_spec(declared):
         return [declared or PartitionSpec() for _ in flat]
     given = jax.tree_util.tree_flatten_with_path(declared, is_leaf=_is_spec)[0]
-    bad = [jax.tree_util.keystr(p) for p, s in given if not _is_spec(s)]
-    if bad:
-        raise ProgramError(f"{where}: sharding must hold PartitionSpecs (or None), but {bad[0]} is "
-                           f"{type(dict(given)[next(p for p, s in given if not _is_spec(s))]).__name__}")
+    bad = next(((p, s) for p, s in given if not _is_spec(s)), None)
+    if bad is not None:
+        raise ProgramError(f"{where}: sharding must hold PartitionSpecs (or None), but {jax.tree_util.keystr(bad[0])} "
+                           f"is {type(bad[1]).__name__}")
     specs = {_path(p): s for p, s in given}
     used: set[tuple[str, ...]] = set()
     out: list[PartitionSpec] = []
@@ -97,17 +97,31 @@ def declared_specs(state: str, declared: Any, aval: Any) -> list[PartitionSpec]:
     return out
 
 
-def apply_rules(state: str, specs: Sequence[PartitionSpec], rules: AxisRules | None) -> list[PartitionSpec]:
-    """``specs`` with logical axis names replaced by mesh axes as ``rules`` say (None: unchanged)."""
+def check_rules(state: str, rules: Any) -> tuple[tuple[str, str | None], ...] | None:
+    """``rules`` as a tuple of (logical name, mesh axis or None) pairs (None: none given).
+
+    Raises:
+        ProgramError: anything else, naming the state.
+    """
     if rules is None:
+        return None
+    ok = not isinstance(rules, str | bytes | Mapping) and isinstance(rules, Sequence) and all(
+        isinstance(r, tuple | list) and len(r) == 2 and isinstance(r[0], str) and (r[1] is None or isinstance(r[1], str))
+        for r in rules)
+    if not ok:
+        raise ProgramError(f"state {state!r}: axis_rules must be a sequence of (logical name, mesh axis or None) "
+                           f"pairs, such as [('embed', None), ('mlp', 'model')]; got {rules!r}")
+    return tuple((str(a), b) for a, b in rules)
+
+
+def apply_rules(state: str, specs: Sequence[PartitionSpec], rules: Any) -> list[PartitionSpec]:
+    """``specs`` with logical axis names replaced by mesh axes as ``rules`` say (None: unchanged)."""
+    checked = check_rules(state, rules)
+    if checked is None:
         return list(specs)
     table: dict[str, str | None] = {}
-    for rule in rules:
-        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)
-                and (rule[1] is None or isinstance(rule[1], str))):
-            raise ProgramError(f"state {state!r}: axis_rules must be (logical name, mesh axis or None) pairs, "
-                               f"got {rule!r}")
-        table.setdefault(rule[0], rule[1])  # the first rule for a name wins, as in Flax
+    for logical, axis in checked:
+        table.setdefault(logical, axis)  # the first rule for a name wins, as in Flax
 
     def one(entry: Any) -> Any:
         if entry is None:

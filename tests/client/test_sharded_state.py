@@ -199,3 +199,17 @@ def test_logical_axis_names_on_nnx_variables_are_laid_out_by_the_jobs_axis_rules
                              mesh_axes=("data", "model"), mesh_shape=(2, 4), host_source=False,
                              source=lambda step, mb: {"x": jnp.ones((8, 8)) * step}, axis_rules=rules)
     assert compile_program(prog).states["state"].specs == (P("model"), P(None, "model"))
+
+
+@pytest.mark.parametrize("rules", ["embed", [("embed",)], [("embed", 3)], {"embed": "data"}])
+def test_axis_rules_that_are_not_name_pairs_are_refused_before_anything_is_traced(rules: Any) -> None:
+    traced: list[int] = []
+
+    def init() -> Any:
+        traced.append(1)
+        return jnp.ones((8,))
+
+    with pytest.raises(ProgramError, match=re.escape("state 'w': axis_rules must be a sequence of (logical name, "
+                                                     "mesh axis or None) pairs")):
+        compile_program(_one_state(P("data"), init=init, axis_rules=rules))
+    assert not traced
