@@ -213,3 +213,20 @@ def test_axis_rules_that_are_not_name_pairs_are_refused_before_anything_is_trace
                                                      "mesh axis or None) pairs")):
         compile_program(_one_state(P("data"), init=init, axis_rules=rules))
     assert not traced
+
+
+def test_a_final_state_comes_back_laid_out_as_it_was_and_a_bad_final_state_option_is_refused_before_submitting(
+) -> None:
+    from rallypoint.client.submission import _laid_out, submit
+
+    compiled = compile_program(fsdp.build(steps=2))
+    host = {name: jax.tree_util.tree_map(np.asarray, ReferenceExecutor(compiled).initial_state()[name])
+            for name in compiled.states}
+    laid = _laid_out(compiled, host)
+    assert laid["params"]["w1"].sharding.spec == P(None, "data")
+    assert set(per_device_bytes(laid["params"]).values()) == {(16 * 64 + 64) * 4 // 4}
+    np.testing.assert_array_equal(np.asarray(laid["params"]["w1"]), host["params"]["w1"])
+    replicated = compile_program(fsdp.build(steps=2, sharded=False))
+    assert _laid_out(replicated, host)["params"] is host["params"]  # a replicated state stays host arrays
+    with pytest.raises(ValueError, match="final_state must be 'sharded' or 'host', got 'gathered'"):
+        submit(compiled, endpoints=["127.0.0.1:1"], cluster="c", final_state="gathered")
