@@ -27,10 +27,13 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_CHAOS_ONLY = ("soak", "multihost", "multihost-kill",  # multihost-shrink here
-                   # each also held in make test elsewhere: a drain of each pipeline stage (integration/test_drain.py)
-                   # and a drain in the fsdp scenario; a stopped worker's new incarnation (integration/test_liveness.py)
-                   # and the hangs of the fsdp, stateless-eval and campaign-short scenarios
-                   "drain-worker", "hang-worker")
+                   # each also held in make test elsewhere (docs/chaos.md says where):
+                   "drain-worker",  # integration/test_drain.py drains each stage; the fsdp scenario drains
+                   "hang-worker",  # integration/test_liveness.py; the hangs of fsdp, stateless-eval, campaign-short
+                   "preempt-worker",  # integration/test_drain.py's SIGTERM with and without time to drain
+                   "leader-hang",  # integration/test_adoption.py and test_leader_ha.py; campaign-short's leader hangs
+                   "no-spare",  # integration/test_recovery.py's no-spare failures
+                   "truncate-checkpoint")  # the corrupt-checkpoint scenario; integration/test_recovery.py
 NAMES = sorted(p.stem for p in (ROOT / "scenarios").glob("*.toml")  # campaigns vary by seed: test_campaign.py
                if p.stem not in MAKE_CHAOS_ONLY and not p.stem.startswith("campaign"))
 

@@ -29,6 +29,9 @@ from tests.examples import example
 STEPS = 24
 EVERY = 5
 SLICES = ("stage0", "stage1", "stage2", "stage3")
+EACH_KIND_OF_SLICE = ("stage0", "stage1", "stage3")
+"""A slice of each kind the pipeline has: the first (the source's), a middle one, the last (the loss's). stage2
+takes stage1's paths (a producer upstream, a consumer downstream); a test run per slice skips it."""
 
 
 def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:

@@ -26,7 +26,7 @@ from rallypoint.workers.faults import WorkerFaults
 from tests.conftest import wait_until
 from tests.examples import example
 from tests.helpers.cli import ROOT, rp
-from tests.helpers.cluster import SLICES, STEPS, assert_settled, cluster_args, run, snapshot
+from tests.helpers.cluster import EACH_KIND_OF_SLICE, STEPS, assert_settled, cluster_args, run, snapshot
 
 
 def assert_no_replay(result: Any) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def assert_no_replay(result: Any) -> dict[str, Any]:
     return d
 
 
-@pytest.mark.parametrize("victim", SLICES)
+@pytest.mark.parametrize("victim", EACH_KIND_OF_SLICE)
 def test_draining_the_worker_of_each_slice_moves_it_with_nothing_replayed_and_ends_bitwise_equal(
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
 ) -> None:

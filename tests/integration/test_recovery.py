@@ -34,10 +34,10 @@ from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.faults import WorkerFaults
 from tests.helpers.checkpoints import largest_file
 from tests.helpers.cli import rp
-from tests.helpers.cluster import EVERY, SLICES, STEPS, assert_settled, nodes_of, run
+from tests.helpers.cluster import EACH_KIND_OF_SLICE, EVERY, SLICES, STEPS, assert_settled, nodes_of, run
 
 
-@pytest.mark.parametrize("victim", SLICES)
+@pytest.mark.parametrize("victim", EACH_KIND_OF_SLICE)
 def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_and_replays_only_that_slice(
     local_cluster: Callable[..., LocalCluster], pipeline: tuple[CompiledProgram, str], victim: str,
 ) -> None:
