@@ -33,7 +33,9 @@ MAKE_CHAOS_ONLY = ("soak", "multihost", "multihost-kill",  # multihost-shrink he
                    "preempt-worker",  # integration/test_drain.py's SIGTERM with and without time to drain
                    "leader-hang",  # integration/test_adoption.py and test_leader_ha.py; campaign-short's leader hangs
                    "no-spare",  # integration/test_recovery.py's no-spare failures
-                   "truncate-checkpoint")  # the corrupt-checkpoint scenario; integration/test_recovery.py
+                   "truncate-checkpoint",  # the corrupt-checkpoint scenario; integration/test_recovery.py
+                   "leader-kill",  # integration/test_adoption.py; the leader kills of suspend-resume, campaign-short
+                   "partition-worker")  # the partitions of stateless-eval and campaign-short
 NAMES = sorted(p.stem for p in (ROOT / "scenarios").glob("*.toml")  # campaigns vary by seed: test_campaign.py
                if p.stem not in MAKE_CHAOS_ONLY and not p.stem.startswith("campaign"))
 
