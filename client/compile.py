@@ -374,10 +374,13 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
 
     state_avals: dict[str, Any] = {}
     state_specs: dict[str, tuple[Any, ...]] = {}
+    rules_of: dict[str, Any] = {}
     states: dict[str, CompiledState] = {}
     for st in program.states.values():
         mesh = slice_mesh(program, st.slice)
         rules = check_rules(st.name, st.axis_rules)
+        if rules is not None:  # a slice's nodes are traced with the axis rules of its first state that has some
+            rules_of.setdefault(st.slice, rules)
         try:
             with traced_on(mesh, rules):
                 aval = jax.eval_shape(st.init)
@@ -404,9 +407,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             tuple(exported.platforms), specs,
         )
 
-    rules_of = {st.slice: check_rules(st.name, st.axis_rules) for st in reversed(program.states.values())
-                if st.axis_rules is not None}
-    out_avals: dict[str, dict[str, Any]] = {}  # (a slice's nodes are traced with the axis rules of its states)
+    out_avals: dict[str, dict[str, Any]] = {}
     nodes: dict[str, CompiledNode] = {}
     order = program.topo_order()
     m = program.microbatches

@@ -10,7 +10,6 @@ by ``compile_program`` and by ``rallypoint run``, naming the state, the leaf and
 from __future__ import annotations
 
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +28,10 @@ from rallypoint.client.compile import compile_program, slice_mesh
 from rallypoint.client.reference import run_reference, state_digest, to_host
 from rallypoint.workers.programs import load_exported
 from tests.examples import EXAMPLES, example
+from tests.helpers.sharding import per_device_bytes
 
 ex = example("flax_fsdp")
 make_batch = ex.make_batch  # the host source, found by its module-level name in the file that builds the program
-
-
-def per_device_bytes(leaves: list[Any]) -> dict[int, int]:
-    """Bytes each device holds of ``leaves`` (every addressable shard counted on its device)."""
-    held: Counter[int] = Counter()
-    for leaf in leaves:
-        for shard in leaf.addressable_shards:
-            held[shard.device.id] += shard.data.nbytes
-    return dict(held)
 
 
 def plain_flax(mesh: Any) -> list[Any]:

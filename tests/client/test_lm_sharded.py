@@ -7,7 +7,6 @@ where each device holds about a quarter of the FSDP state against all of the rep
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ from rallypoint.client.compile import CompiledProgram, compile_program, slice_me
 from rallypoint.client.jobfile import load_program
 from rallypoint.workers.programs import load_exported
 from tests.helpers.lm import TRAIN, tiny_lm
+from tests.helpers.sharding import per_device_bytes
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +48,11 @@ def adam_moments(compiled: CompiledProgram) -> dict[str, dict[str, P]]:
     return out
 
 
-def per_device_bytes(compiled: CompiledProgram) -> tuple[int, dict[Any, int]]:
+def state_bytes(compiled: CompiledProgram) -> tuple[int, dict[Any, int]]:
     """The states' total bytes, and each device's bytes, from the exported inits run on the slice's mesh."""
-    total, held = 0, defaultdict(int)
-    for st in compiled.states.values():
-        mesh = slice_mesh(compiled.program, st.slice)
-        for leaf in load_exported(st.exported_init, mesh)():
-            total += leaf.nbytes
-            for shard in leaf.addressable_shards:
-                held[shard.device] += shard.data.nbytes
-    return total, dict(held)
+    leaves = [leaf for st in compiled.states.values()
+              for leaf in load_exported(st.exported_init, slice_mesh(compiled.program, st.slice))()]
+    return sum(int(leaf.nbytes) for leaf in leaves), per_device_bytes(leaves)
 
 
 def test_fsdp_splits_every_weight_and_adam_moment_over_data_along_its_largest_dimension(
@@ -104,12 +99,12 @@ def test_tp_splits_the_mlp_and_the_heads_over_model_and_the_rest_over_data(lm: d
 def test_the_fsdp_state_is_born_sharded_a_quarter_per_device_against_all_of_it_replicated(
     lm: dict[str, CompiledProgram],
 ) -> None:
-    total, dp = per_device_bytes(lm["dp"])
+    total, dp = state_bytes(lm["dp"])
     assert len(dp) == 4 and all(b == total for b in dp.values())  # every device holds all of it
-    fsdp_total, fsdp = per_device_bytes(lm["fsdp"])
+    fsdp_total, fsdp = state_bytes(lm["fsdp"])
     assert fsdp_total == total and len(fsdp) == 4
     scalars = 4  # Adam's step count (int32), replicated: nothing else is
     assert all(b == (total - scalars) // 4 + scalars for b in fsdp.values()), (total, fsdp)
     # tp on (2, 2): every leaf but the count is split in two, over "model" or over "data"
-    tp_total, tp = per_device_bytes(lm["tp"])
+    tp_total, tp = state_bytes(lm["tp"])
     assert tp_total == total and all(b == (total - scalars) // 2 + scalars for b in tp.values()), (total, tp)

@@ -23,18 +23,11 @@ from rallypoint.client.program import Program, ProgramError
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.workers.programs import load_exported
 from tests.examples import example
+from tests.helpers.sharding import per_device_bytes
 
 ensure_host_devices(4)
 fsdp = example("fsdp")
 
-
-def per_device_bytes(leaves: Any) -> dict[Any, int]:
-    """Bytes each device holds of ``leaves`` (jax.Arrays), from their addressable shards."""
-    held: dict[Any, int] = {}
-    for x in jax.tree_util.tree_leaves(leaves):
-        for s in x.addressable_shards:
-            held[s.device] = held.get(s.device, 0) + int(s.data.nbytes)
-    return held
 
 
 def _one_state(sharding: Any = None, *, init: Any = None, devices: Any = 4, axes: tuple[str, ...] = ("data",),
