@@ -1,21 +1,19 @@
 """The checks of a :class:`~rallypoint.client.program.Program` that need its whole graph: the order of
 its nodes within a step (:func:`topo_order`), its edges and state producers (:func:`validate`) and
-whether it fits a cluster's shape (:func:`validate_for_cluster`). Each raises
+whether it fits a cluster's shape (:func:`validate_for_cluster`). Each takes the program
+(typed ``Any``: this module sits below ``program.py``) and raises
 :class:`~rallypoint.client.errors.ProgramError` naming the node, edge or slice at fault.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rallypoint.client.errors import ProgramError
 from rallypoint.client.refs import Gathered, Ref, StateRef
 
-if TYPE_CHECKING:
-    from rallypoint.client.program import Program
 
-
-def topo_order(prog: Program) -> list[str]:
+def topo_order(prog: Any) -> list[str]:
     """Nodes in an order where every within-step edge points forward."""
     deps = {n: sorted(_within_step_deps(prog, n)) for n in prog.nodes}
     order: list[str] = []
@@ -39,7 +37,7 @@ def topo_order(prog: Program) -> list[str]:
     return order
 
 
-def _within_step_deps(prog: Program, node: str) -> set[str]:
+def _within_step_deps(prog: Any, node: str) -> set[str]:
     out = set()
     for src in prog.nodes[node].inputs.values():
         if isinstance(src, Ref):
@@ -49,7 +47,7 @@ def _within_step_deps(prog: Program, node: str) -> set[str]:
     return out
 
 
-def validate(prog: Program) -> None:
+def validate(prog: Any) -> None:
     """Structural checks that need the whole graph. Raises :class:`ProgramError`."""
     if not prog.nodes:
         raise ProgramError(f"program {prog.name!r} has no nodes")
@@ -98,7 +96,7 @@ def validate(prog: Program) -> None:
     topo_order(prog)
 
 
-def validate_for_cluster(prog: Program, *, workers: int, devices_per_worker: int) -> None:
+def validate_for_cluster(prog: Any, *, workers: int, devices_per_worker: int) -> None:
     """Checks against a cluster shape: each slice must fit one worker, or (a fixed device count larger than
     any worker) a gang of workers with equal shares (docs/multihost.md); the job must fit the cluster."""
     k = devices_per_worker
