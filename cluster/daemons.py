@@ -10,9 +10,11 @@ service manager does on real hosts).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -137,8 +139,9 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
 
 @main.command()
 @_daemon_options
-@click.option("--checkpoint-dir", default="", help="Where jobs keep checkpoints unless they name a directory "
-              "(shared by every worker; empty: such jobs run without checkpoints).")
+@click.option("--checkpoint-dir", default=None, help="Where jobs keep checkpoints unless they name a directory (shared "
+              "by every worker). Default: STATE_DIR/checkpoints (RALLYPOINT_STATE_DIR, default .rallypoint); empty: "
+              "none, and jobs with states are refused.")
 @click.option("--keep-runs", type=click.IntRange(min=0), default=0, show_default=True,
               help="When a new run of a job name starts (--new-run), keep this many of its earlier runs and delete "
               "older ones (0: keep all; `rallypoint delete-run` deletes one by hand).")
@@ -166,7 +169,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
 @click.option("--test-finish-gate", default="", hidden=True,
               help="Fault hook for tests: a job entering FINISHING writes JOB.finishing in this directory and fetches "
                    "its final state once JOB.go is there.")
-def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str,
+def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, checkpoint_dir: str | None,
                 keep_runs: int, keep_history_s: float, host: str, suspect_after_s: float, metrics_port: int | None,
                 dashboard_host: str,
                 dashboard_port: int, max_watchers: int, test_skip_replay: bool, test_finish_gate: str) -> None:
@@ -177,6 +180,8 @@ def coordinator(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecu
     from rallypoint.orchestrator.service.jobs import serve_jobs
 
     configure_logs()
+    if checkpoint_dir is None:  # under the state directory, as `rallypoint up` gives its coordinators
+        checkpoint_dir = str((Path(os.environ.get("RALLYPOINT_STATE_DIR") or ".rallypoint") / "checkpoints").absolute())
     name, endpoints = parse_cluster(cluster)
     hooks = ExecutorHooks(skip_replay=test_skip_replay, finish_gate=test_finish_gate)
     tls = tls_from_options(tls_dir, insecure, ident, "coordinator")

@@ -50,6 +50,7 @@ from rallypoint.basics.tls import TlsConfig
 from rallypoint.cluster import local_security as security
 from rallypoint.cluster.local_config import (DEFAULT_HOST, NETWORKS, LocalClusterConfig, WorkerNetwork,
                                             WorkerNetworkHook)
+from rallypoint.cluster.local_devices import plan_devices
 from rallypoint.cluster.local_state import STATE_FILE, read_state, state_file, write_state
 from rallypoint.cluster.processes import (ProcessRecord, RestartPolicy, Supervisor, is_running, log_tail,
                                           process_start_time, stop_process)
@@ -158,7 +159,7 @@ class LocalCluster:
         base += ["--tls-dir", str(self.tls_dir)] if self.config.tls else ["--insecure"]
         base += ["--metrics-port", "0"] if self.config.metrics else []  # docs/metrics.md
         if role == "worker":
-            base += ["--devices", str(self.config.devices_per_worker), "--platform", "cpu",  # K CPU devices
+            base += ["--devices", str(self.config.devices_per_worker), "--platform", self.config.platform,
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
             base += net.args() if net is not None else []
             if self.compile_cache_dir is not None:
@@ -201,7 +202,19 @@ class LocalCluster:
     @property
     def checkpoint_dir(self) -> Path:
         """Where this cluster's jobs keep checkpoints (kept across ``down`` and ``up``)."""
+        if self.config.checkpoint_dir:
+            return Path(self.config.checkpoint_dir).absolute()
         return (self.config.state_dir / "checkpoints").absolute()
+
+    def worker_env(self, name: str) -> dict[str, str] | None:
+        """What worker ``name`` (``w<i>``) is started with beside this process's environment: its share of the host's
+        devices on a GPU host (:func:`~rallypoint.cluster.local_devices.plan_devices`); None on cpu."""
+        if self.config.platform == "cpu" or not name[1:].isdigit():
+            return None
+        plan = plan_devices(self.config.platform, processes=self.config.workers + self.config.spares,
+                            devices_per_worker=self.config.devices_per_worker, host_devices=self.config.host_devices)
+        i = int(name[1:])
+        return dict(plan.env[i]) if i < len(plan.env) else None  # a worker added later shares the devices
 
     @property
     def compile_cache_dir(self) -> Path | None:
@@ -215,6 +228,8 @@ class LocalCluster:
         """Start one coordinator or worker process and record it."""
         log_path = self.config.state_dir / "logs" / f"{name}.log"
         net = self._place(name) if role == "worker" else None
+        if role == "worker" and extra_env is None:
+            extra_env = self.worker_env(name)
         if self.config.tls:
             security.issue_process(self.tls_dir, name, role=role, host=self.config.host, cluster=self.config.cluster,
                                    net=net)

@@ -17,6 +17,7 @@ from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
+from rallypoint.workers.platform import PLATFORM_CHOICES, check_platform
 
 NETWORKS = ("loopback", "netns", "proxy")
 DEFAULT_HOST = "127.0.0.1"
@@ -66,6 +67,13 @@ class LocalClusterConfig:
             expects it to stay dead unless it asks for supervision.
         member_pool: gang member processes each worker keeps started ahead (``--member-pool``),
             so that a multi-host slice's group forms faster (docs/multihost.md); 0: none.
+        checkpoint_dir: the coordinators' checkpoint root (``--checkpoint-dir``); None puts it at
+            ``<state_dir>/checkpoints`` (kept across ``down`` and ``up``). The embedded ``rallypoint run``
+            gives ``<RALLYPOINT_STATE_DIR>/runs``, so its runs outlive its cluster.
+        platform: the workers' JAX platform (``--platform``: cpu, cuda, rocm, tpu, gpu); on a GPU
+            host the workers split its devices (:mod:`rallypoint.cluster.local_devices`).
+        host_devices: the host's devices of ``platform`` (asked once, by ``rallypoint up`` or ``run``,
+            through :func:`~rallypoint.cluster.local_devices.host_device_count`); 0 on cpu.
     """
 
     state_dir: Path
@@ -87,9 +95,14 @@ class LocalClusterConfig:
     metrics: bool = True
     supervise: bool = False
     member_pool: int = 0
+    checkpoint_dir: Path | None = None
+    platform: str = "cpu"
+    host_devices: int = 0
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)
+        if not check_platform(self.platform):
+            raise ConfigError(f"--platform must name a platform ({', '.join(PLATFORM_CHOICES)}), got {self.platform!r}")
         if self.network not in NETWORKS:
             raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
         try:

@@ -46,9 +46,16 @@ matplotlib.use("Agg")
 import matplotlib.font_manager  # noqa: E402,F401  (builds the font cache: fc-list runs here)
 
 
+# Where the CLI keeps what it is not told to put elsewhere (RALLYPOINT_STATE_DIR: the runs an embedded `rallypoint
+# run` keeps, STATE_DIR/runs): a temporary directory of the session's, not the checkout's .rallypoint/.
+STATE_DIR = Path(tempfile.mkdtemp(prefix="rallypoint-tests-state-"))
+os.environ.setdefault("RALLYPOINT_STATE_DIR", str(STATE_DIR))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(JAX_CACHE, ignore_errors=True)
     shutil.rmtree(MPL_CONFIG, ignore_errors=True)
+    shutil.rmtree(STATE_DIR, ignore_errors=True)
 
 
 # A worker in a network namespace of its own (the chaos netns partitions: tests/chaos, the gang's netns test in

@@ -278,7 +278,7 @@ class FakeWorkers(JobWorkers):
                             self.events.put(("done", (w, gen, pb.InstanceDone(node=n.name, step=s, microbatch=mb,
                                                                               compute_s=0.01))))
                 self._ran[w] = s + 1
-                if (s + 1) % self._every == 0 and (s + 1) < self.spec.steps:
+                if (s + 1) % self._every == 0 or (s + 1) == self.spec.steps:  # the schedule, and the final cut
                     for sl in self._slices[w]:
                         if self.store is not None and self.keys is not None:  # the worker commits, then reports
                             c = CheckpointCommit(self.job, sl, s + 1, f"/ck/{sl}/{s + 1}", "sum")

@@ -79,7 +79,11 @@ def main() -> None:
 @main.command()
 @click.option("--workers", type=int, default=2, show_default=True, help="Workers for job slices.")
 @click.option("--spares", type=int, default=1, show_default=True, help="Extra workers kept free for recovery.")
-@click.option("--devices-per-worker", type=int, default=2, show_default=True, help="JAX CPU devices per worker.")
+@click.option("--devices-per-worker", type=click.IntRange(min=1), default=None,
+              help="Devices per worker (default: 2 on cpu; on a GPU host its devices split among the workers).")
+@click.option("--platform", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda", "rocm", "tpu", "gpu"]),
+              help="The workers' JAX platform: cpu makes K CPU devices per worker; on cuda or rocm the workers take "
+              "the host's GPUs (docs/platforms.md).")
 @click.option("--coordinators", type=int, default=2, show_default=True, help="Coordinator processes (one leads).")
 @click.option("--etcd-members", type=click.Choice(["1", "3"]), default="1", show_default=True)
 @click.option("--lease-ttl-s", type=int, default=2, show_default=True, help="Worker and leader lease TTL.")
@@ -89,22 +93,25 @@ def main() -> None:
 @click.option("--insecure", is_flag=True, help="No TLS and no etcd auth: plain TCP everywhere (docs/security.md).")
 @click.option("--no-supervise", is_flag=True, help="Do not restart coordinators and workers that die (by default a "
               "supervise daemon restarts them with backoff, as systemd or Kubernetes would; docs/operations.md).")
-def up(workers: int, spares: int, devices_per_worker: int, coordinators: int, etcd_members: str,
+def up(workers: int, spares: int, devices_per_worker: int | None, platform: str, coordinators: int, etcd_members: str,
        lease_ttl_s: int, cluster_name: str, state_dir: Path, insecure: bool, no_supervise: bool) -> None:
     """Start a local cluster in the background (etcd, coordinators, workers)."""
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
+    from rallypoint.cluster.local_devices import local_plan
 
+    plan, host_devices = local_plan(platform, processes=workers + spares, devices_per_worker=devices_per_worker)
+    devices_per_worker = plan.devices_per_worker
     config = LocalClusterConfig(
         state_dir=state_dir.resolve(), workers=workers, spares=spares, devices_per_worker=devices_per_worker,
         coordinators=coordinators, etcd_members=int(etcd_members), lease_ttl_s=lease_ttl_s, cluster=cluster_name,
-        tls=not insecure, supervise=not no_supervise,
+        tls=not insecure, supervise=not no_supervise, platform=plan.platform, host_devices=host_devices,
     )
     configure_logs(level="warning")
     lc = LocalCluster.start(config)
     lc.detach_supervision()  # the supervise daemon outlives this command
     n = workers + spares
     click.echo(f"cluster {config.cluster!r} is up: etcd {','.join(lc.endpoints)}, "
-               f"{coordinators} coordinators, {n} workers x {devices_per_worker} devices")
+               f"{coordinators} coordinators, {n} workers x {plan.describe()}")
     click.echo(f"  state dir: {config.state_dir}  (logs in {config.state_dir / 'logs'})")
     dashboard = lc.leader_dashboard()
     click.echo(f"  dashboard: {dashboard}  (the leader's live view; docs/dashboard.md)" if dashboard

@@ -8,8 +8,8 @@ their steps, the same marks the dashboard draws. The run is found:
 * ``--checkpoint-dir DIR``: ``DIR/<job>/LATEST`` (or ``--run``), the checkpoint root the job ran with;
 * ``--cluster``: the job's record in etcd names its run directory;
 * ``--state-dir`` (default ``.rallypoint``): the checkpoint root of the cluster ``rallypoint up``
-  started there (``STATE_DIR/checkpoints``), or what an embedded ``rallypoint run`` kept once
-  its cluster was gone (``STATE_DIR/runs/<job>/<run id>/metrics.jsonl``, :func:`keep_run_metrics`);
+  started there (``STATE_DIR/checkpoints``), or the runs of an embedded ``rallypoint run``, kept
+  once its cluster was gone (``STATE_DIR/runs/<job>/<run id>/``, :mod:`~rallypoint.client.commands.kept_runs`);
   the newer of the two when both have the job; else the job's record, if that cluster is up.
 
 matplotlib is imported by the command only (Agg: no display), so the other commands start fast.
@@ -20,8 +20,6 @@ Also here, for ``rallypoint run`` (``client/commands/main.py``): its ``--on-nonf
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,25 +138,6 @@ def find_run(job: str, *, run: str = "", checkpoint_dir: Path | None = None, sta
                           "--checkpoint-dir (the checkpoint root it ran with), --state-dir (where `rallypoint up` or "
                           "`rallypoint run` kept it) or --cluster")
     return found
-
-
-def keep_run_metrics(checkpoint_root: Path, job: str, state_dir: Path | None = None) -> Path | None:
-    """An embedded ``rallypoint run`` ends and its cluster's folder goes: keep the run's ``metrics.jsonl`` under
-    ``STATE_DIR/runs/<job>/<run id>/`` (``RALLYPOINT_STATE_DIR``, default ``.rallypoint``) for ``rallypoint plot``.
-    Returns where it went (None: nothing to keep, or it could not be copied: the run is not failed for that)."""
-    try:
-        found = _under_root(checkpoint_root, job, "")
-        if found is None or not found.path.is_file():
-            return None
-        state = state_dir or Path(os.environ.get("RALLYPOINT_STATE_DIR") or DEFAULT_STATE_DIR)
-        dest = state / KEPT_RUNS / job / found.run
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(found.path, dest / METRICS_FILE)
-        (dest.parent / LATEST_FILE).write_text(found.run + "\n")
-        return dest / METRICS_FILE
-    except (OSError, RallypointError) as exc:
-        click.echo(f"note: the run's metrics were not kept ({exc})", err=True)
-        return None
 
 
 # -- what is drawn ----------------------------------------------------------------------------------

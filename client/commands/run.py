@@ -16,6 +16,7 @@ import click
 from rallypoint.basics.errors import ConfigError
 from rallypoint.basics.logs import configure as configure_logs, library_logs_to
 from rallypoint.client.commands import plot as plot_cli
+from rallypoint.client.commands.kept_runs import EmbeddedRuns, runs_root, settle
 from rallypoint.client.commands.output import describe_event, stops
 from rallypoint.client.commands.clusters import DEFAULT_STATE_DIR, export_platforms_for, insecure, resolve_cluster, tls_options
 
@@ -38,7 +39,8 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--window", type=int, default=2, show_default=True, help="Steps in flight.")
 @click.option("--platform", "platforms", default=None, metavar="P[,P...]",
               help="Export the job's programs for these platforms (cpu, cuda, rocm, tpu). Default: with --cluster, "
-              "the platforms of the pool's workers; on an embedded cluster, cpu; with --reference, this process's.")
+              "the platforms of the pool's workers; on an embedded cluster, cpu; with --reference, this process's. "
+              "On an embedded cluster, one platform: its workers run on it (cuda, rocm: the host's GPUs).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
 @click.option("--fail", "fail", multiple=True, metavar="ACTION:NAME@STEP",
               help="Once the job reaches STEP, act on the worker holding slice or node NAME (repeatable): kill "
@@ -85,13 +87,19 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The directory shipped to the workers as the job's code (host sources run from it; default: the "
               "job file's directory). Limited in size; .rallypointignore leaves files out (docs/data.md).")
+@click.option("--rm", "remove_run", is_flag=True,
+              help="Embedded cluster: delete the run's directory (checkpoints, metrics, events, code) once the job "
+              "succeeded. By default it is kept under STATE_DIR/runs/JOB/RUN (`rallypoint export`, `rallypoint plot`).")
+@click.option("--keep-runs", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Embedded cluster: keep this many runs of the job name under STATE_DIR/runs, deleting older ones "
+              "once this one succeeded (0: keep all), as a cluster's coordinators do.")
 def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None, workers: int | None, spares: int,
         devices_per_worker: int | None, window: int, platforms: str | None, as_json: bool, fail: tuple[str, ...], policy: str | None,
         checkpoint_every: int | None, keep_checkpoints: int | None, on_no_spare: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
         straggler_factor: float | None, warm_spares: int | None, max_faults: int | None, on_nonfinite: str | None,
         max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None, new_run: bool,
-        detach: bool, code_dir: Path | None) -> None:
+        detach: bool, code_dir: Path | None, remove_run: bool, keep_runs: int) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -106,9 +114,16 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     if detach and fail:
         raise ConfigError("--fail acts as the job runs, from this command: it cannot be used with --detach")
     program = load_program(job_file, steps=steps)
-    if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run):
+    if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run
+                      or remove_run or keep_runs):
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "
-                          "--fail or --new-run")
+                          "--fail, --new-run, --rm or --keep-runs")
+    if cluster and (remove_run or keep_runs):
+        raise ConfigError("--rm and --keep-runs are for the embedded cluster's runs; a cluster's coordinators keep its "
+                          "runs (their --keep-runs; `rallypoint delete-run` deletes one)")
+    embedded = not reference and not cluster
+    if embedded and platforms and "," in platforms:
+        raise ConfigError(f"--platform {platforms}: an embedded cluster's workers run on one platform; give one")
     for name, value in (("--checkpoint-every", checkpoint_every), ("--keep-checkpoints", keep_checkpoints),
                         ("--wait-timeout-s", wait_timeout_s), ("--stall-timeout-s", stall_timeout_s),
                         ("--max-faults", max_faults), ("--max-preemptions", max_preemptions),
@@ -138,6 +153,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         _detach(compiled, cluster, window, new_run, recovery, as_json)
         return
     where = "reference"
+    after: list[str] = []  # lines said once the run's summary is out (where an embedded run was kept)
     says: list[Callable[[dict[str, Any]], None]] = [lambda d: click.echo(json.dumps(d))]  # the bar's console, once up
     if reference:
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
@@ -148,10 +164,13 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
             return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
                                    faults=faults, say=lambda d: says[0](d), recovery=recovery,
-                                   new_run=new_run)
+                                   new_run=new_run, platform=platforms or "cpu",
+                                   runs=EmbeddedRuns(remove=remove_run, keep=keep_runs), after=after)
 
     with stops(program.name, attached=bool(cluster)):
         _show(program, runner, as_json, where, says)
+    for line in after:
+        click.echo(line)
 
 
 def _detach(compiled: Any, cluster: str | None, window: int, new_run: bool, recovery: dict[str, Any],
@@ -212,19 +231,21 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
                     devices_per_worker: int | None, window: int,
                     on_step: Callable[[int, dict[str, float]], None], quiet: bool, *, faults: Any = (),
                     say: Callable[[dict[str, Any]], None] = lambda _: None, recovery: dict[str, Any] | None = None,
-                    new_run: bool = False) -> Any:
-    """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after."""
+                    new_run: bool = False, platform: str = "cpu", runs: EmbeddedRuns = EmbeddedRuns(),
+                    after: list[str] | None = None) -> Any:
+    """Submit to ``--cluster``, or start an embedded local cluster for the run and stop it after (its run kept)."""
     import tempfile
 
     from rallypoint.client.commands.faults import FaultInjector
     from rallypoint.client.submission import submit
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
+    from rallypoint.cluster.local_devices import local_plan
     from rallypoint.proto import rallypoint_pb2 as pb
 
     program = compiled.program
     recovery = recovery or {}
 
-    def go(endpoints: Any, name: str) -> Any:
+    def go(endpoints: Any, name: str, *, fresh: bool) -> Any:
         injector = FaultInjector(list(faults), endpoints, name, log=say)
 
         def on_event(ev: pb.JobEvent) -> None:
@@ -233,38 +254,53 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
-                      new_run=new_run, **recovery)
+                      new_run=fresh, **recovery)
 
     if cluster:
         addr = resolve_cluster(Path(DEFAULT_STATE_DIR), cluster)
-        return go(addr.endpoints, addr.name)
+        return go(addr.endpoints, addr.name, fresh=new_run)
     n_workers = workers if workers is not None else len(program.slices)
-    k = devices_per_worker if devices_per_worker is not None else max(s.devices for s in program.slices.values())
+    plan, host_devices = local_plan(platform, processes=n_workers + spares, devices_per_worker=devices_per_worker
+                                    or max(s.devices for s in program.slices.values()))
+    k = plan.devices_per_worker
     program.validate_for_cluster(workers=n_workers, devices_per_worker=k)
     configure_logs(level="warning")
+    root = runs_root()
     state = Path(tempfile.mkdtemp(prefix=f"rallypoint-{program.name}-"))
     if not quiet:
-        click.echo(f"starting an embedded cluster: {n_workers} workers + {spares} spares x {k} devices ({state})")
+        click.echo(f"starting an embedded cluster: {n_workers} workers + {spares} spares x {plan.describe()} ({state})")
     if len(faults) > spares and recovery.get("on_no_spare") != "fail":
         click.echo(f"note: {len(faults)} kills and {spares} spares: recovery will wait for spares that never come; "
                    "add --spares", err=True)
-    lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=n_workers, spares=spares,
-                                               devices_per_worker=k, coordinators=2, tls=not insecure()))
+    lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=n_workers, spares=spares, devices_per_worker=k,
+                                               coordinators=2, tls=not insecure(), checkpoint_dir=root,
+                                               platform=plan.platform, host_devices=host_devices))
     ok = False
     try:
         # This process's library logging (absl, Orbax, JAX) joins the cluster's logs, not the progress bar's lines.
         with library_logs_to(state / "logs" / "client.log"):
-            result = go(lc.endpoints, lc.config.cluster)
+            result = go(lc.endpoints, lc.config.cluster, fresh=True)  # each embedded run is a run of its own
         ok = True
         return result
     finally:
         lc.stop()
-        kept = plot_cli.keep_run_metrics(lc.checkpoint_dir, program.name)  # for `rallypoint plot` once it is gone
-        if kept is not None and not quiet:
-            click.echo(f"metrics: {kept} (`rallypoint plot {program.name}` draws them)")
         if ok:
             import shutil
 
             shutil.rmtree(state, ignore_errors=True)
+            kept, gone = settle(root, program.name, runs)
+            if not quiet and after is not None:
+                after += _kept_lines(program.name, root, kept, gone)
         else:
-            click.echo(f"the embedded cluster's logs are in {state / 'logs'}", err=True)
+            click.echo(f"the embedded cluster's logs are in {state / 'logs'}; the run is in {root / program.name}",
+                       err=True)
+
+
+def _kept_lines(job: str, root: Path, kept: Path | None, gone: list[str]) -> list[str]:
+    lines = [f"deleted runs: {', '.join(gone)}"] if gone else []
+    if kept is None:
+        return lines
+    state = root.parent
+    flag = "" if state == Path(DEFAULT_STATE_DIR).absolute() else f" --state-dir {state}"
+    return [*lines, f"run kept: {kept} (checkpoints with the final state, metrics, events, code)",
+            f"  its weights: rallypoint export {job}{flag} --out DIR    its curves: rallypoint plot {job}{flag}"]

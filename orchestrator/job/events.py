@@ -154,6 +154,9 @@ class JobEvents:
                 self.recovery.adopted_running(done.step)
             if self.progress.completed % RECORD_EVERY == 0:
                 self._record()
+        if self.progress.recut() is not None:  # a commit that waited for the slices without states
+            self.log.info("job.cut", step=self.progress.cut)
+            self._grant()
         self.recovery.progressed()
         if self.progress.widen(self.spec.window):
             self._grant()

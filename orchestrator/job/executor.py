@@ -58,7 +58,7 @@ from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.orchestrator.job.drains import JobDrains
 from rallypoint.orchestrator.job.events import JobEvents
 from rallypoint.orchestrator.job.losses import JobLosses
-from rallypoint.orchestrator.job.finish import fetch_final
+from rallypoint.orchestrator.job.finish import JobEnd
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.metrics import JobMetrics
 from rallypoint.orchestrator.job.placement import JobPlacement
@@ -179,6 +179,9 @@ class JobExecutor:
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
         self._checked = self._drains_polled = float("-inf")
+        self.end = JobEnd(spec, workers=self.workers, term=self.term, places=self.places, losses=self.losses,
+                          recovery=self.recovery, drains=self.drains, progress=self.progress, clock=clock, log=self.log,
+                          hooks=hooks, step=self.step, set_state=self._set_state)  # the final cut and state (finish.py)
         self.started_mono = clock.monotonic()
         self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
 
@@ -414,17 +417,8 @@ class JobExecutor:
                                  resuming=self.resume and not self.adopted)
 
     def finish(self) -> pb.JobEvent:
-        """FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
-        self._set_state(JobState.FINISHING)
-        self.hooks.at_finish(self.spec.job)  # tests only: the finish gate (hooks.py)
-        while not isinstance(states := fetch_final(self.workers, self.term, self.places), list):
-            self.log.warning("job.lost_while_finishing", lost=states.lost)  # recovered, then all asked again
-            self.losses.recover(states.lost, unload=states.alive)  # a gang's lead that lost a member: unloaded
-            while self.recovery.active is not None:  # the lost slices replay to the end
-                self.step()
-            self._set_state(JobState.FINISHING)
-        self.recovery.supersede("the job ended")
-        self.drains.abort("the job ended")
+        """The final cut committed, FINISHING: fetch the final state; the ``job.finished`` event (sent by :meth:`run`)."""
+        states = self.end.fetch()
         trees = {s.name: s.treedef for s in self.spec.states}
         detail = {"wall_s": round(self.clock.monotonic() - self.started_mono, 3),
                   "state_digest": flat_state_digest(states, trees), "start_step": self.progress.start,
@@ -446,6 +440,8 @@ class JobExecutor:
             self.begin()
             while self.progress.completed < self.spec.steps:
                 self.step()
+            self.end.final_cut(self.run_dir is not None and self.settings is not None
+                               and self.settings.checkpoint_every > 0)
             terminal = self.finish()
             final = JobState.SUCCEEDED
         except JobStopped as exc:  # suspended or cancelled on request (job/stop.py): the run is kept
@@ -483,7 +479,8 @@ class JobExecutor:
         return {"failures": self.port.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
                 "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
                 "stalls": self.watchdog.stalls if self.watchdog else 0,
-                "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions}
+                "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions,
+                "final_cut_s": self.end.final_cut_s}
 
     def _cleanup(self) -> None:
         """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""

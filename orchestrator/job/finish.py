@@ -1,6 +1,13 @@
-"""The job's end: every worker's final state, or the workers lost while it was fetched.
+"""The job's end: its final cut, then every worker's final state, or the workers lost while it was fetched.
 
-:func:`fetch_final` is :meth:`~rallypoint.orchestrator.job.executor.JobExecutor.finish`'s fetch:
+Every step done, :class:`JobEnd` first waits for the **final cut**: every slice with states
+commits its state at ``steps`` like any checkpoint (``workers/runtime/checkpoints.py`` saves
+there whatever ``checkpoint_every`` is), so a detached run's last steps are kept and
+``rallypoint export`` reads the final state from the run directory. The executor's loop runs
+meanwhile: a worker lost before its final save commits is recovered as ever, and a save that
+failed (a full disk) is tried again by its worker until it counts.
+
+:func:`fetch_final` is :meth:`JobEnd.fetch`'s fetch:
 fetch from every worker at once, and say which workers are lost if any did not answer. It
 decides, the executor acts: a worker lost meanwhile is recovered like any other (its slices
 replay to the end on a spare) and the executor asks again.
@@ -16,15 +23,17 @@ registration is gone counts so too (``JobPlacement.as_lead_losses``), whatever t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.placement import JobPlacement
-from rallypoint.orchestrator.job.state import JobFailed
+from rallypoint.orchestrator.job.state import JobFailed, JobState
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.basics.clock import Clock
 from rallypoint.recovery.decide import Verdict
+from rallypoint.recovery.slices import stateful_slices
 
 GroupLoss = Callable[[str, str, str], tuple[dict[str, str], frozenset[str]]]
 """``JobPlacement.group_lost``: (lead, the lost member's worker, why) -> the losses, and those of them alive."""
@@ -79,3 +88,43 @@ def final_losses(failed: Mapping[str, WorkerCallFailed], gone: tuple[Mapping[str
     if not lost:
         raise JobFailed(f"could not fetch the final state: {next(iter(failed.values()))}")
     return FinalLosses(lost, frozenset((alive | gone_alive) - dead))
+
+
+class JobEnd:
+    """The end of one job's run: the final cut, then the final state (see the module doc). The executor's loop."""
+
+    def __init__(self, spec: pb.JobSpec, *, workers: JobWorkers, term: JobTerm, places: JobPlacement, losses: Any,
+                 recovery: Any, drains: Any, progress: Any, clock: Clock, log: Any, hooks: Any,
+                 step: Callable[[], None], set_state: Callable[[JobState], None]) -> None:
+        self.spec, self.workers, self.term, self.places = spec, workers, term, places
+        self.losses, self.recovery, self.drains, self.progress = losses, recovery, drains, progress
+        self.clock, self.log, self.hooks, self.step, self.set_state = clock, log, hooks, step, set_state
+        self.final_cut_s: float | None = None  # every step done -> the final cut committed (None: no final cut)
+
+    def final_cut(self, checkpoints: bool) -> None:
+        """Wait until the cut reaches ``steps``: every slice's final state committed (``checkpoints`` False, or no
+        slice holds states: the job has no checkpoints, so none). The loop runs meanwhile."""
+        if not checkpoints or not stateful_slices(self.spec):
+            return
+        t0 = self.clock.monotonic()
+        while self.progress.cut < self.spec.steps:
+            self.step()
+        self.final_cut_s = round(self.clock.monotonic() - t0, 4)
+        self.log.info("job.final_cut", step=self.spec.steps, wait_s=self.final_cut_s)
+
+    def fetch(self) -> list[pb.StateValue]:
+        """FINISHING: every worker's final state; a worker lost meanwhile is recovered (its slices replay to the end)
+        and every worker asked again."""
+        self.set_state(JobState.FINISHING)
+        self.hooks.at_finish(self.spec.job)  # tests only: the finish gate (hooks.py)
+        while not isinstance(states := fetch_final(self.workers, self.term, self.places), list):
+            self.log.warning("job.lost_while_finishing", lost=states.lost)  # recovered, then all asked again
+            self.losses.recover(states.lost, unload=states.alive)  # a gang's lead that lost a member: unloaded
+            self.recovery.progressed()  # restored from the final cut: nothing to replay, caught up at once
+            while self.recovery.active is not None:  # the lost slices replay to the end
+                self.step()
+                self.recovery.progressed()
+            self.set_state(JobState.FINISHING)
+        self.recovery.supersede("the job ended")
+        self.drains.abort("the job ended")
+        return states

@@ -197,6 +197,11 @@ class JobProgress:
             self._committed[slice_name].add(step)
         return self._recut()
 
+    def recut(self) -> int | None:
+        """Steps were completed: a commit heard before the slices without states passed its step counts now (the
+        final cut's, which no later commit follows). Returns the new cut when it moved."""
+        return self._recut()
+
     def drop_commit(self, slice_name: str, step: int) -> None:
         """A commit stops counting (its checkpoint did not restore); the recovery that found it restores
         from an older cut and says so (:meth:`restored`), which lowers the cut."""

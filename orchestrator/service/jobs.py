@@ -90,6 +90,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if root:
                 within(Path(root), Path(root) / request.job, "the job's folder")
             check_code(request)
+            if not root and request.states:
+                raise ConfigError("it has states, whose checkpoints (recovery, suspend, its final state) need a "
+                                  "checkpoint directory, and the coordinators were started without one: start them "
+                                  "with --checkpoint-dir ROOT (a folder every worker reaches); nothing was started")
             if request.code.sha256 and not root:
                 raise ConfigError("its code bundle (host sources) is shared with the workers through the run "
                                   "directory, and there is no checkpoint directory: give --checkpoint-dir")

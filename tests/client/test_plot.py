@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from rallypoint.basics.errors import ConfigError
 from rallypoint.client.commands.main import main
 from rallypoint.client.commands.output import describe_event
-from rallypoint.client.commands.plot import draw, find_run, keep_run_metrics, plot_data
+from rallypoint.client.commands.plot import draw, find_run, plot_data
 from rallypoint.orchestrator.job.metrics import parse_metrics
 from tests.helpers.cli import ROOT
 
@@ -66,14 +66,12 @@ def test_the_run_is_found_under_a_checkpoint_root_or_the_state_dir_the_newest_fi
     with pytest.raises(ConfigError):
         find_run("../j", checkpoint_dir=tmp_path / "ck")
     state = tmp_path / "state"
-    kept = keep_run_metrics(tmp_path / "ck", "j", state)  # what an embedded `rallypoint run` keeps
-    assert kept == state / "runs" / "j" / RUN / "metrics.jsonl" and kept.read_text() == path.read_text()
+    kept = write_run(state / "runs")  # where an embedded `rallypoint run` keeps its runs
     assert find_run("j", state_dir=state).path == kept
     newer = write_run(state / "checkpoints", run="run-20260102T000000-abcdef")  # a `rallypoint up` cluster's run
     assert find_run("j", state_dir=state).path == newer
     with pytest.raises(ConfigError, match=r"no run of job 'x' in .*checkpoints or .*runs: check the job name"):
         find_run("x", state_dir=state)
-    assert keep_run_metrics(tmp_path / "nothing", "j", state) is None
 
 
 def test_draw_writes_a_png_matplotlib_reads_back(tmp_path: Path) -> None:

@@ -206,7 +206,7 @@ def test_with_warn_a_nan_loss_is_one_warning_per_metric_and_the_job_runs_to_its_
     assert warnings == [(7, "loss")]
     got = read_metrics(run_dir(tmp_path, "pipe", create=False) / METRICS_FILE)
     assert got.steps == list(range(12)) and all(math.isnan(v) for s, v in got.curve("loss") if s >= 7)
-    assert max(c.step for cs in read_commits(h.store, h.keys, "pipe").values() for c in cs) == 10
+    assert max(c.step for cs in read_commits(h.store, h.keys, "pipe").values() for c in cs) == 12  # the final cut
 
 
 def test_check_returns_where_a_stop_job_must_stop_and_moves_nothing_itself(tmp_path: Path) -> None:

@@ -33,13 +33,13 @@ def test_a_new_run_keeps_the_previous_runs_record_and_commits_under_its_run_id(t
     assert second.record()["run"] == second.x.run_id != old_id
     kept = first.store.get_prefix(keys.old_run_checkpoints("pipe", old_id))[0]
     assert sorted(keys.tail(kv.key, keys.old_run_checkpoints("pipe", old_id)) for kv in kept) == \
-        [[s, f"{step:012d}"] for s in ("s0", "s1") for step in (5, 7, 10, 15)]
+        [[s, f"{step:012d}"] for s in ("s0", "s1") for step in (5, 7, 10, 15, 20)]
     assert [kv.value for kv in kept if kv.key.endswith("7")] == \
         [json.dumps(CheckpointCommit("pipe", s, 7, str(old_dir / s / "7"), "x").to_json()).encode() for s in ("s0", "s1")]
     live = first.store.get_prefix(keys.checkpoints("pipe"))[0]  # the new run's own commits, none of the old run's
-    assert sorted(int(kv.key.rsplit("/", 1)[1]) for kv in live) == [5, 5, 10, 10, 15, 15]
+    assert sorted(int(kv.key.rsplit("/", 1)[1]) for kv in live) == [5, 5, 10, 10, 15, 15, 20, 20]  # 20: the final cut
     (earlier,) = old_runs(first.store, keys, "pipe")
-    assert earlier["run"] == old_id and earlier["state"] == "succeeded" and earlier["commits"] == 8
+    assert earlier["run"] == old_id and earlier["state"] == "succeeded" and earlier["commits"] == 10
     assert old_dir.is_dir() and (old_dir / "commits" / "s0").is_dir()  # its files stay
     assert (tmp_path / "pipe" / LATEST_FILE).read_text().strip() == second.x.run_id
 
@@ -48,7 +48,7 @@ def test_refusal_names_resume_and_new_run_and_sees_commits_left_only_on_disk(tmp
     h = a_run(tmp_path)
     prev = previous_run(h.store, h.keys, "pipe", tmp_path)
     why = refusal(prev)
-    assert "`rallypoint resume pipe`" in why and "--new-run" in why and h.x.run_id in why and "up to step 15" in why
+    assert "`rallypoint resume pipe`" in why and "--new-run" in why and h.x.run_id in why and "up to step 20" in why
     empty = MemoryStore()  # etcd lost (a new cluster): the copies beside the checkpoints still count
     prev = previous_run(empty, h.keys, "pipe", tmp_path)
     assert prev is not None and prev.commits == 2 and prev.run == h.x.run_id and refusal(prev)
@@ -79,7 +79,7 @@ def test_delete_run_deletes_an_earlier_run_only(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a run id"):
         delete_run(store, keys, txn, "pipe", "../pipe", str(tmp_path))
     gone = delete_run(store, keys, txn, "pipe", first.x.run_id, str(tmp_path))
-    assert gone["etcd_keys"] == 9 and not (tmp_path / "pipe" / first.x.run_id).exists()
+    assert gone["etcd_keys"] == 11 and not (tmp_path / "pipe" / first.x.run_id).exists()
     assert old_runs(store, keys, "pipe") == [] and (tmp_path / "pipe" / second.x.run_id).is_dir()
 
 

@@ -126,13 +126,13 @@ def test_a_steady_state_copies_only_what_crosses_workers_and_each_value_once(
         # one worker: data_parallel on wB's 4 devices, checkpointing every 2 of its 4 steps
         dp = load("data_parallel", ws, checkpoint_every=2, checkpoint_dir=str(tmp_path / "dp"))
         _run_to_end(dp)
-        wait_until(lambda: len(commits) == 1, 60, "the data_parallel checkpoint at step 2")
+        wait_until(lambda: len(commits) == 2, 60, "the data_parallel checkpoints at step 2 and the final cut at 4")
         rt = _runtime(dp, "wB")
         copies = rt.copies
         assert copies.bytes("d2h", "transfer") == 0 and copies.bytes("h2d", "transfer") == 0
         assert copies.bytes("d2h", "log_spill") == 0 and copies.bytes("h2d", "checkpoint") == 0
         state_bytes = sum(_nbytes(s.aval) for s in dp.compiled.states.values())
-        assert copies.bytes("d2h", "checkpoint") == state_bytes  # one save (step 2), its states copied off once
+        assert copies.bytes("d2h", "checkpoint") == 2 * state_bytes  # two saves (2, 4), each state copied off once
         instances = sum(instances_per_step(dp.spec, s) for s in range(dp.spec.steps))
         assert 0 < copies.bytes("h2d", "step") <= 8 * instances  # the step numbers sources take: 4 bytes each
         assert state_digest(dp.fetch_states()) == dp_ref.state_digest

@@ -1,8 +1,9 @@
 """A loaded job's checkpoints on one worker: when each slice saves, what it restores.
 
 Every slice that holds states saves them at the steps divisible by the job's
-``checkpoint_every`` (the same steps on every slice, so together they form a
-consistent cut): the checkpoint at step ``c`` holds each state as at the start of
+``checkpoint_every`` and at the job's last step, ``steps`` (the final cut: every job
+commits its final state), the same steps on every slice, so together they form a
+consistent cut: the checkpoint at step ``c`` holds each state as at the start of
 step ``c``, saved once the slice has run all its instances of steps below ``c`` and
 before it runs any later one (:meth:`JobCheckpoints.barrier`). Saving is Orbax's
 asynchronous save through :class:`rallypoint.workers.checkpoints.checkpointer.SliceCheckpointer`; the commit
@@ -39,6 +40,8 @@ from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.errors import CheckpointCorrupt, LoadError, RestoreError
 
 CommitFn = Callable[[CheckpointCommit], None]
+FINAL_RETRY_S = 2.0
+"""How often a slice tries its final save again after one failed."""
 
 
 Fetch = Callable[[pb.CheckpointRef], "States | None"]
@@ -135,10 +138,11 @@ class JobCheckpoints:
         self.slices = sorted({st.slice for st in req.states} & assigned)  # slices that hold states
         self.enabled = bool(self.every > 0 and self.root is not None and commit_factory is not None and self.slices)
         start = int(req.start_step)
-        first = (start // self.every + 1) * self.every if self.every > 0 else math.inf
+        self._extra: set[int] = set()  # steps a drain asked for, off the every-K schedule
+        self._retry_at: dict[str, float] = {}  # slice -> when its failed final save is tried again (monotonic)
+        first = self._after(start) if self.every > 0 and start < self.steps else math.inf
         self.next: dict[str, float] = {s: first for s in self.slices}
         self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
-        self._extra: set[int] = set()  # steps a drain asked for, off the every-K schedule
         self.cut = start
         self._ckpt: dict[str, SliceCheckpointer] = {}
         self._keep = int(req.keep_checkpoints) or None
@@ -215,9 +219,17 @@ class JobCheckpoints:
     def due(self, slice_name: str, low: int) -> int | None:
         """The step to save now: every instance of the slice below it has run (``low``), none above."""
         c = self.barrier(slice_name)
-        if c < self.steps and low >= c:
+        if c <= self.steps and low >= c and time.monotonic() >= self._retry_at.get(slice_name, 0.0):
             return int(c)
         return None
+
+    def save_failed(self, slice_name: str, step: int) -> None:
+        """The slice's save at ``step`` failed (storage full or read-only): a save on the schedule is tried again at
+        the next checkpoint step; the final cut, which has none after it, is tried again every
+        :data:`FINAL_RETRY_S` until it counts (the job waits for it)."""
+        if step == self.steps:
+            self.next[slice_name] = step
+            self._retry_at[slice_name] = time.monotonic() + FINAL_RETRY_S
 
     def save_at(self, step: int) -> None:
         """Every slice also saves at ``step`` (a drain's checkpoint; committed like any other).
@@ -235,9 +247,12 @@ class JobCheckpoints:
                 self.next[s] = min(self.next[s], step)
 
     def _after(self, step: int) -> float:
-        """The slice's next checkpoint step after saving ``step``: the schedule's, or an earlier extra one."""
+        """The slice's next checkpoint step after ``step``: the schedule's, an earlier extra one, or the final cut at
+        ``steps`` (every job commits its final state); none after the final cut."""
+        if step >= self.steps:
+            return math.inf
         regular = (step // self.every + 1) * self.every
-        return min([regular, *(e for e in self._extra if e > step)])
+        return min([regular, self.steps, *(e for e in self._extra if e > step)])
 
     def save(self, slice_name: str, step: int, states: Mapping[str, Sequence[Any]]) -> None:
         """Save ``states`` as the slice's checkpoint at ``step``: returns once they are copied off the

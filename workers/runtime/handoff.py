@@ -108,6 +108,8 @@ class CheckpointHandoff:
             self.checkpoints.save(slice_name, step, {name: list(v or []) for name, v in cut.items()})
         except Exception as exc:  # noqa: BLE001 - training goes on; the checkpoint just does not count
             control.log.error("checkpoint.skipped", slice=slice_name, step=step, error=f"{type(exc).__name__}: {exc}")
+            with control.cv:
+                self.checkpoints.save_failed(slice_name, step)  # the final cut is tried again until it counts
         with control.cv:
             nxt = self.checkpoints.barrier(slice_name)
             for name, sv in self._states.items():
