@@ -40,10 +40,21 @@ def train_step(state: Any, b: Any) -> tuple[Any, dict[str, Any]]:
     return {"params": params}, {"loss": value}
 
 
-def loss_of(weights: Any, step: int) -> Any:
-    """The loss of ``weights`` on step ``step``'s batch, computed directly."""
+def loss_of(weights: Any, step: int, *, devices: int = 1, specs: Any = None) -> Any:
+    """The loss of ``weights`` on step ``step``'s batch, computed directly: on one device, or (``specs``) as the
+    job lays them out over ``devices`` devices along ``data``, the batch split there too (the same reduction
+    order as the job's, so the same bits)."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
     b = batch(jnp.int32(step), jnp.int32(0))
-    return jax.jit(loss)(weights["params"], b["x"], b["y"])
+    params, x, y = weights["params"], b["x"], b["y"]
+    if specs is not None:
+        mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+        params = jax.tree_util.tree_map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params,
+                                        specs["params"])
+        x, y = (jax.device_put(a, NamedSharding(mesh, PartitionSpec("data"))) for a in (x, y))
+    return jax.jit(loss)(params, x, y)
 
 
 def regression(*, steps: int, devices: int = 1, init_from: Any = None, sharding: Any = None,
