@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rallypoint.client.errors import ProgramError
-from rallypoint.workers.checkpoints.pretrained import (LeafKey, PretrainedError, find_item, leaf_key, leaf_metadata,
-                                                       load_pretrained, pretrained_checksum, read_pretrained, show)
+from rallypoint.workers.checkpoints.pretrained import (LeafKey, PretrainedError, encode_keys, find_item, leaf_key,
+                                                       leaf_metadata, load_pretrained, pretrained_checksum,
+                                                       read_pretrained, show)
 
 SHOWN = 6  # mismatches named in the error, the rest counted
 
@@ -34,8 +35,6 @@ class InitFrom:
 
     def load(self, state: str) -> list[Any]:
         """The leaves, checked against the checksum (what a worker does at step 0)."""
-        from rallypoint.workers.checkpoints.pretrained import encode_keys
-
         try:
             return load_pretrained(state, self.path, encode_keys(self.keys), self.checksum)
         except PretrainedError as exc:

@@ -50,7 +50,6 @@ def test_the_reference_starts_from_the_checkpoint_and_its_first_loss_is_the_pret
         assert got.dtype == want.dtype and np.array_equal(got, np.asarray(want))  # not init's zeros: init never ran
     result = ref.run()
     assert result.metrics[0]["loss"] == float(loss_of(weights, 0))
-    assert result.state_digest != ReferenceExecutor(compile_program(regression(steps=3))).run().state_digest
 
 
 def test_an_nnx_model_and_an_optax_state_saved_by_a_checkpoint_manager_match_and_its_newest_step_is_taken(
