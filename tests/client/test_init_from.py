@@ -19,8 +19,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from click.testing import CliRunner
 from jax.sharding import PartitionSpec as P
 
+from rallypoint.client.commands.main import main
 from rallypoint.client.compile import compile_program, ensure_host_devices
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.program import Program, ProgramError
@@ -99,6 +101,13 @@ def test_a_path_or_tree_that_does_not_fit_is_refused_at_submit_in_one_line_namin
     assert "params/b is missing from the checkpoint" in msg and "params/extra is in the checkpoint but not" in msg
     with pytest.raises(ProgramError, match="init_from must be the path of an Orbax checkpoint"):
         Program("p", steps=1).state("s", slice="x", init=init, init_from=3)
+    job = tmp_path / "job.py"
+    job.write_text("from tests.helpers.pretrained import regression\n"
+                   f"program = regression(steps=1, init_from={str(tmp_path / 'other')!r})\n")
+    r = CliRunner().invoke(main, ["run", "--reference", str(job)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    (line,) = r.output.strip().splitlines()
+    assert line.startswith("error: state 'state': init_from") and "params/b is missing" in line, line
 
 
 def _request(compiled: Any, devices: int) -> pb.LoadJobRequest:
