@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.client.init_from import InitFrom, check_init_from
 from rallypoint.client.layouts import check_layout, check_rules, is_sharded, resolve_layout, traced_on
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
 from rallypoint.workers.programs import slice_mesh as mesh_over
@@ -101,6 +102,7 @@ class CompiledState:
     variants: dict[int, bytes] = field(default_factory=dict)  # other device counts of the slice -> exported init
     platforms: tuple[str, ...] = ()  # what its init was lowered for
     specs: tuple[Any, ...] = ()  # its layout: a PartitionSpec per leaf over the slice's mesh (client/layouts.py)
+    init_from: InitFrom | None = None  # its step-0 value is a pretrained checkpoint's (client/init_from.py)
 
     @property
     def sharded(self) -> bool:
@@ -387,6 +389,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
         except Exception as exc:  # user code: report it against the state
             raise ProgramError(f"init of state {st.name!r} failed to trace: {type(exc).__name__}: {exc}") from exc
         state_avals[st.name] = aval
+        init_from = check_init_from(st.name, st.init_from, aval) if st.init_from is not None else None
         tree = jax.tree_util.tree_structure(aval)
         init_flat = flat_callable(lambda init=st.init: (init(),), [])
         specs = tuple(resolve_layout(st.name, st.sharding, rules, aval, init_flat, mesh))
@@ -404,7 +407,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
         variants = {c: bytes(export_init(other).serialize()) for c, other in _other_meshes(program, st.slice).items()}
         states[st.name] = CompiledState(
             st.name, st.slice, bytes(exported.serialize()), aval, tree, program.producer_of(st.name), variants,
-            tuple(exported.platforms), specs,
+            tuple(exported.platforms), specs, init_from,
         )
 
     out_avals: dict[str, dict[str, Any]] = {}

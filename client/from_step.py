@@ -38,7 +38,7 @@ def from_step(
     mesh_axes: Sequence[str] = ("data",), mesh_shape: Sequence[int] | None = None,
     batch_sharding: PartitionSpec | Mapping[str, PartitionSpec] | None = None, host_source: bool = True,
     prefetch: int = 0, checkpoint_every: int = 10, state_sharding: Any = None,
-    axis_rules: Sequence[tuple[str, str | None]] | None = None,
+    axis_rules: Sequence[tuple[str, str | None]] | None = None, init_from: Any = None,
 ) -> Any:
     """The one-slice program running ``train_step`` unchanged (``cls``: :class:`Program`).
 
@@ -72,6 +72,9 @@ def from_step(
         host_source: whether ``source`` is a host source (see ``source``).
         prefetch: a host source's instances read ahead on the worker (0: the default).
         checkpoint_every: save the state every this many steps.
+        init_from: the path of a plain Orbax checkpoint of the tree ``init`` returns (pretrained weights):
+            the state starts from its values; ``init`` is traced for the tree and the layout, not run
+            (docs/program-api.md "Starting from pretrained weights").
 
     Raises:
         ProgramError: naming the argument, the batch key or the metric at fault.
@@ -99,7 +102,8 @@ def from_step(
         shardings = _batch_shardings(where, batch_sharding, batch_aval, keys, prog.slices[sl].mesh_axes[0])
         metrics = _metric_outputs(where, train_step, state_aval, batch_aval)
 
-    state = prog.state(STATE, slice=sl, init=init, sharding=state_sharding, axis_rules=axis_rules)
+    state = prog.state(STATE, slice=sl, init=init, sharding=state_sharding, axis_rules=axis_rules,
+                       init_from=init_from)
     batch = prog.source(SOURCE, source, slice=sl, outputs=outputs, per="step", shardings=shardings,
                         host=host_source, prefetch=prefetch)
     inputs = {_input(o, keys): batch[o] for o in outputs}

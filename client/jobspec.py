@@ -10,6 +10,7 @@ from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.program import Gathered, ProgramError, Ref, StateRef
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import structure
+from rallypoint.workers.checkpoints.pretrained import encode_keys
 
 
 RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
@@ -57,6 +58,7 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path
             name=st.name, slice=st.slice, exported_init=st.exported_init, leaves=st.tree.num_leaves,
             producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
             treedef=structure(st.tree), init_variants=_variants(program, st.slice, st.variants), platforms=st.platforms,
+            init_from=_init_from(st.init_from),
         ))
     hosts = [compiled.nodes[n] for n in compiled.order if compiled.nodes[n].host is not None]
     bundle = None
@@ -96,6 +98,13 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path
                                              metrics=metric_names.get((name, out), [])))
         spec.nodes.append(msg)
     return spec
+
+
+def _init_from(init_from: Any) -> pb.InitFrom | None:
+    """A state's pretrained start as it crosses the wire (None: it starts from its init)."""
+    if init_from is None:
+        return None
+    return pb.InitFrom(path=init_from.path, keys=encode_keys(init_from.keys), checksum=init_from.checksum)
 
 
 def _variants(program: Any, slice_name: str, variants: dict[int, bytes]) -> list[pb.ExportedVariant]:

@@ -117,6 +117,7 @@ class StateSpec:
     init: Callable[[], Any]
     sharding: Any = None
     axis_rules: Any = None
+    init_from: str | None = None  # a plain Orbax checkpoint its step-0 value is read from (client/init_from.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +203,7 @@ class Program:
         """The one-slice program of the user's own ``train_step(state, batch) -> (state, metrics)``,
         called unchanged. Options (keyword-only): ``init``, ``train_step``, ``source``, ``steps``,
         ``devices``, ``mesh_axes``, ``mesh_shape``, ``batch_sharding``, ``host_source``, ``prefetch``,
-        ``checkpoint_every``: see :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
+        ``checkpoint_every``, ``init_from``: see :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
         """
         from rallypoint.client.from_step import from_step
 
@@ -255,13 +256,20 @@ class Program:
         return name
 
     def state(self, name: str, *, slice: str, init: Callable[[], Any], sharding: Any = None,
-              axis_rules: Sequence[tuple[str, str | None]] | None = None) -> StateRef:
+              axis_rules: Sequence[tuple[str, str | None]] | None = None, init_from: Any = None) -> StateRef:
         """Declare a loop-carried value on ``slice`` with its step-0 value ``init()``, laid out over the
         slice's mesh as ``sharding`` says (with ``axis_rules``), else as ``init`` lays it out, else
-        replicated: :mod:`rallypoint.client.layouts`, docs/program-api.md "Sharded state"."""
+        replicated: :mod:`rallypoint.client.layouts`, docs/program-api.md "Sharded state".
+
+        ``init_from``: the path of a plain Orbax checkpoint (pretrained weights) whose tree, shapes and
+        dtypes are ``init``'s: the step-0 value is read from it instead (``init`` is traced, not run),
+        checked at submit and checksummed like a commit (:mod:`rallypoint.client.init_from`)."""
+        from rallypoint.client.init_from import init_from_path
+
+        path = init_from_path(name, init_from)
         self._fresh("state", name)
         self._known_slice(f"state {name!r}", slice)
-        self.states[name] = StateSpec(name, slice, init, sharding, axis_rules)
+        self.states[name] = StateSpec(name, slice, init, sharding, axis_rules, path)
         return StateRef(name, slice)
 
     def source(

@@ -91,11 +91,14 @@ class ReferenceExecutor:
         self._inits = {s: load_exported(c.exported_init, meshes[c.slice]) for s, c in compiled.states.items()}
 
     def initial_state(self) -> dict[str, Any]:
-        """Every state's step-0 value, from its exported init."""
-        return {
-            name: self.compiled.states[name].tree.unflatten(to_host(list(init())))
-            for name, init in self._inits.items()
-        }
+        """Every state's step-0 value: from its pretrained checkpoint (``init_from``: the same bytes a worker
+        reads, checked against the same checksum), else from its exported init."""
+        out = {}
+        for name, init in self._inits.items():
+            cs = self.compiled.states[name]
+            out[name] = cs.tree.unflatten(cs.init_from.load(name) if cs.init_from is not None
+                                          else to_host(list(init())))
+        return out
 
     def run(self, steps: int | None = None, *, state: dict[str, Any] | None = None, start_step: int = 0) -> RunResult:
         """Run ``steps`` steps (default: the program's) from ``state`` (default: init)."""

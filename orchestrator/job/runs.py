@@ -102,6 +102,24 @@ def check_spec_names(spec: Any) -> None:
         check_name(f"slice (of state {st.name!r})", st.slice)
 
 
+def check_init_from(spec: Any, root: str) -> None:
+    """Each state's pretrained checkpoint (``init_from``) a worker is to read: an absolute path with no ``..``,
+    outside the checkpoint root ``root`` (every job's runs lie there: a job reads another run's states only
+    through ``rallypoint export``), else ConfigError naming the state and what to do."""
+    for st in spec.states:
+        if not st.HasField("init_from"):
+            continue
+        path = st.init_from.path
+        what = f"state {st.name!r}: init_from {path!r}"
+        if "\x00" in path or not PurePath(path).is_absolute() or ".." in PurePath(path).parts:
+            raise ConfigError(f"{what} must be an absolute path without '..'")
+        real, base = Path(path).resolve(), Path(root).resolve() if root else None
+        if base is not None and (real == base or base in real.parents):
+            raise ConfigError(f"{what} lies under the coordinators' checkpoint root {root}, where every job's runs "
+                              "are; a job may not read another run's checkpoints: export them (`rallypoint export`) "
+                              "or copy the checkpoint elsewhere")
+
+
 def run_dir(root: Path, job: str, *, create: bool, run: str = "") -> Path:
     """The checkpoint directory of the job's newest run under ``root`` (a new one, ``run`` or a
     fresh id, when ``create``). The job's folder and the run LATEST names must lie in ``root``."""

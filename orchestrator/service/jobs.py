@@ -44,7 +44,7 @@ from rallypoint.orchestrator.service.adoption import JobAdoption
 from rallypoint.orchestrator.service.fanout import EventFanOut, stream_events
 from rallypoint.orchestrator.service.registry import JobRun, RunRegistry
 from rallypoint.recovery.platforms import platform_refusal, pool_platforms
-from rallypoint.orchestrator.job.runs import check_spec_names, previous_run, refusal
+from rallypoint.orchestrator.job.runs import check_init_from, check_spec_names, previous_run, refusal
 from rallypoint.orchestrator.job.runs import check_code, request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -89,6 +89,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             root = request.checkpoint_dir or self._root()
             if root:
                 within(Path(root), Path(root) / request.job, "the job's folder")
+            check_init_from(request, self._root())
             check_code(request)
             if not root and request.states:
                 raise ConfigError("it has states, whose checkpoints (recovery, suspend, its final state) need a "

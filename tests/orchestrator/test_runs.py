@@ -14,7 +14,7 @@ from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.job.state import JobFailed, JobState
 from rallypoint.orchestrator.job.runs import (
-    LATEST_FILE, adoptable_run_dir, check_spec_names, delete_run, old_runs, previous_run, refusal,
+    LATEST_FILE, adoptable_run_dir, check_init_from, check_spec_names, delete_run, old_runs, previous_run, refusal,
     request_checkpoint_dir, run_dir,
 )
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -99,6 +99,26 @@ def test_checkpoint_directories_from_requests_stay_under_the_root(tmp_path: Path
     with pytest.raises(ConfigError, match="started without --checkpoint-dir"):
         request_checkpoint_dir("sub", "")
     assert sorted(p.name for p in (tmp_path / "outside").iterdir()) == []
+
+
+def test_a_pretrained_checkpoint_a_worker_reads_is_absolute_and_outside_every_jobs_runs(tmp_path: Path) -> None:
+    """init_from (docs/checkpoints.md "Pretrained weights in"): the coordinator refuses, before anything is
+    written, a path a worker would read that is relative, has '..', or lies under the checkpoint root (another
+    job's runs), a symlink into it included."""
+    root = tmp_path / "root"
+    (root / "other-job" / "run-1").mkdir(parents=True)
+    os.symlink(root / "other-job", tmp_path / "link")
+
+    def spec(path: str) -> pb.JobSpec:
+        return pb.JobSpec(job="j", states=[pb.StateProgram(name="s", slice="a", init_from=pb.InitFrom(path=path))])
+
+    check_init_from(spec(str(tmp_path / "pretrained")), str(root))
+    check_init_from(pb.JobSpec(job="j", states=[pb.StateProgram(name="s", slice="a")]), str(root))
+    for bad, why in (("pretrained", "absolute path"), (str(tmp_path / "x" / ".." / "root"), "without '..'"),
+                     (str(root / "other-job" / "run-1"), "under the coordinators' checkpoint root"),
+                     (str(tmp_path / "link" / "run-1"), "under the coordinators' checkpoint root")):
+        with pytest.raises(ConfigError, match=why):
+            check_init_from(spec(bad), str(root))
 
 
 def test_run_dirs_refuse_bad_job_names_latest_contents_and_symlinked_job_folders(tmp_path: Path) -> None:

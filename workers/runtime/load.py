@@ -5,7 +5,8 @@ before any instance runs: :func:`slice_meshes` checks the slices' local devices,
 :func:`load_nodes` deserializes each node's exported program (or takes the
 executable a warm spare compiled ahead, :mod:`rallypoint.workers.warm`), and
 :func:`load_states` makes each resident state's first version: its init run on the
-slice's mesh, or, for a runtime starting at a checkpoint, the restored value.
+slice's mesh, or, for a runtime starting at a checkpoint, the restored value (at step 0, a state's
+pretrained checkpoint's value when it has one: :mod:`rallypoint.workers.checkpoints.pretrained`).
 
 A part of the job's own program that fails here for a reason no other worker would
 escape (:func:`program_fault`: an exception in an init, an XLA compile error, out of
@@ -25,6 +26,7 @@ from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.gang.lead import GangExecutable, GangSlice
 from rallypoint.workers.gang.checkpoint import restore_for_gang
+from rallypoint.workers.checkpoints.pretrained import load_pretrained
 from rallypoint.workers.programs import load_exported, slice_mesh
 from rallypoint.workers.errors import LoadError, RestoreError
 from rallypoint.workers.runtime.state import Leaves, NodeProgress, StateVersions
@@ -202,6 +204,10 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
             if leaves is None:
                 raise RestoreError(f"the checkpoint of slice {st.slice!r} at step {start} lacks "
                                    f"state {st.name!r}", slice_name=st.slice, step=start)
+        elif st.HasField("init_from"):  # pretrained weights: the same bytes at every load before the first cut
+            f = st.init_from
+            leaves = _program_part(f"state {st.name!r} init_from", worker_id,
+                                   lambda: load_pretrained(st.name, f.path, f.keys, f.checksum))
         else:
             mesh = mesh_of(f"state {st.name!r}", st.slice)
             leaves = _program_part(f"state {st.name!r} init", worker_id,
@@ -209,7 +215,7 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
                                                 else load_exported(st.exported_init, mesh)()))
         if len(leaves) != st.leaves:
             raise LoadError(f"state {st.name!r} has {len(leaves)} leaves, expected {st.leaves}")
-        if start > 0:
+        if start > 0 or st.HasField("init_from"):
             leaves = place(leaves, layouts(st), copies, "checkpoint")
         sv.add(sv.key(start), leaves)
         states[st.name] = sv
