@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) bench/device.py
 	$(PY) bench/lm.py
 	$(PY) bench/sharded.py
+	$(PY) bench/final_cut.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
 	$(PY) bench/elastic.py

@@ -301,6 +301,19 @@ def code_path(run_directory: Path, sha256: str) -> Path:
     return run_directory / CODE_DIR / f"{sha256}.zip"
 
 
+def check_checkpoint_root(spec: Any, root: str) -> None:
+    """A submitted job with states needs a checkpoint root (its own ``checkpoint_dir`` or the coordinators'): its
+    checkpoints carry recovery, suspend and its final state. Without one it is refused, not run without them.
+
+    Raises:
+        ConfigError: the job has states and ``root`` is empty.
+    """
+    if not root and spec.states:
+        raise ConfigError("it has states, whose checkpoints (recovery, suspend, its final state) need a checkpoint "
+                          "directory, and the coordinators were started without one: start them with "
+                          "--checkpoint-dir ROOT (a folder every worker reaches); nothing was started")
+
+
 def check_code(spec: Any) -> None:
     """A submitted spec's code bundle: its bytes hash to its sha256, and a job with host sources has one.
 

@@ -45,7 +45,7 @@ from rallypoint.orchestrator.service.fanout import EventFanOut, stream_events
 from rallypoint.orchestrator.service.registry import JobRun, RunRegistry
 from rallypoint.recovery.platforms import platform_refusal, pool_platforms
 from rallypoint.orchestrator.job.runs import check_init_from, check_spec_names, previous_run, refusal
-from rallypoint.orchestrator.job.runs import check_code, request_checkpoint_dir, within
+from rallypoint.orchestrator.job.runs import check_checkpoint_root, check_code, request_checkpoint_dir, within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -91,10 +91,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 within(Path(root), Path(root) / request.job, "the job's folder")
             check_init_from(request, self._root())
             check_code(request)
-            if not root and request.states:
-                raise ConfigError("it has states, whose checkpoints (recovery, suspend, its final state) need a "
-                                  "checkpoint directory, and the coordinators were started without one: start them "
-                                  "with --checkpoint-dir ROOT (a folder every worker reaches); nothing was started")
+            check_checkpoint_root(request, root)
             if request.code.sha256 and not root:
                 raise ConfigError("its code bundle (host sources) is shared with the workers through the run "
                                   "directory, and there is no checkpoint directory: give --checkpoint-dir")

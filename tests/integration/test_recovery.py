@@ -365,7 +365,7 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     args = quick_start_run()
     assert args[:2] == ["run", "examples/pipeline_mlp.py"] and "--fail" in args, args
     job = args[1]  # relative to the repository's root, where rp runs the CLI
-    state = {"RALLYPOINT_STATE_DIR": str(tmp_path / "state")}  # where the run keeps its metrics.jsonl
+    state = {"RALLYPOINT_STATE_DIR": str(tmp_path / "state")}  # where the run is kept (STATE_DIR/runs)
     out = rp(*args, "--json", timeout=300, env=state)
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     kinds = [x["event"] for x in lines if x["event"] != "step"]
@@ -380,6 +380,11 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     assert [f["slices"] for f in final["failures"]] == [["stage2"]]
     assert final["recoveries"][0]["checkpoint_step"] in (0, 10)
     assert set(final["replayed_instances"]) <= {"fwd2", "bwd2", "update2"}
+    runs = tmp_path / "state" / "runs" / "pipeline-mlp"  # the run outlives its embedded cluster, its final cut in it
+    run = runs / (runs / "LATEST").read_text().strip()
+    assert {p.parent.name for p in (run / "commits").glob(f"*/{steps:012d}.json")} == \
+        {f"stage{i}" for i in range(4)}, "every slice's final state committed at the last step"
+    assert (run / "metrics.jsonl").is_file() and (run / "events.jsonl").is_file() and (run / "jobspec.pb").is_file()
     png = tmp_path / "loss.png"
     drawn = rp("plot", "pipeline-mlp", "--out", str(png), env=state).stdout
     assert drawn.startswith(f"{png}: {steps} steps (0..{steps - 1}), loss "), drawn

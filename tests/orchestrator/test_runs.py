@@ -13,7 +13,7 @@ import pytest
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.job.state import JobFailed, JobState
-from rallypoint.orchestrator.job.runs import (
+from rallypoint.orchestrator.job.runs import (check_checkpoint_root, 
     LATEST_FILE, adoptable_run_dir, check_init_from, check_spec_names, delete_run, old_runs, previous_run, refusal,
     request_checkpoint_dir, run_dir,
 )
@@ -170,3 +170,12 @@ def test_spec_names_that_become_folders_are_checked() -> None:
         mutate(spec)
         with pytest.raises(ConfigError, match=re.escape(f"invalid {what}")):
             check_spec_names(spec)
+
+
+def test_a_job_with_states_is_refused_by_coordinators_without_a_checkpoint_root() -> None:
+    spec = pipeline_spec()
+    with pytest.raises(ConfigError, match=r"has states.*start them with --checkpoint-dir ROOT.*nothing was started"):
+        check_checkpoint_root(spec, "")
+    check_checkpoint_root(spec, "/ck")  # a root: accepted
+    del spec.states[:]
+    check_checkpoint_root(spec, "")  # no states, no checkpoints: runs without a root
