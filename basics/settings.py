@@ -56,11 +56,11 @@ def job_config() -> dict[str, str]:
 @contextmanager
 def recording(given: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
     """While a job file loads at submit: ``given`` are the submit's values; the dict yielded is filled, on exit,
-    with the settings to ship (the given ones and every one read)."""
+    with the settings to ship (the given ones and every one read). The given values stay this process's settings
+    after the load (the job's code that runs here later, a reference run's host source, reads the same)."""
     global _given
     out: dict[str, str] = {}
     with _lock:
-        before = (_given, dict(_read))
         _given = {str(k): str(v) for k, v in (given or {}).items()}
         _read.clear()
     try:
@@ -68,9 +68,6 @@ def recording(given: Mapping[str, str] | None = None) -> Iterator[dict[str, str]
     finally:
         with _lock:
             out.update({**_read, **_given})
-            _given = before[0]
-            _read.clear()
-            _read.update(before[1])
 
 
 def ship(values: Mapping[str, str], *, environ: bool = True) -> None:

@@ -150,8 +150,11 @@ class MetricsRun:
 
     def plot_marks(self) -> list[dict[str, Any]]:
         """What a plot marks, oldest first, each ``{kind, step, label}`` (``kind`` "recovery" also has
-        ``from_step``: a band from the cut it restored to the step it was hit at): the shape
+        ``from_step``, ``recovery`` and ``mttr_s``: the span from the cut it restored to the step it was hit at,
+        replayed; its label "replayed from S, MTTR x s", the MTTR once its ``replayed`` line is there): the shape
         :func:`rallypoint.orchestrator.observe.metrics_svg.metrics_svg` draws."""
+        mttr = {m.get("recovery"): m.get("mttr_s") for m in self.marks
+                if m.get("event") == "replayed" and isinstance(m.get("mttr_s"), (int, float))}
         out: list[dict[str, Any]] = []
         for m in self.marks:
             kind, step = str(m.get("event", "")), m.get("step")
@@ -161,8 +164,12 @@ class MetricsRun:
                 workers = ", ".join(map(str, m.get("workers") or []))
                 out.append({"kind": "fault", "step": step, "label": f"lost {workers}".strip()})
             elif kind == "recovery":
-                out.append({"kind": "recovery", "step": step, "from_step": int(m.get("from_step") or 0),
-                            "label": f"recovery {m.get('recovery', '')}".strip()})
+                start, took = int(m.get("from_step") or 0), mttr.get(m.get("recovery"))
+                out.append({"kind": "recovery", "step": step, "from_step": start, "recovery": m.get("recovery"),
+                            "mttr_s": took, "label": f"replayed from {start}"
+                            + (f", MTTR {float(took):.2f} s" if took is not None else "")})
+            elif kind == "drain":
+                out.append({"kind": "drain", "step": step, "label": f"drained {m.get('worker', '')}".strip()})
             elif kind == "nonfinite":
                 out.append({"kind": "nonfinite", "step": step, "label": f"{m.get('metric', '')} {m.get('value', '')}"})
             elif kind in ("stall", "resumed", "adopted"):

@@ -145,7 +145,9 @@ def test_a_job_files_settings_are_the_given_values_then_the_environment_and_ever
     monkeypatch.setenv("T_WIDTH", "16")
     p = load_program(job, settings=parse_assignments(["T_STEPS=5", "T_EXTRA=a=b"]))
     assert p.steps == 5 and p.settings == {"T_STEPS": "5", "T_WIDTH": "16", "T_EXTRA": "a=b"}
-    assert job_config() == {}  # nothing leaks past the load
+    assert job_config() == p.settings  # this process's settings from now on (a reference run reads the same)
+    load_program(job, settings={})
+    assert job_config() == {"T_STEPS": "3", "T_WIDTH": "16"}  # a later load starts again
     with pytest.raises(ValueError, match=r"--set 'T_STEPS' is not NAME=VALUE: give e.g. --set LM_D_MODEL=64"):
         parse_assignments(["T_STEPS"])
     (tmp_path / SETTINGS_FILE).write_text('{"A": 1}')
