@@ -113,7 +113,7 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """A W&B run in offline mode (``WANDB_MODE=offline``) under ``directory`` (``wandb sync`` uploads it later).
+    """A W&B run in offline mode (``mode="offline"``, as ``WANDB_MODE=offline``) under ``directory`` (``wandb sync`` uploads it later).
 
     Only where ``wandb`` is importable (it is not a dependency of Rallypoint): otherwise the
     constructor raises ImportError, which :func:`open_sinks` logs. A new leader resumes the same
@@ -122,11 +122,8 @@ class WandbSink:
     """
 
     def __init__(self, directory: Path, *, job: str = "", run: str = "") -> None:
-        import os
+        import wandb  # ImportError: the sink is not available here
 
-        import wandb  # noqa: F401 - ImportError: the sink is not available here
-
-        os.environ.setdefault("WANDB_MODE", "offline")
         directory.mkdir(parents=True, exist_ok=True)
         run_id = f"{job}-{run}".strip("-") or "run"
         self._run = wandb.init(project=job or "rallypoint", name=run or job, id=run_id, dir=str(directory),
