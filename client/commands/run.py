@@ -89,7 +89,7 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               help="Also log them to a W&B run in offline mode under DIR/JOB/RUN (where wandb is installed on the "
               "coordinators; `wandb sync` uploads it).")
 @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
-              help="A setting of the job (repeatable): what rallypoint.client.setting(NAME) returns in the job file, "
+              help="A setting of the job: what rallypoint.client.setting(NAME) returns in the job file, "
               "here and on the workers, shipped with the job's code (docs/data.md, \"Job settings\").")
 @click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The directory shipped to the workers as the job's code (host sources run from it; default: the "
@@ -127,7 +127,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if reference and wandb is not None:
-        raise ConfigError("--wandb is written by the cluster's coordinator: --reference writes none (use --tensorboard)")
+        raise ConfigError("--wandb is written by the cluster's coordinator: --reference writes none "
+                          "(use --tensorboard)")
     program = load_program(job_file, steps=steps, settings=given)
     if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run):
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "

@@ -362,7 +362,8 @@ class JobMetrics:
                         "policy": d.get("policy", "")})
         elif name == "job.drained":
             self._mark({"event": "drain", "drain": d.get("drain"), "t": round(now, 3), "step": step,
-                        "worker": d.get("worker", ""), "cause": str(d.get("reason", "")), "paused_s": d.get("paused_s")})
+                        "worker": d.get("worker", ""), "cause": str(d.get("reason", "")),
+                        "paused_s": d.get("paused_s")})
         elif name == "job.stalled":
             self._mark({"event": "stall", "t": round(now, 3), "step": step, "cause": str(d.get("reason", ""))})
         elif name == "job.nonfinite":

@@ -113,7 +113,8 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """A W&B run in offline mode (``mode="offline"``, as ``WANDB_MODE=offline``) under ``directory`` (``wandb sync`` uploads it later).
+    """A W&B run in offline mode (``mode="offline"``, as ``WANDB_MODE=offline``) under ``directory``
+    (``wandb sync`` uploads it later).
 
     Only where ``wandb`` is importable (it is not a dependency of Rallypoint): otherwise the
     constructor raises ImportError, which :func:`open_sinks` logs. A new leader resumes the same
