@@ -153,8 +153,8 @@ KINDS: dict[str, Callable[..., MetricsSink]] = {"tensorboard": TensorBoardSink, 
 
 
 def sink_directory(sink: pb.MetricsSink, job: str, run: str) -> Path:
-    """Where ``sink`` writes: ``DIR/<job>/<run id>`` (``DIR/<job>`` for a job that keeps no run directory)."""
-    return Path(sink.dir) / job / run if run else Path(sink.dir) / job
+    """Where ``sink`` writes: ``DIR/<job>/<run id>``."""
+    return Path(sink.dir) / job / run
 
 
 class Sinks:
@@ -191,7 +191,9 @@ class Sinks:
 def open_sinks(spec: pb.JobSpec, run_dir: Path | None, log: Any) -> Sinks:
     """The sinks ``spec`` asks for, opened for the run in ``run_dir``; one that cannot open is logged and left out."""
     out: list[tuple[str, MetricsSink]] = []
-    run = run_dir.name if run_dir is not None else ""
+    # A job that keeps no run directory (no checkpoint root) cannot be resumed or adopted past step 0: each of its
+    # runs writes a directory of its own, never skipping steps an earlier run of the same name wrote.
+    run = run_dir.name if run_dir is not None else f"unsaved-{int(time.time())}"
     for s in spec.metrics_sinks:
         make = KINDS.get(s.kind)
         where = sink_directory(s, spec.job, run)
