@@ -31,6 +31,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 MARK_PREFIX = "rallypoint/"  # the tags of the marks; a job's own metrics are the other tags
 EVENTS_TAG = MARK_PREFIX + "events"  # a text summary per mark
+WANDB_STEP_FILE = "rallypoint-wandb-step"  # the last step a W&B sink logged, for the next writer
 
 
 class MetricsSink(Protocol):
@@ -118,31 +119,38 @@ class WandbSink:
 
     Only where ``wandb`` is importable (it is not a dependency of Rallypoint): otherwise the
     constructor raises ImportError, which :func:`open_sinks` logs. A new leader resumes the same
-    run id (``resume="allow"``); steps at or below the last one it logged are skipped, as W&B
-    refuses steps that go back.
+    run id (``resume="allow"``; ``wandb sync`` joins the offline runs of one id); the last step
+    logged is kept in :data:`WANDB_STEP_FILE` beside them (an offline run cannot ask the server), and
+    steps at or below it are skipped, as W&B refuses steps that go back. Several jobs of one
+    coordinator each hold a run (``reinit="create_new"``, wandb >= 0.19).
     """
 
     def __init__(self, directory: Path, *, job: str = "", run: str = "") -> None:
         import wandb  # ImportError: the sink is not available here
 
         directory.mkdir(parents=True, exist_ok=True)
+        self._step_file = directory / WANDB_STEP_FILE
+        self.written_through = int(self._step_file.read_text()) if self._step_file.is_file() else -1
         run_id = f"{job}-{run}".strip("-") or "run"
         self._run = wandb.init(project=job or "rallypoint", name=run or job, id=run_id, dir=str(directory),
-                               mode="offline", resume="allow", reinit=True)
-        self.written_through = int(getattr(self._run, "step", 0) or 0) - 1
+                               mode="offline", resume="allow", reinit="create_new")
+
+    def _logged(self, step: int) -> None:
+        self.written_through = step
+        self._step_file.write_text(f"{step}\n")
 
     def metrics(self, step: int, values: Mapping[str, float], *, t: float | None = None) -> None:
         if step <= self.written_through or not values:
             return
         self._run.log(dict(values), step=step)
-        self.written_through = step
+        self._logged(step)
 
     def event(self, step: int, kind: str, detail: Mapping[str, Any], *, t: float | None = None) -> None:
         # W&B steps only go forward: a mark goes to the run's summary and, as scalars, at the next step logged.
         scalars = mark_scalars(kind, detail)
         if scalars and step > self.written_through:
             self._run.log(scalars, step=step)
-            self.written_through = step
+            self._logged(step)
         self._run.summary[f"{MARK_PREFIX}{kind}_{step}"] = describe(kind, step, detail)
 
     def close(self) -> None:

@@ -143,3 +143,8 @@ def test_wandb_offline_writes_its_run_under_the_directory(tmp_path: Path, monkey
     sink.close()
     assert sink.written_through == 3
     assert list((tmp_path / "wb").rglob("*.wandb")), "the offline run's file is under the directory"
+    again = WandbSink(tmp_path / "wb", job="j", run=RUN)  # a new leader: goes on after step 3
+    again.metrics(2, {"loss": 0.0})
+    again.metrics(4, {"loss": 0.2})
+    again.close()
+    assert again.written_through == 4 and len(list((tmp_path / "wb").rglob("*.wandb"))) == 2
