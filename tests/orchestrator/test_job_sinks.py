@@ -75,6 +75,9 @@ def test_tensorboard_files_hold_every_step_once_and_the_recovery_marks_across_a_
     m2.observe(pb.JobEvent(job="j", event="job.adopted", step=6))
     for s in (6, 7, 8, 9):
         _step(m2, s)
+        if s == 8:
+            m2.observe(pb.JobEvent(job="j", event="job.drained", step=9, detail=json.dumps(
+                {"drain": 1, "worker": "w1", "reason": "rallypoint drain", "paused_s": 0.5})))
     m2.observe(pb.JobEvent(job="j", event="job.finished", step=10))
 
     board = tmp_path / "tb" / "j" / RUN
@@ -85,10 +88,11 @@ def test_tensorboard_files_hold_every_step_once_and_the_recovery_marks_across_a_
     assert [e.value for e in loss] == [10.0 - s for s in range(10)]
     assert [(e.step, e.value) for e in acc.Scalars("rallypoint/lost_workers")] == [(5, 1.0)]
     assert [(e.step, e.value) for e in acc.Scalars("rallypoint/recovery_mttr_s")] == [(5, 1.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("rallypoint/drains")] == [(9, 1.0)]
     texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(EVENTS_TAG)]
     assert texts[0][0] == 5 and texts[0][1].startswith("step 5: lost w2")
     assert (5, "step 5: recovery 1 replayed from step 2, MTTR 1.25 s") in texts
-    assert any(t.endswith("adopted") for _, t in texts)
+    assert any(t.endswith("adopted") for _, t in texts) and (9, "step 9: drained w1 (rallypoint drain)") in texts
     marks = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines() if '"event"' in x]
     assert {"event": "replayed", "recovery": 1, "t": 100.0, "step": 5, "from_step": 2, "mttr_s": 1.25} in marks
 
