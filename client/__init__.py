@@ -14,7 +14,8 @@ Everything a job file or a library user needs is imported from here::
   :class:`JobStoppedError`; a job's life from a client that does not stay: :func:`submit_detached`,
   :func:`resume_detached`, :func:`watch`, :func:`control` (cancel, suspend);
 * step-indexed data for host sources: :class:`GrainBatches`, :class:`TokenWindows`, :func:`positions`,
-  :func:`record_indices`, :func:`epoch_of`, :func:`stack_records`, :class:`DataError`.
+  :func:`record_indices`, :func:`epoch_of`, :func:`stack_records`, :class:`DataError`;
+* the job's settings, shipped with its code: :func:`setting`, :func:`job_config`.
 
 ``docs/program-api.md`` and ``docs/data.md`` document them. The other modules of this package and
 ``client/commands/`` (the ``rallypoint`` command line) are internals. The names load on first use
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # the names as type checkers see them
     from rallypoint.client.program import Gathered, NodeHandle, Program, ProgramError, Ref, StateRef, gather
     from rallypoint.client.reference import RunResult, run_reference, state_digest
     from rallypoint.client.submission import JobError, JobStoppedError, resume, submit
+    from rallypoint.client.settings import job_config, setting
 
 _HOMES = {
     "program": ("Gathered", "NodeHandle", "Program", "ProgramError", "Ref", "StateRef", "gather"),
@@ -40,6 +42,7 @@ _HOMES = {
     "reference": ("RunResult", "run_reference", "state_digest"),
     "submission": ("JobError", "JobStoppedError", "resume", "submit"),
     "lifecycle": ("control", "resume_detached", "submit_detached", "watch"),
+    "settings": ("job_config", "setting"),
     "data": ("DataError", "GrainBatches", "TokenWindows", "epoch_of", "positions", "record_indices", "stack_records"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -81,8 +81,9 @@ def bundle_files(root: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
-def pack(root: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> Bundle:
-    """Pack ``root`` into a deterministic zip.
+def pack(root: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES, extra: dict[str, bytes] | None = None) -> Bundle:
+    """Pack ``root`` into a deterministic zip; ``extra``: files made here (path in the bundle -> bytes), in place
+    of any file of that path (the job's settings, ``basics/settings.py``).
 
     Raises:
         ProgramError: ``root`` is not a directory, or its files are over ``limit_bytes``.
@@ -101,15 +102,16 @@ def pack(root: str | Path, *, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> Bundle:
             "(fnmatch patterns), or give --code a smaller directory; data files belong on the filesystem "
             "every worker mounts (docs/data.md)"
         )
+    entries: dict[str, Path | bytes] = {rel: p for rel, p in files} | dict(extra or {})
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as z:
-        for rel, p in files:
+        for rel, p in sorted(entries.items()):
             info = zipfile.ZipInfo(rel, date_time=(1980, 1, 1, 0, 0, 0))
             info.external_attr = 0o644 << 16
             info.compress_type = zipfile.ZIP_DEFLATED
-            z.writestr(info, p.read_bytes())
+            z.writestr(info, p if isinstance(p, bytes) else p.read_bytes())
     data = buf.getvalue()
-    return Bundle(r, data, hashlib.sha256(data).hexdigest(), len(files), total)
+    return Bundle(r, data, hashlib.sha256(data).hexdigest(), len(entries), total)
 
 
 def relative_to_bundle(bundle_root: Path, file: str | Path, what: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rallypoint.basics.settings import SETTINGS_FILE, encode as encode_settings
 from rallypoint.client.bundle import IGNORE_FILE, bundle_files, pack, relative_to_bundle
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.program import Gathered, ProgramError, Ref, StateRef
@@ -21,12 +22,15 @@ RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every"
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path | None = None,
-             **recovery: Any) -> pb.JobSpec:
+             tensorboard: str | Path | None = None, wandb: str | Path | None = None, **recovery: Any) -> pb.JobSpec:
     """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits, and the
     job's code bundle when it has host sources (or ``code_dir`` is given).
 
     ``code_dir``: the directory shipped as the code bundle (default: the directory of the job
-    file that declares the first host source; docs/data.md).
+    file that declares the first host source; docs/data.md). The bundle also ships the program's
+    ``settings`` (docs/data.md, "Job settings").
+    ``tensorboard``, ``wandb``: directories the leading coordinator writes the job's metrics and marks
+    to (``DIR/<job>/<run id>/``; docs/metrics.md, "Trackers"); checked writable here.
     ``recovery``: any of :data:`RECOVERY_FIELDS` (``JobSpec`` fields; None: the
     default; ``checkpoint_every`` defaults to the program's).
 
@@ -50,6 +54,9 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path
     for key, value in recovery.items():
         if value is not None:
             setattr(spec, key, value)
+    for kind, where in (("tensorboard", tensorboard), ("wandb", wandb)):
+        if where is not None:
+            spec.metrics_sinks.append(pb.MetricsSink(kind=kind, dir=str(writable_dir(where, f"--{kind}"))))
     for s in program.slices.values():
         spec.slices.append(pb.SliceAssignment(slice=s.name, mesh_shape=s.mesh_shape, mesh_axes=s.mesh_axes))
     for st in compiled.states.values():
@@ -63,7 +70,9 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path
     hosts = [compiled.nodes[n] for n in compiled.order if compiled.nodes[n].host is not None]
     bundle = None
     if hosts or code_dir is not None:
-        bundle = pack(code_dir if code_dir is not None else Path(hosts[0].host[0]).parent)  # type: ignore[index]
+        extra = {SETTINGS_FILE: encode_settings(program.settings)} if program.settings else None
+        bundle = pack(code_dir if code_dir is not None else Path(hosts[0].host[0]).parent,  # type: ignore[index]
+                      extra=extra)
         spec.code.CopyFrom(pb.CodeBundle(sha256=bundle.sha256, zip=bundle.zip, size=len(bundle.zip),
                                          files=bundle.files))
     for name in compiled.order:
@@ -105,6 +114,27 @@ def _init_from(init_from: Any) -> pb.InitFrom | None:
     if init_from is None:
         return None
     return pb.InitFrom(path=init_from.path, keys=encode_keys(init_from.keys), checksum=init_from.checksum)
+
+
+def writable_dir(where: str | Path, option: str) -> Path:
+    """``where`` made absolute, created if needed and checked writable (a file made and removed there).
+
+    Raises:
+        ProgramError: it cannot be made or written, naming it and what to do.
+    """
+    import os
+    import tempfile
+
+    path = Path(where).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".rallypoint-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ProgramError(f"{option} {where}: cannot write there ({exc.strerror or exc}): give a directory you "
+                           "can write (made if missing), on the coordinators' filesystem") from None
+    return path
 
 
 def _variants(program: Any, slice_name: str, variants: dict[int, bytes]) -> list[pb.ExportedVariant]:

@@ -177,6 +177,8 @@ class Program:
         steps: number of training steps.
         microbatches: microbatches per step (per-microbatch nodes run this often).
         checkpoint_every: save state every K steps (used by recovery).
+        settings: the job's settings, shipped with its code bundle (``rallypoint.client.setting``; filled by
+            :func:`~rallypoint.client.jobfile.load_program` with what the job file read; docs/data.md).
     """
 
     name: str
@@ -187,6 +189,7 @@ class Program:
     states: dict[str, StateSpec] = field(default_factory=dict)
     nodes: dict[str, NodeSpec] = field(default_factory=dict)
     metrics: dict[str, Ref] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         try:

@@ -76,6 +76,8 @@ def submit(
     its run id) instead of being refused (docs/operations.md, "Runs").
     ``code_dir``: the directory shipped as the job's code bundle (default: the job file's, when
     the program has host sources; docs/data.md).
+    ``tensorboard=DIR``, ``wandb=DIR`` (in ``recovery``'s keywords): trackers the leading coordinator also writes
+    the job's metrics and marks to (:func:`rallypoint.client.jobspec.job_spec`; docs/metrics.md, "Trackers").
     ``final_state``: ``"sharded"``: a sharded state comes back laid out as it was, over this process's
     devices of its slice's mesh (host arrays when this process has too few); ``"host"``: every state
     as host arrays. A replicated state is host arrays either way.

@@ -14,12 +14,13 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Store
 from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.orchestrator.job.metrics import MetricsRun, read_metrics
+from rallypoint.orchestrator.job.sinks import TensorBoardSink
 from rallypoint.orchestrator.job.record import EVENTS_FILE
 from rallypoint.orchestrator.job.runs import RUN_ID, check_run_id, delete_run, old_runs, run_dir, run_of
 from rallypoint.orchestrator.job.state import END_EVENTS, FINAL_RECORD_STATES
 
 __all__ = ["END_EVENTS", "EVENTS_FILE", "FINAL_RECORD_STATES", "RUN_ID", "MetricsRun", "check_run_id", "cordon",
-           "delete_run", "old_runs", "read_metrics", "release", "run_dir", "run_of", "uncordon"]
+           "delete_run", "old_runs", "read_metrics", "release", "run_dir", "run_of", "uncordon", "TensorBoardSink"]
 
 
 def cordon(store: Store, keys: Keys, worker: str, *, by: str = "operator") -> None:

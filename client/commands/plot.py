@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,7 +39,8 @@ KEPT_RUNS = "runs"  # STATE_DIR/runs/<job>/<run id>/metrics.jsonl: what an embed
 METRICS_FILE, LATEST_FILE = "metrics.jsonl", "LATEST"  # as orchestrator/job/metrics.py and runs.py name them
 MAX_PANELS = 6
 MARK_STYLE = {"fault": ("#d62728", "--"), "stall": ("#b36b00", ":"), "nonfinite": ("#d62728", "-"),
-              "resumed": ("#7f7f7f", ":"), "adopted": ("#7f7f7f", ":")}
+              "resumed": ("#7f7f7f", ":"), "adopted": ("#7f7f7f", ":"), "drain": ("#1f77b4", ":")}
+REPLAYED = "#2a9d2a"  # the span a recovery replayed: hatched, light
 
 
 def on_nonfinite_option(f: F) -> F:
@@ -145,16 +146,40 @@ def find_run(job: str, *, run: str = "", checkpoint_dir: Path | None = None, sta
 
 @dataclass(frozen=True)
 class PlotData:
-    """The curves to draw (metric -> steps, values), the marks, and the one-line summary."""
+    """The curves to draw (metric -> steps, values), the marks, and the one-line summary; ``smoothed``: each
+    curve's EMA (``--smooth``; drawn over the raw curve, which is kept faint); ``sparse``: the metrics that exist
+    only at some steps (an eval every k steps: drawn as points joined); ``log_y``: the panels drawn on a log
+    scale (``--log-y``: those whose values are all positive)."""
 
     curves: dict[str, tuple[list[int], list[float]]]
     marks: list[dict[str, Any]]
     summary: str
+    smoothed: dict[str, list[float]] = field(default_factory=dict)
+    sparse: frozenset[str] = frozenset()
+    log_y: frozenset[str] = frozenset()
 
 
-def plot_data(data: MetricsRun, *, job: str, run: str, metric: str | None = None) -> PlotData:
+def smooth(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average of weight ``weight`` (0: none; 0.6 is its
+    default), debiased at the start; a value that is not finite is kept as it is and does not enter the average."""
+    out: list[float] = []
+    last, n = 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        last, n = last * weight + (1 - weight) * v, n + 1
+        out.append(last / (1 - weight ** n) if weight else last)
+    return out
+
+
+def plot_data(data: MetricsRun, *, job: str, run: str, metric: str | None = None, smoothing: float = 0.0,
+              log_y: bool = False) -> PlotData:
     """What ``rallypoint plot`` draws of ``data``: every metric (or ``metric``), the last value per step;
-    raises ConfigError when there is nothing to draw or ``metric`` is not one of the run's."""
+    raises ConfigError when there is nothing to draw, ``metric`` is not one of the run's, or ``smoothing``
+    is not in [0, 1)."""
+    if not 0 <= smoothing < 1:
+        raise ConfigError(f"--smooth {smoothing} is not in [0, 1): give a weight such as 0.6 (0: no smoothing)")
     if not data.names:
         raise ConfigError(f"run {run} of job {job!r} has no completed step with metrics yet: wait for its first "
                           "step (a job that declares no metric, prog.metric(...), has no curve)")
@@ -171,11 +196,19 @@ def plot_data(data: MetricsRun, *, job: str, run: str, metric: str | None = None
     summary = (f"{len(data.steps)} steps ({steps[0]}..{steps[-1]}), {main} {values[0]:.6g} -> {values[-1]:.6g}, "
                f"{recoveries} {'recovery' if recoveries == 1 else 'recoveries'}"
                + (f", non-finite: {'; '.join(nonfinite)}" if nonfinite else ""))
-    return PlotData(curves, marks, summary)
+    sparse = frozenset(n for n in names if len(curves[n][0]) < len(data.steps))
+    smoothed = {n: smooth(curves[n][1], smoothing) for n in names if smoothing and n not in sparse}
+    logs = frozenset(n for n in names if log_y and all(v > 0 for v in curves[n][1] if math.isfinite(v)))
+    if log_y and len(logs) < len(names):
+        summary += f"; linear y for {', '.join(sorted(set(names) - logs))} (values <= 0)"
+    return PlotData(curves, marks, summary, smoothed, sparse, logs)
 
 
-def draw(pd: PlotData, out: Path, title: str) -> None:
-    """The PNG of ``pd`` at ``out`` (matplotlib, Agg)."""
+def figure(pd: PlotData, title: str) -> Any:
+    """The matplotlib figure of ``pd`` (Agg; the caller closes it). Each panel: the curve (faint under its
+    smoothed line with ``--smooth``; points joined for a metric only some steps have), a loss as a line at the
+    step it happened ("lost w2"), the span a recovery replayed (from the cut it restored to that step) hatched
+    and labelled "replayed from S, MTTR x s" inside it, below the loss's label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,25 +216,44 @@ def draw(pd: PlotData, out: Path, title: str) -> None:
 
     names = list(pd.curves)[:MAX_PANELS]
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.8 * len(names) + 0.6), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        steps, values = pd.curves[name]
+        shown = [v if math.isfinite(v) else math.nan for v in values]
+        style: dict[str, Any] = {"marker": "o", "ms": 3} if name in pd.sparse else {}
+        if name in pd.smoothed:
+            ax.plot(steps, shown, lw=1.0, alpha=0.3, color="C0", gid=f"raw:{name}")
+            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in pd.smoothed[name]], lw=1.6, color="C0",
+                    label=name, gid=f"curve:{name}")
+        else:
+            ax.plot(steps, shown, lw=1.4, color="C0", label=name, gid=f"curve:{name}", **style)
+        if name in pd.log_y:
+            ax.set_yscale("log")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        for m in pd.marks:
+            if m["kind"] == "recovery":
+                end = max(m["step"], m["from_step"] + 0.5)
+                ax.axvspan(m["from_step"], end, facecolor=REPLAYED, alpha=0.12, hatch="///", edgecolor=REPLAYED,
+                           lw=0, gid=f"replayed:{m['from_step']}-{m['step']}")
+                ax.text(m["from_step"], 0.06, f" {m['label']}", transform=ax.get_xaxis_transform(), va="bottom",
+                        fontsize=8, color="#1e6e1e", gid="replayed-label")
+            else:
+                colour, ls = MARK_STYLE.get(m["kind"], ("#7f7f7f", ":"))
+                ax.axvline(m["step"], color=colour, ls=ls, lw=1.2, gid=f"{m['kind']}:{m['step']}")
+                ax.text(m["step"], 0.97, f" {m['label']}", transform=ax.get_xaxis_transform(), va="top",
+                        fontsize=8, color=colour, gid=f"{m['kind']}-label")
+    axes[0, 0].set_title(title)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
+def draw(pd: PlotData, out: Path, title: str) -> None:
+    """The PNG of ``pd`` at ``out`` (matplotlib, Agg)."""
+    from matplotlib import pyplot as plt
+
+    fig = figure(pd, title)
     try:
-        for ax, name in zip(axes[:, 0], names, strict=True):
-            steps, values = pd.curves[name]
-            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], lw=1.4, label=name)
-            ax.set_ylabel(name)
-            ax.grid(alpha=0.3)
-            for m in pd.marks:
-                if m["kind"] == "recovery":
-                    ax.axvspan(m["from_step"], max(m["step"], m["from_step"] + 0.5), color="#2a9d2a", alpha=0.2)
-                    ax.text(m["from_step"], 0.97, f" {m['label']}", transform=ax.get_xaxis_transform(),
-                            va="top", fontsize=8, color="#1e6e1e")
-                else:
-                    colour, style = MARK_STYLE.get(m["kind"], ("#7f7f7f", ":"))
-                    ax.axvline(m["step"], color=colour, ls=style, lw=1.2)
-                    ax.text(m["step"], 0.85, f" {m['label']}", transform=ax.get_xaxis_transform(), va="top",
-                            fontsize=8, color=colour)
-        axes[0, 0].set_title(title)
-        axes[-1, 0].set_xlabel("step")
-        fig.tight_layout()
         fig.savefig(out, format="png", dpi=100)
     finally:
         plt.close(fig)
@@ -216,9 +268,13 @@ def draw(pd: PlotData, out: Path, title: str) -> None:
               help="The checkpoint root the job ran with (instead of finding it through --state-dir or --cluster).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the PNG (default: JOB-RUN.png in the current directory).")
+@click.option("--smooth", "smoothing", type=float, default=0.0, metavar="W",
+              help="Smooth each curve as TensorBoard does (an EMA of weight W in [0, 1), e.g. 0.6), the raw curve "
+              "kept faint.")
+@click.option("--log-y", is_flag=True, help="A log scale for the values (panels whose values are all positive).")
 def plot(state_dir: Path, cluster: str | None, job: str, metric: str | None, run_id: str,
-         checkpoint_dir: Path | None, out: Path | None) -> None:
-    """Draw JOB's loss curve (every metric, or --metric) as a PNG, faults and recoveries marked.
+         checkpoint_dir: Path | None, out: Path | None, smoothing: float = 0.0, log_y: bool = False) -> None:
+    """Draw JOB's loss curve (every metric, or --metric) as a PNG, losses, replayed spans and MTTRs marked.
 
     From the run's metrics.jsonl (docs/metrics.md): on a running cluster (--state-dir, --cluster),
     or after `rallypoint run` on its embedded cluster has ended (it keeps the run's metrics under
@@ -229,7 +285,8 @@ def plot(state_dir: Path, cluster: str | None, job: str, metric: str | None, run
     if not found.path.is_file():
         raise ConfigError(f"run {found.run} of job {job!r} has no {METRICS_FILE} yet ({found.path}): no step has "
                           "completed, or it ran before metrics were kept; wait for its first step")
-    pd = plot_data(read_metrics(found.path), job=job, run=found.run, metric=metric)
+    pd = plot_data(read_metrics(found.path), job=job, run=found.run, metric=metric, smoothing=smoothing,
+                   log_y=log_y)
     out = out or Path(f"{job}-{found.run}.png")
     draw(pd, out, f"{job} ({found.run})")
     click.echo(f"{out}: {pd.summary}")

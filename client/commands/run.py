@@ -84,6 +84,15 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               "`rallypoint resume NAME` continues the old run.")
 @click.option("--detach", is_flag=True, help="With --cluster: return once the job runs, printing its name and run "
               "id; `rallypoint watch NAME` follows it, `rallypoint logs NAME` prints its events.")
+@click.option("--tensorboard", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="Also write the job's metrics and its faults and recoveries as TensorBoard event files under "
+              "DIR/JOB/RUN (written by the leading coordinator; `tensorboard --logdir DIR`; docs/metrics.md).")
+@click.option("--wandb", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="Also log them to a W&B run in offline mode under DIR/JOB/RUN (where wandb is installed on the "
+              "coordinators; `wandb sync` uploads it).")
+@click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+              help="A setting of the job: what rallypoint.client.setting(NAME) returns in the job file, "
+              "here and on the workers, shipped with the job's code (docs/data.md, \"Job settings\").")
 @click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The directory shipped to the workers as the job's code (host sources run from it; default: the "
               "job file's directory). Limited in size; .rallypointignore leaves files out (docs/data.md).")
@@ -99,7 +108,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         wait_timeout_s: float | None, stall_timeout_s: float | None, priority: int | None, stragglers: str | None,
         straggler_factor: float | None, warm_spares: int | None, max_faults: int | None, on_nonfinite: str | None,
         max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None, new_run: bool,
-        detach: bool, code_dir: Path | None, remove_run: bool, keep_runs: int) -> None:
+        detach: bool, code_dir: Path | None, remove_run: bool, keep_runs: int, tensorboard: Path | None = None,
+        wandb: Path | None = None, settings: tuple[str, ...] = ()) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -113,7 +123,21 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                           "(`rallypoint up` starts a cluster that stays)")
     if detach and fail:
         raise ConfigError("--fail acts as the job runs, from this command: it cannot be used with --detach")
-    program = load_program(job_file, steps=steps)
+    from rallypoint.basics.settings import parse_assignments
+    from rallypoint.client.jobspec import writable_dir
+
+    for option, where in (("--tensorboard", tensorboard), ("--wandb", wandb)):
+        if where is not None:
+            writable_dir(where, option)  # before anything runs: a directory that cannot be written is refused
+
+    try:
+        given = parse_assignments(settings)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if reference and wandb is not None:
+        raise ConfigError("--wandb is written by the cluster's coordinator: --reference writes none "
+                          "(use --tensorboard)")
+    program = load_program(job_file, steps=steps, settings=given)
     if reference and (cluster or workers is not None or devices_per_worker is not None or fail or new_run
                       or remove_run or keep_runs):
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "
@@ -142,13 +166,15 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                 "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
                 "warm_spares": warm_spares, "max_faults": max_faults, "max_preemptions": max_preemptions,
                 "failure_window_s": failure_window_s, "compile_timeout_s": compile_timeout_s,
-                "on_nonfinite": on_nonfinite, "code_dir": str(code_dir) if code_dir else None}  # a submit setting, beside the recovery ones
+                "on_nonfinite": on_nonfinite, "code_dir": str(code_dir) if code_dir else None,  # submit settings,
+                "tensorboard": str(tensorboard) if tensorboard else None,  # beside the recovery ones
+                "wandb": str(wandb) if wandb else None}
     compiled = compile_program(program, platforms=export_platforms_for(platforms, reference=reference,
                                                                           cluster=cluster))
-    if not reference and (program.host_sources or code_dir):  # the bundle's errors before any cluster starts
-        from rallypoint.client.jobspec import job_spec
+    if not reference and (program.host_sources or code_dir or tensorboard or wandb):  # before any cluster starts:
+        from rallypoint.client.jobspec import job_spec  # the bundle's errors, a tracker directory not writable
 
-        job_spec(compiled, code_dir=code_dir)
+        job_spec(compiled, code_dir=code_dir, tensorboard=tensorboard, wandb=wandb)
     if detach:
         _detach(compiled, cluster, window, new_run, recovery, as_json)
         return
@@ -156,8 +182,18 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     after: list[str] = []  # lines said once the run's summary is out (where an embedded run was kept)
     says: list[Callable[[dict[str, Any]], None]] = [lambda d: click.echo(json.dumps(d))]  # the bar's console, once up
     if reference:
+        board = _reference_board(program.name, tensorboard)
+
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
-            return ReferenceExecutor(compiled, on_step=on_step).run()
+            def step(s: int, metrics: dict[str, float]) -> None:
+                if board is not None:
+                    board.metrics(s, metrics)
+                on_step(s, metrics)
+            try:
+                return ReferenceExecutor(compiled, on_step=step).run()
+            finally:
+                if board is not None:
+                    board.close()
     else:
         where = "cluster" if cluster else "embedded cluster"
 
@@ -171,6 +207,16 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         _show(program, runner, as_json, where, says)
     for line in after:
         click.echo(line)
+
+
+def _reference_board(job: str, tensorboard: Path | None) -> Any:
+    """``--reference --tensorboard DIR``: this process writes the event files, under DIR/JOB/reference."""
+    if tensorboard is None:
+        return None
+    from rallypoint.client.jobspec import writable_dir
+    from rallypoint.orchestrator.api import TensorBoardSink
+
+    return TensorBoardSink(writable_dir(tensorboard, "--tensorboard") / job / "reference")
 
 
 def _detach(compiled: Any, cluster: str | None, window: int, new_run: bool, recovery: dict[str, Any],

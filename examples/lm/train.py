@@ -25,14 +25,14 @@ Four layouts of the same model (model.py), chosen by ``LM_VARIANT``:
 Data: a host source (plain Python, on the worker) reads windows of ``LM_CONTEXT + 1``
 bytes of the token file through Grain (rallypoint.client.data); the examples of a step
 are a function of the step only, the same in both layouts and on any device count. The
-token file is prepared on first use (prepare.py). Sizes and paths come from ``LM_*``
-environment variables (:func:`config`), read when the program is built and when the
-source first runs, so the workers of a run must see the same ones as the client.
+token file is prepared on first use (prepare.py). Sizes and paths are the job's settings
+``LM_*`` (:func:`config`): ``rallypoint run --set LM_D_MODEL=128 ...``, or the client's
+environment variables of those names; read with ``rallypoint.client.setting``, they are
+shipped with the job's code, so the workers need not be started with them.
 """
 
 # No `from __future__ import annotations`: the job file is imported without a sys.modules entry, where
 # dataclasses cannot resolve string annotations.
-import os
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import model as lm
 import prepare as corpus
-from rallypoint.client import Program, ProgramError, gather
+from rallypoint.client import Program, ProgramError, gather, setting
 from rallypoint.client.data import GrainBatches, TokenWindows
 
 DATA = P("data")  # the batch axis over the slice's "data" mesh axis
@@ -104,10 +104,11 @@ class LMConfig:
 
 
 def config() -> LMConfig:
-    """The settings from the environment (``LM_<FIELD>``), defaults otherwise."""
+    """The job's settings ``LM_<FIELD>`` (``--set``, else the client's environment; on a worker, the values shipped
+    with the job's code), defaults otherwise."""
     values: dict[str, Any] = {}
     for f in fields(LMConfig):
-        raw = os.environ.get(f"LM_{f.name.upper()}")
+        raw = setting(f"LM_{f.name.upper()}")
         if raw is not None:
             values[f.name] = type(f.default)(raw)
     return LMConfig(**values).check()

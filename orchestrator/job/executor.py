@@ -154,7 +154,8 @@ class JobExecutor:
                                     progress=self.progress, on_restored=self._restored, job_cut=self.job_cut)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
-                                      microbatches=spec.microbatches, hooks=hooks)
+                                      microbatches=spec.microbatches, hooks=hooks,
+                                      on_replayed=lambda rec: self.job_metrics.replayed(rec))
         self.stragglers = StragglerWatch(spec, JobStragglerPort(  # docs/elastic.md
             spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)

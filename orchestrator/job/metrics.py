@@ -11,6 +11,9 @@ object a line (docs/metrics.md, "Per-step metrics"):
 * ``{"event": "recovery", "recovery", "t", "ended_t", "step", "from_step", "cause", "replayed"}``:
   the lost slices run again (``job.recovered``): hit at ``step``, restored from the cut at
   ``from_step``, ``replayed`` instances planned to run again, detected at ``t``, running at ``ended_t``;
+* ``{"event": "replayed", "recovery", "t", "step", "from_step", "mttr_s"}``: that recovery's lost work is
+  redone (its replay phase ended): ``mttr_s`` is its MTTR, the loss to the lost work redone;
+* ``{"event": "drain", "drain", "t", "step", "worker", "cause", "paused_s"}``: a drain moved slices off a worker;
 * ``{"event": "stall", "t", "step", "cause"}``, ``{"event": "nonfinite", "t", "step", "metric",
   "value", "action"}``, and ``{"event": "resumed" | "adopted", "t", "step"}`` (a run that goes on
   from the cut at ``step``: ``rallypoint resume``, or a new leader).
@@ -19,7 +22,8 @@ The file is a log: a step replayed after a recovery or an adoption may complete 
 is written again; readers (:func:`read_metrics`) take the last value per step. A new
 leader adopting the job, or a resume, appends to the same file. Writing never fails the
 job: a file system that refuses a line is logged once (``job.metrics_write_failed``) and
-the next lines are tried again.
+the next lines are tried again. The same records go to the job's trackers (``JobSpec.metrics_sinks``:
+TensorBoard, W&B; :mod:`rallypoint.orchestrator.job.sinks`), each step once.
 
 A metric value of an instance that is not finite (each ``InstanceDone`` is checked as it
 arrives, :meth:`JobMetrics.check`): with ``on_nonfinite = "warn"`` a ``job.nonfinite`` event,
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut
+from rallypoint.orchestrator.job.sinks import Sinks, open_sinks
 from rallypoint.orchestrator.job.state import STREAM_END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.slices import stateful_slices
@@ -145,8 +150,11 @@ class MetricsRun:
 
     def plot_marks(self) -> list[dict[str, Any]]:
         """What a plot marks, oldest first, each ``{kind, step, label}`` (``kind`` "recovery" also has
-        ``from_step``: a band from the cut it restored to the step it was hit at): the shape
+        ``from_step``, ``recovery`` and ``mttr_s``: the span from the cut it restored to the step it was hit at,
+        replayed; its label "replayed from S, MTTR x s", the MTTR once its ``replayed`` line is there): the shape
         :func:`rallypoint.orchestrator.observe.metrics_svg.metrics_svg` draws."""
+        mttr = {m.get("recovery"): m.get("mttr_s") for m in self.marks
+                if m.get("event") == "replayed" and isinstance(m.get("mttr_s"), (int, float))}
         out: list[dict[str, Any]] = []
         for m in self.marks:
             kind, step = str(m.get("event", "")), m.get("step")
@@ -156,8 +164,12 @@ class MetricsRun:
                 workers = ", ".join(map(str, m.get("workers") or []))
                 out.append({"kind": "fault", "step": step, "label": f"lost {workers}".strip()})
             elif kind == "recovery":
-                out.append({"kind": "recovery", "step": step, "from_step": int(m.get("from_step") or 0),
-                            "label": f"recovery {m.get('recovery', '')}".strip()})
+                start, took = int(m.get("from_step") or 0), mttr.get(m.get("recovery"))
+                out.append({"kind": "recovery", "step": step, "from_step": start, "recovery": m.get("recovery"),
+                            "mttr_s": took, "label": f"replayed from {start}"
+                            + (f", MTTR {float(took):.2f} s" if took is not None else "")})
+            elif kind == "drain":
+                out.append({"kind": "drain", "step": step, "label": f"drained {m.get('worker', '')}".strip()})
             elif kind == "nonfinite":
                 out.append({"kind": "nonfinite", "step": step, "label": f"{m.get('metric', '')} {m.get('value', '')}"})
             elif kind in ("stall", "resumed", "adopted"):
@@ -289,14 +301,18 @@ class JobMetrics:
         self.event, self.wall = event, wall
         self.mode = "stop"
         self.file = MetricsLog(None, log)
+        self.sinks = Sinks([], log)  # the job's trackers (TensorBoard, W&B), opened with the file
         self.warned: set[str] = set()
         self._hit: dict[int, int] = {}  # recovery -> the step it was detected at
+        self._from: dict[int, int] = {}  # recovery -> the cut it restored
         self._observe_failed = False
 
     def open(self, run_dir: Path | None, mode: str) -> None:
         """The run's directory (None: the job keeps no files) and its ``on_nonfinite`` mode."""
         self.mode = mode
         self.file = MetricsLog(run_dir / METRICS_FILE if run_dir is not None else None, self.log)
+        self.sinks.close()
+        self.sinks = open_sinks(self.spec, run_dir, self.log)
 
     def tee(self, emit: Callable[[pb.JobEvent], None]) -> Callable[[pb.JobEvent], None]:
         """``emit`` that first writes what ``metrics.jsonl`` keeps of each event."""
@@ -321,33 +337,56 @@ class JobMetrics:
         if name == "step.done":
             self.file.write({"step": step, "t": round(now, 3),
                              "metrics": {k: encode_value(v) for k, v in sorted(ev.metrics.items())}})
+            self.sinks.metrics(step, dict(ev.metrics), now)
             return
         if name in END_EVENTS:
             self.file.close()
+            self.sinks.close()
             return
         if name not in ("job.recovering", "job.recovered", "job.stalled", "job.nonfinite", "job.resumed",
-                        "job.adopted"):
+                        "job.adopted", "job.drained"):
             return
         d = json.loads(ev.detail or "{}")
         if name == "job.recovering":
             n = int(d.get("recovery", 0))
             self._hit[n] = step
-            self.file.write({"event": "fault", "t": round(now, 3), "step": step, "recovery": n,
-                             "workers": sorted(d.get("lost") or {}), "cause": _cause(d.get("lost") or {})})
+            self._mark({"event": "fault", "t": round(now, 3), "step": step, "recovery": n,
+                        "workers": sorted(d.get("lost") or {}), "cause": _cause(d.get("lost") or {})})
         elif name == "job.recovered":
             n = int(d.get("recovery", 0))
-            self.file.write({"event": "recovery", "recovery": n, "t": round(float(d.get("detected_at") or now), 3),
-                             "ended_t": round(now, 3), "step": self._hit.get(n, step),
-                             "from_step": int(d.get("checkpoint_step", 0)), "cause": _cause(d.get("reasons") or {}),
-                             "replayed": int(sum((d.get("planned_instances") or {}).values())),
-                             "policy": d.get("policy", "")})
+            self._from[n] = int(d.get("checkpoint_step", 0))
+            self._mark({"event": "recovery", "recovery": n, "t": round(float(d.get("detected_at") or now), 3),
+                        "ended_t": round(now, 3), "step": self._hit.get(n, step),
+                        "from_step": int(d.get("checkpoint_step", 0)), "cause": _cause(d.get("reasons") or {}),
+                        "replayed": int(sum((d.get("planned_instances") or {}).values())),
+                        "policy": d.get("policy", "")})
+        elif name == "job.drained":
+            self._mark({"event": "drain", "drain": d.get("drain"), "t": round(now, 3), "step": step,
+                        "worker": d.get("worker", ""), "cause": str(d.get("reason", "")),
+                        "paused_s": d.get("paused_s")})
         elif name == "job.stalled":
-            self.file.write({"event": "stall", "t": round(now, 3), "step": step, "cause": str(d.get("reason", ""))})
+            self._mark({"event": "stall", "t": round(now, 3), "step": step, "cause": str(d.get("reason", ""))})
         elif name == "job.nonfinite":
-            self.file.write({"event": "nonfinite", "t": round(now, 3), "step": step, "metric": d.get("metric"),
-                             "value": d.get("value"), "node": d.get("node"), "action": d.get("action")})
+            self._mark({"event": "nonfinite", "t": round(now, 3), "step": step, "metric": d.get("metric"),
+                        "value": d.get("value"), "node": d.get("node"), "action": d.get("action")})
         else:
-            self.file.write({"event": name.removeprefix("job."), "t": round(now, 3), "step": step})
+            self._mark({"event": name.removeprefix("job."), "t": round(now, 3), "step": step})
+
+    def _mark(self, rec: dict[str, Any]) -> None:
+        self.file.write(rec)
+        self.sinks.event(int(rec["step"]), str(rec["event"]), rec, float(rec["t"]))
+
+    def replayed(self, record: Any) -> None:
+        """A recovery's lost work is redone (its ``RecoveryRecord`` has its replay phase): its MTTR is known.
+        Never raises."""
+        try:
+            n = int(record.number)
+            d = record.to_json()
+            self._mark({"event": "replayed", "recovery": n, "t": round(self.wall(), 3),
+                        "step": self._hit.get(n, 0), "from_step": self._from.get(n, int(record.checkpoint_step)),
+                        "mttr_s": d.get("mttr_s")})
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("job.metrics_observe_failed", event_name="replayed", error=repr(exc))
 
     # -- non-finite values ----------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ costs each instance what its first did.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rallypoint.basics.clock import Clock
@@ -45,8 +45,10 @@ class JobRecoveries:
     """The recoveries of one job (see the module doc)."""
 
     def __init__(self, port: RecoveryPort, *, budget: Budget, clock: Clock, log: Any, microbatches: int,
-                 hooks: ExecutorHooks = ExecutorHooks()) -> None:
+                 hooks: ExecutorHooks = ExecutorHooks(),
+                 on_replayed: Callable[[RecoveryRecord], None] = lambda _: None) -> None:
         self.port, self.budget, self.clock, self.log, self.hooks = port, budget, clock, log, hooks
+        self.on_replayed = on_replayed  # a recovery's lost work is redone: its MTTR is known (the job's metrics)
         self.microbatches = microbatches
         self.machines: list[Recovery] = []
         self.records: list[RecoveryRecord] = []
@@ -139,7 +141,10 @@ class JobRecoveries:
 
     def observe(self, worker: str, generation: int, node: str, step: int) -> None:
         for m in self._live:
+            replaying = "replay" not in m.record.marks
             m.observe(worker, generation, node, step)
+            if replaying and "replay" in m.record.marks:
+                self.on_replayed(m.record)
         self._prune()
 
     def first_call(self, worker: str, generation: int, slice_name: str, source: str, compile_s: float) -> None:

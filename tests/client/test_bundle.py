@@ -131,3 +131,25 @@ def test_a_jax_source_that_ignores_step_and_microbatch_is_refused_pointing_at_ho
     with pytest.raises(ProgramError, match=r"source 'noise': none of its outputs depends on \(step, microbatch\).*"
                                            r"NumPy's random generator.*host=True"):
         compile_program(prog)
+
+
+def test_a_job_files_settings_are_the_given_values_then_the_environment_and_every_one_read_is_shipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rallypoint.basics.settings import SETTINGS_FILE, job_config, load_shipped, parse_assignments
+    from rallypoint.client.jobfile import load_program
+
+    job = tmp_path / "job.py"
+    job.write_text("from rallypoint.client import Program, setting\n"
+                   "program = Program(name='t', steps=int(setting('T_STEPS', '3')))\n"
+                   "WIDTH = setting('T_WIDTH', '8')\nNONE = setting('T_NONE')\n")
+    monkeypatch.setenv("T_WIDTH", "16")
+    p = load_program(job, settings=parse_assignments(["T_STEPS=5", "T_EXTRA=a=b"]))
+    assert p.steps == 5 and p.settings == {"T_STEPS": "5", "T_WIDTH": "16", "T_EXTRA": "a=b"}
+    assert job_config() == p.settings  # this process's settings from now on (a reference run reads the same)
+    load_program(job, settings={})
+    assert job_config() == {"T_STEPS": "3", "T_WIDTH": "16"}  # a later load starts again
+    with pytest.raises(ValueError, match=r"--set 'T_STEPS' is not NAME=VALUE: give e.g. --set LM_D_MODEL=64"):
+        parse_assignments(["T_STEPS"])
+    (tmp_path / SETTINGS_FILE).write_text('{"A": 1}')
+    with pytest.raises(ValueError, match="is not a JSON object of strings"):
+        load_shipped(tmp_path)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from rallypoint.basics.errors import ConfigError
 from rallypoint.client.commands.main import main
 from rallypoint.client.commands.output import describe_event
-from rallypoint.client.commands.plot import draw, find_run, plot_data
+from rallypoint.client.commands.plot import draw, figure, find_run, plot_data, smooth
 from rallypoint.orchestrator.job.metrics import parse_metrics
 from tests.helpers.cli import ROOT
 
@@ -45,7 +45,8 @@ def test_the_plot_takes_the_last_value_per_step_loss_first_and_marks_recoveries_
     assert list(pd.curves) == ["loss", "acc"]
     assert pd.curves["loss"] == ([0, 1, 2, 3], [3.0, 2.0, 1.25, 1.0])
     assert pd.marks == [{"kind": "fault", "step": 3, "label": "lost w2"},
-                        {"kind": "recovery", "step": 3, "from_step": 2, "label": "recovery 1"},
+                        {"kind": "recovery", "step": 3, "from_step": 2, "recovery": 1, "mttr_s": None,
+                         "label": "replayed from 2"},
                         {"kind": "nonfinite", "step": 4, "label": "loss nan"}]
     assert pd.summary == "4 steps (0..3), loss 3 -> 1, 1 recovery, non-finite: loss nan"
     only = plot_data(data, job="j", run=RUN, metric="acc")
@@ -114,3 +115,48 @@ def test_on_nonfinite_is_a_choice_of_rallypoint_run_and_reaches_the_job_spec() -
                       "action": "warn"})
     assert line == ("[red]non-finite[/red] metric 'loss' is nan at step 7 (node train): the job goes on "
                     "(--on-nonfinite warn)")
+
+
+KILLED = ([{"step": s, "t": float(s), "metrics": {"loss": 4.0 / (s + 1)}} for s in range(17)]
+          + [{"event": "fault", "t": 17.0, "step": 17, "recovery": 1, "workers": ["w2"], "cause": "w2: killed"},
+             {"event": "recovery", "recovery": 1, "t": 17.0, "ended_t": 18.0, "step": 17, "from_step": 10,
+              "cause": "w2", "replayed": 7}]
+          + [{"step": s, "t": 18.0 + s, "metrics": {"loss": 4.0 / (s + 1)}} for s in range(10, 17)]
+          + [{"event": "replayed", "recovery": 1, "t": 35.0, "step": 17, "from_step": 10, "mttr_s": 1.5}]
+          + [{"step": s, "t": 36.0 + s, "metrics": {"loss": 4.0 / (s + 1), **({"eval_loss": 5.0 / (s + 1)}
+                                                                              if s % 5 == 0 else {})}}
+             for s in range(17, 25)])
+
+
+def test_a_kill_reads_as_a_loss_at_its_step_then_a_replayed_span_with_its_mttr_and_smoothing_keeps_the_raw_curve(
+        ) -> None:
+    """A kill at step 17 restored from step 10: a red line at 17 "lost w2"; 10..17 hatched, "replayed from 10,
+    MTTR 1.50 s" inside the span, below the loss's label; --smooth, --log-y, an eval metric as points."""
+    from matplotlib import pyplot as plt
+
+    pd = plot_data(parse_metrics(json.dumps(x) for x in KILLED), job="j", run=RUN, smoothing=0.6, log_y=True)
+    assert pd.sparse == {"eval_loss"} and pd.curves["eval_loss"][0] == [20] and pd.log_y == {"loss", "eval_loss"}
+    fig = figure(pd, "j")
+    try:
+        ax = fig.axes[0]
+        by_gid = {a.get_gid(): a for a in [*ax.lines, *ax.patches, *ax.texts] if a.get_gid()}
+        lost = by_gid["fault:17"]
+        assert list(lost.get_xdata()) == [17, 17] and lost.get_color() == "#d62728"
+        assert by_gid["fault-label"].get_text() == " lost w2" and by_gid["fault-label"].get_position()[0] == 17
+        span = by_gid["replayed:10-17"]
+        xs = ([span.get_x(), span.get_x() + span.get_width()] if hasattr(span, "get_width")  # matplotlib >= 3.9
+              else [x for x, _ in span.get_xy()])
+        assert (min(xs), max(xs)) == (10, 17) and span.get_hatch() == "///"
+        label = by_gid["replayed-label"]
+        assert label.get_text() == " replayed from 10, MTTR 1.50 s" and label.get_position()[0] == 10
+        assert label.get_position()[1] < by_gid["fault-label"].get_position()[1]  # under the loss's label
+        raw, smoothed = by_gid["raw:loss"], by_gid["curve:loss"]
+        assert raw.get_alpha() == 0.3 and list(smoothed.get_ydata()) == pytest.approx(pd.smoothed["loss"])
+        assert ax.get_yscale() == "log"
+        assert fig.axes[1].lines[0].get_marker() == "o"  # eval: the steps it exists at, as points
+    finally:
+        plt.close(fig)
+    assert smooth([1.0, 3.0], 0.5) == pytest.approx([1.0, 1.75 / 0.75])  # debiased: (0.5*0.5 + 0.5*3) / (1 - 0.5**2)
+    assert smooth([2.0, float("inf"), 2.0], 0.9)[::2] == pytest.approx([2.0, 2.0])
+    with pytest.raises(ConfigError, match=r"--smooth 1.0 is not in \[0, 1\)"):
+        plot_data(parse_metrics(json.dumps(x) for x in KILLED), job="j", run=RUN, smoothing=1.0)

@@ -13,8 +13,9 @@ from tests.helpers.cli import ROOT, rp
 
 
 @pytest.mark.processes
-def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest() -> None:
-    r = rp("run", "--reference", "--json", "--steps", "3", str(ROOT / "examples" / "rl_loop.py"))
+def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest(tmp_path: Path) -> None:
+    r = rp("run", "--reference", "--json", "--steps", "3", str(ROOT / "examples" / "rl_loop.py"),
+           "--tensorboard", str(tmp_path / "tb"))
     events = [json.loads(line) for line in r.stdout.splitlines()]
     assert [e["step"] for e in events[:-1]] == [0, 1, 2]
     assert all("loss" in e["metrics"] and "reward" in e["metrics"] for e in events[:-1])
@@ -22,6 +23,10 @@ def test_run_reference_json_ends_with_the_finished_line_and_the_same_digest() ->
     assert final["event"] == "job.finished" and final["job"] == "rl-loop" and final["steps"] == 3
     assert set(final) == {"event", "job", "steps", "state_digest", "wall_s"}
     assert final["state_digest"] == run_reference(example("rl_loop").build(steps=3)).state_digest
+    from rallypoint.orchestrator.job.tfevents import read_events  # --tensorboard: this process wrote the steps
+
+    (f,) = (tmp_path / "tb" / "rl-loop" / "reference").glob("events.out.tfevents.*")
+    assert [(e.step, sorted(e.tags)) for e in read_events(f)][1:] == [(s, ["loss", "reward"]) for s in range(3)]
 
 
 @pytest.mark.processes

@@ -366,7 +366,8 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     assert args[:2] == ["run", "examples/pipeline_mlp.py"] and "--fail" in args, args
     job = args[1]  # relative to the repository's root, where rp runs the CLI
     state = {"RALLYPOINT_STATE_DIR": str(tmp_path / "state")}  # where the run is kept (STATE_DIR/runs)
-    out = rp(*args, "--json", timeout=300, env=state)
+    board = tmp_path / "tb"  # the trackers: TensorBoard event files the leading coordinator writes
+    out = rp(*args, "--json", "--tensorboard", str(board), timeout=300, env=state)
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     kinds = [x["event"] for x in lines if x["event"] != "step"]
     assert kinds == ["fault.injected", "job.recovering", "job.recovered", "job.finished"], kinds
@@ -392,3 +393,14 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.imread(png).size > 0
     bad = rp("run", "--fail", "kill:stage9@3", job, check=False)
     assert bad.returncode == 1 and "'stage9' is neither a slice" in bad.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_board,) = (board / "pipeline-mlp").iterdir()  # DIR/<job>/<run id>
+    acc = EventAccumulator(str(run_board), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == list(range(steps))  # every step once, replayed ones too
+    (lost,) = acc.Scalars("rallypoint/lost_workers")
+    assert lost.value == 1.0 and [e.step for e in acc.Scalars("rallypoint/recovery_mttr_s")] == [lost.step]
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("rallypoint/events")]
+    assert any(t.startswith(f"step {lost.step}: lost ") for t in texts), texts
+    assert any(f"replayed from step {final['recoveries'][0]['checkpoint_step']}, MTTR" in t for t in texts), texts

@@ -89,3 +89,44 @@ def test_a_loader_that_dies_fails_its_instance_naming_the_exit_code_and_leaves_n
         src.close()
     with pytest.raises(ProcessLookupError):
         os.kill(src.pid, 0)
+
+
+SETTINGS_SOURCE = '''
+import os
+import numpy as np
+from rallypoint.client import setting
+
+SCALE = float(setting("TOY_SCALE", "1"))  # read at import, as examples/lm/train.py reads its sizes
+
+def batches(step, microbatch):
+    return {"x": np.full((2, 3), SCALE * step, np.float32), "n": np.int32(os.environ.get("TOY_SCALE", "-1"))}
+'''
+
+
+def test_a_worker_started_without_the_jobs_setting_runs_its_source_with_the_shipped_value(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's bundle ships the settings (`rallypoint run --set`, or the client's environment); the worker's
+    code cache unpacks it; the source's process takes them, not the worker's environment (docs/data.md)."""
+    from rallypoint.basics.settings import SETTINGS_FILE, encode
+    from rallypoint.client.bundle import pack
+    from rallypoint.workers.code import CodeCache
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "job.py").write_text(textwrap.dedent(SETTINGS_SOURCE))
+    bundle = pack(code, extra={SETTINGS_FILE: encode({"TOY_SCALE": "7"})})
+    run = tmp_path / "run"
+    (run / "code").mkdir(parents=True)
+    (run / "code" / f"{bundle.sha256}.zip").write_bytes(bundle.zip)
+    monkeypatch.setenv("TOY_SCALE", "2")  # the worker's own value: not the job's
+    cache = CodeCache(tmp_path / "cache")
+    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    src = HostSource("batch", bundle=cache.get(run, bundle.sha256), file="job.py", name="batches",
+                     outputs=["x", "n"], shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
+                     order=instance_order(2, 0, 1, (0,)), ledger=SourceLedger(None, "batch"), prefetch=1,
+                     copies=Copies("j"), job="j")
+    try:
+        x, n = src(1, 0)
+        assert float(x[0, 0]) == 7.0 and int(n) == 7
+    finally:
+        src.close()

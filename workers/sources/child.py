@@ -3,7 +3,8 @@
 Started by :class:`rallypoint.workers.sources.host.HostSource` as
 ``python -m rallypoint.workers.sources.child BUNDLE FILE NAME OUTPUTS``: it imports ``FILE``
 of the unpacked code bundle ``BUNDLE`` (the bundle's root first on ``sys.path``, so
-the job's own modules import), takes the module-level ``NAME`` and answers each request
+the job's own modules import; the job's settings shipped in the bundle set first,
+``basics/settings.py``), takes the module-level ``NAME`` and answers each request
 line ``"STEP MICROBATCH"`` on stdin, in order, with one JSON header line and the leaves'
 bytes on its protocol stream: ``{"s", "m", "leaves": [[dtype, shape], ...], "sum": sha256}``
 or ``{"s", "m", "error": traceback}``. The user's prints go to stderr (the worker's
@@ -22,6 +23,7 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from rallypoint.basics.settings import load_shipped, ship
 from rallypoint.workers.sources.values import flat_leaves, leaf_bytes, leaves_checksum
 
 
@@ -35,6 +37,7 @@ def _die_with_parent() -> None:
 
 
 def _load(bundle: str, file: str, name: str) -> Any:
+    ship(load_shipped(bundle))  # the job's settings: the shipped values, not this worker's environment
     sys.path.insert(0, bundle)
     path = os.path.join(bundle, *file.split("/"))
     stem = os.path.splitext(os.path.basename(file))[0].replace("-", "_")
