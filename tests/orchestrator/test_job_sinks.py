@@ -50,7 +50,6 @@ def _accumulator(d: Path) -> Any:
 
 
 def test_tensorboard_files_hold_every_step_once_and_the_recovery_marks_across_a_new_leader(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
     spec = pb.JobSpec(job="j", metrics_sinks=[pb.MetricsSink(kind="tensorboard", dir=str(tmp_path / "tb"))])
     run_dir = tmp_path / "ck" / "j" / RUN
     run_dir.mkdir(parents=True)
