@@ -196,7 +196,7 @@ class ExportedVariant(_message.Message):
     def __init__(self, devices: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., exported: _Optional[bytes] = ...) -> None: ...
 
 class StateProgram(_message.Message):
-    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef", "init_variants", "platforms")
+    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef", "init_variants", "platforms", "tree")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_INIT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class StateProgram(_message.Message):
     TREEDEF_FIELD_NUMBER: _ClassVar[int]
     INIT_VARIANTS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     exported_init: bytes
@@ -215,7 +216,8 @@ class StateProgram(_message.Message):
     treedef: str
     init_variants: _containers.RepeatedCompositeFieldContainer[ExportedVariant]
     platforms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ..., init_variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ...) -> None: ...
+    tree: str
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ..., init_variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ..., tree: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("node", "output", "state", "consumer_node", "arg", "worker_id", "address", "incarnation", "consumer_every", "data_address")

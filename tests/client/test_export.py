@@ -1,0 +1,183 @@
+"""Weights out without a cluster: a state's tree in Orbax's layout (client/trees.py), a run directory written with
+real Orbax saves through the project's own checkpointer, exported (client/weights.py, ``rallypoint export``) and read
+back by plain Orbax and by ``load_state``; each bad input refused with one line, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from click.testing import CliRunner
+from flax import nnx
+
+from rallypoint.client.commands.main import main
+from rallypoint.client.trees import fill, skeleton, skeleton_of
+from rallypoint.client.weights import EXPORT_FILE, load_state
+from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
+from tests.helpers import train_state_job
+from tests.helpers.checkpoints import largest_file
+
+RUN = "run-20261206T120000-abcdef"
+
+
+class Tiny(nnx.Module):
+    def __init__(self) -> None:
+        self.layers = nnx.List([nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1))])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _orbax_layout(tree: Any, tmp: Path) -> Any:
+    """What plain Orbax makes of ``tree``: its structure as saved and restored without a target."""
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp, jax.tree_util.tree_map(np.asarray, tree))
+    with ocp.StandardCheckpointer() as ck:
+        return jax.tree_util.tree_structure(ck.restore(tmp))
+
+
+def test_the_recorded_tree_is_the_layout_plain_orbax_saves_of_the_users_own_tree(tmp_path: Path) -> None:
+    trees = {"train_state": train_state_job.init(),  # a TrainState: Optax NamedTuples, EmptyState, static fields
+             "nnx": nnx.to_pure_dict(nnx.state(Tiny())),  # int keys of an nnx.List
+             "mixed": {"a": (jnp.ones(2), [jnp.zeros(()), None]), "b": optax.adam(0.1).init({"w": jnp.ones(3)})}}
+    for name, tree in trees.items():
+        treedef = jax.tree_util.tree_structure(tree)
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+        rebuilt = fill(skeleton(treedef), leaves)
+        assert jax.tree_util.tree_structure(rebuilt) == _orbax_layout(tree, tmp_path / name), name
+        assert jax.tree_util.tree_structure(skeleton_of(tree)) == jax.tree_util.tree_structure(rebuilt), name
+    with pytest.raises(ValueError, match="holds 1 leaves, and there are 2"):
+        fill("[0]", [np.ones(1), np.ones(1)])
+
+
+def _run_dir(root: Path, states: dict[str, tuple[str, Any]], steps: dict[int, float]) -> Path:
+    """A run directory as a cluster leaves it: the job spec, each slice's checkpoints saved by the project's own
+    checkpointer (real Orbax) at ``steps`` (value: what every leaf is scaled by), and their commit records."""
+    rd = root / "job" / RUN
+    spec = pb.JobSpec(job="job", steps=max(steps) + 1)
+    by_slice: dict[str, dict[str, Any]] = {}
+    for name, (slice_name, tree) in states.items():
+        treedef = jax.tree_util.tree_structure(tree)
+        spec.states.append(pb.StateProgram(name=name, slice=slice_name, leaves=treedef.num_leaves,
+                                           tree=skeleton(treedef)))
+        by_slice.setdefault(slice_name, {})[name] = tree
+    rd.mkdir(parents=True)
+    (rd / "jobspec.pb").write_bytes(spec.SerializeToString())
+    (rd.parent / "LATEST").write_text(RUN + "\n")
+
+    def record(c: CheckpointCommit) -> None:
+        path = commit_record_path(rd, c.slice_name, c.step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(c.to_json()))
+
+    for slice_name, named in by_slice.items():
+        ck = SliceCheckpointer(rd / slice_name, job="job", slice_name=slice_name, max_to_keep=None, commit=record)
+        try:
+            for step, scale in steps.items():
+                ck.save(step, {n: [np.asarray(x) * np.asarray(scale, np.asarray(x).dtype)
+                                   for x in jax.tree_util.tree_leaves(t)] for n, t in named.items()})
+            ck.wait(timeout_s=60)
+        finally:
+            ck.close()
+    return rd
+
+
+def test_export_writes_the_users_tree_as_plain_orbax_and_load_state_reads_it_back(tmp_path: Path) -> None:
+    model = Tiny()
+    params = nnx.to_pure_dict(nnx.state(model))
+    rd = _run_dir(tmp_path / "ckpt", {"params": ("s0", params), "opt": ("s1", optax.adam(0.1).init(params))},
+                  {0: 1.0, 10: 2.0})
+    runner = CliRunner()
+    out = tmp_path / "out"
+    got = runner.invoke(main, ["export", "job", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)])
+    assert got.exit_code == 0, got.output
+    assert "at step 10" in got.output
+    manifest = json.loads((out / EXPORT_FILE).read_text())
+    assert (manifest["step"], manifest["states"], manifest["run"]) == (10, ["opt", "params"], RUN)
+    # plain Orbax, three ways: the manager, the checkpointer with the user's own abstract tree as target
+    with ocp.CheckpointManager(out, options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+        assert mngr.all_steps() == [10]
+        whole = mngr.restore(10, args=ocp.args.StandardRestore())
+    want = jax.tree_util.tree_map(lambda x: np.asarray(x) * 2, params)
+    abstract = nnx.state(nnx.eval_shape(Tiny))
+    with ocp.StandardCheckpointer() as ck:
+        restored = ck.restore(out / "10" / "default", {"params": nnx.to_pure_dict(abstract), "opt": whole["opt"]})
+    x = np.ones((1, 3), np.float32)
+
+    def into_a_fresh_model(pure: Any) -> Any:  # the '0', '1' keys of the nnx.List as Orbax restores them
+        graphdef, state = nnx.split(nnx.eval_shape(Tiny))
+        nnx.replace_by_pure_dict(state, pure)
+        return np.asarray(nnx.merge(graphdef, state)(x))
+
+    expect = x @ (np.asarray(params["layers"][0]["kernel"]) * 2) @ (np.asarray(params["layers"][1]["kernel"]) * 2)
+    assert np.allclose(into_a_fresh_model(whole["params"]), expect, atol=1e-5)  # biases are zeros
+    assert into_a_fresh_model(whole["params"]).tobytes() == into_a_fresh_model(want).tobytes()
+    for tree in (whole["params"], restored["params"], load_state(out)["params"]):
+        for (pa, a), (pb_, b) in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                     jax.tree_util.tree_leaves_with_path(want), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (pa, pb_)
+    # one state, an older step; straight from the run directory; onto a sharding
+    got = runner.invoke(main, ["export", "job", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out),
+                               "--step", "0", "--state", "opt", "--force"])
+    assert got.exit_code == 0, got.output
+    opt = load_state(out)
+    assert isinstance(opt, list) and set(opt[0]) == {"count", "mu", "nu"}  # ScaleByAdamState: a dict of its fields
+    direct = load_state(rd, step=0)
+    assert sorted(direct) == ["opt", "params"] and np.asarray(direct["opt"][0]["count"]).tobytes() == \
+        np.asarray(opt[0]["count"]).tobytes()
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on = load_state(out, shardings=dev)
+    assert all(isinstance(a, jax.Array) and a.sharding == dev for a in jax.tree_util.tree_leaves(on))
+
+
+def _refused(args: list[str], *match: str) -> None:
+    got = CliRunner().invoke(main, ["export", *args])
+    assert got.exit_code == 1, got.output
+    lines = [ln for ln in got.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), got.output
+    for m in match:
+        assert m in lines[0], lines[0]
+
+
+def test_export_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    rd = _run_dir(root, {"w": ("s0", {"a": np.random.default_rng(0).standard_normal(4096).astype(np.float32)})}, {0: 1.0, 5: 3.0})
+    ck = ["--checkpoint-dir", str(root)]
+    out = tmp_path / "out"
+    _refused(["nojob", *ck, "--out", str(out)], "no run of job 'nojob'")
+    _refused(["job", "--run", "run-20200101T000000-000000", *ck, "--out", str(out)], "run-20200101T000000-000000")
+    _refused(["job", *ck, "--out", str(out), "--step", "3"], "step 3", "never committed", "0, 5")
+    _refused(["job", *ck, "--out", str(out), "--state", "v"], "no state 'v'", "w")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    _refused(["job", *ck, "--out", str(full)], "not empty", "--force")
+    assert [p.name for p in full.iterdir()] == ["keep.txt"]
+    _refused(["job", *ck, "--out", str(full / "keep.txt" / "x")], "cannot be written")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root may write anywhere
+            _refused(["job", *ck, "--out", str(locked / "x")], "cannot be written")
+    finally:
+        os.chmod(locked, 0o700)
+    # a flipped byte in the checkpoint: refused naming the slice and step
+    data = largest_file(next((rd / "s0").glob("*/5")))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = b"\x5a" * 64
+    data.write_bytes(bytes(raw))
+    _refused(["job", *ck, "--out", str(out)], "slice 's0' at step 5", "corrupt")
+    assert not out.exists() and not list(tmp_path.glob(".out.export-*"))
