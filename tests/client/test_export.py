@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from flax import nnx
 
+from rallypoint.basics.errors import RallypointError
 from rallypoint.client.commands.main import main
 from rallypoint.client.trees import fill, paths, skeleton, skeleton_of
 from rallypoint.client.weights import EXPORT_FILE, load_state
@@ -192,6 +193,14 @@ def test_export_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path: Pat
             _refused(["job", *ck, "--out", str(locked / "x")], "cannot be written")
     finally:
         os.chmod(locked, 0o700)
+    # a run submitted before the client recorded the tree: refused, pointing at the flat leaves
+    spec = pb.JobSpec.FromString((rd / "jobspec.pb").read_bytes())
+    older = pb.JobSpec()
+    older.CopyFrom(spec)
+    older.states[0].ClearField("tree")
+    (rd / "jobspec.pb").write_bytes(older.SerializeToString())
+    _refused(["job", *ck, "--out", str(out)], "without the tree of state(s) w", "flat leaves")
+    (rd / "jobspec.pb").write_bytes(spec.SerializeToString())
     # a flipped byte in the checkpoint: refused naming the slice and step
     data = largest_file(next((rd / "s0").glob("*/5")))
     raw = bytearray(data.read_bytes())
@@ -199,3 +208,40 @@ def test_export_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path: Pat
     data.write_bytes(bytes(raw))
     _refused(["job", *ck, "--out", str(out)], "slice 's0' at step 5", "corrupt")
     assert not out.exists() and not list(tmp_path.glob(".out.export-*"))
+
+
+def test_a_multi_host_slices_commit_exports_checked_shard_by_shard(tmp_path: Path) -> None:
+    """A gang's commit (``sha256-shards:``, its members' digests in ``shards.json``) is read whole in this one
+    process and checked against the listing, split as the members held it; a listing that does not match refuses."""
+    from rallypoint.workers.checkpoints.checksums import SHARDS_FILE, digest, shard_entries, shards_checksum
+
+    w = np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32)
+    root = tmp_path / "ckpt"
+    rd = _run_dir(root, {"params": ("g", {"w": w, "b": np.arange(3, dtype=np.int32)})}, {4: 1.0})
+    record = commit_record_path(rd, "g", 4)
+    commit = json.loads(record.read_text())
+    b = np.arange(3, dtype=np.int32)
+    entries = shard_entries([["params", 0, [[0, 3]], "int32", [3], digest(b)],  # leaves in flatten order: b, w
+                             ["params", 1, [[0, 4], [0, 4]], "float32", [8, 4], digest(w[0:4])],  # member 0's rows
+                             ["params", 1, [[4, 8], [0, 4]], "float32", [8, 4], digest(w[4:8])]])  # member 1's
+    (Path(commit["path"]) / SHARDS_FILE).write_text(json.dumps(entries))
+    record.write_text(json.dumps(commit | {"checksum": shards_checksum(entries)}))
+    got = load_state(rd)
+    assert got["w"].tobytes() == w.tobytes() and got["b"].tobytes() == b.tobytes()
+    # exported, then read by Orbax straight onto a tree of shardings: w's rows over 4 devices, b on one
+    assert CliRunner().invoke(main, ["export", "job", "--checkpoint-dir", str(root), "--out",
+                                     str(tmp_path / "x")]).exit_code == 0
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on = load_state(tmp_path / "x", shardings={"w": rows, "b": one})
+    assert on["w"].sharding == rows and [s.data.shape for s in on["w"].addressable_shards] == [(2, 4)] * 4
+    assert np.asarray(on["w"]).tobytes() == w.tobytes() and on["b"].sharding == one
+    with pytest.raises(RallypointError, match="no sharding for leaf b"):
+        load_state(tmp_path / "x", shardings={"w": rows})
+    entries[1]["sha256"] = digest(w[0:4] + 1)  # a member's digest that is not of what was saved
+    record.write_text(json.dumps(commit | {"checksum": shards_checksum(entries)}))
+    (Path(commit["path"]) / SHARDS_FILE).write_text(json.dumps(entries))
+    _refused(["job", "--checkpoint-dir", str(root), "--out", str(tmp_path / "out")], "slice 'g' at step 4",
+             "corrupt", "sha256-shards:")
+    assert not (tmp_path / "out").exists()
