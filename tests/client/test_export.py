@@ -201,6 +201,14 @@ def test_export_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path: Pat
     (rd / "jobspec.pb").write_bytes(older.SerializeToString())
     _refused(["job", *ck, "--out", str(out)], "without the tree of state(s) w", "flat leaves")
     (rd / "jobspec.pb").write_bytes(spec.SerializeToString())
+    # an export whose files were changed afterwards: load_state sees it against the export's own checksum
+    assert CliRunner().invoke(main, ["export", "job", *ck, "--out", str(tmp_path / "e"), "--step", "0"]).exit_code == 0
+    f = largest_file(tmp_path / "e" / "0")
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = b"\x5a" * 64
+    f.write_bytes(bytes(raw))
+    with pytest.raises(RallypointError, match="does not match its checksum"):
+        load_state(tmp_path / "e")
     # a flipped byte in the checkpoint: refused naming the slice and step
     data = largest_file(next((rd / "s0").glob("*/5")))
     raw = bytearray(data.read_bytes())
