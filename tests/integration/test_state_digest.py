@@ -67,11 +67,12 @@ def _export_restores_with_plain_orbax_bitwise(lc: LocalCluster, out: Path) -> No
     assert got.exit_code == 0, got.output
     step = json.loads(got.output.strip().splitlines()[-1])["step"]
     assert step >= 2  # the newest cut: 2 (every 2 of 4 steps), or the final 4 once every job commits its final state
-    restored = subprocess.run([sys.executable, "-c", RESTORE_WITH_ORBAX_ALONE, str(out)], cwd=out.parent,
-                              capture_output=True, text=True, timeout=120)
-    assert restored.returncode == 0, restored.stderr[-2000:]
-    read = json.loads(restored.stdout.strip().splitlines()[-1])
-    want = skeleton_of(run_reference(train_state_job.build(steps=step)).states["state"])
+    with subprocess.Popen([sys.executable, "-c", RESTORE_WITH_ORBAX_ALONE, str(out)], cwd=out.parent,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as restoring:
+        want = skeleton_of(run_reference(train_state_job.build(steps=step)).states["state"])  # meanwhile
+        stdout, stderr = restoring.communicate(timeout=120)
+    assert restoring.returncode == 0, stderr[-2000:]
+    read = json.loads(stdout.strip().splitlines()[-1])
     assert read["step"] == step
     assert read["leaves"] == {"/".join(map(str, p)): [np.asarray(a).dtype.name, list(np.shape(a)),
                                                       hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()]
