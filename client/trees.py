@@ -118,3 +118,54 @@ def paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(tuple(key_name(k) for k in p), leaf) for p, leaf in flat]
+
+
+def skeleton_from_structure(text: str) -> str | None:
+    """:func:`skeleton` from a state's structure text (``StateProgram.treedef``, ``proto/digest.py``), for a run
+    submitted before the client recorded the layout: a tree of dicts, lists, tuples and ``None`` only (a NamedTuple
+    or a dataclass node does not name its fields there: None then)."""
+    import ast
+
+    pos, leaf = 0, 0
+
+    def node() -> Any:
+        nonlocal pos, leaf
+        if text.startswith("*", pos):
+            pos += 1
+            leaf += 1
+            return leaf - 1
+        open_at = text.index("[", pos)
+        kind, depth, quote, i = text[pos:open_at], 0, "", open_at
+        while True:  # the static data's closing bracket, past brackets inside it and inside quoted strings
+            ch = text[i]
+            if quote:
+                quote = "" if ch == quote and text[i - 1] != "\\" else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch == "[":
+                depth += 1
+            elif ch == "]":
+                depth -= 1
+                if depth == 0:
+                    break
+            i += 1
+        aux, pos = text[open_at + 1:i], i + 2  # past "](
+        children = []
+        while text[pos] != ")":
+            children.append(node())
+            pos += 1 if text[pos] == "," else 0
+        pos += 1
+        if kind == "dict":
+            keys = ast.literal_eval(aux)
+            return {str(k): c for k, c in zip(keys, children, strict=True)} if children else None
+        if kind in ("list", "tuple"):
+            return children or None
+        if not children:  # None, an empty NamedTuple such as Optax's EmptyState
+            return None
+        raise ValueError(f"a {kind} node, whose fields the structure text does not name")
+
+    try:
+        out = node()
+    except (ValueError, SyntaxError, IndexError):
+        return None
+    return json.dumps(out, separators=(",", ":")) if pos == len(text) else None

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rallypoint.basics.errors import ConfigError, RallypointError
-from rallypoint.client.trees import fill, paths
+from rallypoint.client.trees import fill, paths, skeleton_from_structure
 
 __all__ = ["EXPORT_FILE", "FORMAT", "RunState", "export_checksum", "export_run", "load_state", "read_run"]
 
@@ -100,11 +100,13 @@ def read_run(run_dir: Path | str, *, step: int | None = None, states: Sequence[s
     if unknown:
         raise ConfigError(f"job {spec.job!r} has no state {', '.join(map(repr, unknown))}; its states are "
                           f"{', '.join(sorted(by_name))}: pass one of them to --state")
-    missing = [n for n in names if not by_name[n].tree]
+    layouts = {n: by_name[n].tree or skeleton_from_structure(by_name[n].treedef) for n in names}
+    missing = [n for n, layout in layouts.items() if not layout]
     if missing:
         raise ConfigError(f"run {run_dir.name} of job {spec.job!r} was submitted without the tree of state(s) "
-                          f"{', '.join(missing)} (a client older than export): read its flat leaves as "
-                          "docs/checkpoints.md shows, or run the job again")
+                          f"{', '.join(missing)} (a client older than export; its structure text names no fields of "
+                          "its NamedTuple or dataclass nodes): read its flat leaves as docs/checkpoints.md shows, or "
+                          "run the job again")
     slices = sorted({by_name[n].slice for n in names})
     steps, commits = committed_steps(run_dir, slices)
     if not steps:
@@ -128,7 +130,7 @@ def read_run(run_dir: Path | str, *, step: int | None = None, states: Sequence[s
             got = "none" if leaves is None else len(leaves)
             raise RallypointError(f"the checkpoint of slice {st.slice!r} at step {step} holds {got} leaves of state "
                                   f"{n!r}, and the job spec says {st.leaves}: nothing was exported")
-        trees[n] = fill(st.tree, leaves)
+        trees[n] = fill(layouts[n], leaves)
     single = len(names) == 1
     return RunState(job=spec.job, run=run_dir.name, step=int(step), names=tuple(names),
                     tree=trees[names[0]] if single else trees, single=single,

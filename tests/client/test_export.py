@@ -20,10 +20,11 @@ from flax import nnx
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client.commands.main import main
-from rallypoint.client.trees import fill, paths, skeleton, skeleton_of
+from rallypoint.client.trees import fill, paths, skeleton, skeleton_from_structure, skeleton_of
 from rallypoint.client.weights import EXPORT_FILE, load_state
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto.digest import structure
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
 from tests.helpers import train_state_job
 from tests.helpers.checkpoints import largest_file
@@ -64,6 +65,10 @@ def test_the_recorded_tree_is_the_layout_plain_orbax_saves_of_the_users_own_tree
         rebuilt = fill(skeleton(treedef), leaves)
         assert jax.tree_util.tree_structure(rebuilt) == _orbax_layout(tree, tmp_path / name), name
         assert jax.tree_util.tree_structure(skeleton_of(tree)) == jax.tree_util.tree_structure(rebuilt), name
+        # from the structure text alone (a run submitted before the layout was recorded): dicts and lists only
+        assert skeleton_from_structure(structure(treedef)) == (skeleton(treedef) if name == "nnx" else None), name
+    plain = jax.tree_util.tree_structure({"a": (1, [2, None]), "b": {}, "c)": [{"d": 3}]})
+    assert skeleton_from_structure(structure(plain)) == skeleton(plain)
     with pytest.raises(ValueError, match="holds 1 leaves, and there are 2"):
         fill("[0]", [np.ones(1), np.ones(1)])
 
@@ -193,11 +198,16 @@ def test_export_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path: Pat
             _refused(["job", *ck, "--out", str(locked / "x")], "cannot be written")
     finally:
         os.chmod(locked, 0o700)
-    # a run submitted before the client recorded the tree: refused, pointing at the flat leaves
+    # a run submitted before the client recorded the tree: its structure text serves for dicts, lists and tuples;
+    # a NamedTuple's fields it does not name: refused, pointing at the flat leaves
     spec = pb.JobSpec.FromString((rd / "jobspec.pb").read_bytes())
     older = pb.JobSpec()
     older.CopyFrom(spec)
     older.states[0].ClearField("tree")
+    older.states[0].treedef = structure(jax.tree_util.tree_structure({"a": 0}))
+    (rd / "jobspec.pb").write_bytes(older.SerializeToString())
+    assert load_state(rd, step=0)["a"].shape == (4096,)
+    older.states[0].treedef = structure(jax.tree_util.tree_structure(optax.ScaleByScheduleState(count=0)))
     (rd / "jobspec.pb").write_bytes(older.SerializeToString())
     _refused(["job", *ck, "--out", str(out)], "without the tree of state(s) w", "flat leaves")
     (rd / "jobspec.pb").write_bytes(spec.SerializeToString())
