@@ -79,11 +79,16 @@ def _put(node: Any, keys: Sequence[str | int], value: Any) -> Any:
 
 
 def skeleton(treedef: Any) -> str:
-    """A state's tree (a JAX ``PyTreeDef``) in Orbax's layout, each leaf its index in flatten order, as JSON."""
+    """A state's tree (a JAX ``PyTreeDef``) in Orbax's layout, each leaf its index in flatten order, as JSON; ""
+    when it has none (a custom node with keys Orbax cannot save, or one that will not unflatten around indices):
+    the submit goes on, and export refuses that state, pointing at its flat leaves."""
     import jax
 
-    return json.dumps(skeleton_of(jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))),
-                      separators=(",", ":"))
+    try:
+        return json.dumps(skeleton_of(jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))),
+                          separators=(",", ":"))
+    except Exception:  # noqa: BLE001 - whatever a user's pytree node raises, the job still runs
+        return ""
 
 
 def fill(tree_json: str, leaves: Sequence[Any]) -> Any:

@@ -69,6 +69,10 @@ def test_the_recorded_tree_is_the_layout_plain_orbax_saves_of_the_users_own_tree
         assert skeleton_from_structure(structure(treedef)) == (skeleton(treedef) if name == "nnx" else None), name
     plain = jax.tree_util.tree_structure({"a": (1, [2, None]), "b": {}, "c)": [{"d": 3}]})
     assert skeleton_from_structure(structure(plain)) == skeleton(plain)
+    # a custom node whose key Orbax cannot name: no layout (""), and the submit is not failed for it
+    odd = type("Odd", (), {})
+    jax.tree_util.register_pytree_with_keys(odd, lambda o: (((object(), 1.0),), None), lambda aux, ch: odd())
+    assert skeleton(jax.tree_util.tree_structure({"x": odd()})) == ""
     with pytest.raises(ValueError, match="holds 1 leaves, and there are 2"):
         fill("[0]", [np.ones(1), np.ones(1)])
 
