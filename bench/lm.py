@@ -14,7 +14,9 @@ Reports, side by side in one run (medians of ``--repeats``; steady state: the fi
    ``LM_DEVICES`` devices; ``pipeline``: two workers of two), the host source run by
    the workers, in their source processes.
 
-Also the seconds the host source took per step (plain loop: in this process, synchronous
+After the cluster runs, the wall time of ``rallypoint export`` of the last run's newest committed state
+(``client/weights.py``: read, checked against its commits, rebuilt as the job's tree, written as plain Orbax;
+median of ``--repeats``). Also the seconds the host source took per step (plain loop: in this process, synchronous
 with the step's dispatch), and the time a slice waited for its batch on the cluster: the
 compute time of the host source's instances, which only hand on a batch read ahead by the
 source's process (the first includes that process's start). Sizes are the example's ``LM_*`` variables (examples/lm/README.md).
@@ -132,9 +134,26 @@ def run_cluster(compiled: CompiledProgram, variant: str, repeats: int, skip: int
             # (the first instances include the source process's start).
             compute = result.recovery.get("compute_s", {})
             waits.append(1000 * sum(compute.get(n, 0.0) for n in sources) / compiled.program.steps)
+        exported = export_wall_s(lc.checkpoint_dir, compiled.program.name, repeats)
     finally:
         lc.stop()
-    return {"ran": True, "steps_per_s": rates, "source_wait_ms": statistics.median(waits)}
+    return {"ran": True, "steps_per_s": rates, "source_wait_ms": statistics.median(waits), **exported}
+
+
+def export_wall_s(checkpoint_root: Path, job: str, repeats: int) -> dict[str, Any]:
+    """``rallypoint export`` of the last run's newest committed cut (every state: read, checked against its
+    commit, rebuilt as the job's tree, written as plain Orbax), ``repeats`` times: the median wall seconds."""
+    from rallypoint.client.weights import export_run
+
+    run = checkpoint_root / job / (checkpoint_root / job / "LATEST").read_text().strip()
+    times = []
+    with tempfile.TemporaryDirectory(prefix="rallypoint-bench-export-") as tmp:
+        for i in range(repeats):
+            t = time.perf_counter()
+            manifest = export_run(run, Path(tmp) / f"out{i}")
+            times.append(time.perf_counter() - t)
+        size = sum(f.stat().st_size for f in (Path(tmp) / "out0").rglob("*") if f.is_file())
+    return {"export_s": statistics.median(times), "export_step": manifest["step"], "export_bytes": size}
 
 
 def main() -> None:
@@ -185,8 +204,12 @@ def main() -> None:
             out |= {"cluster_tokens_per_s": round(rate, 1), f"cluster_over_{against}": round(rate / base, 3),
                     "cluster_source_wait_ms_per_step": round(cl["source_wait_ms"], 3)}
             table.append(("cluster (embedded)", f"{rate:,.0f} tokens/s  ({rate / base:.2f} x {against})"))
+            out |= {"export_s": round(cl["export_s"], 3), "export_step": cl["export_step"],
+                    "export_bytes": cl["export_bytes"]}
             table.append(("  slice waiting for its batch", (f"{cl['source_wait_ms']:.2f} ms/step (all steps, the "
                                                             "source process's start included)")))
+            table.append(("export (the LM's state)", f"{cl['export_s']:.3f} s, median of {args.repeats} (step "
+                                                     f"{cl['export_step']}, {cl['export_bytes'] / 1e6:.1f} MB)"))
     for k, v in table:
         print(f"{k:>30}  {v}", file=sys.stderr)
     print(json.dumps(out))

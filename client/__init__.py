@@ -13,6 +13,8 @@ Everything a job file or a library user needs is imported from here::
 * running on a cluster and following the job: :func:`submit`, :func:`resume`, :class:`JobError`,
   :class:`JobStoppedError`; a job's life from a client that does not stay: :func:`submit_detached`,
   :func:`resume_detached`, :func:`watch`, :func:`control` (cancel, suspend);
+* weights out: :func:`load_state` reads a state that ``rallypoint export`` wrote (or a run's committed state
+  straight from its run directory) as the job's own tree, NumPy or onto given shardings (docs/checkpoints.md);
 * step-indexed data for host sources: :class:`GrainBatches`, :class:`TokenWindows`, :func:`positions`,
   :func:`record_indices`, :func:`epoch_of`, :func:`stack_records`, :class:`DataError`;
 * the job's settings, shipped with its code: :func:`setting`, :func:`job_config`.
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # the names as type checkers see them
     from rallypoint.client.reference import RunResult, run_reference, state_digest
     from rallypoint.client.submission import JobError, JobStoppedError, resume, submit
     from rallypoint.client.settings import job_config, setting
+    from rallypoint.client.weights import load_state
 
 _HOMES = {
     "program": ("Gathered", "NodeHandle", "Program", "ProgramError", "Ref", "StateRef", "gather"),
@@ -43,6 +46,7 @@ _HOMES = {
     "submission": ("JobError", "JobStoppedError", "resume", "submit"),
     "lifecycle": ("control", "resume_detached", "submit_detached", "watch"),
     "settings": ("job_config", "setting"),
+    "weights": ("load_state",),
     "data": ("DataError", "GrainBatches", "TokenWindows", "epoch_of", "positions", "record_indices", "stack_records"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

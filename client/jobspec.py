@@ -9,6 +9,7 @@ from rallypoint.basics.settings import SETTINGS_FILE, encode as encode_settings
 from rallypoint.client.bundle import IGNORE_FILE, bundle_files, pack, relative_to_bundle
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.program import Gathered, ProgramError, Ref, StateRef
+from rallypoint.client.trees import skeleton
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import structure
 from rallypoint.workers.checkpoints.pretrained import encode_keys
@@ -64,8 +65,8 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path
         spec.states.append(pb.StateProgram(
             name=st.name, slice=st.slice, exported_init=st.exported_init, leaves=st.tree.num_leaves,
             producer_node=producer, producer_every=program.nodes[producer].every if producer else 0,
-            treedef=structure(st.tree), init_variants=_variants(program, st.slice, st.variants), platforms=st.platforms,
-            init_from=_init_from(st.init_from),
+            treedef=structure(st.tree), tree=skeleton(st.tree), init_variants=_variants(program, st.slice, st.variants),
+            platforms=st.platforms, init_from=_init_from(st.init_from),
         ))
     hosts = [compiled.nodes[n] for n in compiled.order if compiled.nodes[n].host is not None]
     bundle = None

@@ -196,7 +196,7 @@ class ExportedVariant(_message.Message):
     def __init__(self, devices: _Optional[int] = ..., mesh_shape: _Optional[_Iterable[int]] = ..., exported: _Optional[bytes] = ...) -> None: ...
 
 class StateProgram(_message.Message):
-    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef", "init_variants", "platforms", "init_from")
+    __slots__ = ("name", "slice", "exported_init", "leaves", "producer_node", "producer_every", "treedef", "init_variants", "platforms", "init_from", "tree")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_INIT_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class StateProgram(_message.Message):
     INIT_VARIANTS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     INIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     exported_init: bytes
@@ -217,7 +218,8 @@ class StateProgram(_message.Message):
     init_variants: _containers.RepeatedCompositeFieldContainer[ExportedVariant]
     platforms: _containers.RepeatedScalarFieldContainer[str]
     init_from: InitFrom
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ..., init_variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ..., init_from: _Optional[_Union[InitFrom, _Mapping]] = ...) -> None: ...
+    tree: str
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., exported_init: _Optional[bytes] = ..., leaves: _Optional[int] = ..., producer_node: _Optional[str] = ..., producer_every: _Optional[int] = ..., treedef: _Optional[str] = ..., init_variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ..., init_from: _Optional[_Union[InitFrom, _Mapping]] = ..., tree: _Optional[str] = ...) -> None: ...
 
 class InitFrom(_message.Message):
     __slots__ = ("path", "keys", "checksum")

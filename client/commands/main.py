@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
+from rallypoint.client.commands import export as export_cli
 from rallypoint.client.commands import jobs as jobs_cli
 
 from rallypoint.client.commands import lifecycle as lifecycle_cli
@@ -381,3 +382,4 @@ main.add_command(lifecycle_cli.cancel)
 main.add_command(lifecycle_cli.suspend)
 main.add_command(lifecycle_cli.logs)
 main.add_command(plot_cli.plot)
+main.add_command(export_cli.export)

@@ -43,7 +43,9 @@ def batch(step: int, microbatch: int) -> dict[str, np.ndarray]:
 
 
 def build(steps: int = STEPS) -> Program:
-    return Program.from_step("train-state", init=init, train_step=train_step, source=batch, steps=steps)
+    # checkpoint_every=2: commits at 0 and 2 (the final cut at 4 too, once every job commits one), for the export
+    return Program.from_step("train-state", init=init, train_step=train_step, source=batch, steps=steps,
+                             checkpoint_every=2)
 
 
 if __name__ == "__main__":
