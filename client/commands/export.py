@@ -12,6 +12,7 @@ Added to the ``rallypoint`` group by :mod:`rallypoint.client.commands.main`.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import click
@@ -46,5 +47,6 @@ def export(state_dir: Path, cluster: str | None, job: str, run: str, step: int |
     if step is not None and step < 0:
         raise ConfigError(f"--step must be a committed step (>= 0), got {step}")
     found = find_run(job, run=run, checkpoint_dir=checkpoint_dir, state_dir=state_dir, cluster=cluster)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on the worker-written steps it reads: noise here
     manifest = export_run(found.path.parent, out, step=step, state=state, force=force)
     click.echo(json.dumps(manifest) if as_json else describe(manifest))

@@ -360,7 +360,7 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     from matplotlib import image
 
     from rallypoint.client.reference import run_reference
-    from tests.docs.markdown import quick_start_run
+    from tests.docs.markdown import quick_start_export, quick_start_run
 
     args = quick_start_run()
     assert args[:2] == ["run", "examples/pipeline_mlp.py"] and "--fail" in args, args
@@ -386,6 +386,13 @@ def test_the_readme_quick_start_recovers_from_its_kill(tmp_path: Path) -> None:
     assert {p.parent.name for p in (run / "commits").glob(f"*/{steps:012d}.json")} == \
         {f"stage{i}" for i in range(4)}, "every slice's final state committed at the last step"
     assert (run / "metrics.jsonl").is_file() and (run / "events.jsonl").is_file() and (run / "jobspec.pb").is_file()
+    export = quick_start_export()  # its weights on disk: the final cut, as a plain Orbax checkpoint
+    assert export[:2] == ["export", "pipeline-mlp"] and "--out" in export, export
+    out = tmp_path / "weights"
+    export[export.index("--out") + 1] = str(out)
+    rp(*export, env=state)
+    manifest = json.loads((out / "rallypoint-export.json").read_text())
+    assert manifest["step"] == steps and manifest["run"] == run.name and (out / str(steps) / "default").is_dir()
     png = tmp_path / "loss.png"
     drawn = rp("plot", "pipeline-mlp", "--out", str(png), env=state).stdout
     assert drawn.startswith(f"{png}: {steps} steps (0..{steps - 1}), loss "), drawn
