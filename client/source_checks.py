@@ -117,14 +117,17 @@ def check_depends_on_step(node: NodeSpec, fn: Callable[..., Any], in_avals: Sequ
     """
     import jax
 
-    closed = jax.make_jaxpr(fn)(*in_avals)
+    def trace() -> Any:  # a new function each time: JAX caches the trace of the same one
+        return jax.make_jaxpr(lambda *args: fn(*args))(*in_avals)
+
+    closed = trace()
     if not any(_dependent_outputs(closed.jaxpr)):
         raise ProgramError(
             f"source {node.name!r}: none of its outputs depends on (step, microbatch). A JAX source is traced "
             "once, at export, so every step would get the same batch: NumPy's random generator, file reads "
             f"and any other Python in it run only then. {_USE_HOST}"
         )
-    check_no_traced_randomness(node, closed, jax.make_jaxpr(fn)(*in_avals))
+    check_no_traced_randomness(node, closed, trace())
 
 
 def check_no_traced_randomness(node: NodeSpec, first: Any, second: Any) -> None:

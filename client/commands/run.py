@@ -141,7 +141,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     says: list[Callable[[dict[str, Any]], None]] = [lambda d: click.echo(json.dumps(d))]  # the bar's console, once up
     if reference:
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
-            return ReferenceExecutor(compiled, on_step=on_step).run()
+            return ReferenceExecutor(compiled, on_step=on_step, on_nonfinite=on_nonfinite,  # the cluster's policy
+                                     on_event=lambda d: says[0](d)).run()
     else:
         where = "cluster" if cluster else "embedded cluster"
 
