@@ -46,8 +46,7 @@ from typing import IO, Any
 from rallypoint.etcd.commits import CheckpointCommit, consistent_cut
 from rallypoint.orchestrator.job.state import STREAM_END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.recovery.nonfinite import (ON_NONFINITE, NonFinite, NonFiniteGuard,  # noqa: F401 - imported from here
-                                           nonfinite_mode, nonfinite_values, stopped_at)
+from rallypoint.recovery.nonfinite import NonFinite, NonFiniteGuard, nonfinite_values, stopped_at
 from rallypoint.recovery.slices import stateful_slices
 
 METRICS_FILE = "metrics.jsonl"
