@@ -200,9 +200,12 @@ class Program:
     @classmethod
     def from_step(cls, name: str, **options: Any) -> Program:
         """The one-slice program of the user's own ``train_step(state, batch) -> (state, metrics)``,
-        called unchanged. Options (keyword-only): ``init``, ``train_step``, ``source``, ``steps``,
-        ``devices``, ``mesh_axes``, ``mesh_shape``, ``batch_sharding``, ``host_source``, ``prefetch``,
-        ``checkpoint_every``: see :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
+        called unchanged. Options (keyword-only): ``init``, ``train_step`` (which may ask for ``step`` and
+        ``rng``), ``source``, ``steps``, ``seed``, ``grad_step``/``apply_step``/``microbatches`` (gradient
+        accumulation), ``eval_step``/``eval_source``/``eval_every``/``eval_prefix``/``eval_host_source``
+        (evaluation), ``devices``, ``mesh_axes``, ``mesh_shape``, ``batch_sharding``, ``host_source``,
+        ``prefetch``, ``checkpoint_every``, ``state_sharding``, ``axis_rules``: see
+        :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
         """
         from rallypoint.client.from_step import from_step
 
@@ -267,7 +270,7 @@ class Program:
     def source(
         self, name: str, fn: Callable[[Any, Any], Any], *, slice: str, outputs: Sequence[str] = ("out",),
         per: Per = "microbatch", shardings: Mapping[str, PartitionSpec] | None = None, host: bool = False,
-        prefetch: int = 0,
+        prefetch: int = 0, every: int = 1,
     ) -> NodeHandle:
         """Declare a deterministic data node: ``fn(step, microbatch)`` -> outputs.
 
@@ -281,7 +284,9 @@ class Program:
         shuffle with a seed, tokenize. It must be reachable by a module-level name of a file in
         the job's code bundle (the job file's directory), and deterministic in its arguments:
         its outputs' checksums are kept and a replay that reads different bytes fails the job.
-        ``shardings`` lay its outputs out on the slice (default: replicated). See docs/data.md.
+        ``shardings`` lay its outputs out on the slice (default: replicated). ``every``: it runs only at
+        steps divisible by it, for the nodes of the same ``every`` that read it (an evaluation's held-out
+        batches). See docs/data.md.
         """
         if not isinstance(host, bool):
             raise ProgramError(f"source {name!r}: host must be True or False, got {host!r}")
@@ -289,7 +294,7 @@ class Program:
             raise ProgramError(f"source {name!r}: prefetch must be an integer >= 0 (0: the default), got {prefetch!r}")
         if not callable(fn):
             raise ProgramError(f"source {name!r}: fn must be callable as fn(step, microbatch), got {fn!r}")
-        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, 1, dict(shardings or {}), True,
+        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, every, dict(shardings or {}), True,
                                   host, prefetch, _job_module_globals() if host else None))
 
     @property
