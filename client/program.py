@@ -211,6 +211,17 @@ class Program:
 
         return from_step(cls, name, **options)
 
+    @classmethod
+    def from_nnx(cls, name: str, **options: Any) -> Program:
+        """:meth:`from_step` for a stateful Flax NNX step, unchanged: ``create()`` -> the model (and its
+        ``nnx.Optimizer``), ``train_step(model, optimizer, x, y)`` mutating them. Options: ``create``,
+        ``train_step``, ``eval_step`` and :meth:`from_step`'s: see :func:`rallypoint.client.from_nnx.from_nnx`
+        and docs/program-api.md.
+        """
+        from rallypoint.client.from_nnx import from_nnx
+
+        return from_nnx(cls, name, **options)
+
     # -- declarations ---------------------------------------------------------------
 
     def _fresh(self, kind: str, name: str) -> None:

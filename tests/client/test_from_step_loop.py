@@ -59,15 +59,14 @@ def test_k_microbatches_give_the_update_of_one_batch_of_k_times_b_and_replay_bit
     assert (acc.microbatches, acc.nodes["grad"].per, acc.nodes["batch"].per) == (K, "microbatch", "microbatch")
     one = Program.from_step("one", init=init, train_step=train_step, source=lambda s, mb: full_batch(s),
                             host_source=False, steps=6)
-    compiled = compile_program(acc)
-    got, want = ReferenceExecutor(compiled).run(), run_reference(one)
+    ex = ReferenceExecutor(compile_program(acc))
+    got, want = ex.run(), run_reference(one)
     np.testing.assert_allclose(got.states["state"]["w"], want.states["state"]["w"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose([m["loss"] for m in got.metrics], [m["loss"] for m in want.metrics], rtol=1e-5)
     assert got.instances["grad"] == 6 * K and got.instances["step"] == 6
-    again = ReferenceExecutor(compiled).run()
-    assert again.state_digest == got.state_digest
-    half = ReferenceExecutor(compiled).run(3)  # a replay from a cut at step 3 ends in the same bits
-    assert ReferenceExecutor(compiled).run(state=half.states, start_step=3).state_digest == got.state_digest
+    assert ex.run().state_digest == got.state_digest
+    half = ex.run(3)  # a replay from a cut at step 3 ends in the same bits
+    assert ex.run(state=half.states, start_step=3).state_digest == got.state_digest
 
 
 def test_a_step_asking_for_step_and_rng_gets_the_step_and_a_key_of_the_seed_and_the_step() -> None:
