@@ -1,6 +1,7 @@
 """Program.from_step as a whole training loop: a step that asks for its step number and a key, gradient
 accumulation over microbatches, and evaluation every k steps. In the reference runner (the cluster runs
-the same exported programs; tests/integration/test_from_step.py holds a kill)."""
+the same exported programs: tests/integration/test_host_sources.py runs examples/flax_step.py, a step
+asking for rng with an evaluation, through a kill, bitwise)."""
 
 from __future__ import annotations
 
