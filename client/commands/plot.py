@@ -203,11 +203,13 @@ def draw(pd: PlotData, out: Path, title: str) -> None:
     from matplotlib import pyplot as plt
 
     names = list(pd.curves)[:MAX_PANELS]
+    most = max(len(pd.curves[n][0]) for n in names)  # a metric of some steps only (an eval's) shows its points
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.8 * len(names) + 0.6), sharex=True, squeeze=False)
     try:
         for ax, name in zip(axes[:, 0], names, strict=True):
             steps, values = pd.curves[name]
-            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], lw=1.4, label=name)
+            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], lw=1.4, label=name,
+                    marker="o" if len(steps) < most else None, ms=3)
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
             for m in pd.marks:

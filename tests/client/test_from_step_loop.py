@@ -5,6 +5,8 @@ asking for rng with an evaluation, through a kill, bitwise)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -13,9 +15,11 @@ import numpy as np
 import pytest
 
 from rallypoint.client import Program
+from rallypoint.client.commands.plot import draw, plot_data
 from rallypoint.client.compile import compile_program
 from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import ReferenceExecutor, run_reference
+from rallypoint.orchestrator.job.metrics import parse_metrics
 
 B, K, D = 4, 3, 5  # microbatch size, microbatches, features
 W_TRUE = np.arange(1, D + 1, dtype=np.float32)
@@ -105,16 +109,22 @@ def eval_step(state: Any, batch: Any) -> dict[str, Any]:
     return {"loss": loss_fn(state["w"], batch)}
 
 
-def test_eval_runs_every_k_steps_on_the_state_at_the_start_of_the_step_and_changes_nothing() -> None:
+def test_eval_runs_every_k_steps_on_the_state_at_the_start_of_the_step_and_changes_nothing(tmp_path: Path) -> None:
     common = dict(init=init, train_step=train_step, source=lambda s, mb: full_batch(s), host_source=False, steps=7)
     prog = Program.from_step("ev", eval_step=eval_step, eval_source=held_out, eval_every=3, **common)
     plain = run_reference(Program.from_step("ev", **common))
-    got = run_reference(prog)
+    ex = ReferenceExecutor(compile_program(prog))
+    got = ex.run()
     assert got.state_digest == plain.state_digest  # evaluation updates nothing
     assert [s for s, m in enumerate(got.metrics) if "eval_loss" in m] == [0, 3, 6]
     assert got.instances["eval"] == got.instances["eval_batch"] == 3
-    w3 = run_reference(Program.from_step("ev", **{**common, "steps": 3})).states["state"]["w"]
+    w3 = ex.run(3).states["state"]["w"]
     assert got.metrics[3]["eval_loss"] == pytest.approx(float(loss_fn(jnp.asarray(w3), held_out(3, 0))), rel=1e-6)
+    data = parse_metrics(json.dumps({"step": s, "t": 0, "metrics": m}) for s, m in enumerate(got.metrics))
+    pd = plot_data(data, job="ev", run="r1")  # `rallypoint plot`: the eval curve at its steps, beside the loss
+    assert list(pd.curves) == ["loss", "eval_loss"] and pd.curves["eval_loss"][0] == [0, 3, 6]
+    draw(pd, tmp_path / "ev.png", "ev")
+    assert (tmp_path / "ev.png").read_bytes().startswith(b"\x89PNG")
     named = Program.from_step("ev2", eval_step=eval_step, eval_source=held_out, eval_every=3, eval_prefix="val/",
                               **common)
     assert set(named.metrics) == {"loss", "val/loss"}
