@@ -47,7 +47,7 @@ pytestmark = pytest.mark.processes
 
 LM_TRAIN = Path(__file__).resolve().parents[2] / "examples" / "lm" / "train.py"
 TINY_LM = {"LM_D_MODEL": "32", "LM_HEADS": "2", "LM_CONTEXT": "16", "LM_BATCH": "8", "LM_LR": "0.01",
-           "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2", "LM_VARIANT": "dp"}
+           "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2", "LM_VARIANT": "dp", "LM_EVAL_EVERY": "0"}
 
 STEPS = 16
 JOB = '''
