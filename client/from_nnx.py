@@ -60,10 +60,11 @@ def from_nnx(cls: Any, name: str, *, create: Callable[[], Any], train_step: Call
     from flax import nnx
 
     try:
-        graphdef, abstract = nnx.split(nnx.eval_shape(create))
+        shapes = nnx.eval_shape(create)
+        graphdef, abstract = nnx.split(shapes)
     except Exception as exc:  # user code: report it against create
         raise ProgramError(f"{where}: create() failed to trace: {type(exc).__name__}: {exc}") from exc
-    many = isinstance(nnx.eval_shape(create), tuple)
+    many = isinstance(shapes, tuple)
 
     def init() -> Any:
         return _plain(nnx.state(create()))
