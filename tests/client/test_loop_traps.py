@@ -23,7 +23,24 @@ from rallypoint.client.program import ProgramError
 from rallypoint.client.reference import NonFiniteStopped, ReferenceExecutor, run_reference
 from rallypoint.client.source_checks import DtypeWarning
 from rallypoint.workers.sources.values import describe_mismatch, to_dtypes
-from tests.integration.test_nonfinite import BAD_FROM, diverging
+
+BAD_FROM = 7
+
+
+def diverging(name: str) -> Program:
+    """A state ``w`` and a loss that is finite before step ``BAD_FROM`` and log(-1) = nan from it on (the job of
+    tests/integration/test_nonfinite.py, which a cluster stops)."""
+    prog = Program(name, steps=12, checkpoint_every=2)
+    s = prog.slice("s", devices=1)
+    w = prog.state("w", slice=s, init=lambda: jnp.ones((4,), jnp.float32))
+    data = prog.source("data", lambda step, mb: {"t": step.astype(jnp.float32)}, slice=s, outputs=("t",), per="step")
+
+    def train(w: Any, t: Any) -> dict[str, Any]:
+        return {"w": w * 0.9, "loss": jnp.where(t >= BAD_FROM, jnp.log(-1.0), jnp.sum(w) / (1.0 + t))}
+
+    node = prog.node("train", train, slice=s, inputs={"w": w, "t": data["t"]}, outputs=("w", "loss"), updates={"w": w})
+    prog.metric("loss", node["loss"])
+    return prog
 
 
 def test_the_reference_stops_at_a_nonfinite_metric_with_the_clusters_words() -> None:
