@@ -10,8 +10,8 @@ in a plain loop instead. Nothing in the step knows about Rallypoint.
 
 The step asks for ``rng`` (a keyword parameter): ``from_step`` gives it a key of the job's seed and
 the step, so its input noise is drawn again bit for bit when a step is replayed after a loss. Every
-EVAL_EVERY steps ``eval_step`` reads the state on held-out batches and reports ``eval_loss`` and
-``eval_accuracy`` beside the training metrics; it changes nothing.
+EVAL_EVERY steps ``eval_step`` reads the state on held-out batches (a JAX source) and reports
+``eval_loss`` and ``eval_accuracy`` beside the training metrics; it changes nothing.
 
 The data is a host source: plain NumPy run on the worker, a synthetic classification set
 made from a seed and the step number (a fixed random "teacher" labels Gaussian inputs), so
@@ -85,13 +85,16 @@ def make_batch(step, microbatch):
 
 
 def held_out(step, microbatch):
-    """Held-out examples: another stream of the same teacher (its seed apart from the training data's)."""
-    return make_batch(10_000_000 + step, microbatch)
+    """Held-out examples of the same teacher, as a JAX source (``eval_host_source=False``: a function of the
+    step, exported like a node, so the workers start no second source process for it)."""
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(SEED + 1), step), (BATCH, FEATURES))
+    return {"x": x, "label": jnp.argmax(x @ jnp.asarray(TEACHER), axis=1).astype(jnp.int32)}
 
 
 def build(steps: int = 40) -> Program:
     return Program.from_step("flax-step", init=init, train_step=train_step, source=make_batch, steps=steps,
                              seed=SEED, eval_step=eval_step, eval_source=held_out, eval_every=EVAL_EVERY,
+                             eval_host_source=False,
                              devices=(1, 2), checkpoint_every=10)
 
 
