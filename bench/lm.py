@@ -58,8 +58,10 @@ TRAIN = ROOT / "examples" / "lm" / "train.py"
 
 
 def lm_program(steps: int, variant: str) -> Program:
-    """The LM job file's program for ``variant`` (sizes from the ``LM_*`` environment)."""
+    """The LM job file's program for ``variant`` (sizes from the ``LM_*`` environment), without its eval node:
+    the bench measures training steps against a plain loop of them."""
     os.environ["LM_VARIANT"] = variant
+    os.environ["LM_EVAL_EVERY"] = "0"
     return load_program(TRAIN, steps=steps)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from rallypoint.client.init_from import InitFrom, check_init_from
 from rallypoint.client.layouts import check_layout, check_rules, is_sharded, resolve_layout, traced_on
 from rallypoint.client.program import Gathered, NodeSpec, Program, ProgramError, Ref, StateRef
+from rallypoint.client.source_checks import check_depends_on_step, host_entry, host_layout, host_sample
 from rallypoint.workers.programs import slice_mesh as mesh_over
 from rallypoint.workers.platform import PLATFORMS
 
@@ -241,84 +242,6 @@ def _same_avals(a: Any, b: Any) -> bool:
     return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb, strict=True))
 
 
-def host_entry(node: NodeSpec) -> tuple[str, str]:
-    """Where the worker finds a host source's ``fn``: (the declaring job file, a module-level name bound to it).
-
-    Raises:
-        ProgramError: ``fn`` is not bound to a module-level name of a job file.
-    """
-    g = node.origin or {}
-    file = g.get("__file__")
-    name = getattr(node.fn, "__name__", None)
-    if not (isinstance(name, str) and g.get(name) is node.fn):
-        name = next((k for k, v in g.items() if v is node.fn and not k.startswith("__")), None)
-    if not file or name is None:
-        raise ProgramError(
-            f"host source {node.name!r}: its function must be reachable by a module-level name of the job file "
-            f"that declares it{f' ({file})' if file else ''}: the worker imports it from the job's code bundle. "
-            "Define it (or assign it) at the top level of the file, not inside a function"
-        )
-    return str(file), name
-
-
-def host_sample(node: NodeSpec) -> tuple[Any, ...]:
-    """A host source's output shapes and dtypes, from calling it for step 0, microbatch 0 on the client."""
-    import jax
-
-    from rallypoint.workers.sources.values import HostValueError, flat_leaves
-
-    what = f"host source {node.name!r}"
-    try:
-        result = node.fn(0, 0)
-    except Exception as exc:  # user code: report it against the source
-        raise ProgramError(f"{what} failed for step 0, microbatch 0: {type(exc).__name__}: {exc}") from exc
-    try:
-        leaves, trees = flat_leaves(node.outputs, result, what)
-    except HostValueError as exc:
-        raise ProgramError(str(exc)) from None
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
-    return tuple(_unflatten_all(trees, avals))
-
-
-def _layout(node: NodeSpec, out_trees: Sequence[Any], outs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], list[Any]]:
-    """A host source's layout program (the identity over its outputs), its input trees and flat avals."""
-    import jax
-
-    return ((lambda *values: values), tuple(out_trees),
-            [leaf for o in node.outputs for leaf in jax.tree_util.tree_leaves(outs[o])])
-
-
-def _dependent_outputs(jaxpr: Any) -> list[bool]:
-    """Whether each output of ``jaxpr`` depends on any of its inputs (an equation with a dependent
-    input makes all its outputs dependent: conservative for control flow and calls)."""
-    dep = {v for v in jaxpr.invars}
-    for eqn in jaxpr.eqns:
-        if any(not hasattr(v, "val") and v in dep for v in eqn.invars):
-            dep.update(eqn.outvars)
-    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars]
-
-
-def check_depends_on_step(node: NodeSpec, fn: Callable[..., Any], in_avals: Sequence[Any]) -> None:
-    """Refuse a JAX source none of whose outputs depends on ``(step, microbatch)``: traced once at export,
-    it would give every step the same batch (NumPy's random generator, file reads and other Python run
-    only while tracing).
-
-    Raises:
-        ProgramError: naming the source and what to do.
-    """
-    import jax
-
-    closed = jax.make_jaxpr(fn)(*in_avals)
-    if not any(_dependent_outputs(closed.jaxpr)):
-        raise ProgramError(
-            f"source {node.name!r}: none of its outputs depends on (step, microbatch). A JAX source is traced "
-            "once, at export, so every step would get the same batch: NumPy's random generator, file reads "
-            "and any other Python in it run only then. Compute the batch from step and microbatch with JAX "
-            "(e.g. jax.random.fold_in(key, step)), or read real data in a host source: "
-            "prog.source(..., host=True) (docs/data.md)"
-        )
-
-
 Layouts = tuple[tuple[Any, ...], tuple[Any, ...]]
 """A node's PartitionSpec per flat input leaf and per flat output leaf."""
 
@@ -462,7 +385,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
         in_sh, out_sh = _shardings_on(mesh, layouts)
         flat_avals = [leaf for a in in_avals for leaf in jax.tree_util.tree_leaves(a)]
         if node.host:  # what is exported is its layout: the identity over its outputs, as they lie on the slice
-            fn, in_trees, flat_avals = _layout(node, out_trees, out_avals[name])
+            fn, in_trees, flat_avals = host_layout(node, out_trees, out_avals[name])
             in_sh = out_sh
         with traced_on(mesh, rules_of.get(node.slice)):
             exported = jax.export.export(

@@ -34,17 +34,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from jax.sharding import PartitionSpec
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client import graph_checks
 from rallypoint.client.errors import ProgramError  # raised here, and imported from here by callers
-from rallypoint.client.refs import Gathered, Input, Ref, StateRef  # noqa: F401 - imported from here by callers
+from rallypoint.client.refs import Gathered, Input, NodeSpec, Per, Ref, StateRef  # noqa: F401 - imported from here by callers
 from rallypoint.etcd.keys import check_name
 
-Per = Literal["step", "microbatch"]
 
 
 # ---------------------------------------------------------------------------
@@ -120,31 +119,6 @@ class StateSpec:
     init_from: str | None = None  # a plain Orbax checkpoint its step-0 value is read from (client/init_from.py)
 
 
-@dataclass(frozen=True, slots=True)
-class NodeSpec:
-    """A block of work on one slice.
-
-    ``fn(**inputs)`` returns a dict with exactly ``outputs`` as keys (a single
-    output may also be returned bare). A source is a node whose inputs are the
-    step and microbatch numbers (int32 scalars): ``fn(step, microbatch)``.
-    """
-
-    name: str
-    fn: Callable[..., Any]
-    slice: str
-    inputs: Mapping[str, Input]
-    outputs: tuple[str, ...]
-    per: Per
-    updates: Mapping[str, str]  # output name -> state name
-    every: int
-    shardings: Mapping[str, PartitionSpec]
-    is_source: bool = False
-    host: bool = False  # a host source: plain Python run on the worker (docs/data.md)
-    prefetch: int = 0  # a host source: instances read ahead (0: the default)
-    origin: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)  # a host source: the
-    # globals of the job's module that declared it (the worker imports ``fn`` from there by name)
-
-
 class NodeHandle:
     """What :meth:`Program.node` returns: index it by output name to get an edge source."""
 
@@ -204,13 +178,27 @@ class Program:
     @classmethod
     def from_step(cls, name: str, **options: Any) -> Program:
         """The one-slice program of the user's own ``train_step(state, batch) -> (state, metrics)``,
-        called unchanged. Options (keyword-only): ``init``, ``train_step``, ``source``, ``steps``,
-        ``devices``, ``mesh_axes``, ``mesh_shape``, ``batch_sharding``, ``host_source``, ``prefetch``,
-        ``checkpoint_every``, ``init_from``: see :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
+        called unchanged. Options (keyword-only): ``init``, ``train_step`` (which may ask for ``step`` and
+        ``rng``), ``source``, ``steps``, ``seed``, ``grad_step``/``apply_step``/``microbatches`` (gradient
+        accumulation), ``eval_step``/``eval_source``/``eval_every``/``eval_prefix``/``eval_host_source``
+        (evaluation), ``devices``, ``mesh_axes``, ``mesh_shape``, ``batch_sharding``, ``host_source``,
+        ``prefetch``, ``checkpoint_every``, ``state_sharding``, ``axis_rules``, ``init_from``: see
+        :func:`rallypoint.client.from_step.from_step` and docs/program-api.md.
         """
         from rallypoint.client.from_step import from_step
 
         return from_step(cls, name, **options)
+
+    @classmethod
+    def from_nnx(cls, name: str, **options: Any) -> Program:
+        """:meth:`from_step` for a stateful Flax NNX step, unchanged: ``create()`` -> the model (and its
+        ``nnx.Optimizer``), ``train_step(model, optimizer, x, y)`` mutating them. Options: ``create``,
+        ``train_step``, ``eval_step`` and :meth:`from_step`'s: see :func:`rallypoint.client.from_nnx.from_nnx`
+        and docs/program-api.md.
+        """
+        from rallypoint.client.from_nnx import from_nnx
+
+        return from_nnx(cls, name, **options)
 
     # -- declarations ---------------------------------------------------------------
 
@@ -278,7 +266,7 @@ class Program:
     def source(
         self, name: str, fn: Callable[[Any, Any], Any], *, slice: str, outputs: Sequence[str] = ("out",),
         per: Per = "microbatch", shardings: Mapping[str, PartitionSpec] | None = None, host: bool = False,
-        prefetch: int = 0,
+        prefetch: int = 0, every: int = 1,
     ) -> NodeHandle:
         """Declare a deterministic data node: ``fn(step, microbatch)`` -> outputs.
 
@@ -292,7 +280,9 @@ class Program:
         shuffle with a seed, tokenize. It must be reachable by a module-level name of a file in
         the job's code bundle (the job file's directory), and deterministic in its arguments:
         its outputs' checksums are kept and a replay that reads different bytes fails the job.
-        ``shardings`` lay its outputs out on the slice (default: replicated). See docs/data.md.
+        ``shardings`` lay its outputs out on the slice (default: replicated). ``every``: it runs only at
+        steps divisible by it, for the nodes of the same ``every`` that read it (an evaluation's held-out
+        batches). See docs/data.md.
         """
         if not isinstance(host, bool):
             raise ProgramError(f"source {name!r}: host must be True or False, got {host!r}")
@@ -300,7 +290,7 @@ class Program:
             raise ProgramError(f"source {name!r}: prefetch must be an integer >= 0 (0: the default), got {prefetch!r}")
         if not callable(fn):
             raise ProgramError(f"source {name!r}: fn must be callable as fn(step, microbatch), got {fn!r}")
-        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, 1, dict(shardings or {}), True,
+        return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, every, dict(shardings or {}), True,
                                   host, prefetch, _job_module_globals() if host else None))
 
     @property

@@ -17,9 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.basics.errors import RallypointError
 from rallypoint.client.compile import CompiledProgram, compile_program, slice_mesh
 from rallypoint.client.program import Gathered, Program, Ref, StateRef
-from rallypoint.workers.sources.values import flat_leaves
+from rallypoint.recovery.nonfinite import NonFiniteGuard, nonfinite_mode, nonfinite_values, stopped_at
+from rallypoint.workers.sources.values import flat_leaves, to_dtypes
 from rallypoint.workers.programs import load_exported
 
 
@@ -51,6 +53,10 @@ def stack_microbatches(values: list[Any]) -> Any:
     return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *values)
 
 
+class NonFiniteStopped(RallypointError):
+    """A metric was not finite under ``--on-nonfinite stop``: the reference stops as the cluster fails the job."""
+
+
 @dataclass
 class RunResult:
     """The end of a run: final state, its digest, per-step metrics, time."""
@@ -77,14 +83,22 @@ class ReferenceExecutor:
         compiled: the program, compiled.
         on_step: called after each step with ``(step, metrics)``.
         devices: the devices every slice's mesh is laid over (default: the first N).
+        on_nonfinite: a metric value that is not finite: ``"stop"`` (the default) raises
+            :class:`NonFiniteStopped` naming it, as a cluster run fails the job; ``"warn"`` calls
+            ``on_event`` with a ``job.nonfinite`` event once per metric and goes on
+            (:mod:`rallypoint.recovery.nonfinite`, the cluster's policy).
+        on_event: called with each such event (a dict, as ``rallypoint run --json`` prints it).
     """
 
     def __init__(
         self, compiled: CompiledProgram, *, on_step: Callable[[int, dict[str, float]], None] | None = None,
-        devices: Sequence[Any] | None = None,
+        devices: Sequence[Any] | None = None, on_nonfinite: str | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.compiled = compiled
         self.on_step = on_step
+        self.guard = NonFiniteGuard(nonfinite_mode(on_nonfinite))
+        self.on_event = on_event
         program = compiled.program
         meshes = {name: slice_mesh(program, name, devices) for name in program.slices}
         self._calls = {n: load_exported(c.exported, meshes[c.slice]) for n, c in compiled.nodes.items()}
@@ -102,6 +116,7 @@ class ReferenceExecutor:
 
     def run(self, steps: int | None = None, *, state: dict[str, Any] | None = None, start_step: int = 0) -> RunResult:
         """Run ``steps`` steps (default: the program's) from ``state`` (default: init)."""
+        import jax
         import numpy as np
 
         program: Program = self.compiled.program
@@ -122,9 +137,11 @@ class ReferenceExecutor:
                 mbs = range(m) if node.per == "microbatch" else [None]
                 results = []
                 for mb in mbs:
-                    if node.host:  # plain Python, here as on a worker: the same leaves
+                    if node.host:  # plain Python, here as on a worker: the same leaves, the same dtypes
                         outs, _ = flat_leaves(node.outputs, program.nodes[name].fn(step, mb or 0),
                                               f"host source {name!r}")
+                        outs = to_dtypes(outs, [a.dtype for o in node.outputs
+                                                for a in jax.tree_util.tree_leaves(node.out_avals[o])])
                         results.append(list(node.unflatten_outputs(outs).values()))
                         instances[name] += 1
                         continue
@@ -138,6 +155,7 @@ class ReferenceExecutor:
                 for i, out in enumerate(node.outputs):
                     per_mb = [r[i] for r in results]
                     values[(name, out)] = per_mb if node.per == "microbatch" else per_mb[0]
+                self._check_finite(step, name, results, node.outputs)
             for sname, cs in self.compiled.states.items():
                 if cs.producer is not None and cs.producer[0] in ran:
                     states[sname] = values[cs.producer]
@@ -152,6 +170,24 @@ class ReferenceExecutor:
         wall = time.perf_counter() - t0
         return RunResult(program.name, total, states, state_digest(states), wall, metrics_log, instances)
 
+    def _check_finite(self, step: int, node: str, results: list[list[Any]], outputs: Sequence[str]) -> None:
+        """Each instance's metrics through the cluster's ``--on-nonfinite`` policy (as the coordinator checks
+        each ``InstanceDone``)."""
+        names = {(ref.node, ref.output): m for m, ref in self.compiled.program.metrics.items() if ref.node == node}
+        if not names:
+            return
+        for mb, outs in enumerate(results):
+            got = {names[(node, o)]: float(v) for o, v in zip(outputs, outs, strict=True) if (node, o) in names}
+            report, stop = self.guard.check(nonfinite_values(got, step, node, mb))
+            for bad in report:
+                if self.on_event is not None:
+                    self.on_event({"event": "job.nonfinite", "job": self.compiled.name, "step": bad.step,
+                                   "metric": bad.metric, "value": repr(bad.value), "node": bad.node,
+                                   "microbatch": bad.microbatch, "action": self.guard.mode})
+            if stop is not None:
+                raise NonFiniteStopped(f"job {self.compiled.name!r} failed: {stopped_at(stop)}the reference run "
+                                       "keeps no checkpoints: fix the cause and run it again")
+
     @staticmethod
     def _resolve(src: Any, mb: int | None, values: dict[tuple[str, str], Any], states: dict[str, Any]) -> Any:
         if isinstance(src, StateRef):
@@ -164,6 +200,7 @@ class ReferenceExecutor:
 
 
 def run_reference(program: Program, *, steps: int | None = None,
-                  on_step: Callable[[int, dict[str, float]], None] | None = None) -> RunResult:
+                  on_step: Callable[[int, dict[str, float]], None] | None = None,
+                  on_nonfinite: str | None = None) -> RunResult:
     """Compile and run ``program`` in this process."""
-    return ReferenceExecutor(compile_program(program), on_step=on_step).run(steps)
+    return ReferenceExecutor(compile_program(program), on_step=on_step, on_nonfinite=on_nonfinite).run(steps)

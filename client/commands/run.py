@@ -190,7 +190,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                     board.metrics(s, metrics)
                 on_step(s, metrics)
             try:
-                return ReferenceExecutor(compiled, on_step=step).run()
+                return ReferenceExecutor(compiled, on_step=step, on_nonfinite=on_nonfinite,  # the cluster's policy
+                                         on_event=lambda d: says[0](d)).run()
             finally:
                 if board is not None:
                     board.close()

@@ -69,6 +69,7 @@ class LMConfig:
     lr: float = 3e-3
     seed: int = 0
     data_seed: int = 0
+    eval_every: int = 10  # dp, fsdp, tp: the eval node's period (0: no evaluation)
     corpus_bytes: int = corpus.DEFAULT_MAX_BYTES
     data_dir: str = ""  # "": prepare.default_data_dir()
 
@@ -130,6 +131,14 @@ def lm_batch(step: int, microbatch: int) -> dict[str, Any]:
     cfg = config()
     m = cfg.microbatches if cfg.variant == "pipeline" else 1
     return _batches(cfg.data_dir, cfg.corpus_bytes, cfg.context, cfg.batch // m, m, cfg.data_seed)(step, microbatch)
+
+
+def lm_eval_batch(step: int, microbatch: int) -> dict[str, Any]:
+    """The eval node's host source: one fixed batch of ``LM_BATCH`` windows, drawn with another seed than the
+    training data's (``data_seed + 1``: another shuffle of the corpus, not a split of it), the same at every
+    evaluation, so ``eval_loss`` is one batch's loss of the state as it stands at those steps."""
+    cfg = config()
+    return _batches(cfg.data_dir, cfg.corpus_bytes, cfg.context, cfg.batch, 1, cfg.data_seed + 1)(0, 0)
 
 
 # -- one slice: data parallel, FSDP, tensor parallel ------------------------------------------------------
@@ -218,6 +227,15 @@ def build_dp(cfg: LMConfig) -> Program:
                      shardings={"inputs": DATA, "targets": DATA})
     prog.metric("loss", step["loss"])
     prog.metric("tokens", step["tokens"])
+    if cfg.eval_every:  # every k steps, the weights at the start of the step on the eval batch; updates nothing
+        held = prog.source("eval_batch", lm_eval_batch, slice=dp, per="step", outputs=("inputs", "targets"),
+                           host=True, shardings={"inputs": DATA, "targets": DATA}, every=cfg.eval_every)
+        ev = prog.node("eval", lambda params, inputs, targets: lm.cross_entropy(lm.apply(mc, 0, last, params, inputs),
+                                                                                targets),
+                       slice=dp, every=cfg.eval_every, outputs=("eval_loss",),
+                       inputs={"params": params, "inputs": held["inputs"], "targets": held["targets"]},
+                       shardings={"inputs": DATA, "targets": DATA})
+        prog.metric("eval_loss", ev["eval_loss"])
     return prog
 
 

@@ -51,19 +51,11 @@ from rallypoint.etcd.commits import CheckpointCommit, consistent_cut
 from rallypoint.orchestrator.job.sinks import Sinks, open_sinks
 from rallypoint.orchestrator.job.state import STREAM_END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.nonfinite import NonFinite, NonFiniteGuard, nonfinite_values, stopped_at
 from rallypoint.recovery.slices import stateful_slices
 
 METRICS_FILE = "metrics.jsonl"
-ON_NONFINITE = ("stop", "warn")
 END_EVENTS = STREAM_END_EVENTS  # the executor's last event: the file closes (a resume opens it again)
-
-
-def nonfinite_mode(spec: Any) -> str:
-    """``spec.on_nonfinite`` checked ("" is "stop"). Raises ValueError naming the value and the choices."""
-    mode = spec.on_nonfinite or "stop"
-    if mode not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite {spec.on_nonfinite!r} is not one of {list(ON_NONFINITE)}")
-    return mode
 
 
 def encode_value(v: float) -> float | str:
@@ -214,21 +206,9 @@ def read_metrics(path: Path) -> MetricsRun:
 # -- the executor's collaborator ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class NonFinite:
-    """A metric value of an instance that is not finite."""
-
-    metric: str
-    value: float
-    step: int
-    node: str
-    microbatch: int
-
-
 def nonfinite(item: pb.InstanceDone) -> list[NonFinite]:
     """The metric values of ``item`` that are not finite, by metric name."""
-    return [NonFinite(name, float(v), int(item.step), item.node, int(item.microbatch))
-            for name, v in sorted(item.metrics.items()) if not math.isfinite(v)]
+    return nonfinite_values(item.metrics, int(item.step), item.node, int(item.microbatch))
 
 
 @dataclass(frozen=True)
@@ -250,10 +230,6 @@ class NonFiniteStop:
     reason: str = ""
 
 
-def _stopped_at(bad: NonFinite) -> str:
-    return f"metric {bad.metric!r} is {bad.value!r} at step {bad.step} (--on-nonfinite stop): the job stopped there; "
-
-
 def nonfinite_stop(bad: NonFinite, slices: list[str], cut: int,
                    commits: Mapping[str, list[CheckpointCommit]]) -> NonFiniteStop:
     """The stop at ``bad.step`` of a job whose slices with states are ``slices``, with the cut ``cut`` and its
@@ -261,7 +237,7 @@ def nonfinite_stop(bad: NonFinite, slices: list[str], cut: int,
     cut left at or before it is the one kept. The job's cut becomes it: up to it when its commit landed while
     the workers unloaded, down to it when the cut had passed the step (only possible when the metric's slice
     keeps no states)."""
-    head = _stopped_at(bad)
+    head = stopped_at(bad)
     if not slices:
         return NonFiniteStop(bad.step, reason=head + "no consistent cut was committed at or before it: fix the "
                                                      "cause and run the job again (--new-run)")
@@ -279,7 +255,7 @@ def nonfinite_stop(bad: NonFinite, slices: list[str], cut: int,
 
 def nonfinite_not_dropped(bad: NonFinite, job: str, error: BaseException) -> str:
     """The failure's reason when the commits past ``bad.step`` could not be dropped (etcd away, the term over)."""
-    return _stopped_at(bad) + (f"the commits past it could not be dropped ({error}): before resuming, check with "
+    return stopped_at(bad) + (f"the commits past it could not be dropped ({error}): before resuming, check with "
                                f"`rallypoint status {job}` that its consistent cut is not past step {bad.step}")
 
 
@@ -299,17 +275,16 @@ class JobMetrics:
                  wall: Callable[[], float] = time.time) -> None:
         self.spec, self.log = spec, log
         self.event, self.wall = event, wall
-        self.mode = "stop"
+        self.guard = NonFiniteGuard()
         self.file = MetricsLog(None, log)
         self.sinks = Sinks([], log)  # the job's trackers (TensorBoard, W&B), opened with the file
-        self.warned: set[str] = set()
         self._hit: dict[int, int] = {}  # recovery -> the step it was detected at
         self._from: dict[int, int] = {}  # recovery -> the cut it restored
         self._observe_failed = False
 
     def open(self, run_dir: Path | None, mode: str) -> None:
         """The run's directory (None: the job keeps no files) and its ``on_nonfinite`` mode."""
-        self.mode = mode
+        self.guard = NonFiniteGuard(mode)
         self.file = MetricsLog(run_dir / METRICS_FILE if run_dir is not None else None, self.log)
         self.sinks.close()
         self.sinks = open_sinks(self.spec, run_dir, self.log)
@@ -390,25 +365,27 @@ class JobMetrics:
 
     # -- non-finite values ----------------------------------------------------------------------
 
+    @property
+    def mode(self) -> str:
+        """``stop`` or ``warn``."""
+        return self.guard.mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self.guard.mode = mode
+
     def check(self, item: pb.InstanceDone) -> NonFinite | None:
         """An instance's metrics as they arrive: a value that is not finite warns once per metric
         (``warn``) or, with ``stop``, is returned: the executor stops the job there (:meth:`stop`)."""
         if not item.metrics:
             return None
-        for bad in nonfinite(item):
+        report, stop = self.guard.check(nonfinite(item))
+        for bad in report:
             detail = {"metric": bad.metric, "value": repr(bad.value), "node": bad.node,
                       "microbatch": bad.microbatch, "action": self.mode}
-            if self.mode == "warn":
-                if bad.metric in self.warned:
-                    continue
-                self.warned.add(bad.metric)
-                self.log.warning("job.nonfinite", step=bad.step, **detail)
-                self.event("job.nonfinite", step=bad.step, **detail)
-                continue
-            self.log.error("job.nonfinite", step=bad.step, **detail)
+            (self.log.error if bad is stop else self.log.warning)("job.nonfinite", step=bad.step, **detail)
             self.event("job.nonfinite", step=bad.step, **detail)
-            return bad
-        return None
+        return stop
 
     def stop(self, bad: NonFinite, cut: int,
              commits: Callable[[], Mapping[str, list[CheckpointCommit]]]) -> NonFiniteStop:

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint.orchestrator.job.metrics import nonfinite_mode
+from rallypoint.recovery.nonfinite import nonfinite_mode
 from rallypoint.orchestrator.job.watchdog import DEFAULT_COMPILE_TIMEOUT_S
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.decide import (DEFAULT_FAILURE_WINDOW_S, DEFAULT_MAX_FAULTS, DEFAULT_MAX_PREEMPTIONS,

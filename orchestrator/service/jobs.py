@@ -36,7 +36,7 @@ from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.keys import check_name
 from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
-from rallypoint.orchestrator.job.metrics import nonfinite_mode
+from rallypoint.recovery.nonfinite import nonfinite_mode
 from rallypoint.orchestrator.service.verbs import JobControl, start_thread, watched
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.observe.timeline import TimelineRecorder

@@ -184,11 +184,16 @@ def test_the_flax_examples_own_step_trains_unchanged_under_from_step() -> None:
     mod = example("flax_step")
     prog = mod.build(steps=15)
     assert prog.nodes["step"].fn.__name__ == "train_step" and prog.nodes["batch"].fn is mod.make_batch
-    assert set(prog.metrics) == {"loss", "accuracy"}
+    assert set(prog.metrics) == {"loss", "accuracy", "eval_loss", "eval_accuracy"}
     result = run_reference(prog)
     losses = [m["loss"] for m in result.metrics]
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    assert [s for s, m in enumerate(result.metrics) if "eval_loss" in m] == [0, 5, 10]
     state = mod.init()  # the same function in a plain loop: the same losses (here on one device, there on two)
     for step in range(15):
-        state, metrics = mod.train_step(state, mod.make_batch(step, 0))
+        if step % mod.EVAL_EVERY == 0:
+            held = mod.eval_step(state, mod.held_out(step, 0))
+            assert result.metrics[step]["eval_loss"] == pytest.approx(float(held["loss"]), rel=1e-4)
+        rng = jax.random.fold_in(jax.random.key(mod.SEED), step)
+        state, metrics = mod.train_step(state, mod.make_batch(step, 0), rng=rng)
         assert metrics["loss"] == pytest.approx(losses[step], rel=1e-4)

@@ -25,8 +25,14 @@ def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def losses(variant: str, steps: int, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     monkeypatch.setenv("LM_VARIANT", variant)
+    if variant == "dp":
+        monkeypatch.setenv("LM_EVAL_EVERY", "5")
     result = run_reference(load_program(TRAIN, steps=steps))
     assert all(m["tokens"] == 8 * 16 for m in result.metrics)  # LM_BATCH x LM_CONTEXT targets a step
+    if variant == "dp":  # an eval_loss every LM_EVAL_EVERY steps, of the weights at the step's start
+        assert [s for s, m in enumerate(result.metrics) if "eval_loss" in m] == list(range(0, steps, 5))
+        assert abs(result.metrics[0]["eval_loss"] - math.log(256)) < 0.1 and \
+            result.metrics[5]["eval_loss"] < result.metrics[0]["eval_loss"] - 0.5
     return [m["loss"] for m in result.metrics]
 
 

@@ -11,8 +11,9 @@ import pytest
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "lm" / "train.py"
 TINY = {"LM_D_MODEL": "32", "LM_HEADS": "2", "LM_CONTEXT": "16", "LM_BATCH": "8", "LM_LR": "0.01",
-        "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2"}
-"""Sizes of a model that compiles and steps in well under a second on a CPU (a test's own settings go on top)."""
+        "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2", "LM_EVAL_EVERY": "0"}
+"""Sizes of a model that compiles and steps in well under a second on a CPU, without the eval node (one
+program less to compile; tests/client/test_lm_example.py turns it on); a test's own settings go on top."""
 
 
 def tiny_lm(monkeypatch: pytest.MonkeyPatch, data_dir: Path, **settings: str) -> None:

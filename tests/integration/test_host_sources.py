@@ -12,8 +12,11 @@ filesystem every worker mounts. On real worker processes, with real SIGKILLs:
   worker is fenced;
 * a source that is not deterministic (it draws from an unseeded generator) is caught
   when the kill replays it, and the job fails naming the source and the step;
+* the source's ``y`` is float64 (NumPy's default) and JAX runs without x64: it is converted
+  to float32 once, alike in the reference and on the workers, so the runs still agree bitwise;
 * the user's own train step (``Program.from_step``, examples/flax_step.py: Flax NNX and
-  Optax, its data a host source) survives a kill bitwise;
+  Optax, its data a host source, its step asking for ``rng``, an evaluation every 5 steps)
+  survives a kill bitwise;
 * so does the LM example (examples/lm, tiny), its loss falling.
 """
 
@@ -47,7 +50,7 @@ pytestmark = pytest.mark.processes
 
 LM_TRAIN = Path(__file__).resolve().parents[2] / "examples" / "lm" / "train.py"
 TINY_LM = {"LM_D_MODEL": "32", "LM_HEADS": "2", "LM_CONTEXT": "16", "LM_BATCH": "8", "LM_LR": "0.01",
-           "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2", "LM_VARIANT": "dp"}
+           "LM_CORPUS_BYTES": "65536", "LM_DEVICES": "2", "LM_VARIANT": "dp", "LM_EVAL_EVERY": "0"}
 
 STEPS = 16
 JOB = '''
@@ -73,7 +76,7 @@ def read_batch(step, microbatch):
         raise ValueError(f"record {{start}} is corrupt")
     if MODE == "random":
         x = x + np.random.default_rng().normal(size=x.shape).astype(np.float32)
-    return {{"x": x, "y": x.sum(axis=1, keepdims=True) * 0.5}}
+    return {{"x": x, "y": x.sum(axis=1, keepdims=True, dtype=np.float64) * 0.5}}  # y: NumPy's default float64
 
 
 def grads(w, x, y):

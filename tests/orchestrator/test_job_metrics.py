@@ -17,7 +17,8 @@ from rallypoint.etcd.commits import read_commits
 from rallypoint.orchestrator.job.executor import run_dir
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.orchestrator.job.metrics import (METRICS_FILE, JobMetrics, MetricsLog, NonFinite, NonFiniteStop,
-                                                 nonfinite_mode, nonfinite_stop, parse_metrics, read_metrics)
+                                                 nonfinite_stop, parse_metrics, read_metrics)
+from rallypoint.recovery.nonfinite import nonfinite_mode
 from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.proto import rallypoint_pb2 as pb

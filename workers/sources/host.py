@@ -36,6 +36,7 @@ import numpy as np
 from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
 from rallypoint.workers.residency import Copies, place
+from rallypoint.workers.sources.values import describe_mismatch, to_dtypes
 
 DEFAULT_PREFETCH = 4
 """Instances a host source reads ahead of the one that runs (``HostSource.prefetch`` 0)."""
@@ -275,12 +276,12 @@ class HostSource:
                 f"it first ran (sha256 {before[:16]}... then, {header['sum'][:16]}... now): a source must be a "
                 "deterministic function of (step, microbatch): seed its shuffles from them and read files "
                 "that do not change during the run (docs/data.md)")
+        leaves = to_dtypes(leaves, [d for d, _ in self._avals])  # the client's 64 -> 32 bits, as the reference
         got = [(a.dtype, tuple(a.shape)) for a in leaves]
         if got != self._avals:
-            show = lambda xs: ", ".join(f"{d}{list(sh)}" for d, sh in xs)  # noqa: E731
-            return SourceError(f"host source {self.node!r} ({self.file}: {self.name}) returned ({show(got)}) at "
-                               f"{where}; at submit it returned ({show(self._avals)}): a source's shapes and dtypes "
-                               "are fixed for the run")
+            return SourceError(f"host source {self.node!r} ({self.file}: {self.name}) at {where}: "
+                               f"{describe_mismatch(got, self._avals)}: a source's shapes and dtypes are fixed for "
+                               "the run")
         try:
             return place(leaves, self._shardings, self._copies, "source")
         except Exception as exc:  # e.g. a shape the sharding does not divide: the program's

@@ -6,6 +6,10 @@ or a single output bare; each output is an array or a pytree of arrays. The clie
 worker's source process all flatten a result the same way, here: outputs in declared
 order, each output's leaves in JAX's pytree order, each leaf a C-contiguous NumPy array
 of a numeric or boolean dtype. :func:`leaves_checksum` is the digest kept per instance.
+
+Dtypes are the user's, as the client recorded them at submit: a 64-bit leaf becomes 32-bit only
+where the client said so (JAX without ``jax_enable_x64``: ``client/source_checks.py`` warns once),
+and :func:`to_dtypes` is that one conversion, applied by the reference and the worker alike.
 """
 
 from __future__ import annotations
@@ -59,6 +63,30 @@ def flat_leaves(outputs: Sequence[str], result: Any, what: str) -> tuple[list[np
         leaves += [as_leaf(x, f"{what} (output {name!r})") for x in flat]
         trees.append(tree)
     return leaves, trees
+
+
+_NARROWER = {np.dtype(a): np.dtype(b) for a, b in (("float64", "float32"), ("int64", "int32"),
+                                                     ("uint64", "uint32"), ("complex128", "complex64"))}
+
+
+def to_dtypes(leaves: Sequence[np.ndarray], dtypes: Sequence[Any]) -> list[np.ndarray]:
+    """``leaves`` with each 64-bit leaf whose recorded dtype is its 32-bit counterpart converted to it (the
+    client's conversion without x64); any other leaf as it is (a real mismatch stays one, for the caller)."""
+    out = list(leaves)
+    for i, (a, want) in enumerate(zip(leaves, dtypes)):
+        if _NARROWER.get(a.dtype) == np.dtype(want):
+            out[i] = a.astype(want)
+    return out
+
+
+def describe_mismatch(got: Sequence[tuple[Any, tuple[int, ...]]], want: Sequence[tuple[Any, tuple[int, ...]]]) -> str:
+    """What differs between a source's leaves now (``got``: (dtype, shape) each) and at submit (``want``)."""
+    show = lambda d, sh: f"{np.dtype(d)}{list(sh)}"  # noqa: E731
+    if len(got) != len(want):
+        return f"{len(got)} arrays, where at submit it returned {len(want)}"
+    diff = [f"array {i} is {show(*g)}, at submit {show(*w)}" for i, (g, w) in enumerate(zip(got, want))
+            if (np.dtype(g[0]), tuple(g[1])) != (np.dtype(w[0]), tuple(w[1]))]
+    return "; ".join(diff[:3]) + (f" (and {len(diff) - 3} more)" if len(diff) > 3 else "")
 
 
 def leaf_bytes(a: np.ndarray) -> memoryview:
