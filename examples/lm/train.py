@@ -72,6 +72,8 @@ class LMConfig:
     eval_every: int = 10  # dp, fsdp, tp: the eval node's period (0: no evaluation)
     corpus_bytes: int = corpus.DEFAULT_MAX_BYTES
     data_dir: str = ""  # "": prepare.default_data_dir()
+    init_from: str = ""  # dp, fsdp, tp: start the weights from this plain Orbax checkpoint (`rallypoint export
+    # lm-dp --state params --out DIR` of an earlier run); "": from the model's init
 
     @property
     def model(self) -> lm.ModelConfig:
@@ -213,7 +215,7 @@ def build_dp(cfg: LMConfig) -> Program:
         {"mesh_axes": ("data",)}
     dp = prog.slice(name, devices=devices, **mesh)
     layout = state_sharding(cfg)
-    params = prog.state("params", slice=dp, init=init_params, sharding=layout)
+    params = prog.state("params", slice=dp, init=init_params, sharding=layout, init_from=cfg.init_from or None)
     # Adam's moments are zeros of the weights' shapes: eval_shape makes no weights (one init less to compile)
     opt_state = prog.state("opt_state", slice=dp, init=lambda: opt.init(jax.eval_shape(init_params)),
                            sharding=layout)
