@@ -6,8 +6,9 @@ cluster (`rallypoint run`) through a SIGKILL of its worker, writing TensorBoard 
 * `rallypoint export` writes its weights at the last evaluation's step as a plain Orbax checkpoint;
   a Python process that never imports Rallypoint restores them with Orbax into a fresh Flax NNX
   model and gets, on the evaluation batch, the job's own `eval_loss` at that step;
-* a second job warm-starts from that export (`LM_INIT_FROM`, the example's `init_from=`): its first
-  evaluation, of the weights it started from, is bitwise the first job's evaluation at that step;
+* a second job warm-starts from that export (`LM_INIT_FROM`, the example's `init_from=`; run in process,
+  the same exported programs): its first evaluation, of the weights it started from, is bitwise the first
+  job's evaluation at that step;
 * the first run's TensorBoard files hold every step's loss once, the evaluations at their steps and
   the recovery's marks; the run's own directory holds the final cut, which `export` takes by default.
 """
@@ -85,8 +86,9 @@ def test_an_lm_trained_through_a_kill_is_exported_restored_by_plain_orbax_and_wa
     # One device here, the job's two there (the mean's reduction order differs): equal to float32's last bits.
     assert got["loss"] == pytest.approx(evals[LAST_EVAL], rel=1e-5, abs=1e-6), (got, evals)
 
-    # Weights in: a second job starts from the export; its first evaluation is of exactly those weights.
-    second = events(rp("run", job, "--steps", "1", "--json", timeout=300,
+    # Weights in: a second job starts from the export; its first evaluation is of exactly those weights (in
+    # process, the same exported programs: tests/integration/test_init_from.py starts one on a cluster).
+    second = events(rp("run", job, "--steps", "1", "--json", "--reference", timeout=300,
                        env={**env, "LM_INIT_FROM": str(weights)}).stdout)
     (warm,) = [e["metrics"]["eval_loss"] for e in second if e["event"] == "step" and e["step"] == 0]
     assert warm == evals[LAST_EVAL], (warm, evals[LAST_EVAL])
