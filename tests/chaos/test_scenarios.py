@@ -35,7 +35,9 @@ MAKE_CHAOS_ONLY = ("soak", "multihost", "multihost-kill",  # multihost-shrink he
                    "no-spare",  # integration/test_recovery.py's no-spare failures
                    "truncate-checkpoint",  # the corrupt-checkpoint scenario; integration/test_recovery.py
                    "leader-kill",  # integration/test_adoption.py; the leader kills of suspend-resume, campaign-short
-                   "partition-worker")  # the partitions of stateless-eval and campaign-short
+                   "partition-worker",  # the partitions of stateless-eval and campaign-short
+                   "etcd-member-kill",  # integration/test_liveness.py's member loss; etcd-quorum-loss kills two
+                   "two-jobs")  # integration/test_jobs_priority.py: the yield and the take-back
 NAMES = sorted(p.stem for p in (ROOT / "scenarios").glob("*.toml")  # campaigns vary by seed: test_campaign.py
                if p.stem not in MAKE_CHAOS_ONLY and not p.stem.startswith("campaign"))
 
