@@ -111,26 +111,24 @@ def section(path: Path, heading: str) -> list[str]:
 QUICK_START = "## Quick start"
 
 
-def quick_start_export() -> list[str]:
-    """The arguments of the README quick start's ``rallypoint export`` (its weights on disk)."""
+def _quick_start(verb: str) -> list[str]:
+    """The arguments of the one ``rallypoint VERB`` of the README's quick start."""
     import shlex
 
     readme = ROOT / "README.md"
     lines = set(section(readme, QUICK_START))
     found = [shlex.split(text, comments=True) for _, program, text in command_lines(readme)
-             if program == "rallypoint" and text.startswith("export ") and any(text in line for line in lines)]
-    assert len(found) == 1, f"README.md's quick start should end with one `rallypoint export`, found {found}"
+             if program == "rallypoint" and text.startswith(f"{verb} ") and any(text in line for line in lines)]
+    assert len(found) == 1, f"README.md's quick start should show one `rallypoint {verb}`, found {found}"
     return found[0]
 
 
 def quick_start_run() -> list[str]:
     """The arguments of the one ``rallypoint run`` of the README's quick start (the suite runs exactly it:
     tests/integration/test_recovery.py)."""
-    import shlex
+    return _quick_start("run")
 
-    readme = ROOT / "README.md"
-    lines = set(section(readme, QUICK_START))
-    runs = [shlex.split(text, comments=True) for _, program, text in command_lines(readme)
-            if program == "rallypoint" and text.startswith("run ") and any(text in line for line in lines)]
-    assert len(runs) == 1, f"README.md's quick start should show one `rallypoint run`, found {runs}"
-    return runs[0]
+
+def quick_start_export() -> list[str]:
+    """The arguments of the README quick start's ``rallypoint export`` (its weights on disk)."""
+    return _quick_start("export")
