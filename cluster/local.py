@@ -156,12 +156,13 @@ class LocalCluster:
         base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "rallypoint.cluster.daemons", role,
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
-        base += ["--tls-dir", str(self.tls_dir)] if self.config.tls else ["--insecure"]
+        base += ["--tls-dir", str(security.process_tls_dir(self.tls_dir, name))] if self.config.tls else ["--insecure"]
         base += ["--metrics-port", "0"] if self.config.metrics else []  # docs/metrics.md
         if role == "worker":
             base += ["--devices", str(self.config.devices_per_worker), "--platform", self.config.platform,
                      "--preempt-deadline-s", f"{self.config.preempt_deadline_s:g}"]
             base += net.args() if net is not None else []
+            base += ["--source-hide", str(self.tls_dir), "--source-hide", str(self.config.state_dir.absolute() / "etcd")]
             if self.compile_cache_dir is not None:
                 base += ["--compile-cache-dir", str(self.compile_cache_dir)]
             base += ["--member-pool", str(self.config.member_pool)] if self.config.member_pool else []

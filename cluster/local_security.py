@@ -3,7 +3,10 @@
 A local cluster with ``tls`` on (the default; ``docs/security.md``) keeps a CA in
 ``<state-dir>/tls`` (:mod:`rallypoint.cluster.certs`) and gives every process its own
 certificate with its role (coordinator or worker), made afresh at each start of the
-process and naming the addresses it binds and advertises. etcd gets the ``etcd``
+process and naming the addresses it binds and advertises, in a folder of its own,
+``<state-dir>/tls/<name>/`` (``ca.crt`` and its own pair only): a daemon is never pointed at
+``ca.key`` or another role's key, and workers hide ``<state-dir>/tls`` and etcd's secrets from
+the job code they run (``--source-hide``, :mod:`rallypoint.workers.sources.sandbox`). etcd gets the ``etcd``
 certificate, runs with client-certificate auth, and has a user per role that may only
 touch what that role needs of this cluster's prefix (:func:`rallypoint.etcd.auth.enable_auth`).
 Clients (the CLI, tests) use the ``client`` certificate, which in-process clients find by
@@ -13,12 +16,14 @@ whoever starts an embedded cluster administers it (cordon, drain) as well as sub
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from rallypoint.basics import tls as tls_registry
 from rallypoint.basics.authz import ETCD, OPERATOR
-from rallypoint.basics.tls import TlsConfig
+from rallypoint.basics.tls import CA_FILE, TlsConfig
 from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
 from rallypoint.cluster.local_config import WorkerNetwork
 from rallypoint.etcd.auth import enable_auth
@@ -70,10 +75,24 @@ def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secr
         raise
 
 
-def issue_process(tls_dir: Path, name: str, *, role: str, host: str, cluster: str, net: WorkerNetwork | None) -> None:
-    """A fresh certificate of ``role`` for process ``name``, naming every address it binds or is reached at."""
+def process_tls_dir(tls_dir: Path, name: str) -> Path:
+    """The folder process ``name`` is pointed at (``--tls-dir``): ``ca.crt`` and its own certificate and key only."""
+    return tls_dir / name
+
+
+def issue_process(tls_dir: Path, name: str, *, role: str, host: str, cluster: str, net: WorkerNetwork | None) -> Path:
+    """A fresh certificate of ``role`` for process ``name``, naming every address it binds or is reached at, in a
+    folder of its own (:func:`process_tls_dir`, mode 0700): never beside ``ca.key`` or another process's key."""
     hosts = [host, *DEFAULT_HOSTS]
     if net is not None:
         advertised = (net.advertise_address, net.advertise_data_address)
         hosts += [net.host] + [a.rpartition(":")[0] for a in advertised if a]
     issue(tls_dir, name, role=role, hosts=list(dict.fromkeys(hosts)), cluster=cluster)
+    own = process_tls_dir(tls_dir, name)
+    own.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(own, 0o700)
+    shutil.copyfile(tls_dir / CA_FILE, own / f".{CA_FILE}.tmp")
+    os.replace(own / f".{CA_FILE}.tmp", own / CA_FILE)
+    for suffix in (".crt", ".key"):  # moved, not copied: the CA's folder keeps no process's key
+        os.replace(tls_dir / f"{name}{suffix}", own / f"{name}{suffix}")
+    return own

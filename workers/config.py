@@ -57,6 +57,9 @@ class WorkerConfig:
         member_pool: gang member processes kept started ahead, with JAX imported, so that a
             multi-host slice's group forms without waiting for them to load (0: none; each idle
             one holds its memory: :class:`rallypoint.workers.gang.link.MemberPool`).
+        source_hide: folders host sources must not read, besides the worker's TLS folder (``--source-hide``;
+            :mod:`rallypoint.workers.sources.sandbox`).
+        source_sandbox: ``auto``, ``required`` or ``off`` (``--source-sandbox``, the same module).
     """
 
     cluster: str
@@ -79,6 +82,8 @@ class WorkerConfig:
     tls: TlsConfig | None = None
     metrics_port: int | None = None
     member_pool: int = 0
+    source_hide: tuple[str, ...] = ()
+    source_sandbox: str = "auto"
 
     def __post_init__(self) -> None:
         check_name("worker", self.worker_id)

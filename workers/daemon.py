@@ -54,6 +54,7 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.checkpoints.committer import etcd_commit
 from rallypoint.workers.dataplane import DataPlaneServer
 from rallypoint.workers.config import WorkerConfig
+from rallypoint.workers.sources.sandbox import SourcePolicy, tls_folders
 from rallypoint.workers.runtime.checkpoints import CommitFn
 from rallypoint.workers.metrics import WorkerMetrics
 from rallypoint.workers.gang.link import MemberPool
@@ -166,6 +167,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime.member_host = bound if bound not in ("", "0.0.0.0", "::") else self.address.rsplit(":", 1)[0]
         self.runtime.member_platform = self.platform.platform or "cpu"  # a gang member's devices: this worker's kind
         self.runtime.member_compile_cache = str(cache or "")  # and its compilation cache
+        tls_files = (self.config.tls.ca, self.config.tls.cert, self.config.tls.key) if self.config.tls else ()
+        self.runtime.source_policy = SourcePolicy(hide=tls_folders(tls_files) + tuple(self.config.source_hide),
+                                                  mode=self.config.source_sandbox)  # sources never read its keys
         if self.config.member_pool:
             self.runtime.member_pool = MemberPool(self.config.member_pool)
             self.runtime.member_pool.fill(self.runtime.member_platform)

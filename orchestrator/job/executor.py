@@ -74,7 +74,7 @@ from rallypoint.orchestrator.job.view import JobView
 from rallypoint.orchestrator.job.warm import SpareWarmer
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.orchestrator.job.recovery_machine import Recovery
-from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, run_dir, start_run
+from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, run_dir, spec_digest, start_run
 from rallypoint.orchestrator.job.stragglers import StragglerWatch, busy_reason
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -123,7 +123,7 @@ class JobExecutor:
         root = spec.checkpoint_dir or checkpoint_root
         self.checkpoint_root = Path(root).absolute() if root else None
         self.run_dir: Path | None = None
-        self.run_id = ""  # this run of the job name (orchestrator/job/runs.py)
+        self.run_id, self.spec_sha256 = "", ""  # this run of the job name, its jobspec.pb's hash (job/runs.py)
         self.keep_runs = keep_runs
         self.auto_resumed = auto_resumed
         self.graph = Graph.from_spec(spec)
@@ -193,7 +193,8 @@ class JobExecutor:
         p, end = self.progress, self.ended_mono if self.ended_mono is not None else self.clock.monotonic()
         return JobView(
             job=self.spec.job, state=self.state, steps=self.spec.steps, priority=self.spec.priority,
-            submit_id=self.spec.submit_id, code_sha256=self.spec.code.sha256, term=self.term.term or 0,
+            submit_id=self.spec.submit_id, code_sha256=self.spec.code.sha256, spec_sha256=self.spec_sha256,
+            term=self.term.term or 0,
             run_id=self.run_id, run_dir=self.run_dir, adopted=self.adopted, resumed=self.resume,
             auto_resumed=self.auto_resumed, policy=self.settings.policy if self.settings else "",
             completed=p.completed, start_step=p.start, cut=p.cut, placement=MappingProxyType(dict(self.places.slices)),
@@ -272,10 +273,10 @@ class JobExecutor:
         if self.resume:
             if self.checkpoint_root is None:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
-            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False)
-            self.run_id = self.run_dir.name
             earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
             old = earlier.json() if earlier is not None else {}
+            self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False, record=old)  # LATEST bound to it
+            self.run_id, self.spec_sha256 = self.run_dir.name, spec_digest(self.run_dir, old)  # run_files.py
             if old.get("run") == self.run_id:  # the same run goes on: its first start, its recoveries so far
                 self.started_at = float(old.get("started_at") or self.started_at)
                 self.recovery.adopt(old.get("recoveries", []), self.term.term)  # docs/recovery.md
@@ -284,8 +285,9 @@ class JobExecutor:
             if asked is not None and self.adopted:  # a suspend or cancel the lost leader had not carried out
                 self.stopper.request(stop_request(asked.value, self.log))
         else:  # a new run: the previous one is kept under its run id (runs.py; the service refused a resubmit)
-            self.run_id, self.run_dir = start_run(self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root,
-                                                  self.keep_runs, self.log, now=self.clock.wall())
+            self.run_id, self.run_dir, self.spec_sha256 = start_run(
+                self.spec, self.store, self.keys, self.term.txn, self.checkpoint_root, self.keep_runs, self.log,
+                now=self.clock.wall())
         self.term.open_run(self.run_dir)
         self.loads.open_run(self.run_dir)
         self.event_log.open(self.run_dir)

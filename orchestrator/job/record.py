@@ -158,6 +158,7 @@ def record_of(v: JobView, history: RecordHistory, **fields: Any) -> dict[str, An
         "term": v.term, "run": v.run_id, "run_dir": str(v.run_dir or ""), "cut": v.cut,
         "policy": v.policy, "priority": v.priority,
         "code_sha256": v.code_sha256,  # the code bundle every load of the run uses
+        "spec_sha256": v.spec_sha256,  # its jobspec.pb: a resume or adoption checks the file against it
         "placement": {s: {"worker": q.worker, "devices": list(q.devices),
                           **({"members": [{"worker": m.worker, "devices": list(m.devices)} for m in q.members]}
                              if q.members else {})} for s, q in v.placement.items()},

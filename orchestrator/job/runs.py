@@ -35,10 +35,12 @@ from rallypoint.basics.errors import ConfigError, RallypointError
 from rallypoint.etcd.commits import read_commit_records
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.store import TXN_OPS, Delete, KeyValue, Put, Store
+from rallypoint.orchestrator.job.run_files import (JOBSPEC_FILE, LATEST_FILE, bound_run, make_run_dir, read_latest,
+                                                   read_spec, spec_digest, write_spec)
 from rallypoint.orchestrator.job.state import JobFailed
 
-JOBSPEC_FILE = "jobspec.pb"
-LATEST_FILE = "LATEST"
+__all__ = ["JOBSPEC_FILE", "LATEST_FILE", "read_spec", "spec_digest"]  # re-exported from run_files.py
+
 RUN_ID = re.compile(r"^run-\d{8}T\d{6}-[0-9a-f]{6}$")
 
 
@@ -91,9 +93,12 @@ def request_checkpoint_dir(requested: str, root: str) -> str:
 
 
 def check_spec_names(spec: Any) -> None:
-    """The names of a job spec that become folders (the job; each slice, ``<run>/<slice>/``): each a
-    valid name (no '/', no '..', no leading '.'), else ConfigError naming it."""
+    """The names of a job spec that become folders or files (the job; each slice, ``<run>/<slice>/``; each
+    node, ``<run>/sources/<node>.jsonl``): each a valid name (no '/', no '..', no leading '.'), else ConfigError
+    naming it."""
     check_name("job", spec.job)
+    for n in spec.nodes:
+        check_name("node", n.name)
     for s in spec.slices:
         check_name("slice", s.slice)
     for n in spec.nodes:
@@ -120,25 +125,26 @@ def check_init_from(spec: Any, root: str) -> None:
                               "or copy the checkpoint elsewhere")
 
 
-def run_dir(root: Path, job: str, *, create: bool, run: str = "") -> Path:
+def run_dir(root: Path, job: str, *, create: bool, run: str = "", record: dict[str, Any] | None = None) -> Path:
     """The checkpoint directory of the job's newest run under ``root`` (a new one, ``run`` or a
-    fresh id, when ``create``). The job's folder and the run LATEST names must lie in ``root``."""
+    fresh id, when ``create``). The job's folder and the run LATEST names must lie in ``root``;
+    ``record``: the job's record in etcd, whose run ``LATEST`` must name when it is bound (run_files.py)."""
     check_name("job", job)
     base = root / job
     if create:
         name = check_run_id(run) if run else new_run_id()
         within(root, base, "job folder")
-        base.mkdir(parents=True, exist_ok=True)
-        within(root, base, "job folder")
-        (base / name).mkdir()
-        (base / LATEST_FILE).write_text(name + "\n")
-        return base / name
+        return make_run_dir(root, base, name)  # made through the folder opened without following a symlink
     latest = base / LATEST_FILE
-    if not latest.exists():
-        raise JobFailed(f"no run of job {job!r} under {root}: nothing to resume (is --checkpoint-dir right?)")
-    name = latest.read_text().strip()
+    try:
+        name = read_latest(base)
+    except FileNotFoundError:
+        raise JobFailed(f"no run of job {job!r} under {root}: nothing to resume (is --checkpoint-dir right?)") from None
+    except OSError as exc:
+        raise JobFailed(f"{latest} cannot be read: {exc}") from None
     try:
         check_run_id(name, f"{latest} names")
+        bound_run(record, name, latest)
         if (base / name).is_symlink():
             raise ConfigError(f"the run directory {base / name} is a symlink, not a run directory of job {job!r}: "
                               "replace it with the run's folder, then resume again")
@@ -269,8 +275,11 @@ def delete_run(store: Store, keys: Keys, txn: Any, job: str, run: str, root: str
         raise ConfigError(f"job {job!r} has no earlier run {run}: `rallypoint status {job}` lists its runs")
     if path is not None and on_disk:
         within(Path(root), path, "run directory")
-        latest = Path(root) / job / LATEST_FILE
-        if latest.exists() and latest.read_text().strip() == run:
+        try:
+            newest = read_latest(Path(root) / job)
+        except (OSError, JobFailed):
+            newest = ""
+        if newest == run:
             raise ConfigError(f"run {run} is the newest run on disk of job {job!r} (LATEST): resume it, or start a "
                               "new run first")
     txn([Delete(f"{keys.runs(job)}{run}/", prefix=True)])
@@ -349,7 +358,7 @@ def keep_code(rd: Path, spec: Any) -> None:
 
 
 def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, keep_runs: int,
-              log: Any, *, now: float) -> tuple[str, Path | None]:
+              log: Any, *, now: float) -> tuple[str, Path | None, str]:
     """A new run of ``spec.job`` (the executor's start when it neither resumes nor adopts): the previous
     run's record and commits move under its run id (``txn``: the leader's fenced writes), the run
     directory is made with the spec it runs, and retention (``keep_runs``) deletes the oldest earlier
@@ -358,14 +367,14 @@ def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, 
     run = new_run_id(now)
     for ops in archive_ops(keys, previous_run(store, keys, spec.job, None), now):
         txn(ops)
-    rd = None
+    rd, spec_sha256 = None, ""
     if root is not None:
         rd = run_dir(root, spec.job, create=True, run=run)
         keep_code(rd, spec)
         saved = type(spec)()
         saved.CopyFrom(spec)
         saved.ClearField("new_run")  # resuming or adopting it continues this run
-        (rd / JOBSPEC_FILE).write_bytes(saved.SerializeToString())
+        spec_sha256 = write_spec(rd, saved.SerializeToString())  # kept in the job record (run_files.py)
     try:
         gone = prune(store, keys, txn, spec.job, str(root or ""), keep_runs)
     except (RallypointError, OSError) as exc:  # retention must not keep the job from running
@@ -373,4 +382,4 @@ def start_run(spec: Any, store: Store, keys: Keys, txn: Any, root: Path | None, 
     else:
         if gone:
             log.info("job.runs_deleted", runs=gone, keep_runs=keep_runs)
-    return run, rd
+    return run, rd, spec_sha256

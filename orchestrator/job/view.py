@@ -44,6 +44,7 @@ class JobView:
     priority: int = 0
     submit_id: str = ""
     code_sha256: str = ""
+    spec_sha256: str = ""  # the run's jobspec.pb, as it wrote it (job/run_files.py)
     term: int = 0
     run_id: str = ""  # this run of the job name (orchestrator/job/runs.py)
     run_dir: Path | None = None

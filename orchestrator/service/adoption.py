@@ -27,7 +27,8 @@ from typing import Any
 from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.cluster_view import parse_job_records
-from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, adoptable_run_dir, check_spec_names, request_checkpoint_dir
+from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, adoptable_run_dir, check_spec_names, read_spec
+from rallypoint.orchestrator.job.runs import request_checkpoint_dir
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.service.registry import JobRun, RunRegistry
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -97,7 +98,7 @@ class JobAdoption:
             return
         try:  # the record's run_dir came from etcd: checked before it is read
             checked = adoptable_run_dir(rd, job, self.root())
-            spec = pb.JobSpec.FromString((checked / JOBSPEC_FILE).read_bytes())
+            spec = pb.JobSpec.FromString(read_spec(checked, record))  # bound to the record's spec_sha256
             if spec.job != job:
                 raise ValueError(f"it is the spec of job {spec.job!r}")
             check_spec_names(spec)

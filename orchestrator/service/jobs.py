@@ -45,7 +45,8 @@ from rallypoint.orchestrator.service.fanout import EventFanOut, stream_events
 from rallypoint.orchestrator.service.registry import JobRun, RunRegistry
 from rallypoint.recovery.platforms import platform_refusal, pool_platforms
 from rallypoint.orchestrator.job.runs import check_init_from, check_spec_names, previous_run, refusal
-from rallypoint.orchestrator.job.runs import check_checkpoint_root, check_code, request_checkpoint_dir, within
+from rallypoint.orchestrator.job.runs import check_checkpoint_root, check_code, read_spec, request_checkpoint_dir
+from rallypoint.orchestrator.job.runs import within
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 
@@ -125,8 +126,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "no checkpoint directory: give --checkpoint-dir (the one the job ran with)")
         try:
-            spec_path = run_dir(Path(root).absolute(), request.job, create=False) / JOBSPEC_FILE
-            spec = pb.JobSpec.FromString(spec_path.read_bytes())
+            kv = self.c.store.get(self.c.keys.job(request.job))  # the leader's record binds the run's files
+            record = kv.json() if kv is not None else None
+            rd = run_dir(Path(root).absolute(), request.job, create=False, record=record)
+            spec_path = rd / JOBSPEC_FILE
+            spec = pb.JobSpec.FromString(read_spec(rd, record))
             if spec.job != request.job:
                 raise JobFailed(f"{spec_path} is the spec of job {spec.job!r}, not of {request.job!r}")
             check_spec_names(spec)

@@ -51,7 +51,7 @@ from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES, JobState, Job
 from rallypoint.orchestrator.job.stop import StopRequest, stop_request
 from rallypoint.orchestrator.job.view import JobHandle, JobView
 from rallypoint.recovery.load_plan import device_counts
-from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, adoptable_run_dir, check_spec_names, run_of
+from rallypoint.orchestrator.job.runs import adoptable_run_dir, check_spec_names, read_spec, run_of
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.remap import Remap, RemapPolicy, Shrink, plan_remap
 from rallypoint.recovery.slices import slice_devices
@@ -255,7 +255,7 @@ class JobControl:
     def _spec(self, job: str, record: dict[str, Any]) -> pb.JobSpec | None:
         try:
             rd = adoptable_run_dir(str(record.get("run_dir") or ""), job, self.c.config.checkpoint_dir)
-            spec = pb.JobSpec.FromString((rd / JOBSPEC_FILE).read_bytes())
+            spec = pb.JobSpec.FromString(read_spec(rd, record))  # bound to the record's spec_sha256
             check_spec_names(spec)
         except (OSError, ValueError, RallypointError) as exc:
             self.log.error("job.auto_resume_impossible", job=job, reason=str(exc))

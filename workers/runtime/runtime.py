@@ -66,6 +66,7 @@ from rallypoint.workers.gang.lead import GangSlice
 from rallypoint.workers.gang.checkpoint import GangCheckpointer
 from rallypoint.workers.gang.replicas import part_targets
 from rallypoint.workers.sources.host import start_host_sources
+from rallypoint.workers.sources.sandbox import SourcePolicy
 from rallypoint.workers.runtime.outlog import OutputLog
 from rallypoint.workers.runtime.records import InstanceRecords
 from rallypoint.workers.checkpoints.replicas import Replicator, ReplicaTier
@@ -111,8 +112,9 @@ class JobRuntime:
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
                  commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
                  replicas: ReplicaTier | None = None, warm: WarmCache | None = None,
-                 code: CodeCache | None = None) -> None:
+                 code: CodeCache | None = None, source_policy: SourcePolicy | None = None) -> None:
         t0 = time.perf_counter()
+        self._source_policy = source_policy
         self.program_sources: dict[str, str] = {}  # node -> "warm" (compiled ahead) or "cold" (at its first call)
         self.job = req.job
         self.steps = int(req.steps)
@@ -177,7 +179,7 @@ class JobRuntime:
         self._own_code = code is None  # host sources' bundles: the worker's cache, or one of this runtime's
         self._code = code if code is not None else CodeCache()
         try:  # last: nothing after it can fail and leave their processes behind
-            self.host_sources = start_host_sources(req, self.nodes, self._code, self.copies)
+            self.host_sources = start_host_sources(req, self.nodes, self._code, self.copies, self._source_policy)
         except CodeError as exc:
             self._close_code()
             raise ProgramFailed("the job's code bundle", worker_id, exc) from exc

@@ -30,6 +30,7 @@ from rallypoint.workers.gang.group import GroupLost
 from rallypoint.workers.gang.link import MemberPool, relay
 from rallypoint.workers.gang.pieces import PieceAssembler, PieceError, whole_header
 from rallypoint.workers.code import CodeCache
+from rallypoint.workers.sources.sandbox import SourcePolicy
 from rallypoint.workers.dataplane import Status
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.runtime.checkpoints import CommitFn
@@ -89,6 +90,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.member_pool = MemberPool()  # members started ahead (the daemon's --member-pool; empty: none)
         self.member_tls = (str(tls.ca), str(tls.cert), str(tls.key)) if tls else ()  # its members push with them
         self.member_compile_cache = ""  # the worker's compilation cache (the daemon sets it): its members' too
+        self.source_policy = SourcePolicy()  # what its host sources may reach (the daemon sets it: sandbox.py)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
                             commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas,
-                            warm=self.warm, code=self.code)
+                            warm=self.warm, code=self.code, source_policy=self.source_policy)
         except RestoreError as exc:
             failure = (grpc.StatusCode.DATA_LOSS, str(exc))
             metadata = corrupt_checkpoint_metadata(exc.slice_name, exc.step)

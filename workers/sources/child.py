@@ -1,7 +1,8 @@
 """The process a host source runs in: the user's Python, apart from the worker (docs/data.md).
 
 Started by :class:`rallypoint.workers.sources.host.HostSource` as
-``python -m rallypoint.workers.sources.child BUNDLE FILE NAME OUTPUTS``: it imports ``FILE``
+``python -m rallypoint.workers.sources.child BUNDLE FILE NAME OUTPUTS SANDBOX``: it restricts
+itself as ``SANDBOX`` says (:mod:`rallypoint.workers.sources.sandbox`), then imports ``FILE``
 of the unpacked code bundle ``BUNDLE`` (the bundle's root first on ``sys.path``, so
 the job's own modules import; the job's settings shipped in the bundle set first,
 ``basics/settings.py``), takes the module-level ``NAME`` and answers each request
@@ -24,6 +25,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from rallypoint.basics.settings import load_shipped, ship
+from rallypoint.workers.sources import sandbox
 from rallypoint.workers.sources.values import flat_leaves, leaf_bytes, leaves_checksum
 
 
@@ -68,8 +70,13 @@ def main(argv: list[str]) -> int:
     sys.stdout = sys.stderr
     fn: Any = None
     failed = ""
+    try:  # before any of the job's code runs: no key of the worker's, no other job's code to write (sandbox.py)
+        print(f"host source {name!r} ({file}): {sandbox.apply(argv[4] if len(argv) > 4 else '')}", file=sys.stderr)
+    except PermissionError as exc:
+        failed = str(exc)
     try:
-        fn = _load(bundle, file, name)
+        if not failed:
+            fn = _load(bundle, file, name)
     except BaseException:  # noqa: BLE001 - the user's import: reported with each request
         failed = f"importing {file} failed:\n{traceback.format_exc()}"
     what = f"host source {name!r} ({file})"

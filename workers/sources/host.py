@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -35,7 +37,9 @@ import numpy as np
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
+from rallypoint.etcd.keys import check_name
 from rallypoint.workers.residency import Copies, place
+from rallypoint.workers.sources.sandbox import SourcePolicy, source_env
 from rallypoint.workers.sources.values import describe_mismatch, to_dtypes
 
 DEFAULT_PREFETCH = 4
@@ -44,8 +48,22 @@ STOP_WAIT_S = 2.0
 """How long a closing source's process may take to end on its own before it is killed."""
 
 
+MAX_HEADER_BYTES = 1 << 20
+"""The longest header line a source's process may send (its leaves' dtypes and shapes, the checksum)."""
+MAX_ITEM_BYTES = 16
+"""The widest element a source's leaf may have (complex128)."""
+
+
 class SourceError(RallypointError):
     """A host source failed: it raised, its process died, or it read different bytes than before."""
+
+
+class _Declared(ValueError):
+    """A header announced leaves other than the source's at submit (checked before anything is allocated)."""
+
+
+def _where(step: int, mb: int) -> str:
+    return f"step {step}" + (f" microbatch {mb}" if mb else "")
 
 
 class SourceLedger:
@@ -54,6 +72,7 @@ class SourceLedger:
 
     def __init__(self, run_dir: str | Path | None, node: str) -> None:
         self.known: dict[tuple[int, int], str] = {}
+        check_name("node", node)  # it becomes a file name on the shared file system
         self._path = Path(run_dir) / "sources" / f"{node}.jsonl" if run_dir else None
         self._lock = threading.Lock()
         if self._path is not None and self._path.exists():
@@ -115,7 +134,8 @@ class HostSource:
     def __init__(self, node: str, *, bundle: Path, file: str, name: str, outputs: Sequence[str],
                  shardings: Sequence[Any], order: Iterator[tuple[int, int]], ledger: SourceLedger,
                  avals: Sequence[tuple[Any, tuple[int, ...]]], prefetch: int = DEFAULT_PREFETCH,
-                 copies: Copies | None = None, job: str = "", mesh: Any = None) -> None:
+                 copies: Copies | None = None, job: str = "", mesh: Any = None,
+                 policy: SourcePolicy | None = None) -> None:
         self.node, self.file, self.name = node, file, name
         self.mesh = mesh
         self.in_shardings = None  # the step and microbatch stay Python numbers (runtime_inputs.take)
@@ -131,11 +151,13 @@ class HostSource:
         self._closed = False
         self._dead = ""
         self._log = get_logger("rallypoint.source", job=job, node=node)
-        env = dict(os.environ, JAX_PLATFORMS="cpu")  # the source's JAX must not take the worker's devices
-        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "rallypoint.workers.sources.child", str(bundle), file, name, ",".join(outputs)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=str(bundle),
+        policy = policy or SourcePolicy()
+        self._tmp = tempfile.mkdtemp(prefix="rallypoint-source-")  # its TMPDIR: the one place it may write
+        self._proc = subprocess.Popen(  # a scrubbed environment, and restricted before the job's code (sandbox.py)
+            [sys.executable, "-m", "rallypoint.workers.sources.child", str(bundle), file, name, ",".join(outputs),
+             policy.args(self._tmp)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=source_env(os.environ, self._tmp, policy.extra),
+            cwd=str(bundle),
         )
         self.pid = self._proc.pid
         self._reader = threading.Thread(target=self._read, name=f"source-{node}", daemon=True)
@@ -156,6 +178,8 @@ class HostSource:
                     raise SourceError(f"host source {self.node!r} was closed")
                 if self._dead:
                     raise SourceError(self._dead)
+                if not self._reader.is_alive() and key not in self._ready:
+                    raise SourceError(f"host source {self.node!r}: its reader stopped before step {key[0]} came")
                 self._cv.wait(1.0)
             value = self._ready.pop(key)
             self._top_up()
@@ -184,6 +208,7 @@ class HostSource:
         self._reader.join(STOP_WAIT_S)
         if self._proc.stdout is not None:
             self._proc.stdout.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- the process's side -------------------------------------------------------------
 
@@ -217,28 +242,32 @@ class HostSource:
                 "its output above in the worker's log says why")
 
     def _read(self) -> None:
+        """The reader thread: every answer of the process, in order, until it ends. Any error of its own
+        (a protocol broken, a declared shape out of bounds, no memory) fails the source, naming the step: it
+        never dies leaving a step waiting."""
         out = self._proc.stdout
         assert out is not None
         while True:
-            line = out.readline()
-            if not line:  # the process ended (or closed its output): whatever it was asked fails
-                if not self._closed:
-                    self._wait_briefly()  # for its exit code
-                with self._cv:
-                    if not self._closed:
-                        self._dead = self._ended()
-                        self._log.warning("source.died", error=self._dead)
-                    self._cv.notify_all()
-                return
+            where = "its output"
             try:
+                line = out.readline(MAX_HEADER_BYTES)
+                if not line:  # the process ended (or closed its output): whatever it was asked fails
+                    if not self._closed:
+                        self._wait_briefly()  # for its exit code
+                    with self._cv:
+                        if not self._closed:
+                            self._dead = self._ended()
+                            self._log.warning("source.died", error=self._dead)
+                        self._cv.notify_all()
+                    return
+                if not line.endswith(b"\n"):
+                    raise ValueError(f"a header line of over {MAX_HEADER_BYTES} bytes")
                 header = json.loads(line)
                 key = (int(header["s"]), int(header["m"]))
+                where = _where(*key)
                 value = self._value(key, header, out)
-            except (ValueError, KeyError, TypeError, EOFError) as exc:
-                with self._cv:
-                    self._dead = f"host source {self.node!r}: its process broke the protocol: {exc}"
-                    self._cv.notify_all()
-                self._proc.kill()
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the job fails with it, not a hang
+                self._fail(where, exc)
                 return
             with self._cv:
                 if self._asked and self._asked[0] == key:
@@ -248,6 +277,41 @@ class HostSource:
                 self._ready[key] = value
                 self._cv.notify_all()
 
+    def _fail(self, where: str, exc: BaseException) -> None:
+        what = f"host source {self.node!r} ({self.file}: {self.name})"
+        if isinstance(exc, _Declared):
+            msg = f"{what} at {where}: {exc}"
+        elif isinstance(exc, (ValueError, KeyError, TypeError, EOFError)):
+            msg = f"{what}: its process broke the protocol at {where}: {type(exc).__name__}: {exc}"
+        else:
+            msg = f"{what}: reading its output at {where} failed: {type(exc).__name__}: {exc}"
+        with self._cv:
+            self._dead = self._dead or msg
+            self._cv.notify_all()
+        self._log.warning("source.failed", error=msg)
+        try:
+            self._proc.kill()  # its output is out of step now: nothing more is read from it
+        except OSError:
+            pass
+
+    def _declared(self, header: dict[str, Any]) -> list[tuple[np.dtype, tuple[int, ...]]]:
+        """The leaves a header announces, checked against the source's avals before anything is allocated."""
+        leaves = header["leaves"]
+        if not isinstance(leaves, list) or len(leaves) != len(self._avals):
+            n = len(leaves) if isinstance(leaves, list) else "no list of"
+            raise _Declared(f"it announced {n} arrays, where at submit it returned {len(self._avals)}")
+        declared = []
+        for dtype, shape in leaves:
+            d = np.dtype(dtype)
+            if d.kind not in "biufc" or d.itemsize > MAX_ITEM_BYTES:
+                raise _Declared(f"it announced an array of dtype {d}, not a number of at most {MAX_ITEM_BYTES} bytes")
+            declared.append((d, tuple(int(x) for x in shape)))
+        got = [(w, sh) for (_, sh), (w, _) in zip(declared, self._avals)]
+        if got != self._avals:
+            raise _Declared(f"{describe_mismatch(got, self._avals)}: a source's shapes and dtypes are fixed for the "
+                            "run")
+        return declared
+
     def _wait_briefly(self) -> None:
         try:
             self._proc.wait(1.0)
@@ -256,13 +320,13 @@ class HostSource:
 
     def _value(self, key: tuple[int, int], header: dict[str, Any], out: Any) -> list[Any] | SourceError:
         step, mb = key
-        where = f"step {step}" + (f" microbatch {mb}" if mb else "")
+        where = _where(step, mb)
         if "error" in header:
             return SourceError(f"host source {self.node!r} ({self.file}: {self.name}) raised at {where}:\n"
                                f"{header['error'].rstrip()}")
         leaves = []
-        for dtype, shape in header["leaves"]:
-            a = np.empty(shape, dtype=np.dtype(dtype))
+        for dtype, shape in self._declared(header):  # no allocation past what the source declared at submit
+            a = np.empty(shape, dtype=dtype)
             view = memoryview(a).cast("B") if a.nbytes else None
             if view is not None:
                 got = out.readinto(view)
@@ -289,11 +353,12 @@ class HostSource:
                                f"{type(exc).__name__}: {exc}")
 
 
-def start_host_sources(req: Any, nodes: Any, code: Any, copies: Copies | None) -> list[HostSource]:
+def start_host_sources(req: Any, nodes: Any, code: Any, copies: Copies | None,
+                       policy: SourcePolicy | None = None) -> list[HostSource]:
     """A :class:`HostSource` for each host source of the load, in place of its node's program call.
 
     ``nodes``: the loaded nodes (``runtime_load.LoadedNode``); ``code``: the worker's
-    :class:`~rallypoint.workers.code.CodeCache`.
+    :class:`~rallypoint.workers.code.CodeCache`; ``policy``: what the sources' processes may reach (sandbox.py).
 
     Raises:
         CodeError: the job's code bundle cannot be used.
@@ -312,7 +377,7 @@ def start_host_sources(req: Any, nodes: Any, code: Any, copies: Copies | None) -
                 shardings=n.call.in_shardings, avals=[(a.dtype, a.shape) for a in exp.in_avals],
                 order=instance_order(int(req.steps), int(req.start_step), n.prog.every, n.mbs),
                 ledger=SourceLedger(req.checkpoint_dir or None, n.prog.name), prefetch=hs.prefetch,
-                copies=copies, job=req.job, mesh=n.call.mesh))
+                copies=copies, job=req.job, mesh=n.call.mesh, policy=policy))
             n.call = started[-1]
     except BaseException:
         for s in started:
