@@ -19,7 +19,6 @@ import grpc
 import pytest
 
 from rallypoint.basics.errors import ConfigError
-from rallypoint.orchestrator.job import runs
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, LATEST_FILE, check_spec_names, run_dir
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -148,31 +147,30 @@ def test_a_latest_that_is_a_symlink_or_not_a_plain_file_is_refused(tmp_path: Pat
         run_dir(tmp_path, "a", create=False)
 
 
-def test_a_job_folder_swapped_for_a_symlink_while_its_run_is_made_is_refused(tmp_path: Path,
+@pytest.mark.parametrize("at", ["the job folder", "the run directory"])
+def test_a_job_folder_swapped_for_a_symlink_while_its_run_is_made_is_refused(tmp_path: Path, at: str,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host swaps ``<root>/<job>`` for a symlink out of the root after it was checked, just before a folder is
+    made (the job's, or the run's in it): no run directory is made outside the root."""
     root, outside = tmp_path / "root", tmp_path / "outside"
-    root.mkdir()
+    (root / "a").mkdir(parents=True)
     outside.mkdir()
-    checked = runs.within
-    calls = {"n": 0}
+    base, mkdir = root / "a", Path.mkdir
 
-    def within_then_swap(r: Path, p: Path, what: str) -> Path:
-        out = checked(r, p, what)
-        calls["n"] += 1
-        if p == root / "a" and calls["n"] >= 2 or p == root / "a" and not (root / "a").exists():
-            (root / "a").mkdir(exist_ok=True)  # checked while a folder, then a host swaps in a symlink
-            if not (root / "a").is_symlink():
-                os.rename(root / "a", tmp_path / "moved")
-                (root / "a").symlink_to(outside)
-        return out
+    def swap_then_mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+        if (self == base if at == "the job folder" else self.parent == base) and not base.is_symlink():
+            os.rename(base, tmp_path / "moved")
+            base.symlink_to(outside)
+        mkdir(self, *args, **kwargs)
 
-    monkeypatch.setattr(runs, "within", within_then_swap)
+    monkeypatch.setattr(Path, "mkdir", swap_then_mkdir)
     try:
         made = run_dir(root, "a", create=True, run="run-20260101T000000-abcdef")
-    except (ConfigError, JobFailed, OSError):
+    except (ConfigError, JobFailed) as exc:
+        assert "symlink" in str(exc) or "outside" in str(exc) or "lies at" in str(exc), exc
         made = None
     assert list(outside.iterdir()) == [], "the run directory was made outside the checkpoint root"
-    assert made is None or root.resolve() in made.resolve().parents
+    assert made is None or root.resolve() in made.parents
 
 
 def bound(c: Any, rd: Path, job: str = "a", state: str = "failed", term: int = 3) -> str:
