@@ -109,6 +109,9 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
 @click.option("--source-hide", multiple=True, metavar="DIR",
               help="A folder host sources (submitted code) must not read, besides this worker's TLS folder; may be "
               "given again. docs/security.md")
+@click.option("--source-write", multiple=True, metavar="DIR",
+              help="A folder host sources may write, besides their own temporary folder, /dev/shm and the user's cache "
+              "folder (~/.cache); may be given again. docs/security.md")
 @click.option("--source-sandbox", type=click.Choice(("auto", "required", "off")), default="auto", show_default=True,
               help="Restrict host sources with Landlock where the kernel has it (auto), refuse to run them where it "
               "has not (required), or only scrub their environment (off). docs/security.md")
@@ -122,7 +125,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
            nondeterministic: bool, host: str,
            port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, member_pool: int,
-           source_hide: tuple[str, ...], source_sandbox: str,
+           source_hide: tuple[str, ...], source_write: tuple[str, ...], source_sandbox: str,
            fault_commit_delay_s: float, fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
@@ -138,7 +141,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
                        data_port=data_port, advertise_address=advertise_address,
                        advertise_data_address=advertise_data_address, compile_cache_dir=compile_cache_dir,
                        preempt_deadline_s=preempt_deadline_s, metrics_port=metrics_port, member_pool=member_pool,
-                       source_hide=tuple(source_hide), source_sandbox=source_sandbox,
+                       source_hide=tuple(source_hide), source_write=tuple(source_write), source_sandbox=source_sandbox,
                        faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag,
                                           corrupt_replicas=fault_corrupt_replicas))
     d = WorkerDaemon(cfg)

@@ -59,6 +59,8 @@ class WorkerConfig:
             one holds its memory: :class:`rallypoint.workers.gang.link.MemberPool`).
         source_hide: folders host sources must not read, besides the worker's TLS folder (``--source-hide``;
             :mod:`rallypoint.workers.sources.sandbox`).
+        source_write: folders host sources may write besides their own temporary folder and the user's cache
+            folder (``--source-write``).
         source_sandbox: ``auto``, ``required`` or ``off`` (``--source-sandbox``, the same module).
     """
 
@@ -83,6 +85,7 @@ class WorkerConfig:
     metrics_port: int | None = None
     member_pool: int = 0
     source_hide: tuple[str, ...] = ()
+    source_write: tuple[str, ...] = ()
     source_sandbox: str = "auto"
 
     def __post_init__(self) -> None:

@@ -169,6 +169,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime.member_compile_cache = str(cache or "")  # and its compilation cache
         tls_files = (self.config.tls.ca, self.config.tls.cert, self.config.tls.key) if self.config.tls else ()
         self.runtime.source_policy = SourcePolicy(hide=tls_folders(tls_files) + tuple(self.config.source_hide),
+                                                  write=tuple(self.config.source_write),
                                                   mode=self.config.source_sandbox)  # sources never read its keys
         if self.config.member_pool:
             self.runtime.member_pool = MemberPool(self.config.member_pool)

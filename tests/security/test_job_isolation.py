@@ -185,3 +185,19 @@ def test_the_embedded_clusters_daemons_see_ca_crt_and_their_own_pair_only(tmp_pa
     argv = lc.argv("worker", "w0")
     hidden = [argv[i + 1] for i, a in enumerate(argv) if a == "--source-hide"]
     assert str(tls) in hidden  # ca.key, the operator's and every other key: hidden from the job code it runs
+
+
+def test_a_writable_folder_holding_the_code_cache_or_a_hidden_folder_is_not_granted(tmp_path: Path) -> None:
+    """Landlock's rights only add up: a folder a source may write that holds the code cache (or the keys) would
+    make them writable (readable): such a folder is left out, never granted."""
+    (tmp_path / "home" / ".cache" / "code").mkdir(parents=True)
+    (tmp_path / "home" / "tls").mkdir()
+    (tmp_path / "tmp").mkdir()
+    rules = dict(landlock.plan(hide=[tmp_path / "home" / "tls"],
+                               write=[tmp_path / "home" / ".cache", tmp_path / "home", tmp_path / "tmp"],
+                               read_only=[tmp_path / "home" / ".cache" / "code"]))
+    real = tmp_path.resolve()
+    assert rules.get(real / "tmp") == -1
+    assert real / "home" not in rules or rules[real / "home"] == landlock.READ_DIR
+    assert real / "home" / ".cache" not in rules or rules[real / "home" / ".cache"] != -1
+    assert real / "home" / "tls" not in rules

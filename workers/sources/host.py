@@ -155,7 +155,7 @@ class HostSource:
         self._tmp = tempfile.mkdtemp(prefix="rallypoint-source-")  # its TMPDIR: the one place it may write
         self._proc = subprocess.Popen(  # a scrubbed environment, and restricted before the job's code (sandbox.py)
             [sys.executable, "-m", "rallypoint.workers.sources.child", str(bundle), file, name, ",".join(outputs),
-             policy.args(self._tmp)],
+             policy.args(self._tmp, str(Path(bundle).parent))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=source_env(os.environ, self._tmp, policy.extra),
             cwd=str(bundle),
         )

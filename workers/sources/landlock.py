@@ -62,9 +62,12 @@ def _real(paths: Iterable[str | Path]) -> set[Path]:
     return {Path(os.path.realpath(p)) for p in paths if p and os.path.exists(p)}
 
 
-def plan(hide: Iterable[str | Path], write: Iterable[str | Path]) -> list[tuple[Path, int]]:
+def plan(hide: Iterable[str | Path], write: Iterable[str | Path],
+         read_only: Iterable[str | Path] = ()) -> list[tuple[Path, int]]:
     """The (path, rights) rules granting read everywhere but ``hide`` and ``/dev``'s other devices, and all rights
-    in ``write``."""
+    in ``write``, less any folder of ``write`` that holds a hidden or a ``read_only`` one (rights only add up)."""
+    kept = _real(hide) | _real(read_only)
+    writable = {w for w in _real(write) if not any(w == k or w in k.parents for k in kept)}
     hidden = _real(hide) | {Path("/dev")}
     ancestors = {a for h in hidden for a in h.parents}
     rules: list[tuple[Path, int]] = [(a, READ_DIR) for a in sorted(ancestors)]
@@ -81,11 +84,11 @@ def plan(hide: Iterable[str | Path], write: Iterable[str | Path]) -> list[tuple[
     rules.append((Path("/dev"), READ_DIR))
     rules += [(Path("/dev") / d, READ) for d in DEV_READABLE]
     rules += [(Path("/dev") / d, -1) for d in DEV_WRITABLE]
-    rules += [(p, -1) for p in sorted(_real(write))]
+    rules += [(p, -1) for p in sorted(writable)]
     return rules
 
 
-def restrict(hide: Iterable[str | Path], write: Iterable[str | Path]) -> int:
+def restrict(hide: Iterable[str | Path], write: Iterable[str | Path], read_only: Iterable[str | Path] = ()) -> int:
     """Restrict this process for good (:func:`plan`); returns the ABI used. OSError when the kernel refuses."""
     version = abi()
     if version < 1:
@@ -98,7 +101,7 @@ def restrict(hide: Iterable[str | Path], write: Iterable[str | Path]) -> int:
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset: " + os.strerror(ctypes.get_errno()))
     try:
-        for path, rights in plan(hide, write):
+        for path, rights in plan(hide, write, read_only):
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:

@@ -9,8 +9,9 @@ A host source runs code a client submitted (docs/security.md, "Submitted code").
   come shipped in its bundle (``basics/settings.py``);
 * restricted before it imports the job's code (:func:`apply`): where the kernel has Landlock,
   the process reads everything but the hidden folders (the worker's TLS directory and those given
-  by ``--source-hide``) and ``/dev``'s other devices, writes only its ``TMPDIR`` and ``/dev/shm``
-  (so every job's unpacked code, the worker's code cache included, is read-only to it), and cannot
+  by ``--source-hide``) and ``/dev``'s other devices, writes only its ``TMPDIR``, ``/dev/shm``, the
+  user's cache folder (``~/.cache``: data prepared on first use) and the ``--source-write`` folders,
+  never the worker's code cache (every job's unpacked code is read-only to it), and cannot
   ptrace, read the memory or environment of, or (Landlock ABI >= 6) signal a process outside it.
   A source whose worker runs as root also drops every capability first, so root's powers do not
   reach around the sandbox;
@@ -32,6 +33,7 @@ from pathlib import Path
 from rallypoint.workers.sources import landlock
 
 ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONPATH", "PYTHONHASHSEED",
+             "XDG_CACHE_HOME",
              "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
              "OPENBLAS_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL", "MPLCONFIGDIR")
 """The worker's environment variables a source's process gets (besides ``LC_*``, ``JAX_*`` and ``XLA_*``)."""
@@ -47,12 +49,21 @@ class SourcePolicy:
     """What the worker hides from its sources, and how hard it insists (the daemon's ``--source-*`` options)."""
 
     hide: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()  # besides its TMPDIR, /dev/shm and the user's cache folder (``--source-write``)
     mode: str = "auto"
     extra: Mapping[str, str] = field(default_factory=dict)  # tests: variables set on top of the allow-list
 
-    def args(self, tmpdir: str) -> str:
-        """The child's sandbox argument (JSON): paths only, never a secret."""
-        return json.dumps({"hide": list(self.hide), "write": [tmpdir], "mode": self.mode})
+    def args(self, tmpdir: str, code: str) -> str:
+        """The child's sandbox argument (JSON): paths only, never a secret. ``code``: the folder of the unpacked
+        bundles (read-only to it, whatever ``write`` says)."""
+        return json.dumps({"hide": list(self.hide), "write": [tmpdir, cache_folder(), *self.write],
+                           "read_only": [code], "mode": self.mode})
+
+
+def cache_folder() -> str:
+    """The user's cache folder (``XDG_CACHE_HOME``, else ``~/.cache``): where data loaders keep what they prepare
+    (the LM example's token file, by default)."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 
 
 def source_env(environ: Mapping[str, str], tmpdir: str, extra: Mapping[str, str] = ()) -> dict[str, str]:  # type: ignore[assignment]
@@ -105,7 +116,7 @@ def apply(arg: str) -> str:
         _drop_capabilities()
         held.append("capabilities dropped")
     try:
-        version = landlock.restrict(spec.get("hide", ()), spec.get("write", ()))
+        version = landlock.restrict(spec.get("hide", ()), spec.get("write", ()), spec.get("read_only", ()))
     except OSError as exc:
         if mode == "required":
             raise PermissionError(f"the worker runs with --source-sandbox required, and Landlock cannot restrict "
