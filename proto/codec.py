@@ -164,8 +164,8 @@ def assemble_replica(messages: Iterable[pb.ReplicaChunk], *, max_bytes: int = MA
     header = first.header
     if len(header.states) != len(header.state_leaves):
         raise ValueError(f"replica header names {len(header.states)} states but {len(header.state_leaves)} leaf counts")
-    if len(set(header.states)) != len(header.states):
-        raise ValueError("replica header names a state twice")
+    if len(set(header.states)) != len(header.states) or any(n < 0 for n in header.state_leaves):
+        raise ValueError("replica header names a state twice, or a negative leaf count")
     _, leaves = assemble(itertools.chain([first.chunk], (m.chunk for m in it)), max_bytes=max_bytes)
     if len(leaves) != sum(header.state_leaves):
         raise ValueError(f"replica of {sum(header.state_leaves)} leaves carried {len(leaves)}")

@@ -116,11 +116,27 @@ def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], list[bytes]] | None:
     header, sizes = frame_header(line)
     payloads = []
     for n in sizes:
-        data = stream.read(n)
-        if len(data) != n:
+        data = _read_exact(stream, n)
+        if data is None:
             return None
         payloads.append(data)
     return header, payloads
+
+
+def _read_exact(stream: BinaryIO, n: int, step: int = 1 << 20) -> bytes | None:
+    """``n`` bytes of ``stream`` (None: it ended first), read a bounded step at a time: a frame's claimed size
+    never makes a buffer bigger than the bytes that arrived (a buffered ``read(n)`` allocates ``n`` at once)."""
+    if n <= step:
+        data = stream.read(n)
+        return data if len(data) == n else None
+    parts, got = [], 0
+    while got < n:
+        part = stream.read(min(step, n - got))
+        if not part:
+            return None
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def encode_frame(header: dict[str, Any], payloads: Sequence[Any] = ()) -> list[Any]:
