@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from rallypoint.etcd.records import parsed
 from rallypoint.basics.errors import StoreError
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of
@@ -101,7 +102,7 @@ def watch(job: str, *, endpoints: Sequence[str], cluster: str,
 
 def _record(store: EtcdStore, job: str, cluster: str) -> dict[str, Any]:
     kv = store.get(Keys(cluster).job(job))
-    return kv.json() if kv is not None else {}
+    return parsed(kv, "job") or {}
 
 
 def _resumes_by_itself(job: str, endpoints: Sequence[str], cluster: str) -> bool:
@@ -147,7 +148,7 @@ def control(job: str, action: str, *, endpoints: Sequence[str], cluster: str, ch
                 kv = store.get(Keys(cluster).leader)
             except StoreError as exc:
                 kv, last = None, f"etcd unreachable: {exc}"
-            address = str(kv.json().get("address", "")) if kv is not None else ""
+            address = str((parsed(kv, "leader") or {}).get("address", ""))
             if address:
                 ch = tls_channel(address, tls_of(store))
                 try:

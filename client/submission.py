@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from rallypoint.etcd.records import parsed
 from rallypoint.client.compile import CompiledProgram, slice_mesh
 from rallypoint.client.errors import ProgramError
 from rallypoint.client.jobspec import job_spec
@@ -221,9 +222,10 @@ class JobFollower:
 
     def _leader(self, store: EtcdStore) -> tuple[str, int] | None:
         kv = store.get(Keys(self.cluster).leader)
-        if kv is None or not kv.json().get("address"):
+        rec = parsed(kv, "leader")
+        if kv is None or rec is None or not rec.get("address"):
             return None
-        return str(kv.json()["address"]), kv.create_revision
+        return str(rec["address"]), kv.create_revision
 
     def _open(self, rpc: Callable[[Any], Iterator[pb.JobEvent]], deadline: float, *, watching: bool,
               why: str) -> tuple[int, Iterator[pb.JobEvent], grpc.Channel, threading.Event] | None:

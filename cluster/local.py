@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rallypoint.etcd.records import parsed
 from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import TlsConfig
@@ -318,7 +319,7 @@ class LocalCluster:
             while True:
                 try:
                     kv = store.get(self.keys.leader)
-                    url = kv.json().get("dashboard") if kv is not None else None
+                    url = (parsed(kv, "leader") or {}).get("dashboard")
                     if url:
                         return str(url)
                 except StoreError:

@@ -13,14 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rallypoint.etcd.records import REQUIRED, Fields
+
 
 class _Record(Protocol):
     """An etcd key-value as the records need it (``rallypoint.etcd.store.KeyValue``)."""
 
+    key: str
+    value: bytes
     create_revision: int
     lease: int
-
-    def json(self) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,21 +45,26 @@ class WorkerInfo:
 
     @classmethod
     def from_kv(cls, worker: str, kv: _Record) -> WorkerInfo:
-        rec = kv.json()
+        """The record at ``kv`` of ``worker``.
+
+        Raises:
+            BadRecord: not a JSON object, or a field of the wrong type (:mod:`rallypoint.etcd.records`).
+        """
+        f = Fields(kv.key, kv.value, "worker")
         return cls(
             worker=worker,
             incarnation=kv.create_revision,
             lease=kv.lease,
-            address=rec.get("address", ""),
-            data_address=rec.get("data_address", ""),
-            pid=int(rec.get("pid", 0)),
-            devices=int(rec.get("devices", 0)),
-            state=rec.get("state", "serving"),
-            record=rec,
-            platform=str(rec.get("platform", "")),
-            device_kind=str(rec.get("device_kind", "")),
-            device_memory_bytes=int(rec.get("device_memory_bytes", 0) or 0),
-            deterministic=bool(rec.get("deterministic", True)),
+            address=f.text("address"),
+            data_address=f.text("data_address"),
+            pid=f.integer("pid"),
+            devices=f.integer("devices"),
+            state=f.text("state", "serving"),
+            record=f.raw,
+            platform=f.text("platform"),
+            device_kind=f.text("device_kind"),
+            device_memory_bytes=f.integer("device_memory_bytes"),
+            deterministic=f.flag("deterministic", True),
         )
 
 
@@ -71,9 +78,15 @@ class Holder:
     term: int = 0
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Holder:
-        d = json.loads(raw)
-        return cls(job=d["job"], slice=d["slice"], nonce=d.get("nonce", ""), term=int(d.get("term", 0)))
+    def from_json(cls, raw: bytes, key: str = "leases/") -> Holder:
+        """The holder record ``raw`` (at ``key``, named in errors).
+
+        Raises:
+            BadRecord: not a JSON object with string ``job`` and ``slice``.
+        """
+        f = Fields(key, raw, "holder")
+        return cls(job=f.text("job", REQUIRED), slice=f.text("slice", REQUIRED), nonce=f.text("nonce"),
+                   term=f.integer("term"))
 
     def to_json(self) -> str:
         return json.dumps({"job": self.job, "slice": self.slice, "nonce": self.nonce, "term": self.term, "at": time.time()})

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from rallypoint.etcd.cluster_records import ClusterSnapshot, Holder, WorkerInfo, WorkerSnapshot
-from rallypoint.etcd.keys import Keys
 from typing import Any
 
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.records import Fields, key_index, key_parts, skip_bad
 from rallypoint.etcd.store import Get, KeyValue, Store
 
 __all__ = ["ClusterSnapshot", "Holder", "WorkerInfo", "WorkerSnapshot", "job_records", "parse_job_records", "read_cluster"]
@@ -21,28 +22,44 @@ def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
     workers_kv, devices_kv, leases_kv, cordon_kv, lost_kv = r.reads
     devices: dict[str, list[int]] = {}
     for kv in devices_kv:
-        w, idx = keys.tail(kv.key, keys.devices)
-        devices.setdefault(w, []).append(int(idx))
+        if (d := skip_bad(lambda kv=kv: _device(kv.key, keys.devices, "device"))) is not None:
+            devices.setdefault(d[0], []).append(d[1])
     holders: dict[str, dict[int, Holder]] = {}
     for kv in leases_kv:
-        w, idx = keys.tail(kv.key, keys.leases)
-        holders.setdefault(w, {})[int(idx)] = Holder.from_json(kv.value)
-    cordoned = frozenset(keys.tail(kv.key, keys.cordons)[0] for kv in cordon_kv)
+        if (h := skip_bad(lambda kv=kv: (_device(kv.key, keys.leases, "holder"), Holder.from_json(kv.value, kv.key)))):
+            (w, idx), holder = h
+            holders.setdefault(w, {})[idx] = holder
+    cordoned = frozenset(c for kv in cordon_kv
+                         if (c := skip_bad(lambda kv=kv: key_parts(kv.key, keys.cordons, 1, "cordon")[0])))
     workers = {}
     for kv in workers_kv:
-        w = keys.tail(kv.key, keys.workers)[0]
+        info = skip_bad(lambda kv=kv: WorkerInfo.from_kv(key_parts(kv.key, keys.workers, 1, "worker")[0], kv))
+        if info is None:
+            continue
+        w = info.worker
         workers[w] = WorkerSnapshot(
-            info=WorkerInfo.from_kv(w, kv),
+            info=info,
             devices=tuple(sorted(devices.get(w, []))),
             holders=holders.get(w, {}),
             cordoned=w in cordoned,
         )
-    lost = {keys.tail(kv.key, keys.lost_workers)[0]: kv.json() for kv in lost_kv}
+    lost = {}
+    for kv in lost_kv:
+        if (rec := skip_bad(lambda kv=kv: (key_parts(kv.key, keys.lost_workers, 1, "lost")[0],
+                                           Fields.of(kv, "lost").raw))) is not None:
+            lost[rec[0]] = rec[1]
     return ClusterSnapshot(revision=r.revision, workers=workers, cordoned=cordoned, lost=lost)
 
 
+def _device(key: str, under: str, kind: str) -> tuple[str, int]:
+    """``(worker, index)`` of a ``devices/<w>/<index>`` or ``leases/<w>/<index>`` key, or BadRecord."""
+    w, idx = key_parts(key, under, 2, kind)
+    return w, key_index(key, idx, kind)
+
+
 def parse_job_records(kvs: list[KeyValue], keys: Keys) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """The job records among ``kvs`` (a read of ``keys.jobs``), and the jobs whose record is not JSON.
+    """The job records among ``kvs`` (a read of ``keys.jobs``), and the jobs whose record is not a JSON object
+    (skipped, logged and counted: :mod:`rallypoint.etcd.records`).
 
     Checkpoint commits live below ``jobs/<job>/`` and are skipped.
     """
@@ -52,10 +69,11 @@ def parse_job_records(kvs: list[KeyValue], keys: Keys) -> tuple[dict[str, dict[s
         name = kv.key[len(keys.jobs):]
         if not name or "/" in name:
             continue
-        try:
-            records[name] = kv.json()
-        except ValueError:
+        rec = skip_bad(lambda kv=kv: Fields.of(kv, "job").raw)
+        if rec is None:
             bad.append(name)
+        else:
+            records[name] = rec
     return records, bad
 
 

@@ -10,14 +10,14 @@ consistent cut. Plain records and reads; no Orbax here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Store
+from rallypoint.etcd.records import MAX_RECORD_BYTES, REQUIRED, Fields, skip_bad
+from rallypoint.etcd.store import KeyValue, Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +38,26 @@ class CheckpointCommit:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> CheckpointCommit:
-        return cls(job=d["job"], slice_name=d["slice"], step=int(d["step"]), path=d["path"],
-                   checksum=d["checksum"], states=tuple(d.get("states", ())))
+    def from_json(cls, d: Mapping[str, Any], key: str = "commit") -> CheckpointCommit:
+        """The commit ``d`` (a record at ``key``, named in errors).
+
+        Raises:
+            BadRecord: a field missing or of the wrong type (:mod:`rallypoint.etcd.records`).
+        """
+        f = Fields(key, d, "commit")
+        states = f.items("states")
+        if not all(isinstance(s, str) for s in states):
+            raise f.bad("states", "holds a value that is not a string")
+        step = f.integer("step", REQUIRED)
+        if step < 0:
+            raise f.bad("step", f"is {step}, not a step")
+        return cls(job=f.text("job", REQUIRED), slice_name=f.text("slice", REQUIRED), step=step,
+                   path=f.text("path", REQUIRED), checksum=f.text("checksum", REQUIRED), states=tuple(states))
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> CheckpointCommit:
+        """The commit record at ``kv``. Raises :class:`~rallypoint.etcd.records.BadRecord`."""
+        return cls.from_json(Fields.of(kv, "commit").raw, kv.key)
 
 
 def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[CheckpointCommit]]:
@@ -48,8 +65,9 @@ def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[Checkpoin
     kvs, _ = store.get_prefix(keys.checkpoints(job))
     out: dict[str, list[CheckpointCommit]] = {}
     for kv in kvs:
-        c = CheckpointCommit.from_json(kv.json())
-        out.setdefault(c.slice_name, []).append(c)
+        c = skip_bad(lambda kv=kv: CheckpointCommit.from_kv(kv))
+        if c is not None:
+            out.setdefault(c.slice_name, []).append(c)
     for commits in out.values():
         commits.sort(key=lambda c: c.step)
     return out
@@ -76,8 +94,9 @@ def read_commit_records(run_dir: Path) -> dict[str, list[CheckpointCommit]]:
     out: dict[str, list[CheckpointCommit]] = {}
     for path in sorted((run_dir / "commits").glob("*/*.json")):
         try:
-            c = CheckpointCommit.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError):
+            c = CheckpointCommit.from_json(Fields(str(path), path.read_bytes()[:MAX_RECORD_BYTES + 1], "commit").raw,
+                                           str(path))
+        except (OSError, ValueError):
             continue  # a half-written copy: the etcd commit is what counts
         out.setdefault(c.slice_name, []).append(c)
     for commits in out.values():

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Store
+from rallypoint.etcd.records import REQUIRED, Fields, key_parts, skip_bad
+from rallypoint.etcd.store import KeyValue, Store
 
 REASONS = ("operator", "preempted")
 
@@ -49,9 +50,12 @@ class DrainResult:
                            "reason": self.reason, "record": self.record})
 
     @classmethod
-    def from_json(cls, raw: Any) -> DrainResult:
-        return cls(job=raw["job"], state=raw["state"], request_revision=int(raw["request_revision"]),
-                   reason=raw.get("reason", ""), record=raw.get("record", {}))
+    def from_json(cls, raw: Any, key: str = "drained/") -> DrainResult:
+        """Raises :class:`~rallypoint.etcd.records.BadRecord` for a record that is not a drain result."""
+        f = Fields(key, raw, "drain_result")
+        return cls(job=f.text("job", REQUIRED), state=f.text("state", REQUIRED),
+                   request_revision=f.integer("request_revision", REQUIRED), reason=f.text("reason"),
+                   record=f.obj("record"))
 
 
 def request_drain(store: Store, keys: Keys, worker: str, *, reason: str, by: str, deadline_s: float = 0.0,
@@ -69,15 +73,23 @@ def read_drain_requests(store: Store, keys: Keys) -> dict[str, DrainRequest]:
     kvs, _rev = store.get_prefix(keys.drains)
     out = {}
     for kv in kvs:
-        worker = keys.tail(kv.key, keys.drains)[0]
-        raw = kv.json()
-        out[worker] = DrainRequest(worker, raw.get("reason", "operator"), raw.get("by", ""), float(raw.get("at", 0.0)),
-                                   float(raw.get("deadline_s", 0.0)), revision=kv.mod_revision)
+        req = skip_bad(lambda kv=kv: _request(kv, keys))
+        if req is not None:
+            out[req.worker] = req
     return out
+
+
+def _request(kv: KeyValue, keys: Keys) -> DrainRequest:
+    worker = key_parts(kv.key, keys.drains, 1, "drain")[0]
+    f = Fields.of(kv, "drain")
+    reason = f.text("reason", "operator")
+    if reason not in REASONS:
+        raise f.bad("reason", f"is {reason!r}, not one of {list(REASONS)}")
+    return DrainRequest(worker, reason, f.text("by"), f.number("at"), f.number("deadline_s"), revision=kv.mod_revision)
 
 
 def read_drain_results(store: Store, keys: Keys, worker: str, request_revision: int) -> dict[str, DrainResult]:
     """The leaders' answers to the request of ``request_revision``, by job."""
     kvs, _rev = store.get_prefix(keys.drain_results(worker))
-    results = (DrainResult.from_json(kv.json()) for kv in kvs)
-    return {r.job: r for r in results if r.request_revision == request_revision}
+    results = (skip_bad(lambda kv=kv: DrainResult.from_json(kv.value, kv.key)) for kv in kvs)
+    return {r.job: r for r in results if r is not None and r.request_revision == request_revision}

@@ -10,26 +10,29 @@ from __future__ import annotations
 from typing import Any
 
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Store
+from rallypoint.etcd.records import Fields, parsed, skip_bad
+from rallypoint.etcd.store import KeyValue, Store
 
 
 def read_metrics_targets(store: Store, keys: Keys) -> list[dict[str, Any]]:
     """Every live process's metrics endpoint: ``{"role", "name", "address", "leader"}`` rows (workers and
     coordinators without one are left out: they run without ``--metrics-port``)."""
-    leader = store.get(keys.leader)
-    leader_id = leader.json().get("coordinator") if leader is not None else None
+    leader = parsed(store.get(keys.leader), "leader")
+    leader_id = leader.get("coordinator") if leader is not None else None
     rows: list[dict[str, Any]] = []
     kvs, _ = store.get_prefix(keys.coordinators)
     for kv in kvs:
-        rec = kv.json()
-        if rec.get("metrics_address"):
-            name = rec.get("coordinator", kv.key[len(keys.coordinators):])
-            rows.append({"role": "coordinator", "name": name, "address": rec["metrics_address"],
-                         "leader": name == leader_id})
+        row = skip_bad(lambda kv=kv: _target(kv, keys.coordinators, "coordinator", "coordinator"))
+        if row is not None and row["address"]:
+            rows.append(dict(row, leader=row["name"] == leader_id))
     kvs, _ = store.get_prefix(keys.workers)
     for kv in kvs:
-        rec = kv.json()
-        if rec.get("metrics_address"):
-            rows.append({"role": "worker", "name": rec.get("worker", kv.key[len(keys.workers):]),
-                         "address": rec["metrics_address"], "leader": False})
+        row = skip_bad(lambda kv=kv: _target(kv, keys.workers, "worker", "worker"))
+        if row is not None and row["address"]:
+            rows.append(dict(row, leader=False))
     return sorted(rows, key=lambda r: (r["role"], r["name"]))
+
+
+def _target(kv: KeyValue, under: str, role: str, name_field: str) -> dict[str, Any]:
+    f = Fields.of(kv, role)
+    return {"role": role, "name": f.text(name_field, kv.key[len(under):]), "address": f.text("metrics_address")}

@@ -16,6 +16,13 @@ import numpy as np
 from rallypoint.proto import rallypoint_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
+MAX_LEAVES = 1 << 16
+"""The most leaves one stream may say it carries (the data plane's limit too): refused before anything is made."""
+MAX_VALUE_BYTES = 1 << 34
+"""The most bytes one ``Push`` stream may carry (16 GiB); a ``PushReplica`` is capped lower, by the replica
+store's own limit. A stream is refused as soon as what arrived passes its cap, so a peer cannot make the
+receiver hold more than the cap, whatever its header claims."""
+MAX_NDIM = 32
 
 
 def _c_order(array: np.ndarray) -> np.ndarray:
@@ -52,34 +59,80 @@ def chunks(header: pb.TransferHeader, leaves: Sequence[np.ndarray], chunk_bytes:
                 yield pb.TransferChunk(leaf=i, data=bytes(part))
 
 
-def assemble(messages: Iterable[pb.TransferChunk]) -> tuple[pb.TransferHeader, list[np.ndarray]]:
-    """Rebuild the header and leaves of one ``Push`` stream.
+def leaf_meta(dtype: str, shape: Iterable[int], max_bytes: int = MAX_VALUE_BYTES) -> tuple[np.dtype, tuple[int, ...], int]:
+    """A leaf's ``(dtype, shape, bytes)`` as a peer declares it, checked before anything is made of it.
 
     Raises:
-        ValueError: the stream is malformed (no header, missing or out-of-order leaves).
+        ValueError: an unknown dtype or one that is not plain numeric data (objects, records, sub-arrays), a
+            negative dimension, more than ``MAX_NDIM`` dimensions, or more than ``max_bytes`` bytes.
+    """
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"unknown dtype {dtype[:40]!r}: {type(exc).__name__}") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.kind not in "biufcV":
+        raise ValueError(f"dtype {dtype[:40]!r} is not plain numeric data")
+    dims = tuple(int(d) for d in shape)
+    if len(dims) > MAX_NDIM or any(d < 0 for d in dims):
+        raise ValueError(f"bad shape {list(dims)[:MAX_NDIM + 1]}: at most {MAX_NDIM} dimensions, none negative")
+    nbytes = dt.itemsize
+    for d in dims:
+        nbytes *= d
+    if nbytes > max_bytes:
+        raise ValueError(f"a leaf of {nbytes} bytes is over the limit of {max_bytes}")
+    return dt, dims, nbytes
+
+
+def assemble(messages: Iterable[pb.TransferChunk], *, max_bytes: int = MAX_VALUE_BYTES,
+             max_leaves: int = MAX_LEAVES) -> tuple[pb.TransferHeader, list[np.ndarray]]:
+    """Rebuild the header and leaves of one ``Push`` stream.
+
+    Nothing is made from what the stream claims before it is checked: at most ``max_leaves`` leaves, each of a
+    plain numeric dtype (:func:`leaf_meta`), at most ``max_bytes`` bytes in all (counted as they arrive), and
+    each leaf's bytes exactly its shape's.
+
+    Raises:
+        ValueError: the stream is malformed (no header, missing or out-of-order leaves, a bad dtype or shape,
+            bytes that do not fill the shape) or over a cap.
     """
     it = iter(messages)
     first = next(it, None)
     if first is None or not first.HasField("header"):
         raise ValueError("transfer stream does not start with a header")
     header = first.header
+    if header.leaves > max_leaves:
+        raise ValueError(f"a value of {header.leaves} leaves is over the limit of {max_leaves}")
     parts: list[list[bytes]] = [[] for _ in range(header.leaves)]
-    meta: list[tuple[str, tuple[int, ...]] | None] = [None] * header.leaves
+    meta: list[tuple[np.dtype, tuple[int, ...], int] | None] = [None] * header.leaves
+    got = [0] * header.leaves
+    total = 0
     for msg in it:
         if not 0 <= msg.leaf < header.leaves:
             raise ValueError(f"chunk for leaf {msg.leaf} of a {header.leaves}-leaf value")
         if msg.dtype:
-            meta[msg.leaf] = (msg.dtype, tuple(msg.shape))
+            if meta[msg.leaf] is not None:
+                raise ValueError(f"leaf {msg.leaf}: its dtype and shape sent twice")
+            meta[msg.leaf] = leaf_meta(msg.dtype, msg.shape, max_bytes)
         elif meta[msg.leaf] is None:
             raise ValueError(f"leaf {msg.leaf}: data before its dtype and shape")
+        m = meta[msg.leaf]
+        assert m is not None
+        got[msg.leaf] += len(msg.data)
+        total += len(msg.data)
+        if got[msg.leaf] > m[2]:
+            raise ValueError(f"leaf {msg.leaf}: more than the {m[2]} bytes of its shape {list(m[1])}")
+        if total > max_bytes:
+            raise ValueError(f"the value passed the limit of {max_bytes} bytes")
         parts[msg.leaf].append(msg.data)
     leaves = []
     for i, m in enumerate(meta):
         if m is None:
             raise ValueError(f"leaf {i} never arrived")
-        dtype, shape = m
+        dtype, shape, nbytes = m
+        if got[i] != nbytes:
+            raise ValueError(f"leaf {i}: {got[i]} bytes for the {nbytes} of its shape {list(shape)}")
         buf = parts[i][0] if len(parts[i]) == 1 else b"".join(parts[i])
-        leaves.append(np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape))
+        leaves.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
     return header, leaves
 
 
@@ -96,11 +149,13 @@ def replica_chunks(header: pb.ReplicaHeader, states: dict[str, Sequence[np.ndarr
         yield pb.ReplicaChunk(header=header, chunk=c) if i == 0 else pb.ReplicaChunk(chunk=c)
 
 
-def assemble_replica(messages: Iterable[pb.ReplicaChunk]) -> tuple[pb.ReplicaHeader, dict[str, list[np.ndarray]]]:
-    """Rebuild the header and ``{state: [leaves]}`` of one replica stream.
+def assemble_replica(messages: Iterable[pb.ReplicaChunk], *, max_bytes: int = MAX_VALUE_BYTES,
+                     ) -> tuple[pb.ReplicaHeader, dict[str, list[np.ndarray]]]:
+    """Rebuild the header and ``{state: [leaves]}`` of one replica stream (capped as :func:`assemble`).
 
     Raises:
-        ValueError: the stream is malformed (no header, leaf counts that do not add up, missing leaves).
+        ValueError: the stream is malformed (no header, leaf counts that do not add up, missing leaves) or over
+            a cap.
     """
     it = iter(messages)
     first = next(it, None)
@@ -109,7 +164,9 @@ def assemble_replica(messages: Iterable[pb.ReplicaChunk]) -> tuple[pb.ReplicaHea
     header = first.header
     if len(header.states) != len(header.state_leaves):
         raise ValueError(f"replica header names {len(header.states)} states but {len(header.state_leaves)} leaf counts")
-    _, leaves = assemble(itertools.chain([first.chunk], (m.chunk for m in it)))
+    if len(set(header.states)) != len(header.states) or any(n < 0 for n in header.state_leaves):
+        raise ValueError("replica header names a state twice, or a negative leaf count")
+    _, leaves = assemble(itertools.chain([first.chunk], (m.chunk for m in it)), max_bytes=max_bytes)
     if len(leaves) != sum(header.state_leaves):
         raise ValueError(f"replica of {sum(header.state_leaves)} leaves carried {len(leaves)}")
     out: dict[str, list[np.ndarray]] = {}

@@ -43,6 +43,7 @@ from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import ConfigError, Fenced, RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.lease import LeaseKeeper
+from rallypoint.etcd.records import parsed
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.etcd_store import EtcdStore
@@ -408,8 +409,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             wkey = self.keys.worker(self.config.worker_id)
             try:
                 kv = self.store.get(wkey)
-                if kv is not None and kv.create_revision == reg.incarnation:
-                    record = kv.json() | {"state": "leaving"}
+                if kv is not None and kv.create_revision == reg.incarnation and \
+                        (mine := parsed(kv, "worker")) is not None:
+                    record = mine | {"state": "leaving"}
                     self.store.put(wkey, json.dumps(record), lease=reg.keeper.lease_id)
             except StoreError as exc:
                 self.log.warning("worker.leave_failed", error=str(exc))

@@ -20,7 +20,8 @@ incarnation), and the receiver admits it through the same gate.
 With a :class:`~rallypoint.basics.tls.TlsConfig` every connection is mutual TLS (the server
 requires a client certificate of the cluster CA, the client checks the server's name and
 certificate); the handshake runs on the connection's own thread, bounded by
-``HANDSHAKE_TIMEOUT_S``. A malformed frame (bad magic, header, dtype or shape; a value
+``HANDSHAKE_DEADLINE_S``, and at most ``MAX_UNAUTHENTICATED`` connections are in their handshake at once
+(more are closed at once, counted); the accept loop logs and counts any error and goes on. A malformed frame (bad magic, header, dtype or shape; a value
 over the limits) is answered ``INVALID`` when the stream still allows it, and the
 connection is closed: the handler never sees it.
 """
@@ -51,7 +52,18 @@ _U32 = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
 MAX_META_BYTES = 1 << 16
 MAX_LEAVES = 1 << 16
-MAX_LEAF_BYTES = 1 << 36  # 64 GiB: a bound on what one frame makes the receiver allocate
+MAX_LEAF_BYTES = 1 << 36  # 64 GiB: a bound on what one leaf makes the receiver allocate
+MAX_VALUE_BYTES = 1 << 36  # and on what one frame (all its leaves) does
+MAX_UNAUTHENTICATED = 64
+"""Connections accepted whose TLS handshake has not finished (each holds a thread for at most
+``HANDSHAKE_DEADLINE_S``): one more is closed at once, unread, so a flood of idle connections costs
+neither threads nor the accept loop."""
+MAX_CONNECTIONS = 1024
+"""Connections served at once, authenticated ones included (a peer pools one per value in flight)."""
+HANDSHAKE_DEADLINE_S = min(HANDSHAKE_TIMEOUT_S, 5.0)
+"""How long a connection may take to finish its TLS handshake (``--insecure`` plain TCP has none: no limit holds
+there but ``MAX_CONNECTIONS``)."""
+ACCEPT_ERROR_PAUSE_S = 0.05  # after an error of accept() (out of file descriptors): a pause, not a spin
 
 
 class FrameError(ValueError):
@@ -96,8 +108,9 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _leaf_array(meta: pb.Tensor) -> np.ndarray:
-    """An empty array for a leaf's (dtype, shape); FrameError for anything but plain numeric data."""
+def _leaf_array(meta: pb.Tensor, left: int = MAX_VALUE_BYTES) -> np.ndarray:
+    """An empty array for a leaf's (dtype, shape); FrameError for anything but plain numeric data, or for more
+    than ``MAX_LEAF_BYTES``, or than ``left`` (what the frame's earlier leaves left of ``MAX_VALUE_BYTES``)."""
     try:
         dtype = np.dtype(meta.dtype)
     except (TypeError, ValueError) as exc:
@@ -112,6 +125,8 @@ def _leaf_array(meta: pb.Tensor) -> np.ndarray:
         nbytes *= d
     if nbytes > MAX_LEAF_BYTES:
         raise FrameError(f"a leaf of {nbytes} bytes is over the limit of {MAX_LEAF_BYTES}")
+    if nbytes > left:
+        raise FrameError(f"a leaf of {nbytes} bytes takes the frame over its limit of {MAX_VALUE_BYTES}")
     try:
         return np.empty(shape, dtype=dtype)
     except (ValueError, MemoryError) as exc:
@@ -141,6 +156,10 @@ class DataPlaneServer:
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+        self._serving = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused_connections = 0  # closed at once, over a limit above
+        self.accept_errors = 0  # errors of the accept loop, logged; it goes on
         self.log = get_logger("rallypoint.dataplane", address=self.address)
         self._thread = threading.Thread(target=self._accept, name="dataplane-accept", daemon=True)
 
@@ -148,25 +167,72 @@ class DataPlaneServer:
         self._thread.start()
 
     def _accept(self) -> None:
+        """Accept until stopped. Nothing a peer does ends this loop: every error is logged, counted and passed."""
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                self._accept_failed("accept", exc)
+                time.sleep(ACCEPT_ERROR_PAUSE_S)  # e.g. out of file descriptors: they come back as threads end
+                continue
+            try:
+                self._admit(conn)
+            except Exception as exc:  # noqa: BLE001 - a thread that cannot start, a socket option refused...
+                self._accept_failed("admit", exc)
+                self._drop(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on its own thread, or close it at once when over a limit."""
+        if not self._serving.acquire(blocking=False):
+            self._over_limit(conn, f"{MAX_CONNECTIONS} connections served at once")
+            return
+        if not self._unauthenticated.acquire(blocking=False):
+            self._serving.release()
+            self._over_limit(conn, f"{MAX_UNAUTHENTICATED} connections not yet authenticated")
+            return
+        try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
+        except BaseException:
+            self._unauthenticated.release()
+            self._serving.release()
+            raise
+
+    def _over_limit(self, conn: socket.socket, limit: str) -> None:
+        with self._lock:
+            self.refused_connections += 1
+            n = self.refused_connections
+        if n & (n - 1) == 0:  # 1, 2, 4, 8...: a flood is said, not logged line by line
+            self.log.warning("dataplane.connection_refused", limit=limit, refused=n)
+        self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def _accept_failed(self, where: str, exc: BaseException) -> None:
+        with self._lock:
+            self.accept_errors += 1
+        self.log.warning("dataplane.accept_failed", where=where, error=f"{type(exc).__name__}: {exc}",
+                         errors=self.accept_errors)
 
     def _handshake(self, conn: socket.socket) -> socket.socket | None:
         """The TLS side of an accepted connection (None: the peer failed the handshake, closed)."""
         if self._tls is None:
             return conn
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.settimeout(HANDSHAKE_DEADLINE_S)
             tconn = self._tls.wrap_socket(conn, server_side=True)
             tconn.settimeout(None)
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, ssl.SSLError, ValueError) as exc:
             self.log.warning("dataplane.handshake_refused", error=str(exc))
             with self._lock:
                 self._conns.discard(conn)
@@ -194,8 +260,16 @@ class DataPlaneServer:
             pass
 
     def _serve(self, raw: socket.socket) -> None:
-        conn = self._handshake(raw)
+        try:
+            conn = self._handshake(raw)
+        except Exception as exc:  # noqa: BLE001 - whatever a handshake raises ends this connection only
+            self.log.warning("dataplane.handshake_refused", error=f"{type(exc).__name__}: {exc}")
+            self._drop(raw)
+            conn = None
+        finally:
+            self._unauthenticated.release()  # authenticated or closed: the next one may begin
         if conn is None:
+            self._serving.release()
             return
         try:
             refused = self._refusal(conn)
@@ -230,7 +304,10 @@ class DataPlaneServer:
         except (ConnectionError, OSError, ValueError) as exc:
             if not self._stop.is_set():
                 self.log.info("dataplane.connection_closed", error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here ends this connection, never more
+            self.log.warning("dataplane.connection_failed", error=f"{type(exc).__name__}: {exc}")
         finally:
+            self._serving.release()
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
@@ -252,11 +329,13 @@ class DataPlaneServer:
         if header.leaves > MAX_LEAVES:
             raise FrameError(f"{header.leaves} leaves is over the limit of {MAX_LEAVES}")
         leaves = []
+        total = 0
         for _ in range(header.leaves):
             meta = DataPlaneServer._read_message(conn, pb.Tensor, "leaf metadata", MAX_META_BYTES)
             if meta.data:
                 raise FrameError("leaf metadata carries data (the bytes follow it raw)")
-            arr = _leaf_array(meta)
+            arr = _leaf_array(meta, MAX_VALUE_BYTES - total)
+            total += arr.nbytes
             if arr.nbytes:
                 _recv_into(conn, memoryview(arr).cast("B"))
             leaves.append(arr)

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rallypoint.basics.metrics_server import MetricsServer
+from rallypoint.etcd.records import bad_records_metric
 from rallypoint.workers import meter
 from rallypoint.workers.meter import JOB_LABEL, WorkerMeter
 from rallypoint.workers.platform import memory_stats
@@ -80,6 +81,18 @@ class _WorkerCollector(Collector):
             g.add_metric([], float(rt.replicas.store.nbytes))
             yield g
         yield from device_memory_metrics(d)
+        yield bad_records_metric()
+        dp = getattr(d, "dataplane", None)
+        if dp is not None:
+            c = CounterMetricFamily("rallypoint_worker_dataplane_refused_connections", "Data-plane connections closed "
+                                    "at once: over the limit of connections not yet authenticated, or of all "
+                                    "connections (workers/dataplane.py)")
+            c.add_metric([], float(dp.refused_connections))
+            yield c
+            c = CounterMetricFamily("rallypoint_worker_dataplane_accept_errors", "Errors of the data plane's accept "
+                                    "loop, which logs each and goes on")
+            c.add_metric([], float(dp.accept_errors))
+            yield c
 
 
 def device_memory_metrics(daemon: Any) -> Iterator[Metric]:

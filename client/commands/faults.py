@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.etcd.records import parsed
 from rallypoint.client.commands.drains import DrainRefused, begin_drain
 from rallypoint.basics.clock import SYSTEM_CLOCK
 from rallypoint.basics.errors import ConfigError
@@ -127,7 +128,9 @@ class FaultInjector:
             store.close()
         if kv is None:
             return record | {"error": f"worker {worker} is not registered"}
-        info = kv.json()
+        info = parsed(kv, "worker")
+        if info is None:
+            return record | {"error": f"the record of worker {worker} in etcd is malformed (logged as record.bad)"}
         if info.get("host") != socket.gethostname():
             return record | {"error": f"worker {worker} runs on {info.get('host')}, not this host"}
         pid = int(info["pid"])

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from rallypoint.etcd.records import parsed
 from rallypoint.client.commands.clusters import cluster_options, resolve_cluster, store_and_keys
 from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import check_name
@@ -35,7 +36,10 @@ def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
                               "that was submitted to this cluster")
     from rallypoint.orchestrator.api import old_runs, run_of
 
-    record = kv.json()
+    record = parsed(kv, "job")
+    if record is None:
+        raise RallypointError(f"the record of job {job!r} in etcd is malformed (logged as record.bad): "
+                              f"rewrite or delete {kv.key}")
     record["run"] = run_of(record)
     record["earlier_runs"] = [{k: r.get(k) for k in ("run", "state", "step_done", "steps", "commits", "run_dir")}
                               for r in old_runs(store, keys, job)]

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from rallypoint.etcd.records import parsed
 from rallypoint.basics.errors import RallypointError
 from rallypoint.client.commands.clusters import cluster_options, resolve_cluster, store_and_keys
 from rallypoint.client.commands.output import DETACHED, EXIT, describe_event, detached, progress_bar, say
@@ -34,7 +35,11 @@ def _record(state_dir: Path, cluster: str | None, job: str) -> tuple[dict[str, A
         store.close()
     if kv is None:
         raise RallypointError(f"cluster {keys.cluster!r} has no job {job!r} (`rallypoint jobs` lists its jobs)")
-    return kv.json(), keys
+    record = parsed(kv, "job")
+    if record is None:
+        raise RallypointError(f"the record of job {job!r} in etcd is malformed (logged as record.bad): "
+                              f"rewrite or delete {kv.key}")
+    return record, keys
 
 
 def describe_past(d: dict[str, Any]) -> list[str]:

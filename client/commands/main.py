@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
+from rallypoint.etcd.records import parsed
 from rallypoint.client.commands import export as export_cli
 from rallypoint.client.commands import jobs as jobs_cli
 
@@ -237,9 +238,10 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    lead = f"{leader.json()['coordinator']} (term {leader.create_revision})" if leader else "none"
-    if leader and leader.json().get("dashboard"):
-        lead += f", dashboard {leader.json()['dashboard']}"
+    rec = parsed(leader, "leader")
+    lead = f"{rec.get('coordinator')} (term {leader.create_revision})" if leader and rec is not None else "none"
+    if rec is not None and rec.get("dashboard"):
+        lead += f", dashboard {rec['dashboard']}"
     table = Table(title=f"cluster {keys.cluster}: {len(snap.workers)} live workers, leader {lead}")
     for col in ("worker", "pid", "incarnation", "state", "devices", "free", "leased to"):
         table.add_column(col)

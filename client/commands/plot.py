@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from rallypoint.etcd.records import parsed
 from rallypoint.basics.errors import ConfigError, RallypointError
 from rallypoint.client.commands.clusters import DEFAULT_STATE_DIR, cluster_options, store_and_keys
 from rallypoint.etcd.keys import check_name
@@ -91,7 +92,7 @@ def _from_record(state_dir: Path, cluster: str | None, job: str, run: str) -> Fo
     store, keys = store_and_keys(state_dir, cluster)
     try:
         kv = store.get(keys.job(job))
-        records = [kv.json()] if kv is not None else []
+        records = [r] if (r := parsed(kv, "job")) is not None else []
         records += old_runs(store, keys, job) if run else []
     finally:
         store.close()

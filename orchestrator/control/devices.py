@@ -25,7 +25,8 @@ from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, StoreError, UnknownWorker, WriteIndeterminate
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, read_cluster
 from rallypoint.etcd.keys import Keys, check_name
-from rallypoint.etcd.store import (MAX_TXN_OPS, TXN_OPS, Compare, Delete, Get, Op, Put, Store, TxnResult, created_at,
+from rallypoint.etcd.records import skip_bad
+from rallypoint.etcd.store import (MAX_TXN_OPS, TXN_OPS, Compare, Delete, Get, KeyValue, Op, Put, Store, TxnResult, created_at,
                                    key_missing, unchanged_since)
 
 FencedTxn = Callable[[Sequence[Compare], Sequence[Op], Sequence[Op]], TxnResult]
@@ -224,7 +225,7 @@ class DeviceLeases:
     def _ours(self, worker: str, devices: list[int], holder: Holder) -> tuple[bool, int]:
         """After an indeterminate write: did our transaction apply?"""
         r = self.store.txn([], [Get(self.keys.lease(worker, d)) for d in devices])
-        mine = all(read and Holder.from_json(read[0].value).nonce == holder.nonce for read in r.reads)
+        mine = all(read and (h := _holder(read[0])) is not None and h.nonce == holder.nonce for read in r.reads)
         return mine, r.revision
 
     def release(self, job: str, slice_name: str | None = None, *, worker: str | None = None) -> int:
@@ -234,7 +235,7 @@ class DeviceLeases:
             kvs, _rev = self.store.get_prefix(self.keys.worker_leases(worker) if worker else self.keys.leases)
             mine = [
                 kv for kv in kvs
-                if (h := Holder.from_json(kv.value)).job == job and (slice_name is None or h.slice == slice_name)
+                if (h := _holder(kv)) is not None and h.job == job and (slice_name is None or h.slice == slice_name)
             ]
             if not mine:
                 return total
@@ -290,3 +291,8 @@ def fence_worker(store: Store, keys: Keys, fenced_txn: FencedTxn, worker: str, i
     fenced_txn([created_at(keys.worker(worker), incarnation)], [], [])
     store.revoke_lease(kv.lease)
     return kv.lease
+
+
+def _holder(kv: KeyValue) -> Holder | None:
+    """The holder record at ``kv``; None for a malformed one (logged and counted: rallypoint.etcd.records)."""
+    return skip_bad(lambda: Holder.from_json(kv.value, kv.key))

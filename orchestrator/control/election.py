@@ -29,6 +29,7 @@ from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.errors import Fenced, NotLeader, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.lease import LeaseKeeper
+from rallypoint.etcd.records import REQUIRED, Fields, skip_bad
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.store import Compare, Get, Op, Put, Store, TxnResult, created_at, key_missing
 
@@ -128,9 +129,10 @@ class LeaderElection:
     def current_leader(self) -> tuple[str, int] | None:
         """``(coordinator id, term)`` of the current leader, or None."""
         kv = self.store.get(self.keys.leader)
-        if kv is None:
+        name = skip_bad(lambda: Fields.of(kv, "leader").text("coordinator", REQUIRED)) if kv is not None else None
+        if kv is None or name is None:
             return None
-        return kv.json()["coordinator"], kv.create_revision
+        return name, kv.create_revision
 
     def held(self) -> tuple[int | None, LeaseKeeper | None]:
         """``(term, keeper)``, read together."""

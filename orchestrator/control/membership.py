@@ -21,11 +21,12 @@ from typing import Any, Literal
 from tenacity import RetryCallState
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
-from rallypoint.basics.errors import StoreError, StoreUnavailable, WatchCompacted
+from rallypoint.basics.errors import StoreUnavailable, WatchCompacted
 from rallypoint.basics.retry import retrying
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.cluster_view import WorkerInfo
+from rallypoint.etcd.records import skip_bad
 from rallypoint.etcd.store import KeyValue, Store, WatchBatch
 
 
@@ -65,8 +66,8 @@ class MembershipView:
         fresh: dict[str, WorkerInfo] = {}
         for kv in kvs:
             w = self._worker_of(kv.key)
-            if w is not None:
-                fresh[w] = WorkerInfo.from_kv(w, kv)
+            if w is not None and (info := _info(w, kv)) is not None:
+                fresh[w] = info
         changes: list[MembershipChange] = []
         for w, old in sorted(self.workers.items()):
             new = fresh.get(w)
@@ -92,13 +93,15 @@ class MembershipView:
                 continue
             old = self.workers.get(w)
             if ev.type == "delete":
-                prev = WorkerInfo.from_kv(w, ev.prev) if ev.prev is not None else old
+                prev = (_info(w, ev.prev) if ev.prev is not None else None) or old
                 self.workers.pop(w, None)
                 if prev is not None:
                     kind: ChangeKind = "left" if prev.state == "leaving" else "lost"
                     changes.append(MembershipChange(kind, w, prev, ev.kv.mod_revision))
                 continue
-            new = WorkerInfo.from_kv(w, ev.kv)
+            new = _info(w, ev.kv)
+            if new is None:
+                continue  # a malformed record (logged and counted): the view keeps what it had
             self.workers[w] = new
             if old is not None and old.incarnation != new.incarnation:
                 # A delete we never saw: the old incarnation is gone.
@@ -109,6 +112,11 @@ class MembershipView:
                 changes.append(MembershipChange("updated", w, new, ev.kv.mod_revision))
         self.revision = max(self.revision, batch.revision)
         return changes
+
+
+def _info(worker: str, kv: KeyValue) -> WorkerInfo | None:
+    """The worker record at ``kv``, or None for a malformed one (logged and counted: rallypoint.etcd.records)."""
+    return skip_bad(lambda: WorkerInfo.from_kv(worker, kv))
 
 
 class MembershipMonitor:
@@ -224,7 +232,8 @@ class MembershipMonitor:
             retrying(clock=self.clock, what="membership watch", retry_on=StoreUnavailable,
                      should_stop=self._outage_too_long, initial_s=0.05, max_s=1.0, jitter_s=0.05,
                      before_sleep=self._log_retry)(attempt)
-        except StoreError as exc:  # an outage past the budget, or an error no retry mends (a read etcd refuses)
+        except Exception as exc:  # noqa: BLE001 - an outage past the budget, an error no retry mends (a read etcd
+            # refuses), or a bug: said aloud and reported, never a thread that ends in silence
             if self._running():
                 self.log.error("membership.watch_failed", error=str(exc), budget_s=self.reconnect_budget_s)
                 if self.on_failure is not None:

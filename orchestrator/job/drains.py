@@ -25,6 +25,7 @@ from rallypoint.basics.clock import Clock
 from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_requests
+from rallypoint.etcd.records import Fields, key_parts, parsed, skip_bad
 from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.drain import Drain, DrainPhase, DrainPort, DrainRecord
@@ -126,7 +127,12 @@ class JobDrains(DrainPort):
         """Slice -> the yield request a higher-priority job put for it. Raises :class:`StoreError`."""
         prefix = self.term.keys.job_yields(self.spec.job)
         kvs, _rev = self.term.store.get_prefix(prefix)
-        return {self.term.keys.tail(kv.key, prefix)[0]: kv.json() for kv in kvs}
+        out = {}
+        for kv in kvs:
+            got = skip_bad(lambda kv=kv: (key_parts(kv.key, prefix, 1, "yield")[0], Fields.of(kv, "yield").raw))
+            if got is not None:
+                out[got[0]] = got[1]
+        return out
 
     def _poll_yields(self) -> None:
         """A higher-priority job asked for some of this job's slices: park them (save, release, wait for room).
@@ -305,7 +311,8 @@ class JobDrains(DrainPort):
 
     def _asker_ended(self, job: str) -> bool:
         kv = self.term.store.get(self.term.keys.job(job)) if job else None
-        return kv is None or kv.json().get("state") in FINAL_RECORD_STATES
+        record = parsed(kv, "job")  # a malformed record holds no devices hostage: its job counts as ended
+        return record is None or record.get("state") in FINAL_RECORD_STATES
 
     def hold(self, worker: str, step: int | None) -> None:
         self._hold(Hold((worker,), step))

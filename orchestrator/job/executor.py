@@ -50,6 +50,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import tls_of
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.records import parsed
 from rallypoint.etcd.store import Delete, Put, Store
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.orchestrator.job.cut import JobCut
@@ -274,7 +275,7 @@ class JobExecutor:
             if self.checkpoint_root is None:
                 raise JobFailed("no checkpoint directory: a job without checkpoints cannot be resumed or adopted")
             earlier = self.term.until_etcd("reading the job record", lambda: self.store.get(self.keys.job(self.spec.job)))
-            old = earlier.json() if earlier is not None else {}
+            old = parsed(earlier, "job") or {}
             self.run_dir = run_dir(self.checkpoint_root, self.spec.job, create=False, record=old)  # LATEST bound to it
             self.run_id, self.spec_sha256 = self.run_dir.name, spec_digest(self.run_dir, old)  # run_files.py
             if old.get("run") == self.run_id:  # the same run goes on: its first start, its recoveries so far

@@ -30,7 +30,8 @@ from rallypoint.basics.errors import NotLeader, StoreError
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.drains import DrainRequest
-from rallypoint.etcd.store import Delete, Put
+from rallypoint.etcd.records import Fields, skip_bad
+from rallypoint.etcd.store import Delete, KeyValue, Put
 from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.drain import DrainRecord
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
@@ -280,7 +281,7 @@ class JobStragglerPort:
             kv = self.term.store.get(self.term.keys.straggler_moves(worker))
         except StoreError:
             return []  # etcd away: judged as a first move (probation), the safer way to err for capacity
-        return [float(t) for t in kv.json().get("moves", [])] if kv is not None else []
+        return skip_bad(lambda: _moves(kv)) or [] if kv is not None else []
 
     def note_moves(self, worker: str, moves: tuple[float, ...]) -> None:
         self.term.write_quietly("straggler.moves_unrecorded",
@@ -291,3 +292,12 @@ class JobStragglerPort:
 
     def drain(self, worker: str) -> DrainRecord:
         return self.drains.start(DrainRequest(worker, "straggler", "executor", self.term.clock.wall(), 0.0)).record
+
+
+def _moves(kv: KeyValue) -> list[float]:
+    """The wall times of a worker's straggler moves (``straggler-moves/<worker>``). Raises BadRecord."""
+    f = Fields.of(kv, "straggler_moves")
+    moves = f.items("moves")
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in moves):
+        raise f.bad("moves", "holds a value that is not a number")
+    return [float(t) for t in moves]

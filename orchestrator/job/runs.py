@@ -32,8 +32,9 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from rallypoint.basics.errors import ConfigError, RallypointError
-from rallypoint.etcd.commits import read_commit_records
+from rallypoint.etcd.commits import CheckpointCommit, read_commit_records
 from rallypoint.etcd.keys import Keys, check_name
+from rallypoint.etcd.records import BadRecord, Fields, parsed, report, skip_bad
 from rallypoint.etcd.store import TXN_OPS, Delete, KeyValue, Put, Store
 from rallypoint.orchestrator.job.run_files import (JOBSPEC_FILE, LATEST_FILE, bound_run, make_run_dir, read_latest,
                                                    read_spec, spec_digest, write_spec)
@@ -193,9 +194,9 @@ class PreviousRun:
 def previous_run(store: Store, keys: Keys, job: str, root: Path | None) -> PreviousRun | None:
     """The job name's current run, or None when it has none (in etcd or under ``root``)."""
     kv = store.get(keys.job(job))
-    record = kv.json() if kv is not None else None
+    record = parsed(kv, "job")
     kvs, _ = store.get_prefix(keys.checkpoints(job))
-    steps = [int(json.loads(k.value).get("step", 0)) for k in kvs]
+    steps = [c.step for k in kvs if (c := skip_bad(lambda k=k: CheckpointCommit.from_kv(k))) is not None]
     run = run_of(record)
     if not kvs and root is not None and (root / job / LATEST_FILE).exists():
         try:  # etcd has none (a new cluster): the copies beside the checkpoints count
@@ -250,8 +251,10 @@ def old_runs(store: Store, keys: Keys, job: str) -> list[dict[str, Any]]:
         parts = keys.tail(kv.key, keys.runs(job))
         if len(parts) == 2 and parts[1] == "record":
             try:
-                runs[parts[0]] = {**kv.json(), "run": parts[0]}
-            except ValueError:
+                f = Fields.of(kv, "run")
+                runs[parts[0]] = {**f.raw, "run": parts[0], "superseded_at": f.number("superseded_at")}
+            except BadRecord as exc:
+                report(exc)
                 runs[parts[0]] = {"run": parts[0], "state": "unreadable"}
         elif len(parts) > 2:
             commits[parts[0]] = commits.get(parts[0], 0) + 1
@@ -266,7 +269,7 @@ def delete_run(store: Store, keys: Keys, txn: Any, job: str, run: str, root: str
     check_name("job", job)
     check_run_id(run)
     current = store.get(keys.job(job))
-    if current is not None and run_of(current.json()) == run:
+    if current is not None and run_of(parsed(current, "job")) == run:
         raise ConfigError(f"run {run} is job {job!r}'s current run: only an earlier run can be deleted")
     kvs, _ = store.get_prefix(f"{keys.runs(job)}{run}/")
     path = Path(root) / job / run if root else None

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rallypoint.etcd.records import Fields
 from rallypoint.orchestrator.job.grants import Hold
 from rallypoint.orchestrator.job.state import JobState, JobStopped
 
@@ -87,8 +88,8 @@ class StopRequest:
 def stop_request(text: str, log: Any) -> StopRequest | None:
     """The request kept in ``control/<job>``; None (logged) when the key holds none (a damaged key)."""
     try:
-        return StopRequest.from_text(text)
-    except (ValueError, TypeError) as exc:
+        return StopRequest.from_json(Fields("control/", text, "control").raw)
+    except (ValueError, TypeError) as exc:  # BadRecord among them
         log.error("job.control_unreadable", error=str(exc), value=text[:200])
         return None
 

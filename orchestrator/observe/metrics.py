@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.records import bad_records_metric
 from rallypoint.basics.errors import StoreError
 from rallypoint.basics.metrics_server import MetricsServer
 from rallypoint.orchestrator.job.goodput import (COORDINATOR_BUCKETS, Histogram, goodput_buckets, goodput_ratio,
@@ -102,6 +103,7 @@ class _CoordinatorCollector(Collector):
         if leading:
             yield from self._cluster()
         yield from self._jobs()
+        yield bad_records_metric()
 
     def _cluster(self) -> Iterator[Metric]:
         c = self.m.c

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from rallypoint.etcd.cluster_view import ClusterSnapshot, job_records, read_cluster
+from rallypoint.etcd.records import parsed
 from rallypoint.basics.errors import ConfigError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.orchestrator.observe.page import PAGE
@@ -217,9 +218,9 @@ class ClusterApi:
 
     def _leader(self) -> dict[str, Any] | None:
         kv = self.c.store.get(self.c.keys.leader)
-        if kv is None:
+        v = parsed(kv, "leader")
+        if kv is None or v is None:
             return None
-        v = kv.json()
         return {"coordinator": v.get("coordinator"), "term": kv.create_revision, "address": v.get("address"),
                 "dashboard": v.get("dashboard")}
 

@@ -35,6 +35,7 @@ from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.keys import check_name
+from rallypoint.etcd.records import parsed
 from rallypoint.orchestrator.job.executor import JOBSPEC_FILE, JobExecutor, JobFailed, run_dir
 from rallypoint.recovery.nonfinite import nonfinite_mode
 from rallypoint.orchestrator.service.verbs import JobControl, start_thread, watched
@@ -342,7 +343,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the record of job {job!r}: {exc}")
             if kv is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"cluster {self.c.keys.cluster!r} has no job {job!r}")
-            record = kv.json()
+            record = parsed(kv, "job")
+            if record is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the record of job {job!r} in etcd is malformed (logged as record.bad); "
+                              f"`rallypoint status {job}` shows it")
             state = record.get("state", "")
             if state in FINAL_RECORD_STATES:
                 context.abort(grpc.StatusCode.NOT_FOUND,

@@ -45,7 +45,8 @@ import grpc
 from rallypoint.basics.errors import NotLeader, RallypointError, StoreError
 from rallypoint.etcd.cluster_view import ClusterSnapshot, parse_job_records, read_cluster
 from rallypoint.etcd.keys import check_name
-from rallypoint.etcd.store import Compare, Delete, Put
+from rallypoint.etcd.records import BadRecord, Fields, parsed
+from rallypoint.etcd.store import Compare, Delete, KeyValue, Put
 from rallypoint.orchestrator.control.devices import choose_gang
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES, JobState, JobStateError, record_transition
 from rallypoint.orchestrator.job.stop import StopRequest, stop_request
@@ -106,7 +107,7 @@ class JobControl:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read job {job!r}: {exc}; try again")
         run = self.s.running(job)
         view = run.executor.view() if run is not None else None
-        record = kv.json() if kv is not None else {}
+        record = parsed(kv, "job") or {}
         if run is None and kv is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"cluster {keys.cluster!r} has no job {job!r}; nothing changed "
                                                      "(`rallypoint jobs` lists the jobs)")
@@ -184,7 +185,7 @@ class JobControl:
             kv = self.c.store.get(self.c.keys.job(job))
         except StoreError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the record of job {job!r}: {exc}")
-        state = kv.json().get("state", "") if kv is not None else ""
+        state = (parsed(kv, "job") or {}).get("state", "")
         if state in FINAL_RECORD_STATES:
             try:
                 record_transition(state, JobState.PLACING, job)
@@ -241,7 +242,7 @@ class JobControl:
         kvs, _ = self.c.store.get_prefix(keys.job_yields(job))
         stale = []
         for kv in kvs:
-            asker = str(kv.json().get("for", ""))
+            asker = str((parsed(kv, "yield") or {}).get("for", ""))
             if records.get(asker, {}).get("state", "") not in FINAL_RECORD_STATES:
                 return f"job {asker!r} still asks for its devices"
             stale.append(Delete(kv.key))
@@ -278,7 +279,7 @@ class JobControl:
         """Remove from etcd what :func:`expired` says is past ``keep_history_s``; the keys' prefixes removed."""
         keep = float(getattr(self.c.config, "keep_history_s", DEFAULT_KEEP_HISTORY_S))
         kvs, _ = self.c.store.get_prefix(self.c.keys.jobs)
-        gone = expired(self.c.keys, {kv.key: kv.json() for kv in kvs if _is_json(kv.value)}, keep,
+        gone = expired(self.c.keys, {kv.key: rec for kv in kvs if (rec := _record(kv)) is not None}, keep,
                        self.c.clock.wall() if now is None else now)
         for prefix in gone:
             self.c.election.fenced_txn([], [Delete(prefix, prefix=prefix.endswith("/"))])
@@ -295,11 +296,13 @@ def watched(x: JobView) -> dict[str, Any]:
     return out
 
 
-def _is_json(value: bytes | str) -> bool:
+def _record(kv: KeyValue) -> dict[str, Any] | None:
+    """A record under ``jobs/`` as an object; None for a malformed one (a sweep skips it quietly: the job's
+    readers report it)."""
     try:
-        return isinstance(json.loads(value), dict)
-    except ValueError:
-        return False
+        return Fields.of(kv, "job").raw
+    except BadRecord:
+        return None
 
 
 def expired(keys: Any, records: Mapping[str, dict[str, Any]], keep_s: float, now: float) -> list[str]:

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
+
 from rallypoint.client.commands.main import device_cell, worker_rows
 from rallypoint.etcd.cluster_records import ClusterSnapshot, WorkerInfo, WorkerSnapshot
+from rallypoint.etcd.store import KeyValue
 from rallypoint.recovery.platforms import platform_refusal, pool_platforms, slice_platforms
 from rallypoint.proto import rallypoint_pb2 as pb
 
@@ -22,8 +25,8 @@ def spec(**slices: tuple[list[str], list[str]]) -> pb.JobSpec:
 
 
 def worker(name: str, record: dict, state: str = "serving", devices: int = 2) -> WorkerSnapshot:
-    info = WorkerInfo.from_kv(name, type("KV", (), {"create_revision": 5, "lease": 1, "json": lambda self: {
-        "address": "a", "pid": 9, "devices": devices, "state": state, **record}})())
+    value = json.dumps({"address": "a", "pid": 9, "devices": devices, "state": state, **record})
+    info = WorkerInfo.from_kv(name, KeyValue(f"workers/{name}", value.encode(), 5, 5, 1, 1))
     return WorkerSnapshot(info=info, devices=tuple(range(devices)), holders={}, cordoned=False)
 
 

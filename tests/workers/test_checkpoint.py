@@ -390,3 +390,43 @@ def test_the_slices_of_one_worker_save_at_the_same_time_and_every_commit_arrives
     assert sorted((c.slice_name, c.step) for c in commits) == [(f"s{i}", s) for i in range(4) for s in range(1, 9)]
     for ck in cks:
         ck.close()
+
+
+class _CorruptedOnTheWay(SliceCheckpointer):
+    """A checkpointer whose step ``bad`` reaches the disk with bytes flipped after Orbax finalized it (a write
+    corrupted on the way: the host copy, and so the checksum, are right)."""
+
+    bad = -1
+
+    def _finalized_path(self, step: int) -> Path | None:
+        path = super()._finalized_path(step)
+        if path is not None and step == self.bad:
+            f = largest_file(path)
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2: len(data) // 2 + 64] = b"\x5a" * 64
+            f.write_bytes(bytes(data))
+        return path
+
+
+def test_a_step_corrupted_on_disk_is_not_committed_and_its_predecessor_is_kept(tmp_path: Path) -> None:
+    rec = Recorder()
+    with captured_events() as logs:
+        ck = _CorruptedOnTheWay(tmp_path / "s0", job="j", slice_name="s0", max_to_keep=1, commit=rec)
+        ck.bad = 20
+        try:
+            ck.save(10, states_at(10, n=100_000))
+            ck.wait()
+            ck.save(20, states_at(20, n=100_000))
+            with pytest.raises(CheckpointError, match="not on disk as it was saved"):
+                ck.wait()
+            # main: step 20 was committed with the checksum of memory and retention deleted step 10, the good one
+            assert [c.step for c in rec.commits] == [10]
+            assert 10 in ck.steps_on_disk()
+            assert_bitwise(restore_commit(rec.commits[0], tmp_path / "s0"), states_at(10, n=100_000))
+            assert [e["step"] for e in logs if e["event"] == "checkpoint.unverified"] == [20]
+            assert [e["step"] for e in logs if e["event"] == "checkpoint.verified"] == [10]
+            ck.save(30, states_at(30, n=100_000))  # the next good step counts, and only then does 10 go
+            ck.wait()
+            assert [c.step for c in rec.commits] == [10, 30] and 10 not in ck.steps_on_disk()
+        finally:
+            ck.close()

@@ -13,7 +13,13 @@ in force. Commits are made by one background thread, in step order.
 Orbax checks no content checksums: the commit records
 :func:`~rallypoint.workers.checkpoints.checksums.state_checksum` (sha256 over every state
 name, leaf dtype, shape and bytes), which a restore checks
-(:mod:`rallypoint.workers.checkpoints.restore`).
+(:mod:`rallypoint.workers.checkpoints.restore`). That checksum is of the host copy in
+memory; before the commit is made (so before retention may delete the step it supersedes)
+the finalized step is **verified against the bytes on disk**: its files are flushed to the
+device (``fsync``), dropped from the page cache where the kernel allows it, read back with
+Orbax alone and checked against the commit's checksum (``verify_on_disk``; its time is
+``checkpoint.verified``'s ``verify_s``). A write corrupted on the way is then found at once,
+the step does not count, and the previous commit (and its data) stays in force.
 
 On disk each checkpointer writes its own Orbax ``CheckpointManager`` directory,
 ``<slice dir>/<writer>/`` (a name unique to it), so two writers of one slice (a zombie
@@ -25,6 +31,7 @@ Retention deletes a step directory only after the commit naming it is gone.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -44,7 +51,7 @@ from rallypoint.etcd.keys import check_name
 from rallypoint.workers import meter
 from rallypoint.workers.checkpoints.checksums import state_checksum
 from rallypoint.workers.checkpoints.restore import States, restore_commit
-from rallypoint.workers.errors import CheckpointError, CommitRefused
+from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused
 
 __all__ = ["SliceCheckpointer"]
 
@@ -86,6 +93,8 @@ class SliceCheckpointer:
             (:class:`CommitRefused`) when this writer is fenced; the directory then stays.
         writer: the name of this checkpointer's directory in ``slice_dir`` (default: a new
             unique ``w-<hex>``); it must be unique to this checkpointer.
+        verify_on_disk: read each finalized step back from disk and check it against its
+            checksum before it is committed (see the module doc).
         replicate: called with each commit and its states once it counts (the in-memory
             tier copies them to a peer: :mod:`rallypoint.workers.checkpoints.replicas`); must not block.
     """
@@ -94,7 +103,7 @@ class SliceCheckpointer:
                  commit: Callable[[CheckpointCommit], None], log_fields: Mapping[str, Any] | None = None,
                  forget: Callable[[int, str], None] | None = None,
                  replicate: Callable[[CheckpointCommit, States], None] | None = None,
-                 writer: str | None = None) -> None:
+                 writer: str | None = None, verify_on_disk: bool = True) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be None or at least 1, got {max_to_keep}")
         self.job, self.slice_name = check_name("job", job), check_name("slice", slice_name)
@@ -108,6 +117,7 @@ class SliceCheckpointer:
         self._commit = commit
         self._forget = forget
         self._replicate = replicate
+        self.verify_on_disk = verify_on_disk
         self.log = get_logger("rallypoint.checkpoint", job=job, slice=slice_name, writer=self.writer,
                               **(log_fields or {}))
         # Orbax's temporary-directory clean-up at start-up sees only this writer's (new, empty) directory:
@@ -256,6 +266,7 @@ class SliceCheckpointer:
         c = CheckpointCommit(self.job, self.slice_name, item.step, str(path), self._checksum(item),
                              tuple(sorted(item.states)))
         states, item.states = item.states, None
+        self._verify(c, path)
         try:
             self._commit(c)
         except Exception as e:
@@ -269,6 +280,26 @@ class SliceCheckpointer:
                       commit_s=round(time.monotonic() - item.started, 4))
         if self._replicate is not None:  # it counts: a peer may now keep a copy in memory
             self._replicate(c, states)
+
+    def _verify(self, c: CheckpointCommit, path: Path) -> None:
+        """Check the finalized step against ``c``'s checksum from the bytes on disk (see the module doc).
+
+        Raises:
+            CheckpointError: they are not the bytes committed, or cannot be read: the step does not count.
+        """
+        if not self.verify_on_disk:
+            return
+        t0 = time.monotonic()
+        try:
+            settle_on_disk(path)
+            restore_commit(c, self.slice_dir)
+        except CheckpointCorrupt as e:
+            self.log.error("checkpoint.unverified", step=c.step, path=str(path), expected=c.checksum,
+                           actual=e.actual, error=str(e))
+            raise CheckpointError(f"the checkpoint of {self.job}/{self.slice_name} after step {c.step} in {path} "
+                                  f"is not on disk as it was saved ({e}); it does not count, the previous commit "
+                                  "stays in force") from e
+        self.log.info("checkpoint.verified", step=c.step, verify_s=round(time.monotonic() - t0, 4))
 
     def _finalized_path(self, step: int) -> Path | None:
         for p in ocp.path.step.checkpoint_steps_paths(self.directory):
@@ -358,3 +389,23 @@ class SliceCheckpointer:
         c = CheckpointCommit(self.job, self.slice_name, step, str(self.directory / str(step)), expected_checksum)
         with self._orbax:
             return restore_commit(c, self.slice_dir)
+
+
+def settle_on_disk(step_dir: Path) -> None:
+    """Flush every file of ``step_dir`` to the device and drop it from the page cache where the kernel allows
+    (``POSIX_FADV_DONTNEED``; elsewhere a no-op), so that a read that follows reads what reached the disk."""
+    for f in Path(step_dir).rglob("*"):
+        if f.is_symlink() or not f.is_file():
+            continue
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue  # unreadable here: the read-back says so
+        try:
+            os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)

@@ -40,7 +40,7 @@ import grpc
 
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb, rallypoint_pb2_grpc as pb_grpc
-from rallypoint.workers.gang.member import encode_frame, write_frame
+from rallypoint.workers.gang.member import MAX_HEADER, encode_frame, frame_header, write_frame
 from rallypoint.workers.gang.group import (HEARTBEAT_S, INIT_TIMEOUT_S, POOLED_ARGV, REQUEST_TIMEOUT_S, GroupLost,
                                             MemberSettings, SliceGroup, free_port)
 
@@ -61,8 +61,8 @@ def member_settings(start: str, host: str, platform: str = "cpu", tls: Sequence[
     ``compile_cache`` (which a driver cannot set) and (unless the driver named one) its ``platform``."""
     try:
         given = json.loads(start or "{}")
-    except json.JSONDecodeError as exc:
-        raise MemberRefused(f"the member's settings are not JSON: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise MemberRefused(f"the member's settings are not JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(given, dict):
         raise MemberRefused("the member's settings must be a JSON object")
     unknown = sorted(set(given) - set(SETTINGS))
@@ -251,20 +251,28 @@ class FrameParser:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[dict[str, Any], list[bytes]]]:
+        """The frames ``data`` completes, in order.
+
+        Raises:
+            ValueError: a header line past ``MAX_HEADER`` bytes, or one :func:`frame_header` refuses; the
+                stream is then not a member's (nothing after it can be read).
+        """
         self._buf += data
         frames = []
         while True:
-            end = self._buf.find(b"\n")
+            end = self._buf.find(b"\n", 0, MAX_HEADER + 1)
             if end < 0:
+                if len(self._buf) > MAX_HEADER:
+                    raise ValueError(f"a frame's header line runs past {MAX_HEADER} bytes: the stream is not a member's")
                 return frames
-            header = json.loads(self._buf[:end])
-            need = end + 1 + sum(int(n) for n in header.get("sizes", ()))
+            header, sizes = frame_header(self._buf[:end])
+            need = end + 1 + sum(sizes)
             if len(self._buf) < need:
                 return frames
             payloads, at = [], end + 1
-            for n in header.get("sizes", ()):
-                payloads.append(bytes(self._buf[at:at + int(n)]))
-                at += int(n)
+            for n in sizes:
+                payloads.append(bytes(self._buf[at:at + n]))
+                at += n
             del self._buf[:need]
             frames.append((header, payloads))
 
@@ -287,8 +295,13 @@ class RemoteMember:
         except grpc.RpcError as exc:
             raise GroupLost(self.index, f"worker {self.worker} did not start it: {exc.details()}",
                            worker=self.worker) from None
-        started = json.loads(first.start)
-        self.pid, self.coordinator = int(started["pid"]), str(started["coordinator"])
+        try:
+            started = json.loads(first.start)
+            self.pid, self.coordinator = int(started["pid"]), str(started["coordinator"])
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            self._call.cancel()
+            raise GroupLost(self.index, f"worker {self.worker} answered garbage to its start ({type(exc).__name__})",
+                            worker=self.worker) from None
         self._reader = threading.Thread(target=self._read, name=f"member-{self.index}-out", daemon=True)
         self._reader.start()
 
@@ -301,6 +314,9 @@ class RemoteMember:
             self._ended = "its call ended"
         except grpc.RpcError as exc:
             self._ended = exc.details() or str(exc.code())
+        except ValueError as exc:  # its worker sent what is not the protocol: the member is lost, this thread ends
+            self._ended = f"it answered garbage ({exc})"
+            self._call.cancel()
         self._frames.put(None)
 
     def send(self, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None:

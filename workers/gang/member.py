@@ -76,27 +76,67 @@ def _die_with_parent() -> None:
 
 
 MAX_HEADER = 16 << 20  # bytes of one header line: a stream that sends more without a newline is not a member's
+MAX_PAYLOADS = 1 << 16  # payloads of one frame
+MAX_FRAME_BYTES = 1 << 36  # bytes of one frame's payloads together (64 GiB, the data plane's limit on a value)
+
+
+def frame_header(line: bytes | bytearray) -> tuple[dict[str, Any], list[int]]:
+    """A frame's header line as ``(header, payload sizes)``, checked before any payload is read.
+
+    Raises:
+        ValueError: not a JSON object, ``sizes`` not a list of at most ``MAX_PAYLOADS`` non-negative integers
+            adding up to at most ``MAX_FRAME_BYTES``.
+    """
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"a frame's header is not JSON ({type(exc).__name__}): the stream is not a member's") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"a frame's header is a JSON {type(header).__name__}, not an object")
+    sizes = header.get("sizes", [])
+    if not isinstance(sizes, list) or len(sizes) > MAX_PAYLOADS or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise ValueError(f"a frame's sizes are not a list of at most {MAX_PAYLOADS} byte counts")
+    if sum(sizes) > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {sum(sizes)} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return header, sizes
 
 
 def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], list[bytes]] | None:
     """One header line and its payloads, or None at the end of the stream.
 
     Raises:
-        ValueError: the header line runs past ``MAX_HEADER`` bytes, or is not JSON.
+        ValueError: the header line runs past ``MAX_HEADER`` bytes, or is refused by :func:`frame_header`.
     """
     line = stream.readline(MAX_HEADER + 1)
     if not line:
         return None
     if len(line) > MAX_HEADER:
         raise ValueError(f"a frame's header line runs past {MAX_HEADER} bytes: the stream is not a member's")
-    header = json.loads(line)
+    header, sizes = frame_header(line)
     payloads = []
-    for n in header.get("sizes", ()):
-        data = stream.read(int(n))
-        if len(data) != int(n):
+    for n in sizes:
+        data = _read_exact(stream, n)
+        if data is None:
             return None
         payloads.append(data)
     return header, payloads
+
+
+def _read_exact(stream: BinaryIO, n: int, step: int = 1 << 20) -> bytes | None:
+    """``n`` bytes of ``stream`` (None: it ended first), read a bounded step at a time: a frame's claimed size
+    never makes a buffer bigger than the bytes that arrived (a buffered ``read(n)`` allocates ``n`` at once)."""
+    if n <= step:
+        data = stream.read(n)
+        return data if len(data) == n else None
+    parts, got = [], 0
+    while got < n:
+        part = stream.read(min(step, n - got))
+        if not part:
+            return None
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def encode_frame(header: dict[str, Any], payloads: Sequence[Any] = ()) -> list[Any]:
@@ -425,7 +465,7 @@ def main(argv: list[str]) -> int:
     stdin = sys.stdin.buffer
     while (frame := read_frame(stdin)) is not None:
         header, payloads = frame
-        if header["op"] == "exit":
+        if header.get("op") == "exit":
             try:
                 member._finish_saves()  # a save still writing is finished, not cut short
                 member.parts.finish()  # and so are the copies of its shards still being pushed

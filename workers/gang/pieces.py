@@ -13,6 +13,13 @@ A piece that arrives again (the producer's push retried) is counted once. An ass
 whose pieces stop coming (its producer lost midway: the recovery sends the value again
 under a new incarnation, another key) is dropped after ``TTL_S``, or first when the
 assemblies in progress would pass ``LIMIT_BYTES``.
+
+What a frame claims is checked before anything is made of it: at most ``MAX_LEAVES``
+leaves to a value, a whole leaf's claimed shape of at most ``LIMIT_BYTES`` (and the
+value's leaves together too), and each piece inside its leaf and overlapping no other
+piece of it (a piece sent again is the same start and shape). A value is handed on only
+when its pieces cover every element of every leaf exactly once: no byte of uninitialized
+memory can be delivered.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 
 LIMIT_BYTES = 4 << 30
 TTL_S = 300.0
+MAX_LEAVES = 1 << 16  # leaves of one value (the data plane's limit on a frame's leaves)
 
 
 class PieceError(ValueError):
@@ -40,14 +48,23 @@ class _Assembly:
     leaves: int
     arrays: dict[int, np.ndarray] = field(default_factory=dict)
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    seen: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
+    seen: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # leaf -> start -> shape
+    covered: dict[int, np.ndarray] = field(default_factory=dict)  # leaf -> which elements a piece filled
     filled: dict[int, int] = field(default_factory=dict)
     at: float = 0.0
     nbytes: int = 0
 
     def complete(self) -> bool:
+        """Every element of every leaf filled by exactly one piece (pieces never overlap: :meth:`PieceAssembler._place`)."""
         return len(self.arrays) == self.leaves and all(
-            self.filled[i] == int(np.prod(self.shapes[i], dtype=np.int64)) for i in range(self.leaves))
+            self.filled[i] == _elements(self.shapes[i]) and bool(self.covered[i].all()) for i in range(self.leaves))
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def whole_header(header: pb.TransferHeader) -> pb.TransferHeader:
@@ -89,6 +106,8 @@ class PieceAssembler:
         n = int(header.value_leaves)
         if n < 1:
             raise PieceError("a value in pieces must say how many leaves it has (TransferHeader.value_leaves)")
+        if n > MAX_LEAVES:
+            raise PieceError(f"a value of {n} leaves is over the limit of {MAX_LEAVES}")
         key = value_key(header)
         now = self._clock()
         with self._lock:
@@ -100,7 +119,7 @@ class PieceAssembler:
             if a.leaves != n:
                 raise PieceError(f"pieces of one value say {a.leaves} and {n} leaves")
             for piece, x in zip(header.pieces, leaves, strict=True):
-                self._place(a, piece, np.asarray(x))
+                self._place(a, piece, np.asarray(x), self.limit_bytes)
             if a.complete():
                 del self._open[key]
                 return [a.arrays[i] for i in range(n)]
@@ -110,28 +129,35 @@ class PieceAssembler:
         return None
 
     @staticmethod
-    def _place(a: _Assembly, piece: pb.Piece, x: np.ndarray) -> None:
+    def _place(a: _Assembly, piece: pb.Piece, x: np.ndarray, limit_bytes: int = LIMIT_BYTES) -> None:
         i, start, shape = int(piece.leaf), tuple(int(s) for s in piece.start), tuple(int(s) for s in piece.shape)
         if not 0 <= i < a.leaves:
             raise PieceError(f"piece of leaf {i} of a value of {a.leaves} leaves")
         if len(start) != len(shape) or x.ndim != len(shape) or any(
-                s < 0 or s + k > n for s, k, n in zip(start, x.shape, shape, strict=True)):
+                s < 0 or n < 0 or s + k > n for s, k, n in zip(start, x.shape, shape, strict=True)):
             raise PieceError(f"a piece {list(x.shape)} at {list(start)} does not fit leaf {i} of shape {list(shape)}")
         if i not in a.arrays:
+            need = _elements(shape) * (x.dtype.itemsize + 1)  # the leaf and its coverage mask
+            if x.dtype.hasobject or a.nbytes + need > limit_bytes:
+                raise PieceError(f"leaf {i} of shape {list(shape)} ({need} bytes with its coverage) takes the value "
+                                 f"past the limit of {limit_bytes} bytes")
             a.arrays[i] = np.empty(shape, x.dtype)
-            a.shapes[i], a.seen[i], a.filled[i] = shape, set(), 0
-            a.nbytes += a.arrays[i].nbytes
+            a.covered[i] = np.zeros(shape, np.bool_)
+            a.shapes[i], a.seen[i], a.filled[i] = shape, {}, 0
+            a.nbytes += a.arrays[i].nbytes + a.covered[i].nbytes
         whole = a.arrays[i]
         if whole.shape != shape or whole.dtype != x.dtype:
             raise PieceError(f"pieces of leaf {i} disagree: {whole.dtype}{list(whole.shape)} and "
                              f"{x.dtype}{list(shape)}")
-        if start in a.seen[i]:
+        if a.seen[i].get(start) == x.shape:
             return  # sent again (a retried push): the same bytes, counted once
-        whole[tuple(slice(s, s + k) for s, k in zip(start, x.shape, strict=True))] = x
-        a.seen[i].add(start)
+        region = tuple(slice(s, s + k) for s, k in zip(start, x.shape, strict=True))
+        if a.covered[i][region].any():
+            raise PieceError(f"a piece {list(x.shape)} at {list(start)} of leaf {i} overlaps another piece of it")
+        whole[region] = x
+        a.covered[i][region] = True
+        a.seen[i][start] = x.shape
         a.filled[i] += int(x.size)
-        if a.filled[i] > int(np.prod(shape, dtype=np.int64)):
-            raise PieceError(f"the pieces of leaf {i} overlap: more elements than its shape {list(shape)} holds")
 
     def _expire(self, now: float) -> None:
         for k in [k for k, a in self._open.items() if now - a.at > self.ttl_s]:

@@ -304,7 +304,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "replica stream does not start with a header")
         self._admit(first.header.to, context)
         try:
-            header, states = codec.assemble_replica(chain([first], it))
+            header, states = codec.assemble_replica(chain([first], it), max_bytes=self.replicas.store.limit_bytes)
         except ValueError as exc:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stored, reason = self.replicas.receive(header, states)
