@@ -43,6 +43,7 @@ class JobView:
     steps: int = 0
     priority: int = 0
     submit_id: str = ""
+    owner: str = ""  # who submitted it, by its certificate (ROLE:NAME; "" without TLS)
     code_sha256: str = ""
     term: int = 0
     run_id: str = ""  # this run of the job name (orchestrator/job/runs.py)
