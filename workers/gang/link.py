@@ -43,6 +43,7 @@ from rallypoint.basics.errors import StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb, rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.gang.member import encode_frame, write_frame
+from rallypoint.workers.gang.member_bounds import MemberRefused
 from rallypoint.workers.gang.group import (HEARTBEAT_S, INIT_TIMEOUT_S, POOLED_ARGV, REQUEST_TIMEOUT_S, GroupLost,
                                             MemberSettings, SliceGroup, free_port)
 
@@ -53,10 +54,6 @@ STOP_WAIT_S = 5.0
 START_TIMEOUT_S = 30.0  # a Member call's first answer (the process started): a worker hung or with every server
 # thread busy gives none, and the formation fails naming it instead of waiting for ever
 REFILL_S = 10.0  # how long after a job's warm member was taken the pool starts another
-
-
-class MemberRefused(ValueError):
-    """A ``Member`` call's settings are not a member's (named, with what to send instead)."""
 
 
 def member_settings(start: str, host: str, platform: str = "cpu", tls: Sequence[str] = (),

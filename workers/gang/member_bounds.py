@@ -19,6 +19,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+class MemberRefused(ValueError):
+    """A ``Member`` call's settings are not a member's, or name devices not leased to it (named, with what to
+    send instead)."""
+
+
 DIR_OPS = frozenset({"save", "restore"})
 JOB_OPS = frozenset({"stash", "restore_parts"})
 
@@ -64,7 +69,6 @@ def leased_dirs(store: Any, keys: Any, worker: str, job: str, slice_name: str, d
     """
     from rallypoint.etcd.cluster_records import Holder
     from rallypoint.etcd.store import Get
-    from rallypoint.workers.gang.link import MemberRefused
 
     if not job or not slice_name or not device_ids:
         raise MemberRefused(f"a member on worker {worker} must name its job, slice and leased devices "
