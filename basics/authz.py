@@ -123,10 +123,47 @@ def refusal(method: str, role: str | None) -> str | None:
     return f"{method} is refused to {who}: it is allowed to {', '.join(sorted(allowed))} only (docs/security.md)"
 
 
+@functools.lru_cache(maxsize=256)
+def identity_of_pem(pem: bytes) -> str | None:
+    """``ROLE:NAME`` of a PEM certificate: its role and the name it was issued under (the organizational
+    unit :mod:`rallypoint.cluster.certs` writes; else the common name). None: it names no role."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    role = role_of_pem(pem)
+    if role is None:
+        return None
+    cert = x509.load_pem_x509_certificate(pem)
+    for oid in (NameOID.ORGANIZATIONAL_UNIT_NAME, NameOID.COMMON_NAME):
+        names = cert.subject.get_attributes_for_oid(oid)
+        if names:
+            return f"{role}:{names[0].value}"
+    return f"{role}:"
+
+
+def peer_identity(context: grpc.ServicerContext) -> str | None:
+    """Who the gRPC peer is by its certificate, ``ROLE:NAME`` (None: no certificate, ``--insecure``, or no role):
+    what the leader records as a job's owner and as who stopped it, never the caller's own word."""
+    pems = context.auth_context().get("x509_pem_cert") or []
+    return identity_of_pem(bytes(pems[0])) if pems else None
+
+
 def peer_role(context: grpc.ServicerContext) -> str | None:
     """The role of the gRPC peer's certificate (None: no certificate or no role)."""
     pems = context.auth_context().get("x509_pem_cert") or []
     return role_of_pem(bytes(pems[0])) if pems else None
+
+
+def moves_term(context: grpc.ServicerContext, tls: object | None) -> bool:
+    """Whether a call's coordinator term may raise a worker's newest term (its fencing token).
+
+    With TLS only a coordinator-role caller's may: a worker's, an operator's or a client's term is
+    checked against the newest one (a stale one is refused) and never adopted, so no stolen
+    worker certificate can fence the real leader out. With plain TCP (``--insecure``) there are
+    no roles: the leader's methods (each caller of the worker's service decides to pass ``True``
+    only for those) move it, a peer's (``Push``, ``Member``, the data plane) never do.
+    """
+    return tls is None or peer_role(context) == COORDINATOR
 
 
 def _guard(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:

@@ -135,6 +135,19 @@ class TlsConfig:
         return ctx
 
 
+KEEPALIVE: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0))
+"""Options of a channel that carries long streams between the cluster's processes (a gang's ``Member`` calls,
+pushes, the leader's calls to workers): an HTTP/2 ping every 10 s while a call is open, so a peer that stops
+answering (SIGSTOPped, partitioned) breaks the call within ~15 s instead of holding it for ever."""
+
+PERMIT_KEEPALIVE: tuple[tuple[str, Any], ...] = (
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1))
+"""Options of a server whose callers send :data:`KEEPALIVE` pings (gRPC's default answers them with GOAWAY)."""
+
+
 def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """A gRPC channel to ``address``: mutual TLS with ``tls``, plain only when ``tls`` is None."""
     if tls is None:

@@ -633,7 +633,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "on_nonfinite", "new_run", "code", "submit_id", "metrics_sinks")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "on_nonfinite", "new_run", "code", "submit_id", "metrics_sinks", "owner")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -666,6 +666,7 @@ class JobSpec(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_ID_FIELD_NUMBER: _ClassVar[int]
     METRICS_SINKS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -698,7 +699,8 @@ class JobSpec(_message.Message):
     code: CodeBundle
     submit_id: str
     metrics_sinks: _containers.RepeatedCompositeFieldContainer[MetricsSink]
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., on_nonfinite: _Optional[str] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ..., submit_id: _Optional[str] = ..., metrics_sinks: _Optional[_Iterable[_Union[MetricsSink, _Mapping]]] = ...) -> None: ...
+    owner: str
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., on_nonfinite: _Optional[str] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ..., submit_id: _Optional[str] = ..., metrics_sinks: _Optional[_Iterable[_Union[MetricsSink, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class MetricsSink(_message.Message):
     __slots__ = ("kind", "dir")

@@ -94,6 +94,9 @@ class Context:
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
 
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}  # no certificate: a plain-TCP caller (tests/security/ checks identities on the real wire)
+
 
 class Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import os
 import socket
@@ -49,7 +50,7 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.etcd.store import Store, created_at
 from rallypoint.basics import authz
-from rallypoint.basics.tls import add_port
+from rallypoint.basics.tls import PERMIT_KEEPALIVE, add_port
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.checkpoints.committer import etcd_commit
@@ -59,6 +60,7 @@ from rallypoint.workers.sources.sandbox import SourcePolicy, tls_folders
 from rallypoint.workers.runtime.checkpoints import CommitFn
 from rallypoint.workers.metrics import WorkerMetrics
 from rallypoint.workers.gang.link import MemberPool
+from rallypoint.workers.gang.member_bounds import leased_dirs
 from rallypoint.workers.platform import PlatformInfo, discover_local_devices, platform_info, prepare_environment
 from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
@@ -151,11 +153,13 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         if self.config.faults.any:
             self.log.warning("worker.faults_injected", **dataclasses.asdict(self.config.faults))
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="worker-rpc"),
+                                   options=list(PERMIT_KEEPALIVE),  # its peers' and the leader's channels ping
                                    interceptors=authz.interceptors(self.config.tls))  # each method checks the role
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
         self.runtime = WorkerRuntimeService(self.config.worker_id, admit=self.admit, devices=self._jax_devices,
                                             incarnation=lambda: self.incarnation, commit_factory=self._commit_factory,
-                                            faults=self.config.faults, tls=self.config.tls)
+                                            faults=self.config.faults, tls=self.config.tls,
+                                            admit_leader=lambda to: self.admit(to, leader=True))
         pb_grpc.add_WorkerRuntimeServicer_to_server(self.runtime, self._server)
         self.dataplane = DataPlaneServer(self.config.host, self.runtime.receive, port=self.config.data_port,
                                          tls=self.config.tls)
@@ -172,6 +176,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         self.runtime.source_policy = SourcePolicy(hide=tls_folders(tls_files) + tuple(self.config.source_hide),
                                                   write=tuple(self.config.source_write),
                                                   mode=self.config.source_sandbox)  # sources never read its keys
+        self.runtime.member_bind = functools.partial(leased_dirs, self.store, self.keys, self.config.worker_id)
         if self.config.member_pool:
             self.runtime.member_pool = MemberPool(self.config.member_pool)
             self.runtime.member_pool.fill(self.runtime.member_platform)
@@ -272,11 +277,14 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
 
     # -- acting --------------------------------------------------------------------
 
-    def admit(self, to: pb.Identity) -> Registration:
+    def admit(self, to: pb.Identity, *, leader: bool = False) -> Registration:
         """Gate of every action: fenced, wrong incarnation or stale coordinator term -> refused.
 
         Terms are fencing tokens: once a request from term T arrived, requests from a
-        coordinator of an older term (a deposed leader) are refused.
+        coordinator of an older term (a deposed leader) are refused. Only a request the
+        leader sent (``leader``: a coordinator-role caller, :func:`rallypoint.basics.authz.moves_term`)
+        raises the newest term; any other's term is only checked against it, so a peer (a
+        stolen worker certificate) cannot fence the real leader out with a huge term.
 
         Raises:
             Fenced: the local lease deadline passed, or the lease is gone.
@@ -300,12 +308,16 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
             with self._lock:
                 if to.term < self.max_term:
                     raise StaleTerm(self.config.worker_id, to.term, self.max_term)
-                self.max_term = to.term
+                if leader:
+                    self.max_term = to.term
         return reg
+
+    def _leads(self, context: grpc.ServicerContext) -> bool:
+        return authz.moves_term(context, self.config.tls)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         try:
-            reg = self.admit(request.to)
+            reg = self.admit(request.to, leader=self._leads(context))
         except (Fenced, StaleIncarnation, StaleTerm) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.PingResponse(
@@ -318,7 +330,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.Heartbeat]:
         """A stream that lives as long as this process: its break is the fast loss signal."""
         try:
-            reg = self.admit(request.to)
+            reg = self.admit(request.to, leader=self._leads(context))
         except (Fenced, StaleIncarnation, StaleTerm) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         interval = min(max(request.interval_s, 0.05), 5.0)

@@ -27,7 +27,7 @@ from tenacity import RetryCallState
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
 from rallypoint.basics.retry import retrying, transient_rpc
-from rallypoint.basics.tls import TlsConfig
+from rallypoint.basics.tls import KEEPALIVE, TlsConfig
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -61,7 +61,7 @@ class PeerChannels:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                self._channels[address] = tls_channel(address, self._tls)
+                self._channels[address] = tls_channel(address, self._tls, KEEPALIVE)
                 stub = self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
             return stub
 

@@ -194,8 +194,8 @@ class JobExecutor:
         p, end = self.progress, self.ended_mono if self.ended_mono is not None else self.clock.monotonic()
         return JobView(
             job=self.spec.job, state=self.state, steps=self.spec.steps, priority=self.spec.priority,
-            submit_id=self.spec.submit_id, code_sha256=self.spec.code.sha256, spec_sha256=self.spec_sha256,
-            term=self.term.term or 0,
+            submit_id=self.spec.submit_id, owner=self.spec.owner, code_sha256=self.spec.code.sha256,
+            spec_sha256=self.spec_sha256, term=self.term.term or 0,
             run_id=self.run_id, run_dir=self.run_dir, adopted=self.adopted, resumed=self.resume,
             auto_resumed=self.auto_resumed, policy=self.settings.policy if self.settings else "",
             completed=p.completed, start_step=p.start, cut=p.cut, placement=MappingProxyType(dict(self.places.slices)),

@@ -165,7 +165,7 @@ def record_of(v: JobView, history: RecordHistory, **fields: Any) -> dict[str, An
         **history.fields(v.recovery_entries, v.failures, v.drain_records, v.run_dir,
                          final=v.state.is_terminal),  # bounded: the newest in full
         "replayed_instances": dict(v.replayed), "resharded": [r.to_json() for r in v.resharded],
-        "submit_id": v.submit_id, "started_at": v.started_at,  # the run's first start (a resume keeps it)
+        "submit_id": v.submit_id, "owner": v.owner, "started_at": v.started_at,  # the run's first start (a resume keeps it)
         **({"stop": v.stop.to_json()} if v.stop is not None else {}),
         **({"ended_at": v.at} if v.state.is_terminal else {}), "at": v.at, **fields,
     }

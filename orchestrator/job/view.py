@@ -43,6 +43,7 @@ class JobView:
     steps: int = 0
     priority: int = 0
     submit_id: str = ""
+    owner: str = ""  # who submitted it, by its certificate (ROLE:NAME; "" without TLS)
     code_sha256: str = ""
     spec_sha256: str = ""  # the run's jobspec.pb, as it wrote it (job/run_files.py)
     term: int = 0

@@ -26,7 +26,7 @@ import grpc
 
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
-from rallypoint.basics.tls import TlsConfig
+from rallypoint.basics.tls import KEEPALIVE, TlsConfig
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.orchestrator.job.failures import WorkerCallFailed
 from rallypoint.orchestrator.job.grants import StepGrant
@@ -107,7 +107,7 @@ class JobWorkers:
         if address not in self._stubs:
             self._channels[address] = tls_channel(
                 address, self.tls,
-                options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+                options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), *KEEPALIVE])
             self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
         return self._stubs[address]
 

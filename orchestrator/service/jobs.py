@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from rallypoint.basics import authz
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.basics.errors import ConfigError, RallypointError, StoreError
 from rallypoint.basics.logs import get_logger
@@ -99,6 +100,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                   "directory, and there is no checkpoint directory: give --checkpoint-dir")
         except (RallypointError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job!r}: {exc}")
+        request.owner = authz.peer_identity(context) or ""  # the certificate's word, not the client's
         if self._refuse_a_resubmit(request, context):  # the same submit again (its key): follow the run it started
             self.log.info("job.submit_repeated", job=request.job, submit_id=request.submit_id)
             yield from self._watch(request.job, context)

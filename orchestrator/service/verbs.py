@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from rallypoint.basics import authz
 from rallypoint.basics.errors import NotLeader, RallypointError, StoreError
 from rallypoint.etcd.cluster_view import ClusterSnapshot, parse_job_records, read_cluster
 from rallypoint.etcd.keys import check_name
@@ -111,6 +112,13 @@ class JobControl:
         if run is None and kv is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"cluster {keys.cluster!r} has no job {job!r}; nothing changed "
                                                      "(`rallypoint jobs` lists the jobs)")
+        caller = authz.peer_identity(context)  # None: plain TCP (--insecure), where nobody is known
+        owner = view.owner if view is not None else str(record.get("owner", ""))
+        if caller is not None and caller.partition(":")[0] == authz.CLIENT and caller != owner:
+            self.log.warning("job.stop_refused", job=job, action=action, by=caller, owner=owner)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"cannot {action} job {job!r}: it was submitted by {owner or 'nobody known'}, not by "
+                          f"{caller}; a client stops only its own jobs (an operator's certificate stops any)")
         state = view.state.value if view is not None else str(record.get("state", ""))
         if state in ENDED or (state == JobState.SUSPENDED.value and action == "suspend"):
             then = {"cancelled": f"`rallypoint resume {job}` continues its run from its last cut",
@@ -131,7 +139,7 @@ class JobControl:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job!r} keeps no checkpoints: a {'suspend' if action == 'suspend' else 'final cut'} "
                           f"needs them, and nothing changed; `rallypoint cancel {job}` (without --checkpoint) stops it")
-        req = StopRequest(action, checkpoint=saves, by=request.by or "an operator", reason=request.reason,
+        req = StopRequest(action, checkpoint=saves, by=caller or request.by or "an operator", reason=request.reason,
                           at=self.c.clock.wall())
         if state == JobState.SUSPENDED.value:  # a cancel of a job set aside: nothing runs, the record moves
             return self._cancel_suspended(job, record, kv.mod_revision if kv else 0, req, context)

@@ -13,8 +13,10 @@ import grpc
 from rallypoint.orchestrator.control.devices import DeviceLeases
 
 from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.basics.authz import COORDINATOR
 from rallypoint.basics.errors import StoreError
 from rallypoint.basics.tls import channel as tls_channel
+from rallypoint.cluster.certs import issue
 from rallypoint.cluster.local import LocalCluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -275,7 +277,9 @@ def test_a_worker_refuses_requests_from_a_coordinator_term_older_than_one_it_obe
         info = read_cluster(store, lc.keys).workers["w0"].info
     finally:
         store.close()
-    channel = tls_channel(info.address, lc.client_tls)
+    assert lc.tls_dir is not None  # only a coordinator's term moves a worker's newest (tests/security/)
+    leader_cert = issue(lc.tls_dir, "probe-coordinator", role=COORDINATOR, cluster=lc.keys.cluster)
+    channel = tls_channel(info.address, leader_cert)
     try:
         stub = pb_grpc.WorkerStub(channel)
         newer = 10**9  # a term newer than the running leader's

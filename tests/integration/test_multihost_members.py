@@ -14,6 +14,7 @@ from rallypoint.basics.authz import WORKER
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.cluster.certs import issue
 from rallypoint.cluster.local import LocalCluster
+from rallypoint.etcd.cluster_records import Holder
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -55,9 +56,22 @@ def test_members_run_on_their_workers_only_for_a_worker_and_die_with_them(
             stub, to = on("w1")[0]
             RemoteMember(stub, to, {"processes": 2, "process": 1, "local_devices": 2})
 
+        # A member starts only on devices the leader leased to the job and slice it names (tests/security/).
+        with pytest.raises(GroupLost, match="leased to nobody"):
+            form_on_workers(on("w0", "w1"), 2, request_timeout_s=30.0, device_ids=[[0, 1], [0, 1]], job="j",
+                            slice_name="dp")
+        store = lc.store()  # what the leader writes when it places the gang
+        try:
+            for w in ("w0", "w1"):
+                for d in (0, 1):
+                    store.put(lc.keys.lease(w, d), Holder(job="j", slice="dp", nonce="t", term=1).to_json())
+        finally:
+            store.close()
+
         # A group on two daemons trains; the second member's worker dies (SIGKILL): its member goes with it, the
         # group is lost naming it, and the abort ends the first member on its own worker.
-        group = form_on_workers(on("w0", "w1"), 2, request_timeout_s=30.0, heartbeat_s=30)
+        group = form_on_workers(on("w0", "w1"), 2, request_timeout_s=30.0, heartbeat_s=30,
+                                device_ids=[[0, 1], [0, 1]], job="j", slice_name="dp")
         pooled = {w: [e["pid"] for e in read_events(lc.process(w).log, "member.pooled")] for w in ("w0", "w1")}
         for w in ("w0", "w1"):  # its member was the one started ahead, and another now waits in its place
             (started,) = read_events(lc.process(w).log, "member.started")

@@ -72,11 +72,16 @@ def test_admission_refuses_another_incarnation_and_an_older_coordinator_term() -
     try:
         d.register()
         inc = d.incarnation
-        assert d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=7)).incarnation == inc
+        assert d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=7), leader=True).incarnation == inc
         with pytest.raises(StaleIncarnation):
             d.admit(pb.Identity(worker_id="w1", incarnation=inc + 1, term=7))
         with pytest.raises(StaleTerm):
-            d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=6))  # a deposed leader
-        assert d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=9)).incarnation == inc
+            d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=6), leader=True)  # a deposed leader
+        with pytest.raises(StaleTerm):
+            d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=6))  # a peer's older term: checked too
+        assert d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=2**62)).incarnation == inc  # a peer's ...
+        assert d.max_term == 7  # ... is never adopted: only the leader's moves the newest term
+        assert d.admit(pb.Identity(worker_id="w1", incarnation=inc, term=9), leader=True).incarnation == inc
+        assert d.max_term == 9
     finally:
         d.registration.keeper.stop(revoke=True)  # type: ignore[union-attr]

@@ -82,6 +82,9 @@ class MemberSettings:
     tls: tuple[str, ...] = ()  # its worker's CA, certificate and key paths (the daemon's): pushes of its shards
     compile_cache: str = ""  # its worker's persistent compilation cache ("": none): a gang formed again loads its
     # programs' executables instead of compiling them
+    job: str = ""  # the job and slice its worker's device leases name (""; unbound: a group formed in one process)
+    slice: str = ""
+    dirs: tuple[str, ...] = ()  # the job's checkpoint folders, the only ones it saves to and restores from
 
     def to_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in self.__dataclass_fields__}

@@ -58,7 +58,8 @@ class GangSlice:
         self._lock = threading.Lock()
 
     @classmethod
-    def form(cls, sa: pb.SliceAssignment, stub: Any, *, cluster: str, request_timeout_s: float = 120.0) -> GangSlice:
+    def form(cls, sa: pb.SliceAssignment, stub: Any, *, cluster: str, request_timeout_s: float = 120.0,
+             job: str = "", cancel: threading.Event | None = None) -> GangSlice:
         """Form the group of ``sa.members`` (``stub(address)``: a ``WorkerRuntimeStub`` with this worker's identity)."""
         from rallypoint.workers.gang.link import form_on_workers
 
@@ -68,7 +69,8 @@ class GangSlice:
         workers = [(stub(m.address), pb.Identity(cluster=cluster, worker_id=m.worker_id, incarnation=m.incarnation))
                    for m in sa.members]
         group = form_on_workers(workers, per.pop(), request_timeout_s=request_timeout_s,
-                                device_ids=[list(m.device_ids) for m in sa.members])
+                                device_ids=[list(m.device_ids) for m in sa.members], job=job, slice_name=sa.slice,
+                                cancel=cancel)
         try:
             return cls(sa.slice, group, sa.mesh_shape, sa.mesh_axes, sa.members)
         except BaseException:

@@ -25,6 +25,7 @@ worker's daemon starts and supervises. The slice's driver reaches it through the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -33,26 +34,26 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
+from rallypoint.basics.errors import StoreError
 from rallypoint.basics.logs import get_logger
 from rallypoint.proto import rallypoint_pb2 as pb, rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers.gang.member import MAX_HEADER, encode_frame, frame_header, write_frame
+from rallypoint.workers.gang.member_bounds import MemberRefused
 from rallypoint.workers.gang.group import (HEARTBEAT_S, INIT_TIMEOUT_S, POOLED_ARGV, REQUEST_TIMEOUT_S, GroupLost,
                                             MemberSettings, SliceGroup, free_port)
 
 CHUNK = 1 << 20  # bytes per message: under gRPC's 4 MiB default, whatever a value's size
 SETTINGS = {"processes": int, "process": int, "local_devices": int, "platform": str, "init_timeout_s": int,
-            "heartbeat_s": int, "coordinator": str, "device_ids": list}
+            "heartbeat_s": int, "coordinator": str, "device_ids": list, "job": str, "slice": str}
 STOP_WAIT_S = 5.0
+START_TIMEOUT_S = 30.0  # a Member call's first answer (the process started): a worker hung or with every server
+# thread busy gives none, and the formation fails naming it instead of waiting for ever
 REFILL_S = 10.0  # how long after a job's warm member was taken the pool starts another
-
-
-class MemberRefused(ValueError):
-    """A ``Member`` call's settings are not a member's (named, with what to send instead)."""
 
 
 def member_settings(start: str, host: str, platform: str = "cpu", tls: Sequence[str] = (),
@@ -186,11 +187,18 @@ def _end_idle(idle: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
+Bind = Callable[[str, str, Sequence[int]], Sequence[str]]
+"""A worker's check of a ``Member`` call's job, slice and device indices against its device leases: the job's
+checkpoint folders (MemberRefused: the leader leased no such devices here)."""
+
+
 def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, host: str, worker: str,
           platform: str = "cpu", pool: MemberPool | None = None, tls: Sequence[str] = (),
-          compile_cache: str = "") -> Iterator[pb.MemberChunk]:
+          compile_cache: str = "", bind: Bind | None = None) -> Iterator[pb.MemberChunk]:
     """The daemon's side of one ``Member`` call (see the module doc); the caller checked ``to``. ``tls``: the
-    worker's CA, certificate and key paths, with which the member pushes its shards' copies (workers/gang/replicas.py)."""
+    worker's CA, certificate and key paths, with which the member pushes its shards' copies (workers/gang/replicas.py).
+    ``bind``: the member starts only for devices the leader leased here to the job and slice it names, and is
+    bound to that job (:mod:`rallypoint.workers.gang.member_bounds`); None: unbound (a worker without a store)."""
     first = next(requests, None)
     if first is None:
         return
@@ -199,6 +207,20 @@ def relay(requests: Iterator[pb.MemberChunk], context: grpc.ServicerContext, *, 
     except MemberRefused as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return
+    if bind is not None:
+        given = json.loads(first.start)
+        job, slice_name = str(given.get("job", "")), str(given.get("slice", ""))
+        try:
+            dirs = bind(job, slice_name, settings.device_ids)
+        except MemberRefused as exc:
+            get_logger("rallypoint.member", worker=worker).warning("member.refused", job=job, slice=slice_name,
+                                                                   devices=list(settings.device_ids), error=str(exc))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            return
+        except StoreError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker} cannot read its device leases: {exc}")
+            return
+        settings = dataclasses.replace(settings, job=job, slice=slice_name, dirs=tuple(dirs))
     log = get_logger("rallypoint.member", worker=worker, process=settings.process)
     proc, pooled = (pool or MemberPool()).take(settings)
     ended = threading.Event()
@@ -281,7 +303,8 @@ class RemoteMember:
     """A member process on another worker, reached through that worker's ``Member`` call."""
 
     def __init__(self, stub: pb_grpc.WorkerRuntimeStub, to: pb.Identity, settings: dict[str, Any], *,
-                 timeout_s: float = INIT_TIMEOUT_S + 30.0) -> None:
+                 timeout_s: float = INIT_TIMEOUT_S + 30.0, start_timeout_s: float = START_TIMEOUT_S,
+                 cancel: threading.Event | None = None) -> None:
         self.index = int(settings["process"])
         self.worker = to.worker_id
         self.ready: dict[str, Any] = {}
@@ -290,14 +313,30 @@ class RemoteMember:
         self._ended = ""
         self._requests.put(pb.MemberChunk(to=to, start=json.dumps(settings)))
         self._call = stub.Member(iter(self._requests.get, None))
+        started, gave_up = threading.Event(), []
+
+        def deadline() -> None:  # no first answer in time, or an unload of the job: the call is cancelled
+            end = time.monotonic() + start_timeout_s
+            while not started.wait(0.1):
+                if (cancel is not None and cancel.is_set()) or time.monotonic() >= end:
+                    gave_up.append("the load was cancelled" if cancel is not None and cancel.is_set() else
+                                   f"no answer within {start_timeout_s:.0f} s (its worker hung, or every thread of "
+                                   "its server busy)")
+                    self._call.cancel()
+                    return
+
+        threading.Thread(target=deadline, name=f"member-{self.index}-start", daemon=True).start()
         try:
             first = next(self._call)
         except grpc.RpcError as exc:
-            raise GroupLost(self.index, f"worker {self.worker} did not start it: {exc.details()}",
-                           worker=self.worker) from None
+            self._requests.put(None)
+            why = gave_up[0] if gave_up else exc.details()
+            raise GroupLost(self.index, f"worker {self.worker} did not start it: {why}", worker=self.worker) from None
+        finally:
+            started.set()
         try:
-            started = json.loads(first.start)
-            self.pid, self.coordinator = int(started["pid"]), str(started["coordinator"])
+            start = json.loads(first.start)
+            self.pid, self.coordinator = int(start["pid"]), str(start["coordinator"])
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             self._call.cancel()
             raise GroupLost(self.index, f"worker {self.worker} answered garbage to its start ({type(exc).__name__})",
@@ -355,21 +394,39 @@ class RemoteMember:
 def form_on_workers(workers: Sequence[tuple[pb_grpc.WorkerRuntimeStub, pb.Identity]], local_devices: int, *,
                     platform: str = "", init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_s: int = HEARTBEAT_S,
                     request_timeout_s: float = REQUEST_TIMEOUT_S,
-                    device_ids: Sequence[Sequence[int]] = ()) -> SliceGroup:
+                    device_ids: Sequence[Sequence[int]] = (), job: str = "", slice_name: str = "",
+                    cancel: threading.Event | None = None) -> SliceGroup:
     """A slice's group with member ``i`` on ``workers[i]``, formed and joined (GroupLost naming one that failed).
     ``platform`` "": each member uses its worker's (the gang is of one platform: ``choose_gang``).
-    ``device_ids[i]``: the device indices leased on ``workers[i]``, the only ones its member uses."""
+    ``device_ids[i]``: the device indices leased on ``workers[i]``, the only ones its member uses, to ``job``'s
+    slice ``slice_name``: each worker checks its leases name them before it starts the member. ``cancel`` set (an
+    unload of the job): the formation ends at once, a GroupLost."""
     t0 = time.monotonic()
     base = {"processes": len(workers), "local_devices": local_devices, "init_timeout_s": init_timeout_s,
-            "heartbeat_s": heartbeat_s, **({"platform": platform} if platform else {})}
+            "heartbeat_s": heartbeat_s, **({"platform": platform} if platform else {}),
+            **({"job": job, "slice": slice_name} if job else {})}
     group = SliceGroup([], request_timeout_s=request_timeout_s)
+    formed = threading.Event()
+    if cancel is not None:  # an unload while the members join: every member's call ends, the join fails at once
+        threading.Thread(target=_abort_when, args=(cancel, formed, group), name="gang-cancel", daemon=True).start()
     try:
         for i, (stub, to) in enumerate(workers):
             coordinator = group.members[0].coordinator if group.members else ""
             mine = {"device_ids": [int(d) for d in device_ids[i]]} if device_ids else {}
-            group.members.append(RemoteMember(stub, to, {**base, "process": i, "coordinator": coordinator, **mine}))
+            group.members.append(RemoteMember(stub, to, {**base, "process": i, "coordinator": coordinator, **mine},
+                                              cancel=cancel))
+        group.join(init_timeout_s + 30.0, since=t0)
     except BaseException:
+        formed.set()
         group.abort()
         raise
-    group.join(init_timeout_s + 30.0, since=t0)
+    formed.set()
     return group
+
+
+def _abort_when(cancel: threading.Event, formed: threading.Event, group: SliceGroup) -> None:
+    while not formed.is_set():
+        if cancel.wait(0.2):
+            if not formed.is_set():
+                group.abort()
+            return

@@ -62,6 +62,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
+from rallypoint.workers.gang.member_bounds import check_request
+
 Index = list[list[int | None]]
 
 
@@ -217,6 +219,7 @@ class Member:
         from rallypoint.workers.gang.member_parts import Parts
 
         self.parts = Parts(settings.get("tls") or (), index_of)  # copies of its shards (workers/gang/replicas.py)
+        self.job, self.dirs = str(settings.get("job") or ""), [str(d) for d in settings.get("dirs") or ()]
 
     def _finish_saves(self, directory: str | None = None) -> None:
         """Wait for the saves still writing (all of them, or the one into ``directory``: a KeyError if none)."""
@@ -251,6 +254,7 @@ class Member:
         import numpy as np
 
         op = header["op"]
+        check_request(header, job=self.job, dirs=self.dirs)  # its job's folder, values and copies only
         for name in header.get("free", ()):  # values the driver let go of since its last request
             self.values.pop(name, None)
         if op == "mesh":

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,6 +102,7 @@ class JobRuntime:
         faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
         replicas: the worker's in-memory checkpoint tier (:mod:`rallypoint.workers.checkpoints.replicas`; None: disk only).
         warm: executables compiled ahead for this worker (:mod:`rallypoint.workers.warm`; None: compile at first calls).
+        cancel: set by an unload while this load is under way: a gang still forming gives up at once.
 
     Raises:
         LoadError: the request does not fit this worker (devices, slices, routes, leaves).
@@ -112,7 +114,8 @@ class JobRuntime:
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
                  commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
                  replicas: ReplicaTier | None = None, warm: WarmCache | None = None,
-                 code: CodeCache | None = None, source_policy: SourcePolicy | None = None) -> None:
+                 code: CodeCache | None = None, source_policy: SourcePolicy | None = None,
+                 cancel: threading.Event | None = None) -> None:
         t0 = time.perf_counter()
         self._source_policy = source_policy
         self.program_sources: dict[str, str] = {}  # node -> "warm" (compiled ahead) or "cold" (at its first call)
@@ -134,7 +137,8 @@ class JobRuntime:
         self.gangs: list[GangSlice] = []  # the multi-host slices' groups, formed here (docs/multihost.md)
 
         def gang(sa: pb.SliceAssignment) -> GangSlice:
-            self.gangs.append(GangSlice.form(sa, peers.stub, cluster=req.to.cluster))
+            self.gangs.append(GangSlice.form(sa, peers.stub, cluster=req.to.cluster, job=self.job,
+                                              cancel=cancel))
             self.log.info("gang.formed", slice=sa.slice, members=[m.worker_id for m in sa.members],
                           formed_s=round(self.gangs[-1].group.formed_s, 3))
             return self.gangs[-1]

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from rallypoint.basics import authz
 from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import TlsConfig
@@ -27,7 +28,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.workers import meter
 from rallypoint.workers.gang.group import GroupLost
-from rallypoint.workers.gang.link import MemberPool, relay
+from rallypoint.workers.gang.link import Bind, MemberPool, relay
 from rallypoint.workers.gang.pieces import PieceAssembler, PieceError, whole_header
 from rallypoint.workers.code import CodeCache
 from rallypoint.workers.sources.sandbox import SourcePolicy
@@ -62,22 +63,27 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         push_threads: threads per job pushing outputs to other workers.
         commit_factory: makes the checkpoint commit of the current incarnation (None: jobs do not checkpoint).
         faults: test fault hooks every job's checkpoints get (:mod:`rallypoint.workers.faults`).
+        admit_leader: the gate of the leader's methods when the caller is the leader
+            (:func:`rallypoint.basics.authz.moves_term`): it may also raise the worker's newest term
+            (None: ``admit``). Every other request passes ``admit``, which only checks the term.
     """
 
     def __init__(self, worker_id: str, *, admit: Admit, devices: Sequence[Any] | Callable[[], Sequence[Any]],
                  incarnation: Callable[[], int], push_threads: int = 4,
                  commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, admit_leader: Admit | None = None) -> None:
         self._commit_factory = commit_factory
         self._faults = faults
         self.worker_id = worker_id
         self._admit_fn = admit
+        self._admit_leader = admit_leader or admit
+        self._tls = tls
         self._devices = devices
         self._incarnation = incarnation
         self._push_threads = push_threads
         self._lock = threading.Lock()
         self._jobs: dict[str, JobRuntime] = {}
-        self._loading: set[str] = set()
+        self._loading: dict[str, threading.Event] = {}  # job -> set by an UnloadJob while its load is under way
         self.peers = PeerChannels(tls)  # pushes to peers: mutual TLS with this worker's identity
         self.log = get_logger("rallypoint.runtime", worker=worker_id)
         self.replicas = ReplicaTier(worker_id, self.peers, ReplicaStore(
@@ -91,20 +97,24 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self.member_tls = (str(tls.ca), str(tls.cert), str(tls.key)) if tls else ()  # its members push with them
         self.member_compile_cache = ""  # the worker's compilation cache (the daemon sets it): its members' too
         self.source_policy = SourcePolicy()  # what its host sources may reach (the daemon sets it: sandbox.py)
+        self.member_bind: Bind | None = None  # the daemon's check of a member's device leases (None: unbound)
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _admit(self, to: pb.Identity, context: grpc.ServicerContext) -> None:
+    def _admit(self, to: pb.Identity, context: grpc.ServicerContext, *, leader: bool = False) -> None:
+        """The daemon's gate; ``leader``: one of the leader's methods, whose term moves the worker's newest term
+        when the caller is the leader (a coordinator-role certificate; any caller with plain TCP)."""
         if to.worker_id and to.worker_id != self.worker_id:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"request for worker {to.worker_id!r} reached worker {self.worker_id!r}")
+        gate = self._admit_leader if leader and authz.moves_term(context, self._tls) else self._admit_fn
         try:
-            self._admit_fn(to)
+            gate(to)
         except RallypointError as exc:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
-    def _job(self, to: pb.Identity, job: str, context: grpc.ServicerContext) -> JobRuntime:
-        self._admit(to, context)
+    def _job(self, to: pb.Identity, job: str, context: grpc.ServicerContext, *, leader: bool = True) -> JobRuntime:
+        self._admit(to, context, leader=leader)
         with self._lock:
             rt = self._jobs.get(job)
         if rt is None:
@@ -163,7 +173,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
     # -- RPCs ------------------------------------------------------------------------------
 
     def LoadJob(self, request: pb.LoadJobRequest, context: grpc.ServicerContext) -> pb.LoadJobResponse:
-        self._admit(request.to, context)
+        self._admit(request.to, context, leader=True)
         with self._lock:
             stale = self._jobs.get(request.job)
             if stale is not None and stale.incarnation != self._incarnation():
@@ -171,8 +181,9 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             else:
                 stale = None
             busy = request.job in self._jobs or request.job in self._loading
+            cancel = threading.Event()
             if not busy:
-                self._loading.add(request.job)
+                self._loading[request.job] = cancel
         if stale is not None:
             self.log.info("job.stale_unloaded", job=request.job, incarnation=stale.incarnation)
             try:
@@ -180,18 +191,18 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             except Exception:
                 if not busy:
                     with self._lock:
-                        self._loading.discard(request.job)
+                        self._loading.pop(request.job, None)
                 raise
         if busy:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                   f"job {request.job!r} is already loaded on worker {self.worker_id}: unload it first")
+                   f"job {request.job!r} is already loaded or loading on worker {self.worker_id}: unload it first")
         failure: tuple[grpc.StatusCode, str] | None = None
         metadata: tuple[tuple[str, str], ...] = ()
         try:
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
                             commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas,
-                            warm=self.warm, code=self.code, source_policy=self.source_policy)
+                            warm=self.warm, code=self.code, source_policy=self.source_policy, cancel=cancel)
         except RestoreError as exc:
             failure = (grpc.StatusCode.DATA_LOSS, str(exc))
             metadata = corrupt_checkpoint_metadata(exc.slice_name, exc.step)
@@ -204,9 +215,15 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             failure = (grpc.StatusCode.INTERNAL, f"loading job {request.job!r}: {type(exc).__name__}: {exc}")
         finally:
             with self._lock:
-                self._loading.discard(request.job)
-                if failure is None:
+                if self._loading.get(request.job) is cancel:
+                    del self._loading[request.job]
+                if failure is None and cancel.is_set():  # unloaded meanwhile: it must not run
+                    failure = (grpc.StatusCode.ABORTED, f"job {request.job!r} was unloaded from worker "
+                                                        f"{self.worker_id} while it loaded")
+                elif failure is None:
                     self._jobs[request.job] = rt
+        if failure is not None and cancel.is_set() and failure[0] is grpc.StatusCode.ABORTED:
+            rt.stop()
         if failure is not None:
             self.log.error("job.load_failed", job=request.job, error=failure[1], code=failure[0].name)
             if metadata:
@@ -238,7 +255,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         first = next(it, None)
         if first is None or not first.HasField("header"):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "transfer stream does not start with a header")
-        rt = self._job(first.header.to, first.header.job, context)
+        rt = self._job(first.header.to, first.header.job, context, leader=False)  # a peer's: checks, never moves, the term
         try:
             header, leaves = codec.assemble(chain([first], it))
             meter.transferred("received", leaves)
@@ -282,9 +299,13 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         yield from states
 
     def UnloadJob(self, request: pb.UnloadJobRequest, context: grpc.ServicerContext) -> pb.UnloadJobResponse:
-        self._admit(request.to, context)
+        self._admit(request.to, context, leader=True)
         with self._lock:
             rt = self._jobs.pop(request.job, None)
+            loading = self._loading.pop(request.job, None)
+        if loading is not None:  # a load under way (a gang forming on a hung worker) ends now and leaves nothing
+            self.log.warning("job.load_cancelled", job=request.job)
+            loading.set()
         if rt is not None:
             if request.flush_s > 0:  # a drain: what this worker sent before it stopped must arrive
                 rt.flush(float(request.flush_s))
@@ -322,7 +343,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
 
     def WarmJob(self, request: pb.WarmJobRequest, context: grpc.ServicerContext) -> pb.WarmJobResponse:
         """Compile the programs of the slices this spare could take over (none: drop what it holds for the job)."""
-        self._admit(request.to, context)
+        self._admit(request.to, context, leader=True)
         if self.loaded(request.job) is not None and request.slices:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                    f"job {request.job!r} runs on worker {self.worker_id}: it is no spare of that job")
@@ -344,4 +365,4 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self._admit(first.to, context)
         yield from relay(chain([first], request_iterator), context, host=self.member_host,
                          platform=self.member_platform, worker=self.worker_id, pool=self.member_pool,
-                         tls=self.member_tls, compile_cache=self.member_compile_cache)
+                         tls=self.member_tls, compile_cache=self.member_compile_cache, bind=self.member_bind)
