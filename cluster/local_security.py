@@ -5,7 +5,10 @@ A local cluster with ``tls`` on (the default; ``docs/security.md``) keeps a CA i
 certificate with its role (coordinator or worker), made afresh at each start of the
 process and naming the addresses it binds and advertises. etcd gets the ``etcd``
 certificate, runs with client-certificate auth, and has a user per role that may only
-touch what that role needs of this cluster's prefix (:func:`rallypoint.etcd.auth.enable_auth`).
+touch what that role needs of this cluster's prefix (:func:`rallypoint.etcd.auth.enable_auth`),
+and a user per worker, confined to that worker's own keys, added as ``root`` (with the root
+password kept in ``<state-dir>/etcd``) when the worker's certificate is made
+(:func:`add_worker`).
 Clients (the CLI, tests) use the ``client`` certificate, which in-process clients find by
 the cluster's endpoints (:func:`rallypoint.basics.tls.remember`). Its role is operator:
 whoever starts an embedded cluster administers it (cordon, drain) as well as submitting.
@@ -21,7 +24,7 @@ from rallypoint.basics.authz import ETCD, OPERATOR
 from rallypoint.basics.tls import TlsConfig
 from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
 from rallypoint.cluster.local_config import WorkerNetwork
-from rallypoint.etcd.auth import enable_auth
+from rallypoint.etcd.auth import ROOT_PASSWORD_FILE, add_worker_user, enable_auth
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.server import EtcdCluster
 
@@ -68,6 +71,12 @@ def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secr
     except BaseException:
         etcd.stop()
         raise
+
+
+def add_worker(endpoints: Sequence[str], tls_dir: Path, secrets_dir: Path, *, cluster: str, worker: str) -> None:
+    """Worker ``worker``'s etcd user (its own keys only), added as root if it is not there yet."""
+    password = (secrets_dir / ROOT_PASSWORD_FILE).read_text().strip()
+    add_worker_user(endpoints, client_tls(tls_dir), Keys(cluster).prefix, worker, root_password=password)
 
 
 def issue_process(tls_dir: Path, name: str, *, role: str, host: str, cluster: str, net: WorkerNetwork | None) -> None:

@@ -141,6 +141,7 @@ class JobExecutor:
         self.job_cut = JobCut(self.term, self.progress)  # moves the cut, the commits and the log floor (job/cut.py)
         self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event, settings=asked,
                                    leased=hooks.leased)
+        self.term.places, self.term.steps = lambda: self.places.slices, spec.steps  # what commits are checked against
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store), clock=clock)
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log,
                               settings=asked)

@@ -1,0 +1,189 @@
+"""A stolen worker certificate writes only its own worker's keys; commits count only once the leader checked them.
+
+A real etcd with TLS and auth (the users :func:`rallypoint.etcd.auth.enable_auth` makes, one per
+worker), real certificates from ``rallypoint certs``' code: the test holds worker ``wa``'s
+certificate, as an attacker would, and tries each write that let one worker take over others.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint.basics.authz import COORDINATOR, ETCD, OPERATOR, WORKER, etcd_user
+from rallypoint.basics.errors import StoreError
+from rallypoint.basics.tls import TlsConfig
+from rallypoint.cluster.certs import issue
+from rallypoint.etcd.auth import ROOT_PASSWORD_FILE, add_worker_user, enable_auth
+from rallypoint.etcd.commits import CheckpointCommit, read_commits
+from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.server import EtcdCluster
+from rallypoint.etcd.store import Put, created_at
+from rallypoint.orchestrator.job.promote import promote, promote_pending
+from rallypoint.recovery.load_plan import SlicePlace
+from rallypoint.workers.checkpoints.committer import etcd_commit
+
+pytestmark = pytest.mark.processes
+
+K = Keys("sec")
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, what: str, **kw: Any) -> None:
+        self.lines.append((what, kw))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("etcd-ids")
+    tls = d / "tls"
+    etcd_tls = issue(tls, "etcd", role=ETCD)
+    certs = {n: issue(tls, n, role=r) for n, r in
+             (("c0", COORDINATOR), ("op", OPERATOR), ("wa", WORKER), ("wb", WORKER), ("wc", WORKER))}
+    etcd = EtcdCluster.start(members=1, base_dir=d / "etcd", tls=etcd_tls)
+    try:
+        enable_auth(etcd.endpoints, certs["op"], K.prefix, secrets_dir=d / "secrets", workers=["wa", "wb"])
+        yield {"etcd": etcd, "certs": certs, "dir": d}
+    finally:
+        etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def stores(cluster: dict[str, Any]) -> Iterator[dict[str, EtcdStore]]:
+    out = {n: EtcdStore(cluster["etcd"].endpoints, tls=t, request_timeout_s=3) for n, t in cluster["certs"].items()}
+    try:
+        yield out
+    finally:
+        for s in out.values():
+            s.close()
+
+
+def register(store: EtcdStore, worker: str, address: str) -> tuple[int, int]:
+    """What a worker's registration writes (workers/registration.py): its record and a device, on its own lease."""
+    lease = store.grant_lease(30).id
+    r = store.txn([], [Put(K.worker(worker), json.dumps({"address": address, "devices": 1}), lease=lease),
+                       Put(K.device(worker, 0), "{}", lease=lease)])
+    assert r.succeeded
+    kv = store.get(K.worker(worker))
+    assert kv is not None
+    return lease, kv.create_revision
+
+
+def refused(fn: Any) -> None:
+    with pytest.raises(StoreError, match="PERMISSION_DENIED|permission denied"):
+        fn()
+
+
+def test_a_worker_certificate_names_its_worker_and_its_own_etcd_user(cluster: dict[str, Any]) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = x509.load_pem_x509_certificate(cluster["certs"]["wa"].cert.read_bytes())
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert cn == etcd_user("rallypoint", WORKER, "wa") == "rallypoint-worker-wa"
+    assert "rallypoint://worker/wa" in san.get_values_for_type(x509.UniformResourceIdentifier)
+    assert "wa.worker.rallypoint" in san.get_values_for_type(x509.DNSName)
+    days = (cert.not_valid_after_utc - cert.not_valid_before_utc).days
+    assert days <= 91  # was 825: nothing revokes a certificate, so it ends soon
+
+
+def test_a_worker_writes_its_own_keys_and_no_other_workers(stores: dict[str, EtcdStore]) -> None:
+    wa, wb, c0 = stores["wa"], stores["wb"], stores["c0"]
+    lease_b, _inc_b = register(wb, "wb", "10.0.0.2:1")
+    lease_a, _inc_a = register(wa, "wa", "10.0.0.1:1")  # its own registration, devices, cordon and drain
+    wa.put(K.cordon("wa"), "{}", lease=lease_a)
+    wa.put(K.drain("wa"), "{}", lease=lease_a)
+    # Another worker's address (the leader would dial the attacker), devices, cordon, drain.
+    for key in (K.worker("wb"), K.device("wb", 0), K.cordon("wb"), K.drain("wb"), K.worker("wa0"),
+                K.cordon("wa0"), K.worker("w9")):
+        refused(lambda key=key: wa.put(key, json.dumps({"address": "10.6.6.6:1"})))
+    refused(lambda: wa.delete(K.worker("wb")))
+    refused(lambda: wa.revoke_lease(lease_b))  # every worker's lease was revocable by any worker
+    assert json.loads(c0.get(K.worker("wb")).value)["address"] == "10.0.0.2:1"  # type: ignore[union-attr]
+    # Device leases are the leader's, job records and commits too.
+    for key in (K.lease("wb", 0), K.lease("wa", 0), K.job("j"), K.old_run("j", "fake") ,
+                K.checkpoint("j", "s", 10), K.worker_commit("wb", "j", "s", 10), K.lost("wb")):
+        refused(lambda key=key: wa.put(key, json.dumps({"superseded_at": 9e18})))
+    wa.revoke_lease(lease_a)  # its own lease carries only its own keys: it may still leave cleanly
+    assert c0.get(K.worker("wa")) is None and c0.get(K.cordon("wa")) is None
+
+
+def test_an_unknown_worker_or_a_worker_without_an_id_writes_nothing(cluster: dict[str, Any],
+                                                                    stores: dict[str, EtcdStore]) -> None:
+    # wc's certificate was made but its etcd user not added: nothing; a shared `rallypoint-worker` reads only.
+    with pytest.raises(StoreError):
+        stores["wc"].put(K.worker("wc"), "{}")
+    add_worker_user(cluster["etcd"].endpoints, cluster["certs"]["op"], K.prefix, "wc",
+                    root_password=(cluster["dir"] / "secrets" / ROOT_PASSWORD_FILE).read_text().strip())
+    stores["wc"].put(K.worker("wc"), "{}")  # now its own key, and still no other
+    refused(lambda: stores["wc"].put(K.worker("wa"), "{}"))
+    stores["c0"].delete(K.worker("wc"))
+
+
+def test_device_leases_hang_on_the_leaders_lease_and_the_leader_frees_a_lost_workers(
+        stores: dict[str, EtcdStore]) -> None:
+    from rallypoint.orchestrator.control.devices import DeviceLeases, free_worker
+
+    wb, c0 = stores["wb"], stores["c0"]
+    lease_b, _ = register(wb, "wb", "10.0.0.2:1")
+    leader_lease = c0.grant_lease(30).id
+    leases = DeviceLeases(c0, K, lease=lambda: leader_lease)
+    p = leases.lease("j", "s", "wb", [0])
+    assert p is not None and c0.get(K.lease("wb", 0)).lease == leader_lease  # type: ignore[union-attr]
+    wb.revoke_lease(lease_b)  # the worker may still revoke its own lease: no leader key is on it
+    gone = c0.get_prefix(K.prefix)[1]
+    assert c0.get(K.lease("wb", 0)) is not None  # ... and its device lease outlives it until the leader frees it
+    assert free_worker(c0, K, c0.txn, "wb", gone + 1) == 1
+    assert c0.get(K.lease("wb", 0)) is None
+    c0.revoke_lease(leader_lease)
+
+
+def places(worker: str, inc: int) -> dict[str, SlicePlace]:
+    return {"s": SlicePlace(worker=worker, address="x", incarnation=inc, devices=(0,))}
+
+
+def test_a_forged_commit_is_not_promoted_and_a_genuine_one_is(cluster: dict[str, Any],
+                                                               stores: dict[str, EtcdStore], tmp_path: Path) -> None:
+    wa, wb, c0 = stores["wa"], stores["wb"], stores["c0"]
+    lease_a, inc_a = register(wa, "wa", "10.0.0.1:1")
+    lease_b, inc_b = register(wb, "wb", "10.0.0.2:1")
+    run = tmp_path / "j" / "r1"
+    good = CheckpointCommit("j", "s", 20, str(run / "s" / "wb-x" / "20"), "sha256b:" + "1" * 64, ("p",))
+    old = CheckpointCommit("j", "s", 10, str(run / "s" / "wb-x" / "10"), "sha256b:" + "0" * 64, ("p",))
+    etcd_commit(wb, K, created_at(K.worker("wb"), inc_b))(old)
+    etcd_commit(wb, K, created_at(K.worker("wb"), inc_b))(good)
+    log, owner = Log(), places("wb", inc_b)
+    kw: dict[str, Any] = dict(job="j", steps=100, places=owner, run_dir=run)
+    assert promote(c0, K, c0.txn, log, worker="wb", slice_name="s", step=10, **kw) is not None
+    assert promote(c0, K, c0.txn, log, worker="wb", slice_name="s", step=20, **kw) is not None
+    # wa, which does not hold the slice, commits a later step naming the older directory and checksum.
+    forged = CheckpointCommit("j", "s", 30, old.path, old.checksum, ("p",))
+    etcd_commit(wa, K, created_at(K.worker("wa"), inc_a))(forged)
+    assert promote(c0, K, c0.txn, log, worker="wa", slice_name="s", step=30, **kw) is None
+    assert promote_pending(c0, K, c0.txn, log, **kw) == 0
+    # The holder itself may not name a path outside the run's slice directory, a step past the job's, or an
+    # unbound checksum.
+    for bad in (CheckpointCommit("j", "s", 40, str(tmp_path / "elsewhere" / "40"), good.checksum),
+                CheckpointCommit("j", "s", 50, str(run / "s" / ".." / ".." / "r0" / "s" / "50"), good.checksum),
+                CheckpointCommit("j", "s", 500, str(run / "s" / "w" / "500"), good.checksum),
+                CheckpointCommit("j", "s", 60, str(run / "s" / "w" / "60"), "sha256:" + "2" * 64)):
+        etcd_commit(wb, K, created_at(K.worker("wb"), inc_b))(bad)
+        assert promote(c0, K, c0.txn, log, worker="wb", slice_name="s", step=bad.step, **kw) is None
+    assert sorted(c.step for c in read_commits(c0, K, "j")["s"]) == [10, 20]
+    refusals = [kw["reason"] for what, kw in log.lines if what == "checkpoint.commit_refused"]
+    assert any("does not hold slice" in r for r in refusals) and any("not in the slice's directory" in r
+                                                                     for r in refusals)
+    # A worker that forgets its commit (before retention deletes the checkpoint): it stops counting at once.
+    etcd_commit(wb, K, created_at(K.worker("wb"), inc_b)).forget("j", "s", 10, old.path)
+    assert [c.step for c in read_commits(c0, K, "j")["s"]] == [20]
+    wa.revoke_lease(lease_a)
+    wb.revoke_lease(lease_b)
