@@ -135,11 +135,21 @@ class TlsConfig:
         return ctx
 
 
-def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A gRPC channel to ``address``: mutual TLS with ``tls``, plain only when ``tls`` is None."""
+def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = (), *,
+            worker: str | None = None) -> grpc.Channel:
+    """A gRPC channel to ``address``: mutual TLS with ``tls``, plain only when ``tls`` is None.
+
+    ``worker``: the worker id the server must be. Its certificate must then carry that worker's
+    name (``ID.worker.rallypoint``, :func:`rallypoint.basics.authz.worker_server_name`) rather than
+    the address: another worker's certificate, or any other role's, is refused at the handshake."""
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+    opts = list(options)
+    if worker:
+        from rallypoint.basics.authz import worker_server_name
+
+        opts.append(("grpc.ssl_target_name_override", worker_server_name(worker)))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=opts)
 
 
 def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:

@@ -284,25 +284,30 @@ class DataPlaneClient:
         self._idle: dict[str, queue.SimpleQueue[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def _connect(self, address: str) -> socket.socket:
+    def _connect(self, address: str, worker: str = "") -> socket.socket:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is None:
             return sock
         try:
-            return self._tls.wrap_socket(sock, server_hostname=host)  # checks the name we dialled
+            tsock = self._tls.wrap_socket(sock, server_hostname=host)  # checks the name we dialled
         except (OSError, ssl.SSLError):
             sock.close()
             raise
+        got = authz.worker_of_peercert(tsock.getpeercert())
+        if worker and got != worker:  # another worker's certificate (or none) at the address: not who we send to
+            tsock.close()
+            raise ssl.SSLError(f"the data plane at {address} is worker {got or '(none named)'}, not {worker}")
+        return tsock
 
-    def _checkout(self, address: str) -> socket.socket:
+    def _checkout(self, address: str, worker: str = "") -> socket.socket:
         with self._lock:
-            idle = self._idle.setdefault(address, queue.SimpleQueue())
+            idle = self._idle.setdefault(f"{worker}@{address}", queue.SimpleQueue())
         try:
             return idle.get_nowait()
         except queue.Empty:
-            return self._connect(address)
+            return self._connect(address, worker)
 
     def send(self, address: str, header: pb.TransferHeader, leaves: Sequence[Any]) -> bool:
         """Send one value; returns whether the peer already had it (a duplicate).
@@ -314,7 +319,7 @@ class DataPlaneClient:
         arrays = [_c_order(x) for x in leaves]
         head = header.SerializeToString()
         try:
-            sock = self._checkout(address)
+            sock = self._checkout(address, header.to.worker_id)  # the receiver's certificate must name it
         except OSError as exc:
             raise DataPlaneError(None, f"cannot connect to {address}: {exc}") from None
         try:
@@ -332,7 +337,7 @@ class DataPlaneClient:
         except (OSError, ConnectionError, ValueError) as exc:
             sock.close()
             raise DataPlaneError(None, f"transfer to {address} broke: {exc}") from None
-        self._idle[address].put(sock)
+        self._idle[f"{header.to.worker_id}@{address}"].put(sock)
         if status is Status.DUPLICATE:
             return True
         if status is not Status.DELIVERED:

@@ -187,3 +187,55 @@ def test_a_forged_commit_is_not_promoted_and_a_genuine_one_is(cluster: dict[str,
     assert [c.step for c in read_commits(c0, K, "j")["s"]] == [20]
     wa.revoke_lease(lease_a)
     wb.revoke_lease(lease_b)
+
+
+def test_a_client_dialling_worker_b_refuses_worker_as_certificate(cluster: dict[str, Any]) -> None:
+    import socket
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from rallypoint.basics.tls import add_port, channel
+    from rallypoint.workers.dataplane import DataPlaneClient
+
+    certs = cluster["certs"]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = add_port(server, "127.0.0.1:0", certs["wa"])  # worker wa's certificate (or a thief of it) serves
+    server.start()
+    try:
+        def call(worker: str) -> grpc.StatusCode:
+            ch = channel(f"127.0.0.1:{port}", certs["c0"], worker=worker)
+            try:
+                ch.unary_unary("/rallypoint.v1.Worker/Ping")(b"", timeout=5)
+            except grpc.RpcError as exc:
+                return exc.code()
+            finally:
+                ch.close()
+            return grpc.StatusCode.OK
+
+        assert call("wa") == grpc.StatusCode.UNIMPLEMENTED  # reached: the certificate names wa
+        assert call("wb") == grpc.StatusCode.UNAVAILABLE  # the handshake refused it: not wb
+    finally:
+        server.stop(None)
+    # The data plane: a peer's certificate must name the worker the value is for.
+    ctx = certs["wa"].server_context()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{lsock.getsockname()[1]}"
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = lsock.accept()
+            try:
+                ctx.wrap_socket(conn, server_side=True).close()
+            except OSError:
+                conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = DataPlaneClient(timeout_s=5, tls=certs["wb"])
+    client._connect(addr, "wa").close()  # noqa: SLF001 - the handshake and the check are what is tested
+    with pytest.raises(OSError, match="is worker wa, not wb"):
+        client._connect(addr, "wb")  # noqa: SLF001
+    t.join(5)
+    lsock.close()
