@@ -71,6 +71,18 @@ def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[Checkpoin
     return out
 
 
+def read_worker_commits(store: Store, keys: Keys, worker: str, job: str) -> dict[str, list[CheckpointCommit]]:
+    """The commits ``worker`` wrote for ``job`` at its own keys (promoted or not): slice -> commits sorted by step."""
+    kvs, _ = store.get_prefix(f"{keys.worker_commits(worker)}{job}/")
+    out: dict[str, list[CheckpointCommit]] = {}
+    for kv in kvs:
+        c = CheckpointCommit.from_json(kv.json())
+        out.setdefault(c.slice_name, []).append(c)
+    for commits in out.values():
+        commits.sort(key=lambda c: c.step)
+    return out
+
+
 def _path_of(value: bytes) -> str | None:
     try:
         d = json.loads(value)

@@ -11,7 +11,8 @@ only when :func:`why_refused` finds nothing wrong:
   at the incarnation the commit names;
 * the step is one of the job's (1 .. steps) and the path lies in the slice's directory of the
   job's current run (``<run_dir>/<slice>/...``, no ``..``);
-* its checksum binds the job, run, slice and step (:mod:`rallypoint.workers.checkpoints.checksums`).
+* its checksum binds the job, run, slice and step (:mod:`rallypoint.workers.checkpoints.checksums`; a
+  multi-host slice's sharded checksum is taken as it is).
 
 A refused commit is logged (``checkpoint.commit_refused``) and never counts. :func:`promote_pending`
 promotes what a lost event stream left behind (before a cut is read). A promoted commit names its
@@ -32,7 +33,9 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import KeyValue, Op, Put, Store, unchanged_since
 from rallypoint.recovery.load_plan import SlicePlace
 
-BOUND_PREFIXES = ("sha256b:", "sha256b-shards:")  # the checksum kinds that bind job, run, slice and step
+# The checksum kinds a leader promotes: bound to job, run, slice and step, and a multi-host slice's sharded
+# listing (whose binding is its path and the leader's checks: workers/checkpoints/checksums.py).
+BOUND_PREFIXES = ("sha256b:", "sha256-shards:")
 
 
 def holds(places: Mapping[str, SlicePlace], worker: str, slice_name: str, incarnation: int) -> bool:

@@ -76,7 +76,7 @@ class JobTerm:
     def _leader_lease(self) -> int:
         """The etcd lease of this coordinator's term (device leases hang on it); 0 when it holds none."""
         _term, keeper = self.election.held()
-        return keeper.lease_id if keeper is not None and keeper.lease_id else 0
+        return int(getattr(keeper, "lease_id", 0) or 0)
 
     def open_run(self, run_dir: Path | None) -> None:
         """The run's directory, once the executor has made or found it: a resume reads commit records there."""

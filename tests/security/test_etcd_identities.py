@@ -239,3 +239,22 @@ def test_a_client_dialling_worker_b_refuses_worker_as_certificate(cluster: dict[
         client._connect(addr, "wb")  # noqa: SLF001
     t.join(5)
     lsock.close()
+
+
+def test_the_checksum_binds_job_run_slice_and_step(tmp_path: Path) -> None:
+    import numpy as np
+
+    from rallypoint.workers.checkpoints.checksums import binding, checksum_of, commit_binding, state_checksum
+
+    states = {"p": [np.arange(6, dtype=np.float32).reshape(2, 3)]}
+    mine = state_checksum(states, binding("j", "r1", "s", 10))
+    assert mine.startswith("sha256b:")
+    others = {state_checksum(states, binding(*b)) for b in
+              (("k", "r1", "s", 10), ("j", "r2", "s", 10), ("j", "r1", "t", 10), ("j", "r1", "s", 20))}
+    assert mine not in others and len(others) == 4
+    # A commit of step 20 naming step 10's directory and checksum does not verify against the bytes it names.
+    run = tmp_path / "j" / "r1"
+    genuine = CheckpointCommit("j", "s", 10, str(run / "s" / "wx" / "10"), mine)
+    forged = CheckpointCommit("j", "s", 20, genuine.path, mine)
+    assert checksum_of(states, genuine.checksum, None, commit_binding(genuine)) == mine
+    assert checksum_of(states, forged.checksum, None, commit_binding(forged)) != mine
