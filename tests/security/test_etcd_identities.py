@@ -258,3 +258,23 @@ def test_the_checksum_binds_job_run_slice_and_step(tmp_path: Path) -> None:
     forged = CheckpointCommit("j", "s", 20, genuine.path, mine)
     assert checksum_of(states, genuine.checksum, None, commit_binding(genuine)) == mine
     assert checksum_of(states, forged.checksum, None, commit_binding(forged)) != mine
+
+
+def test_rallypoint_certs_adds_a_new_workers_own_etcd_user(cluster: dict[str, Any]) -> None:
+    from click.testing import CliRunner
+
+    from rallypoint.cli import main as cli
+
+    d = cluster["dir"]
+    r = CliRunner().invoke(cli, ["certs", "--out", str(d / "tls"), "--names", "wd:worker", "--cluster", "sec", "--etcd",
+                                 cluster["etcd"].endpoints[0], "--root-password-file",
+                                 str(d / "secrets" / ROOT_PASSWORD_FILE)])
+    assert r.exit_code == 0, r.output
+    assert "etcd user rallypoint-worker-wd" in r.output
+    wd = EtcdStore(cluster["etcd"].endpoints, tls=TlsConfig.from_dir(d / "tls", "wd"), request_timeout_s=3)
+    try:
+        wd.put(K.worker("wd"), "{}")
+        refused(lambda: wd.put(K.worker("wa"), "{}"))
+        wd.delete(K.worker("wd"))
+    finally:
+        wd.close()
