@@ -97,6 +97,24 @@ class TlsConfig:
                               f"`rallypoint certs --names {name}:{role}` (docs/security.md)")
         return self
 
+    def check_worker(self, worker: str) -> TlsConfig:
+        """Raise ConfigError unless the certificate names worker ``worker`` (``rallypoint://worker/ID``): a worker
+        with another worker's certificate would be refused by etcd and by every client that dials it."""
+        from cryptography import x509
+
+        from rallypoint.basics.authz import worker_of_uris
+
+        try:
+            san = x509.load_pem_x509_certificate(self.pem()[1]).extensions.get_extension_for_class(
+                x509.SubjectAlternativeName).value
+            has = worker_of_uris(san.get_values_for_type(x509.UniformResourceIdentifier))
+        except (ValueError, x509.ExtensionNotFound):
+            has = None
+        if has != worker:
+            raise ConfigError(f"TLS certificate {self.cert} names worker {has or 'none'}, not {worker}: make it with "
+                              f"`rallypoint certs --names {worker}:worker` (docs/security.md)")
+        return self
+
     def pem(self) -> tuple[bytes, bytes, bytes]:
         """(ca, cert, key) bytes."""
         return (_read_pem(self.ca, "CA certificate", "BEGIN CERTIFICATE"),

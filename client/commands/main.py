@@ -149,7 +149,7 @@ def up(workers: int, spares: int, devices_per_worker: int | None, platform: str,
               "(the servers load the new files for new connections, docs/security.md).")
 @click.option("--etcd", "etcd_endpoints", default=None, metavar="HOST:PORT[,...]",
               help="Also add each worker's own etcd user (USER-worker-ID, its own keys only) to this etcd, as root.")
-@click.option("--root-password-file", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+@click.option("--root-password-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --etcd: the file holding etcd's root password.")
 def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str, days: int, etcd_endpoints: str | None,
           root_password_file: Path | None) -> None:
@@ -179,6 +179,11 @@ def _add_worker_users(out: Path, made: dict[str, Any], endpoints: str, password_
     from rallypoint.etcd.keys import Keys, parse_cluster
 
     assert password_file is not None
+    try:
+        password = password_file.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--root-password-file {password_file} cannot be read ({exc.strerror}): give the file "
+                          "holding etcd's root password") from None
     _name, eps = parse_cluster(endpoints)
     via = next((t for n, t in made.items() if t.role() != "etcd"), None)
     if via is None and (out / "client.crt").exists():
@@ -187,7 +192,6 @@ def _add_worker_users(out: Path, made: dict[str, Any], endpoints: str, password_
         via = TlsConfig.from_dir(out, "client")
     if via is None:
         raise ConfigError(f"--etcd: no client certificate in {out} to reach etcd with; make one (--names client)")
-    password = password_file.read_text().strip()
     for name, tls in made.items():
         if tls.role() == WORKER:
             added = add_worker_user(eps, via, Keys(cluster).prefix, name, root_password=password, user=user)

@@ -278,3 +278,17 @@ def test_rallypoint_certs_adds_a_new_workers_own_etcd_user(cluster: dict[str, An
         wd.delete(K.worker("wd"))
     finally:
         wd.close()
+
+
+def test_a_worker_daemon_refuses_to_start_with_another_workers_certificate(tmp_path: Path) -> None:
+    import shutil
+
+    from rallypoint.basics.errors import ConfigError
+    from rallypoint.cluster.daemons import tls_from_options
+
+    issue(tmp_path, "wa", role=WORKER)
+    assert tls_from_options(str(tmp_path), False, "wa", "worker") is not None
+    for suffix in ("crt", "key"):  # wa's pair under wb's name: a daemon started as wb with a copy of wa's identity
+        shutil.copy(tmp_path / f"wa.{suffix}", tmp_path / f"wb.{suffix}")
+    with pytest.raises(ConfigError, match="names worker wa, not wb"):
+        tls_from_options(str(tmp_path), False, "wb", "worker")

@@ -25,7 +25,7 @@ from rallypoint.basics.logs import configure
 from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.etcd.store import created_at
 from tests.conftest import wait_until
-from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits, read_worker_commits
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_worker_commits
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
 from rallypoint.workers.checkpoints.checksums import binding, state_checksum
 from rallypoint.workers.checkpoints.committer import etcd_commit
