@@ -123,10 +123,39 @@ class TlsConfig:
 
     # -- gRPC -----------------------------------------------------------------------
 
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        """When and how large the three files are: a change means a rotated certificate."""
+        out = []
+        for p in (self.ca, self.cert, self.key):
+            try:
+                st = p.stat()
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append((0, 0))
+        return tuple(out)
+
     def server_credentials(self) -> grpc.ServerCredentials:
-        """gRPC server credentials that require and verify a client certificate."""
+        """gRPC server credentials that require and verify a client certificate. They read the files again when
+        they change (``rallypoint certs`` made new ones): the next handshake presents the new certificate and trusts
+        the new CA file; a pair that does not load yet (half written) keeps the last good one."""
         ca, cert, key = self.pem()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        seen = {"stamp": self.stamp()}
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            stamp = self.stamp()
+            if stamp == seen["stamp"]:
+                return None
+            try:
+                self.check()
+                ca, cert, key = self.pem()
+            except ConfigError:
+                return None  # rotated half-way: the old pair serves until both files are new
+            seen["stamp"] = stamp
+            return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+        return grpc.dynamic_ssl_server_credentials(
+            grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca), fetch,
+            require_client_authentication=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """gRPC channel credentials: verify the server against the CA, present our certificate."""
@@ -144,6 +173,11 @@ class TlsConfig:
         ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
+    def reloading(self, make: str) -> ReloadingContext:
+        """``server_context`` or ``client_context`` (by name) made again when the files change, for the next
+        handshake (the data plane's sockets: a rotated certificate takes effect without a restart)."""
+        return ReloadingContext(self, getattr(self, make))
+
     def client_context(self) -> ssl.SSLContext:
         """An SSL client context: verifies the server's certificate and name, presents ours."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED by default
@@ -151,6 +185,30 @@ class TlsConfig:
         ctx.load_verify_locations(cafile=str(self.ca))
         ctx.load_cert_chain(self.cert, self.key)
         return ctx
+
+
+class ReloadingContext:
+    """An SSL context made from a :class:`TlsConfig`'s files, made again at a handshake after they changed
+    (a pair that does not load yet keeps the last good context)."""
+
+    def __init__(self, tls: TlsConfig, make: Any) -> None:
+        self._tls, self._make = tls, make
+        self._stamp, self._ctx = tls.stamp(), make()
+        self._lock = threading.Lock()
+
+    def current(self) -> ssl.SSLContext:
+        stamp = self._tls.stamp()
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    self._tls.check()
+                    self._ctx, self._stamp = self._make(), stamp
+                except (ConfigError, ssl.SSLError, OSError):
+                    pass  # rotated half-way: the old context serves until both files are new
+            return self._ctx
+
+    def wrap_socket(self, sock: Any, **kwargs: Any) -> ssl.SSLSocket:
+        return self.current().wrap_socket(sock, **kwargs)
 
 
 def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = (), *,

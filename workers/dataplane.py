@@ -135,7 +135,7 @@ class DataPlaneServer:
 
     def __init__(self, host: str, handler: Handler, port: int = 0, *, tls: TlsConfig | None = None) -> None:
         self.handler = handler
-        self._tls = tls.server_context() if tls is not None else None
+        self._tls = tls.reloading("server_context") if tls is not None else None  # a rotated certificate: next handshake
         self._sock = socket.create_server((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
@@ -280,7 +280,7 @@ class DataPlaneClient:
 
     def __init__(self, *, timeout_s: float = 120.0, tls: TlsConfig | None = None) -> None:
         self.timeout_s = timeout_s
-        self._tls = tls.client_context() if tls is not None else None
+        self._tls = tls.reloading("client_context") if tls is not None else None
         self._idle: dict[str, queue.SimpleQueue[socket.socket]] = {}
         self._lock = threading.Lock()
 

@@ -292,3 +292,60 @@ def test_a_worker_daemon_refuses_to_start_with_another_workers_certificate(tmp_p
         shutil.copy(tmp_path / f"wa.{suffix}", tmp_path / f"wb.{suffix}")
     with pytest.raises(ConfigError, match="names worker wa, not wb"):
         tls_from_options(str(tmp_path), False, "wb", "worker")
+
+
+def test_servers_take_a_rotated_certificate_at_the_next_handshake_without_a_restart(tmp_path: Path) -> None:
+    import socket
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from rallypoint.basics.authz import worker_of_peercert
+    from rallypoint.basics.tls import add_port, channel
+
+    c0 = issue(tmp_path, "c0", role=COORDINATOR)
+    served = issue(tmp_path, "rot", role=WORKER, worker="wa", days=1)  # about to end
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = add_port(server, "127.0.0.1:0", served)
+    server.start()
+
+    def reached(worker: str) -> bool:
+        ch = channel(f"127.0.0.1:{port}", c0, worker=worker)  # a new channel: a new handshake
+        try:
+            ch.unary_unary("/rallypoint.v1.Worker/Ping")(b"", timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            ch.close()
+        return True
+
+    ctx = served.reloading("server_context")
+    lsock = socket.create_server(("127.0.0.1", 0))
+    seen: list[str | None] = []
+
+    def dial() -> None:
+        conn, _ = lsock.accept()
+        try:
+            ctx.wrap_socket(conn, server_side=True).close()
+        except OSError:
+            conn.close()
+
+    def peer() -> str | None:
+        t = threading.Thread(target=dial, daemon=True)
+        t.start()
+        with socket.create_connection(lsock.getsockname(), timeout=5) as raw:
+            with c0.client_context().wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                got = worker_of_peercert(s.getpeercert())
+        t.join(5)
+        return got
+
+    try:
+        assert reached("wa") and not reached("wz") and peer() == "wa"
+        issue(tmp_path, "rot", role=WORKER, worker="wz")  # `rallypoint certs` again, same files (here another id)
+        assert reached("wz") and not reached("wa")  # the gRPC server presents the new one
+        seen.append(peer())
+        assert seen == ["wz"]  # and so does the data plane's
+    finally:
+        server.stop(None)
+        lsock.close()
