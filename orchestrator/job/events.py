@@ -103,7 +103,7 @@ class JobEvents:
         watchdog.progressed()
         if item.checkpoint_slice:
             if not self.places.term.promote(worker, item.checkpoint_slice, int(item.checkpoint_step)):
-                return  # refused (logged), or etcd away: the cut is read after promoting what is left
+                return  # refused (logged): it never counts
             if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
                 self.log.info("job.cut", step=self.progress.cut)
                 self._grant()

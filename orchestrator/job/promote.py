@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,25 @@ from rallypoint.recovery.load_plan import SlicePlace
 # The checksum kinds a leader promotes: bound to job, run, slice and step, and a multi-host slice's sharded
 # listing (whose binding is its path and the leader's checks: workers/checkpoints/checksums.py).
 BOUND_PREFIXES = ("sha256b:", "sha256-shards:")
+
+
+def places_of_record(placement: Any) -> dict[str, SlicePlace]:
+    """A job record's ``placement`` (what the previous term placed: ``JobPlacement.to_json``) as places; a
+    malformed entry is left out (its commits are then not promoted, and an older cut is used)."""
+    out: dict[str, SlicePlace] = {}
+    if not isinstance(placement, dict):
+        return out
+
+    def one(d: Any) -> SlicePlace:
+        return SlicePlace(str(d["worker"]), "", int(d["incarnation"]), tuple(int(x) for x in d.get("devices", ())))
+
+    for name, d in placement.items():
+        try:
+            members = tuple(one(m) for m in d.get("members", ()))
+            out[str(name)] = replace(one(d), members=members)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return out
 
 
 def holds(places: Mapping[str, SlicePlace], worker: str, slice_name: str, incarnation: int) -> bool:

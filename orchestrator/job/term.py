@@ -29,7 +29,7 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Delete, Op, Store
 from rallypoint.orchestrator.control.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.control.election import LeaderElection, TermWriter
-from rallypoint.orchestrator.job.promote import promote, promote_pending
+from rallypoint.orchestrator.job.promote import places_of_record, promote, promote_pending
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.recovery.load_plan import SlicePlace
 
@@ -162,12 +162,12 @@ class JobTerm:
 
     def promote(self, worker: str, slice_name: str, step: int) -> bool:
         """Worker ``worker`` reported its commit of ``slice_name`` at ``step``: check it and make it the job's
-        (job/promote.py); False when it is refused (logged) or etcd is away (it is promoted before a cut is read)."""
+        (job/promote.py), through an etcd outage while the term holds; False when it is refused (logged)."""
         try:
-            return promote(self.store, self.keys, self.writer.txn, self.log, job=self.job, worker=worker,
-                           slice_name=slice_name, step=step, steps=self.steps, places=self.places(),
-                           run_dir=self.run_dir) is not None
-        except (StoreError, NotLeader) as exc:
+            return self.until_etcd("promoting a checkpoint commit", lambda: promote(
+                self.store, self.keys, self.writer.txn, self.log, job=self.job, worker=worker, slice_name=slice_name,
+                step=step, steps=self.steps, places=self.places(), run_dir=self.run_dir) is not None)
+        except NotLeader as exc:
             self.log.warning("checkpoint.promote_failed", worker=worker, slice=slice_name, step=step, error=str(exc))
             return False
 
@@ -176,12 +176,23 @@ class JobTerm:
         Commits the placement's workers wrote and the leader did not promote yet (an event lost) are promoted first."""
         def read() -> dict[str, list[CheckpointCommit]]:
             promote_pending(self.store, self.keys, self.writer.txn, self.log, job=self.job, steps=self.steps,
-                            places=self.places(), run_dir=self.run_dir)
+                            places=self.places() or self._recorded(), run_dir=self.run_dir)
             commits = read_commits(self.store, self.keys, self.job)
             if not commits and self.resume and self.run_dir is not None:
                 commits = read_commit_records(self.run_dir)
             return commits
         return self.until_etcd("reading checkpoint commits", read)
+
+    def _recorded(self) -> Mapping[str, SlicePlace]:
+        """Before the job is placed (a resumed or adopted run reads its cut first): the placement its record says the
+        earlier term had, whose workers' commits that term may not have promoted yet."""
+        if not self.resume:
+            return {}
+        kv = self.store.get(self.keys.job(self.job))
+        try:
+            return places_of_record(kv.json().get("placement")) if kv is not None else {}
+        except (ValueError, AttributeError):
+            return {}
 
     @staticmethod
     def cut_of(commits: Commits, slices: list[str], before: int | None) -> int:
