@@ -275,6 +275,11 @@ class DataPlaneServer:
             c.close()
 
 
+def _pool(address: str, worker: str) -> str:
+    """The idle connections to ``address`` checked to be ``worker`` (all of them to the address: no worker named)."""
+    return f"{worker}@{address}" if worker else address
+
+
 class DataPlaneClient:
     """Sends values to peers' data planes over pooled connections (one per value in flight)."""
 
@@ -303,7 +308,7 @@ class DataPlaneClient:
 
     def _checkout(self, address: str, worker: str = "") -> socket.socket:
         with self._lock:
-            idle = self._idle.setdefault(f"{worker}@{address}", queue.SimpleQueue())
+            idle = self._idle.setdefault(_pool(address, worker), queue.SimpleQueue())
         try:
             return idle.get_nowait()
         except queue.Empty:
@@ -337,7 +342,7 @@ class DataPlaneClient:
         except (OSError, ConnectionError, ValueError) as exc:
             sock.close()
             raise DataPlaneError(None, f"transfer to {address} broke: {exc}") from None
-        self._idle[f"{header.to.worker_id}@{address}"].put(sock)
+        self._idle[_pool(address, header.to.worker_id)].put(sock)
         if status is Status.DUPLICATE:
             return True
         if status is not Status.DELIVERED:
