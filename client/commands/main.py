@@ -143,7 +143,7 @@ def up(workers: int, spares: int, devices_per_worker: int | None, platform: str,
               help="Base of the etcd users the certificates act as: USER-ROLE (their common name; etcd "
               "--client-cert-auth).")
 @click.option("--cluster", "cluster_name", default="local", show_default=True,
-              help="Cluster name (in the CA's name; with --etcd, the prefix /rallypoint/NAME/ its users are confined to).")
+              help="Cluster name (in the CA's name; with --etcd, the cluster whose keys its users are confined to).")
 @click.option("--days", default=90, show_default=True, type=click.IntRange(min=1),
               help="How long the certificates are good for. Nothing revokes one: make them again before they end "
               "(the servers load the new files for new connections, docs/security.md).")
