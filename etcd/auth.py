@@ -67,9 +67,12 @@ ROOT_PASSWORD_FILE = "root.password"
 def worker_grants(worker: str) -> tuple[tuple[int, str, str], ...]:
     """What worker ``worker``'s etcd user may do: (permission, key under the cluster's prefix, ``KEY`` for that one
     key or ``"prefix"`` for every key under it). Its own keys only (see the module doc)."""
-    k = Keys("x")  # the schema's relative key names
-    rel = lambda key: key[len(k.prefix):]  # noqa: E731
+    k = Keys("x")  # the schema's key names, relative to a cluster's prefix
     check_name("worker", worker)
+
+    def rel(key: str) -> str:
+        return key[len(k.prefix):]
+
     return ((READ, WHOLE, "prefix"), (READWRITE, rel(k.worker(worker)), KEY),
             (READWRITE, rel(k.worker_devices(worker)), "prefix"), (READWRITE, rel(k.cordon(worker)), KEY),
             (READWRITE, rel(k.drain(worker)), KEY), (READWRITE, rel(k.worker_commits(worker)), "prefix"))
