@@ -44,7 +44,7 @@ from rallypoint.etcd.keys import check_name
 from rallypoint.workers import meter
 from rallypoint.workers.checkpoints.checksums import binding, state_checksum
 from rallypoint.workers.checkpoints.restore import States, restore_commit
-from rallypoint.workers.errors import CheckpointError, CommitRefused
+from rallypoint.workers.errors import CheckpointError, CommitRefused, StillCommitted
 
 __all__ = ["SliceCheckpointer"]
 
@@ -321,7 +321,10 @@ class SliceCheckpointer:
                     if s >= keep_from or s in held:
                         continue
                     if self._forget is not None:
-                        self._forget(s, str(path))
+                        try:
+                            self._forget(s, str(path))
+                        except StillCommitted:
+                            continue  # another worker's commit names it and counts: it stays
                     try:
                         shutil.rmtree(path)
                     except OSError as e:

@@ -28,7 +28,7 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Compare, Delete, Put, Store, key_missing, unchanged_since
-from rallypoint.workers.errors import CheckpointError, CommitRefused
+from rallypoint.workers.errors import CheckpointError, CommitRefused, StillCommitted
 
 __all__ = ["COMMIT_RETRY_S", "EtcdCommitter", "etcd_commit"]
 
@@ -82,8 +82,11 @@ class EtcdCommitter:
 
         With ``path``, only a commit naming that directory is deleted (one naming another
         writer's directory stays). Raises :class:`CommitRefused` when this incarnation is
-        over, so the caller keeps the directory.
+        over, and :class:`StillCommitted` when the job's commit of that step names ``path`` and
+        still counts as another worker's (this worker may not end it): the caller keeps the
+        directory either way.
         """
+        self._check_not_others(job, slice_name, step, path)
         key = self.keys.worker_commit(self.worker, job, slice_name, step)
         for attempt in self._retrying(f"forget checkpoint commit {job}/{slice_name}@{step}"):
             with attempt:
@@ -97,6 +100,26 @@ class EtcdCommitter:
                         raise self._refused(f"forgetting the commit of {job}/{slice_name} step {step}")
                 raise CheckpointError(f"the commit of {job}/{slice_name} step {step} kept changing while "
                                       "it was being forgotten")
+
+
+    def _check_not_others(self, job: str, slice_name: str, step: int, path: str | None) -> None:
+        """Raise :class:`StillCommitted` when the job's commit of the step names ``path`` and counts as another
+        worker's (its own commit names the same directory)."""
+        if path is None:
+            return
+        kv = self.store.get(self.keys.checkpoint(job, slice_name, step))
+        if kv is None or not _same_path(_commit_path(kv.value), path):
+            return
+        try:
+            other = json.loads(kv.value).get("worker")
+        except (ValueError, AttributeError):
+            return
+        if not isinstance(other, str) or not other or other == self.worker:
+            return
+        src = self.store.get(self.keys.worker_commit(other, job, slice_name, step))
+        if src is not None and _same_path(_commit_path(src.value), path):
+            raise StillCommitted(f"the commit of {job}/{slice_name} step {step} at {path} is worker {other}'s and "
+                                 "still counts: its directory stays until the job's leader ends it")
 
 
 def _commit_path(value: bytes) -> str | None:
