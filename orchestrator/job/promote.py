@@ -31,7 +31,7 @@ from typing import Any
 
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import KeyValue, Op, Put, Store, unchanged_since
+from rallypoint.etcd.store import Delete, KeyValue, Op, Put, Store, unchanged_since
 from rallypoint.recovery.load_plan import SlicePlace
 
 # The checksum kinds a leader promotes: bound to job, run, slice and step, and a multi-host slice's sharded
@@ -122,6 +122,35 @@ def promote(store: Store, keys: Keys, txn: Callable[[list[Any], list[Op], list[O
         return None
     txn([unchanged_since(kv.key, kv.mod_revision)], [Put(keys.checkpoint(job, slice_name, step), kv.value)], [])
     return CheckpointCommit.from_json(rec)
+
+
+def prune_others(store: Store, keys: Keys, txn: Callable[[list[Any], list[Op], list[Op]], Any], *, job: str,
+                 slice_name: str, worker: str, keep: int, cut: int) -> int:
+    """The retention of other writers' commits of ``slice_name`` (earlier holders: a worker may end only its own):
+    each below the ``keep``-th newest of ``worker``'s promoted commits, but the cut's, goes with its writer's own
+    commit, as that worker's retention would have deleted it (its directory then goes at ``worker``'s next
+    retention). Returns how many went."""
+    if keep < 1:
+        return 0
+    kvs, _ = store.get_prefix(f"{keys.checkpoints(job)}{slice_name}/")
+    recs = []
+    for kv in kvs:
+        try:
+            d = json.loads(kv.value)
+            recs.append((kv, int(d["step"]), d.get("worker")))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    mine = sorted(step for _kv, step, w in recs if w == worker)
+    if len(mine) < keep:
+        return 0
+    keep_from = mine[-keep]
+    gone = 0
+    for kv, step, w in recs:
+        if w != worker and isinstance(w, str) and w and step < keep_from and step != cut:
+            txn([unchanged_since(kv.key, kv.mod_revision)],
+                [Delete(kv.key), Delete(keys.worker_commit(w, job, slice_name, step))], [])
+            gone += 1
+    return gone
 
 
 def promote_pending(store: Store, keys: Keys, txn: Callable[[list[Any], list[Op], list[Op]], Any], log: Any, *,

@@ -29,7 +29,7 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Delete, Op, Store
 from rallypoint.orchestrator.control.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.control.election import LeaderElection, TermWriter
-from rallypoint.orchestrator.job.promote import places_of_record, promote, promote_pending
+from rallypoint.orchestrator.job.promote import places_of_record, promote, promote_pending, prune_others
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.recovery.load_plan import SlicePlace
 
@@ -160,13 +160,20 @@ class JobTerm:
 
     # -- commits ------------------------------------------------------------------------------
 
-    def promote(self, worker: str, slice_name: str, step: int) -> bool:
+    def promote(self, worker: str, slice_name: str, step: int, *, keep: int = 0, cut: int = 0) -> bool:
         """Worker ``worker`` reported its commit of ``slice_name`` at ``step``: check it and make it the job's
-        (job/promote.py), through an etcd outage while the term holds; False when it is refused (logged)."""
+        (job/promote.py), through an etcd outage while the term holds; False when it is refused (logged). Then the
+        slice's earlier writers' commits past retention (``keep``, not the ``cut``) go (``prune_others``)."""
+        def run() -> bool:
+            if promote(self.store, self.keys, self.writer.txn, self.log, job=self.job, worker=worker,
+                       slice_name=slice_name, step=step, steps=self.steps, places=self.places(),
+                       run_dir=self.run_dir) is None:
+                return False
+            prune_others(self.store, self.keys, self.writer.txn, job=self.job, slice_name=slice_name, worker=worker,
+                         keep=keep, cut=cut)
+            return True
         try:
-            return self.until_etcd("promoting a checkpoint commit", lambda: promote(
-                self.store, self.keys, self.writer.txn, self.log, job=self.job, worker=worker, slice_name=slice_name,
-                step=step, steps=self.steps, places=self.places(), run_dir=self.run_dir) is not None)
+            return self.until_etcd("promoting a checkpoint commit", run)
         except NotLeader as exc:
             self.log.warning("checkpoint.promote_failed", worker=worker, slice=slice_name, step=step, error=str(exc))
             return False

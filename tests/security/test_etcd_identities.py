@@ -349,3 +349,23 @@ def test_servers_take_a_rotated_certificate_at_the_next_handshake_without_a_rest
     finally:
         server.stop(None)
         lsock.close()
+
+
+def test_a_slices_earlier_writers_commits_past_retention_are_ended_by_the_leader(stores: dict[str, EtcdStore]) -> None:
+    from rallypoint.orchestrator.job.promote import prune_others
+
+    c0 = stores["c0"]
+
+    def commit(worker: str, step: int) -> None:
+        value = json.dumps({"job": "p", "slice": "s", "step": step, "path": f"/r/p/r1/s/{worker}/{step}",
+                            "checksum": "sha256b:0", "worker": worker, "incarnation": 1})
+        c0.put(K.worker_commit(worker, "p", "s", step), value)
+        c0.put(K.checkpoint("p", "s", step), value)
+
+    for step in (10, 20, 30):
+        commit("wa", step)  # the slice's holder before a recovery
+    for step in (40, 50):
+        commit("wb", step)  # its holder now (keep 2)
+    assert prune_others(c0, K, c0.txn, job="p", slice_name="s", worker="wb", keep=2, cut=20) == 2
+    assert sorted(c.step for c in read_commits(c0, K, "p")["s"]) == [20, 40, 50]  # the cut's stays
+    assert c0.get(K.worker_commit("wa", "p", "s", 10)) is None
