@@ -27,6 +27,8 @@ WORKER = "worker"  # runs slices: registers itself, pushes values to peers, comm
 ETCD = "etcd"  # an etcd member (server and peer certificate; calls no Rallypoint method)
 ROLES = (CLIENT, OPERATOR, COORDINATOR, WORKER, ETCD)
 ROLE_URI_PREFIX = "rallypoint://role/"
+WORKER_URI_PREFIX = "rallypoint://worker/"  # a worker certificate's id: rallypoint://worker/<id>
+WORKER_NAME_SUFFIX = ".worker.rallypoint"  # a worker certificate's DNS name <id>.worker.rallypoint, what clients check
 
 DATA_PLANE = "dataplane"  # the worker's tensor socket (workers/dataplane.py), checked like a method
 
@@ -78,9 +80,37 @@ def check_role(role: str) -> str:
     return role
 
 
-def etcd_user(base: str, role: str) -> str:
-    """The etcd user a certificate of ``role`` acts as (its common name): ``BASE-ROLE``."""
-    return f"{base}-{check_role(role)}"
+def etcd_user(base: str, role: str, worker: str | None = None) -> str:
+    """The etcd user a certificate of ``role`` acts as (its common name): ``BASE-ROLE``, and for a worker
+    ``BASE-worker-ID`` (each worker its own user, confined to its own keys: :mod:`rallypoint.etcd.auth`)."""
+    check_role(role)
+    if role == WORKER and worker:
+        return f"{base}-{role}-{worker}"
+    return f"{base}-{role}"
+
+
+def worker_uri(worker: str) -> str:
+    """The URI SAN naming a worker certificate's id."""
+    return WORKER_URI_PREFIX + worker
+
+
+def worker_server_name(worker: str) -> str:
+    """The DNS name a worker certificate carries for its id, which a client dialling that worker checks
+    (gRPC's target name, the data plane's ``server_hostname``): ``<id>.worker.rallypoint``."""
+    return worker.lower() + WORKER_NAME_SUFFIX
+
+
+def worker_of_uris(uris: Iterable[str]) -> str | None:
+    """The one worker id the URI SANs name (None: none, or more than one)."""
+    ids = {u[len(WORKER_URI_PREFIX):] for u in uris if u.startswith(WORKER_URI_PREFIX)}
+    return next(iter(ids)) if len(ids) == 1 else None
+
+
+def worker_of_peercert(peercert: Mapping[str, Any] | None) -> str | None:
+    """The worker id of a verified peer certificate as :meth:`ssl.SSLSocket.getpeercert` gives it."""
+    if not peercert:
+        return None
+    return worker_of_uris(v for k, v in peercert.get("subjectAltName", ()) if k == "URI")
 
 
 def role_of_uris(uris: Iterable[str]) -> str | None:

@@ -97,6 +97,24 @@ class TlsConfig:
                               f"`rallypoint certs --names {name}:{role}` (docs/security.md)")
         return self
 
+    def check_worker(self, worker: str) -> TlsConfig:
+        """Raise ConfigError unless the certificate names worker ``worker`` (``rallypoint://worker/ID``): a worker
+        with another worker's certificate would be refused by etcd and by every client that dials it."""
+        from cryptography import x509
+
+        from rallypoint.basics.authz import worker_of_uris
+
+        try:
+            san = x509.load_pem_x509_certificate(self.pem()[1]).extensions.get_extension_for_class(
+                x509.SubjectAlternativeName).value
+            has = worker_of_uris(san.get_values_for_type(x509.UniformResourceIdentifier))
+        except (ValueError, x509.ExtensionNotFound):
+            has = None
+        if has != worker:
+            raise ConfigError(f"TLS certificate {self.cert} names worker {has or 'none'}, not {worker}: make it with "
+                              f"`rallypoint certs --names {worker}:worker` (docs/security.md)")
+        return self
+
     def pem(self) -> tuple[bytes, bytes, bytes]:
         """(ca, cert, key) bytes."""
         return (_read_pem(self.ca, "CA certificate", "BEGIN CERTIFICATE"),
@@ -105,10 +123,39 @@ class TlsConfig:
 
     # -- gRPC -----------------------------------------------------------------------
 
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        """When and how large the three files are: a change means a rotated certificate."""
+        out = []
+        for p in (self.ca, self.cert, self.key):
+            try:
+                st = p.stat()
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append((0, 0))
+        return tuple(out)
+
     def server_credentials(self) -> grpc.ServerCredentials:
-        """gRPC server credentials that require and verify a client certificate."""
+        """gRPC server credentials that require and verify a client certificate. They read the files again when
+        they change (``rallypoint certs`` made new ones): the next handshake presents the new certificate and trusts
+        the new CA file; a pair that does not load yet (half written) keeps the last good one."""
         ca, cert, key = self.pem()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        seen = {"stamp": self.stamp()}
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            stamp = self.stamp()
+            if stamp == seen["stamp"]:
+                return None
+            try:
+                self.check()
+                ca, cert, key = self.pem()
+            except ConfigError:
+                return None  # rotated half-way: the old pair serves until both files are new
+            seen["stamp"] = stamp
+            return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+        return grpc.dynamic_ssl_server_credentials(
+            grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca), fetch,
+            require_client_authentication=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """gRPC channel credentials: verify the server against the CA, present our certificate."""
@@ -125,6 +172,11 @@ class TlsConfig:
         ctx.load_verify_locations(cafile=str(self.ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
+
+    def reloading(self, make: str) -> ReloadingContext:
+        """``server_context`` or ``client_context`` (by name) made again when the files change, for the next
+        handshake (the data plane's sockets: a rotated certificate takes effect without a restart)."""
+        return ReloadingContext(self, getattr(self, make))
 
     def client_context(self) -> ssl.SSLContext:
         """An SSL client context: verifies the server's certificate and name, presents ours."""
@@ -148,11 +200,46 @@ PERMIT_KEEPALIVE: tuple[tuple[str, Any], ...] = (
 """Options of a server whose callers send :data:`KEEPALIVE` pings (gRPC's default answers them with GOAWAY)."""
 
 
-def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A gRPC channel to ``address``: mutual TLS with ``tls``, plain only when ``tls`` is None."""
+
+class ReloadingContext:
+    """An SSL context made from a :class:`TlsConfig`'s files, made again at a handshake after they changed
+    (a pair that does not load yet keeps the last good context)."""
+
+    def __init__(self, tls: TlsConfig, make: Any) -> None:
+        self._tls, self._make = tls, make
+        self._stamp, self._ctx = tls.stamp(), make()
+        self._lock = threading.Lock()
+
+    def current(self) -> ssl.SSLContext:
+        stamp = self._tls.stamp()
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    self._tls.check()
+                    self._ctx, self._stamp = self._make(), stamp
+                except (ConfigError, ssl.SSLError, OSError):
+                    pass  # rotated half-way: the old context serves until both files are new
+            return self._ctx
+
+    def wrap_socket(self, sock: Any, **kwargs: Any) -> ssl.SSLSocket:
+        return self.current().wrap_socket(sock, **kwargs)
+
+
+def channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = (), *,
+            worker: str | None = None) -> grpc.Channel:
+    """A gRPC channel to ``address``: mutual TLS with ``tls``, plain only when ``tls`` is None.
+
+    ``worker``: the worker id the server must be. Its certificate must then carry that worker's
+    name (``ID.worker.rallypoint``, :func:`rallypoint.basics.authz.worker_server_name`) rather than
+    the address: another worker's certificate, or any other role's, is refused at the handshake."""
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+    opts = list(options)
+    if worker:
+        from rallypoint.basics.authz import worker_server_name
+
+        opts.append(("grpc.ssl_target_name_override", worker_server_name(worker)))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=opts)
 
 
 def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:

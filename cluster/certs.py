@@ -5,8 +5,14 @@ certificate is good for both ends of a connection (server and client auth), name
 process and the addresses it is reached at as subject-alternative names (so clients check
 the name they dialled), carries its role as the URI SAN ``rallypoint://role/ROLE``
 (:mod:`rallypoint.basics.authz`: what each server lets it call) and the role's etcd user
-``BASE-ROLE`` as its common name (see :mod:`rallypoint.basics.tls`). Keys are written mode
-0600. An existing CA in the directory is kept and signs the new certificates; an existing
+``BASE-ROLE`` as its common name (see :mod:`rallypoint.basics.tls`). A worker's certificate also
+names the worker's id: the URI SAN ``rallypoint://worker/ID``, the DNS name
+``ID.worker.rallypoint`` that a client dialling that worker checks, and its own etcd user
+``BASE-worker-ID`` (:mod:`rallypoint.etcd.auth`), so one worker's key cannot pass as another
+worker. Certificates last :data:`CERT_DAYS` (90) days unless told otherwise: there is no
+revocation list, so a stolen key stops working when its certificate ends; make them again
+before (``rallypoint certs`` again, then restart each process, or let it reload them).
+Keys are written mode 0600. An existing CA in the directory is kept and signs the new certificates; an existing
 certificate is replaced.
 """
 
@@ -24,14 +30,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rallypoint.basics.authz import COORDINATOR, ROLES, WORKER, etcd_user, role_uri
+from rallypoint.basics.authz import COORDINATOR, ROLES, WORKER, etcd_user, role_uri, worker_server_name, worker_uri
 from rallypoint.basics.errors import ConfigError
 from rallypoint.etcd.keys import check_name
 from rallypoint.basics.tls import CA_FILE, CA_KEY_FILE, ETCD_USER, TlsConfig
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 CA_DAYS = 3650
-CERT_DAYS = 825
+CERT_DAYS = 90  # short: nothing revokes a certificate; `rallypoint certs --days N` sets another
 
 
 def _write(path: Path, data: bytes, *, secret: bool) -> None:
@@ -116,8 +122,10 @@ def parse_names(names: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _san(name: str, hosts: Iterable[str], role: str) -> x509.SubjectAlternativeName:
+def _san(name: str, hosts: Iterable[str], role: str, worker: str | None) -> x509.SubjectAlternativeName:
     entries: list[x509.GeneralName] = [x509.UniformResourceIdentifier(role_uri(role))]
+    if worker is not None:
+        entries += [x509.UniformResourceIdentifier(worker_uri(worker)), x509.DNSName(worker_server_name(worker))]
     for h in dict.fromkeys([name, *hosts]):
         try:
             entries.append(x509.IPAddress(ipaddress.ip_address(h)))
@@ -127,28 +135,33 @@ def _san(name: str, hosts: Iterable[str], role: str) -> x509.SubjectAlternativeN
 
 
 def issue(out: Path, name: str, *, role: str | None = None, hosts: Sequence[str] = DEFAULT_HOSTS,
-          user: str = ETCD_USER, cluster: str = "local") -> TlsConfig:
+          user: str = ETCD_USER, cluster: str = "local", worker: str | None = None,
+          days: int = CERT_DAYS) -> TlsConfig:
     """Make ``out/NAME.crt`` and ``out/NAME.key`` signed by the CA of ``out``; return their TlsConfig.
 
     ``role``: what the certificate may do (default :func:`role_for` ``name``); ``hosts``: the
     IPs and DNS names the process is reached at (subject-alternative names, beside ``name``
     itself); ``user``: the base of the etcd user the process acts as, the common name
-    ``USER-ROLE``.
+    ``USER-ROLE`` (``USER-worker-ID`` for a worker); ``worker``: a worker certificate's worker id
+    (default ``name``: the daemon's ``--worker-id`` must be it); ``days``: how long it is good for.
     """
     check_name("certificate", name)
     role = role_for(name) if role is None else role
     if role not in ROLES:
         raise ConfigError(f"certificate {name!r}: unknown role {role!r}; one of {', '.join(ROLES)}")
+    if days < 1:
+        raise ConfigError(f"certificate {name!r}: --days must be at least 1, got {days}")
+    wid = check_name("worker", worker or name) if role == WORKER else None
     ca_cert, ca_key = ensure_ca(out, cluster=cluster)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Rallypoint"),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, name),
-                         x509.NameAttribute(NameOID.COMMON_NAME, etcd_user(user, role))])
+                         x509.NameAttribute(NameOID.COMMON_NAME, etcd_user(user, role, wid))])
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(_now()).not_valid_after(_now() + datetime.timedelta(days=CERT_DAYS))
+            .not_valid_before(_now()).not_valid_after(_now() + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(name, hosts, role), critical=False)
+            .add_extension(_san(name, hosts, role, wid), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -159,7 +172,8 @@ def issue(out: Path, name: str, *, role: str | None = None, hosts: Sequence[str]
 
 
 def make_certs(out: Path, names: Sequence[str], *, hosts: Sequence[str] = DEFAULT_HOSTS, user: str = ETCD_USER,
-               cluster: str = "local") -> dict[str, TlsConfig]:
-    """A CA (kept if present) and one certificate per ``NAME[:ROLE]`` in ``out`` (:func:`parse_names`)."""
+               cluster: str = "local", days: int = CERT_DAYS) -> dict[str, TlsConfig]:
+    """A CA (kept if present) and one certificate per ``NAME[:ROLE]`` in ``out`` (:func:`parse_names`); a worker's
+    names its id ``NAME``."""
     roles = parse_names(names)  # every name checked before anything is written
-    return {n: issue(out, n, role=r, hosts=hosts, user=user, cluster=cluster) for n, r in roles.items()}
+    return {n: issue(out, n, role=r, hosts=hosts, user=user, cluster=cluster, days=days) for n, r in roles.items()}

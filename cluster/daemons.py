@@ -59,7 +59,8 @@ def tls_from_options(tls_dir: str, insecure: bool, ident: str, role: str) -> Tls
     if not tls_dir:
         raise ConfigError(f"no TLS identity: pass --tls-dir DIR holding ca.crt, {ident}.crt and {ident}.key (make them "
                           f"with `rallypoint certs --out DIR --names {ident}`), or --insecure for plain TCP")
-    return TlsConfig.from_dir(tls_dir, ident).check_role(role)
+    tls = TlsConfig.from_dir(tls_dir, ident).check_role(role)
+    return tls.check_worker(ident) if role == "worker" else tls
 
 
 def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop: Callable[[], None],

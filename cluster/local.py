@@ -235,6 +235,9 @@ class LocalCluster:
         if self.config.tls:
             security.issue_process(self.tls_dir, name, role=role, host=self.config.host, cluster=self.config.cluster,
                                    net=net)
+            if role == "worker":  # its own etcd user, confined to its own keys (etcd/auth.py)
+                security.add_worker(self.endpoints, self.tls_dir, self.config.state_dir / "etcd",
+                                    cluster=self.config.cluster, worker=name)
         with self._spawn_lock:
             rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
             self.save()

@@ -8,7 +8,10 @@ process and naming the addresses it binds and advertises, in a folder of its own
 ``ca.key`` or another role's key, and workers hide ``<state-dir>/tls`` and etcd's secrets from
 the job code they run (``--source-hide``, :mod:`rallypoint.workers.sources.sandbox`). etcd gets the ``etcd``
 certificate, runs with client-certificate auth, and has a user per role that may only
-touch what that role needs of this cluster's prefix (:func:`rallypoint.etcd.auth.enable_auth`).
+touch what that role needs of this cluster's prefix (:func:`rallypoint.etcd.auth.enable_auth`),
+and a user per worker, confined to that worker's own keys, added as ``root`` (with the root
+password kept in ``<state-dir>/etcd``) when the worker's certificate is made
+(:func:`add_worker`).
 Clients (the CLI, tests) use the ``client`` certificate, which in-process clients find by
 the cluster's endpoints (:func:`rallypoint.basics.tls.remember`). Its role is operator:
 whoever starts an embedded cluster administers it (cordon, drain) as well as submitting.
@@ -26,7 +29,7 @@ from rallypoint.basics.authz import ETCD, OPERATOR
 from rallypoint.basics.tls import CA_FILE, TlsConfig
 from rallypoint.cluster.certs import DEFAULT_HOSTS, issue
 from rallypoint.cluster.local_config import WorkerNetwork
-from rallypoint.etcd.auth import enable_auth
+from rallypoint.etcd.auth import ROOT_PASSWORD_FILE, add_worker_user, enable_auth
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.server import EtcdCluster
 
@@ -78,6 +81,12 @@ def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secr
 def process_tls_dir(tls_dir: Path, name: str) -> Path:
     """The folder process ``name`` is pointed at (``--tls-dir``): ``ca.crt`` and its own certificate and key only."""
     return tls_dir / name
+
+
+def add_worker(endpoints: Sequence[str], tls_dir: Path, secrets_dir: Path, *, cluster: str, worker: str) -> None:
+    """Worker ``worker``'s etcd user (its own keys only), added as root if it is not there yet."""
+    password = (secrets_dir / ROOT_PASSWORD_FILE).read_text().strip()
+    add_worker_user(endpoints, client_tls(tls_dir), Keys(cluster).prefix, worker, root_password=password)
 
 
 def issue_process(tls_dir: Path, name: str, *, role: str, host: str, cluster: str, net: WorkerNetwork | None) -> Path:

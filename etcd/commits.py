@@ -1,8 +1,10 @@
 """Checkpoint commits: the records that make a slice's checkpoint count.
 
-A commit (job, slice, step, path, checksum, state names) is written to etcd at
-``keys.checkpoint(job, slice, step)`` by the worker that made the checkpoint, only
-after Orbax finalized it (:mod:`rallypoint.workers.checkpoints.committer`); a copy goes beside the
+A commit (job, slice, step, path, checksum, state names) is written to etcd at the worker's
+own ``keys.worker_commit(worker, job, slice, step)`` by the worker that made the checkpoint,
+only after Orbax finalized it (:mod:`rallypoint.workers.checkpoints.committer`), and counts
+once the job's leader checked it and promoted it to ``keys.checkpoint(job, slice, step)``
+(:mod:`rallypoint.orchestrator.job.promote`); a copy goes beside the
 checkpoints (``<run>/commits/<slice>/<step:012d>.json``) for ``rallypoint resume``
 on a cluster whose etcd was lost. The coordinator reads them to find the newest
 consistent cut. Plain records and reads; no Orbax here.
@@ -61,8 +63,34 @@ class CheckpointCommit:
 
 
 def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[CheckpointCommit]]:
-    """Every checkpoint commit of ``job`` in etcd: slice -> commits sorted by step."""
-    kvs, _ = store.get_prefix(keys.checkpoints(job))
+    """Every checkpoint commit of ``job`` in etcd: slice -> commits sorted by step.
+
+    A promoted commit that names the worker that wrote it counts only while that worker's own
+    commit (:meth:`Keys.worker_commit`) still names the same directory: a worker forgets its
+    commit before its retention deletes the checkpoint, and it stops counting at once."""
+    from rallypoint.etcd.store import Get  # noqa: PLC0415 - beside its one use
+
+    r = store.txn([], [Get(keys.checkpoints(job), prefix=True), Get(keys.worker_commits_all, prefix=True)])
+    kvs, own = r.reads
+    mine = {kv.key: kv.value for kv in own}
+    out: dict[str, list[CheckpointCommit]] = {}
+    for kv in kvs:
+        d = kv.json()
+        c = CheckpointCommit.from_json(d)
+        worker = d.get("worker") if isinstance(d, dict) else None
+        if isinstance(worker, str) and worker:
+            src = mine.get(keys.worker_commit(worker, job, c.slice_name, c.step))
+            if src is None or _path_of(src) != c.path:
+                continue  # forgotten by its worker (or rewritten since): it no longer counts
+        out.setdefault(c.slice_name, []).append(c)
+    for commits in out.values():
+        commits.sort(key=lambda c: c.step)
+    return out
+
+
+def read_worker_commits(store: Store, keys: Keys, worker: str, job: str) -> dict[str, list[CheckpointCommit]]:
+    """The commits ``worker`` wrote for ``job`` at its own keys (promoted or not): slice -> commits sorted by step."""
+    kvs, _ = store.get_prefix(f"{keys.worker_commits(worker)}{job}/")
     out: dict[str, list[CheckpointCommit]] = {}
     for kv in kvs:
         c = skip_bad(lambda kv=kv: CheckpointCommit.from_kv(kv))
@@ -71,6 +99,14 @@ def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[Checkpoin
     for commits in out.values():
         commits.sort(key=lambda c: c.step)
     return out
+
+
+def _path_of(value: bytes) -> str | None:
+    try:
+        d = json.loads(value)
+    except ValueError:
+        return None
+    return d.get("path") if isinstance(d, dict) else None
 
 
 def consistent_cut(commits: Mapping[str, Sequence[CheckpointCommit]], slices: Iterable[str], *,

@@ -21,8 +21,12 @@ Every key of a cluster lives under ``/rallypoint/<cluster>/``::
                                 revision is the leader's term (the fencing token)
     jobs/<job>                  the job record (JSON: state, term, run_dir, placement,
                                 cut, failures, recoveries): what a new leader adopts from
+    commits/<worker>/<job>/<slice>/<step:012d>
+                                a checkpoint commit as the worker that made it wrote it (its own keys: the
+                                worker's etcd user may write nothing else of a job); it counts once the leader
+                                checked it and promoted it (rallypoint.orchestrator.job.promote)
     jobs/<job>/checkpoints/<slice>/<step:012d>
-                                a committed slice checkpoint of the job's current run (rallypoint.workers.checkpoints.committer)
+                                a committed slice checkpoint of the job's current run, promoted by its leader
     jobs/<job>/runs/<run>/record, jobs/<job>/runs/<run>/checkpoints/<slice>/<step:012d>
                                 an earlier run of the job name, kept under its run id (rallypoint.orchestrator.job.runs)
 
@@ -178,6 +182,19 @@ class Keys:
     def checkpoint(self, job: str, slice_name: str, step: int) -> str:
         """The commit of ``slice_name``'s checkpoint after ``step``; the zero-padded step sorts by number."""
         return f"{self.checkpoints(job)}{slice_name}/{step:012d}"
+
+    @property
+    def worker_commits_all(self) -> str:
+        """Prefix of every worker's own commits (``commits/<worker>/<job>/<slice>/<step:012d>``)."""
+        return f"{self.prefix}commits/"
+
+    def worker_commits(self, worker: str) -> str:
+        """Prefix of the commits ``worker`` wrote: the only commit keys its etcd user may write."""
+        return f"{self.worker_commits_all}{worker}/"
+
+    def worker_commit(self, worker: str, job: str, slice_name: str, step: int) -> str:
+        """``worker``'s own commit of ``slice_name``'s checkpoint after ``step`` (its leader promotes it)."""
+        return f"{self.worker_commits(worker)}{job}/{slice_name}/{step:012d}"
 
     def runs(self, job: str) -> str:
         """Prefix of the job name's earlier runs, each kept under its run id (rallypoint.orchestrator.job.runs)."""

@@ -150,7 +150,7 @@ class DataPlaneServer:
 
     def __init__(self, host: str, handler: Handler, port: int = 0, *, tls: TlsConfig | None = None) -> None:
         self.handler = handler
-        self._tls = tls.server_context() if tls is not None else None
+        self._tls = tls.reloading("server_context") if tls is not None else None  # a rotated certificate: next handshake
         self._sock = socket.create_server((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
@@ -354,34 +354,44 @@ class DataPlaneServer:
             c.close()
 
 
+def _pool(address: str, worker: str) -> str:
+    """The idle connections to ``address`` checked to be ``worker`` (all of them to the address: no worker named)."""
+    return f"{worker}@{address}" if worker else address
+
+
 class DataPlaneClient:
     """Sends values to peers' data planes over pooled connections (one per value in flight)."""
 
     def __init__(self, *, timeout_s: float = 120.0, tls: TlsConfig | None = None) -> None:
         self.timeout_s = timeout_s
-        self._tls = tls.client_context() if tls is not None else None
+        self._tls = tls.reloading("client_context") if tls is not None else None
         self._idle: dict[str, queue.SimpleQueue[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def _connect(self, address: str) -> socket.socket:
+    def _connect(self, address: str, worker: str = "") -> socket.socket:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is None:
             return sock
         try:
-            return self._tls.wrap_socket(sock, server_hostname=host)  # checks the name we dialled
+            tsock = self._tls.wrap_socket(sock, server_hostname=host)  # checks the name we dialled
         except (OSError, ssl.SSLError):
             sock.close()
             raise
+        got = authz.worker_of_peercert(tsock.getpeercert())
+        if worker and got != worker:  # another worker's certificate (or none) at the address: not who we send to
+            tsock.close()
+            raise ssl.SSLError(f"the data plane at {address} is worker {got or '(none named)'}, not {worker}")
+        return tsock
 
-    def _checkout(self, address: str) -> socket.socket:
+    def _checkout(self, address: str, worker: str = "") -> socket.socket:
         with self._lock:
-            idle = self._idle.setdefault(address, queue.SimpleQueue())
+            idle = self._idle.setdefault(_pool(address, worker), queue.SimpleQueue())
         try:
             return idle.get_nowait()
         except queue.Empty:
-            return self._connect(address)
+            return self._connect(address, worker)
 
     def send(self, address: str, header: pb.TransferHeader, leaves: Sequence[Any]) -> bool:
         """Send one value; returns whether the peer already had it (a duplicate).
@@ -393,7 +403,7 @@ class DataPlaneClient:
         arrays = [_c_order(x) for x in leaves]
         head = header.SerializeToString()
         try:
-            sock = self._checkout(address)
+            sock = self._checkout(address, header.to.worker_id)  # the receiver's certificate must name it
         except OSError as exc:
             raise DataPlaneError(None, f"cannot connect to {address}: {exc}") from None
         try:
@@ -411,7 +421,7 @@ class DataPlaneClient:
         except (OSError, ConnectionError, ValueError) as exc:
             sock.close()
             raise DataPlaneError(None, f"transfer to {address} broke: {exc}") from None
-        self._idle[address].put(sock)
+        self._idle[_pool(address, header.to.worker_id)].put(sock)
         if status is Status.DUPLICATE:
             return True
         if status is not Status.DELIVERED:

@@ -40,6 +40,11 @@ class CheckpointError(RallypointError):
     """A checkpoint could not be saved, committed or read."""
 
 
+class StillCommitted(CheckpointError):
+    """Another worker's commit of a checkpoint still counts: its directory stays (only that worker or the job's
+    leader may end the commit; the leader does once it is past retention)."""
+
+
 class CheckpointCorrupt(CheckpointError):
     """A committed checkpoint does not restore to the state its checksum names."""
 

@@ -57,12 +57,14 @@ class PeerChannels:
         self._stubs: dict[str, pb_grpc.WorkerRuntimeStub] = {}
         self._data = DataPlaneClient(timeout_s=PUSH_TIMEOUT_S, tls=tls)
 
-    def stub(self, address: str) -> pb_grpc.WorkerRuntimeStub:
+    def stub(self, address: str, worker: str = "") -> pb_grpc.WorkerRuntimeStub:
+        """The stub of the peer at ``address``; with ``worker``, one whose certificate must name that worker."""
+        key = f"{worker}@{address}" if worker else address
         with self._lock:
-            stub = self._stubs.get(address)
+            stub = self._stubs.get(key)
             if stub is None:
-                self._channels[address] = tls_channel(address, self._tls, KEEPALIVE)
-                stub = self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
+                self._channels[key] = tls_channel(address, self._tls, KEEPALIVE, worker=worker or None)
+                stub = self._stubs[key] = pb_grpc.WorkerRuntimeStub(self._channels[key])
             return stub
 
     def send(self, address: str, header: pb.TransferHeader, leaves: list[Any], *, data_plane: bool = False) -> bool:
@@ -70,7 +72,7 @@ class PeerChannels:
         if data_plane:
             duplicate = self._data.send(address, header, leaves)
         else:
-            duplicate = bool(self.stub(address).Push(codec.chunks(header, leaves), timeout=PUSH_TIMEOUT_S).duplicate)
+            duplicate = bool(self.stub(address, header.to.worker_id).Push(codec.chunks(header, leaves), timeout=PUSH_TIMEOUT_S).duplicate)
         meter.transferred("sent", leaves)  # docs/metrics.md
         return duplicate
 

@@ -143,20 +143,60 @@ def up(workers: int, spares: int, devices_per_worker: int | None, platform: str,
 @click.option("--user", default="rallypoint", show_default=True,
               help="Base of the etcd users the certificates act as: USER-ROLE (their common name; etcd "
               "--client-cert-auth).")
-@click.option("--cluster", "cluster_name", default="local", show_default=True, help="Cluster name (in the CA's name).")
-def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str) -> None:
+@click.option("--cluster", "cluster_name", default="local", show_default=True,
+              help="Cluster name (in the CA's name; with --etcd, the cluster whose keys its users are confined to).")
+@click.option("--days", default=90, show_default=True, type=click.IntRange(min=1),
+              help="How long the certificates are good for. Nothing revokes one: make them again before they end "
+              "(the servers load the new files for new connections, docs/security.md).")
+@click.option("--etcd", "etcd_endpoints", default=None, metavar="HOST:PORT[,...]",
+              help="Also add each worker's own etcd user (USER-worker-ID, its own keys only) to this etcd, as root.")
+@click.option("--root-password-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --etcd: the file holding etcd's root password.")
+def certs(out: Path, names: str, hosts: str, user: str, cluster_name: str, days: int, etcd_endpoints: str | None,
+          root_password_file: Path | None) -> None:
     """Make a CA and per-process certificates for mutual TLS (docs/security.md)."""
     from rallypoint.cluster.certs import make_certs
 
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     if not wanted:
         raise ConfigError("--names is empty: name at least one process")
+    if etcd_endpoints and root_password_file is None:
+        raise ConfigError("--etcd needs --root-password-file: adding an etcd user takes etcd's root")
     made = make_certs(out, wanted, hosts=[h.strip() for h in hosts.split(",") if h.strip()], user=user,
-                      cluster=cluster_name)
+                      cluster=cluster_name, days=days)
     click.echo(f"CA: {out / 'ca.crt'} (its key {out / 'ca.key'} signs new certificates: keep it private)")
     for name, tls in made.items():
-        click.echo(f"  {name} (role {tls.role()}): {tls.cert} {tls.key}")
+        click.echo(f"  {name} (role {tls.role()}, {days} days): {tls.cert} {tls.key}")
+    if etcd_endpoints:
+        _add_worker_users(out, made, etcd_endpoints, root_password_file, user=user, cluster=cluster_name)
     click.echo(f"daemons: --tls-dir {out} (each loads ca.crt and <id>.crt/<id>.key); CLI: --tls-dir {out}")
+
+
+def _add_worker_users(out: Path, made: dict[str, Any], endpoints: str, password_file: Path | None, *, user: str,
+                      cluster: str) -> None:
+    """Each new worker certificate's etcd user, added as root (the others' users are the same for every cluster)."""
+    from rallypoint.basics.authz import WORKER
+    from rallypoint.etcd.auth import add_worker_user
+    from rallypoint.etcd.keys import Keys, parse_cluster
+
+    assert password_file is not None
+    try:
+        password = password_file.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--root-password-file {password_file} cannot be read ({exc.strerror}): give the file "
+                          "holding etcd's root password") from None
+    _name, eps = parse_cluster(endpoints)
+    via = next((t for n, t in made.items() if t.role() != "etcd"), None)
+    if via is None and (out / "client.crt").exists():
+        from rallypoint.basics.tls import TlsConfig
+
+        via = TlsConfig.from_dir(out, "client")
+    if via is None:
+        raise ConfigError(f"--etcd: no client certificate in {out} to reach etcd with; make one (--names client)")
+    for name, tls in made.items():
+        if tls.role() == WORKER:
+            added = add_worker_user(eps, via, Keys(cluster).prefix, name, root_password=password, user=user)
+            click.echo(f"  etcd user {added}: worker {name}'s own keys under {Keys(cluster).prefix}")
 
 
 @main.command()

@@ -7,8 +7,13 @@ and the worker is not cordoned (plus the leader's term, when the allocator is
 the leader). There is no read-modify-write: two allocators racing for a device
 cannot both win, because one of their transactions sees the key already there.
 
-Lease keys are attached to the *worker's* etcd lease, so fencing a worker
-(revoking or expiring its lease) frees its devices in the same etcd operation.
+Lease keys are attached to the *leader's* etcd lease (a worker's etcd user may write no
+``leases/`` key, and etcd lets a worker revoke or put on its own lease only while every key on
+it is the worker's own: :mod:`rallypoint.etcd.auth`). So the leader frees a worker's devices
+itself: when it sees the worker lost or leaving (its registration deleted), it deletes the
+worker's ``leases/<worker>/`` keys made before (:func:`free_worker`); and when the leader's
+term ends with its lease, every device lease goes with it (a new leader adopts the jobs and
+leases their devices again).
 
 A **spare** is a live, uncordoned worker none of whose devices is leased.
 """
@@ -104,8 +109,9 @@ class DeviceLeases:
     """
 
     def __init__(self, store: Store, keys: Keys, *, fenced_txn: FencedTxn | None = None, term: int = 0,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, lease: Callable[[], int] = lambda: 0) -> None:
         self.store = store
+        self.lease_id = lease  # the etcd lease device leases are put on: the leader's (0: none, e.g. a test's)
         self.clock = clock
         self.keys = keys
         self._txn: FencedTxn = fenced_txn or store.txn
@@ -180,7 +186,7 @@ class DeviceLeases:
             info = snap.workers[worker].info
             compares += [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
             compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
-            puts += [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
+            puts += [Put(self.keys.lease(worker, d), holder.to_json(), lease=self.lease_id()) for d in devices]
         try:
             r = self._txn(compares, puts, [])
             applied, revision = r.succeeded, r.revision
@@ -212,7 +218,7 @@ class DeviceLeases:
         info = snap.workers[worker].info
         compares = [created_at(self.keys.worker(worker), info.incarnation), key_missing(self.keys.cordon(worker))]
         compares += [key_missing(self.keys.lease(worker, d)) for d in devices]
-        puts: list[Op] = [Put(self.keys.lease(worker, d), holder.to_json(), lease=info.lease) for d in devices]
+        puts: list[Op] = [Put(self.keys.lease(worker, d), holder.to_json(), lease=self.lease_id()) for d in devices]
         try:
             r = self._txn(compares, puts, [])
             applied, revision = r.succeeded, r.revision
@@ -277,9 +283,24 @@ class DeviceLeases:
             )
 
 
+def free_worker(store: Store, keys: Keys, fenced_txn: FencedTxn, worker: str, gone_at: int) -> int:
+    """Delete ``worker``'s device leases made before revision ``gone_at`` (when its registration was seen deleted: an
+    incarnation lost or leaving) and before its newer incarnation registered, if one did: those stay. Returns how
+    many went."""
+    now = store.get(keys.worker(worker))
+    if now is not None:
+        gone_at = min(gone_at, now.create_revision)
+    kvs, _ = store.get_prefix(keys.worker_leases(worker))
+    old = [kv for kv in kvs if kv.create_revision < gone_at]
+    for i in range(0, len(old), TXN_OPS):
+        chunk = old[i:i + TXN_OPS]
+        fenced_txn([unchanged_since(kv.key, kv.mod_revision) for kv in chunk], [Delete(kv.key) for kv in chunk], [])
+    return len(old)
+
+
 def fence_worker(store: Store, keys: Keys, fenced_txn: FencedTxn, worker: str, incarnation: int) -> int | None:
     """Fence one incarnation of a worker: revoke its etcd lease, which deletes its
-    registration and every device lease hung on it in one etcd operation.
+    registration and devices in one etcd operation (the leader then frees its device leases: :func:`free_worker`).
 
     Returns the revoked lease id, or None when that incarnation is already gone
     (its lease expired first, or it registered again). ``fenced_txn`` confirms the

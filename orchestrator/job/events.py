@@ -102,6 +102,10 @@ class JobEvents:
             return
         watchdog.progressed()
         if item.checkpoint_slice:
+            keep = self.places.settings.keep_checkpoints if self.places.settings is not None else 0
+            if not self.places.term.promote(worker, item.checkpoint_slice, int(item.checkpoint_step), keep=keep,
+                                            cut=self.progress.cut):
+                return  # refused (logged): it never counts
             if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
                 self.log.info("job.cut", step=self.progress.cut)
                 self._grant()

@@ -28,9 +28,8 @@ SUSPENDED or CANCELLED with its run kept (a cancel without a final cut ends it a
 
 The executor writes only under its own term (:class:`~rallypoint.orchestrator.control.election.TermWriter`);
 when that term ends (:meth:`JobExecutor.stop`, or a newer term, or the lease gone) it
-ends with ``job.handed_off``: the job is not failed, the next leader adopts it
-(``adopted=True``: from its etcd record and newest consistent cut). Device leases
-and loaded runtimes are released in ``finally``, whatever ended the run.
+ends with ``job.handed_off``: the job is not failed, the next leader adopts it (``adopted=True``: from its
+etcd record and newest consistent cut). Device leases and loaded runtimes are released in ``finally``.
 """
 
 
@@ -142,6 +141,7 @@ class JobExecutor:
         self.job_cut = JobCut(self.term, self.progress)  # moves the cut, the commits and the log floor (job/cut.py)
         self.places = JobPlacement(spec, self.term, clock=clock, log=self.log, event=self.event, settings=asked,
                                    leased=hooks.leased)
+        self.term.places, self.term.steps = lambda: self.places.slices, spec.steps  # what commits are checked against
         self.workers = workers if workers is not None else JobWorkers(spec.job, tls_of(store), clock=clock)
         self.loads = JobLoads(spec, self.workers, self.term, self.places.slices, clock=clock, log=self.log,
                               settings=asked)

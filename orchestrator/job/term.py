@@ -29,7 +29,9 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Delete, Op, Store
 from rallypoint.orchestrator.control.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.control.election import LeaderElection, TermWriter
+from rallypoint.orchestrator.job.promote import places_of_record, promote, promote_pending, prune_others
 from rallypoint.orchestrator.job.state import HandedOff, JobFailed
+from rallypoint.recovery.load_plan import SlicePlace
 
 ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
 
@@ -56,15 +58,25 @@ class JobTerm:
         self.term = election.term or 0
         self.writer = TermWriter(election, self.term)  # this job writes under the term that started it, or not at all
         # The cluster's device leases, written under this term only: built once, as the term and writer are.
-        self._leases = DeviceLeases(store, keys, fenced_txn=self.writer.txn, term=self.term, clock=clock)
+        self._leases = DeviceLeases(store, keys, fenced_txn=self.writer.txn, term=self.term, clock=clock,
+                                    lease=self._leader_lease)  # on the leader's lease (control/devices.py)
         self.on_unpaused = on_unpaused
         self.run_dir: Path | None = None  # where commit records lie beside the checkpoints (:meth:`open_run`)
+        # Where the job's slices run (the placement's view) and its step count: what a worker's commit is checked
+        # against before it is promoted (job/promote.py). Set by the executor once its placement is made.
+        self.places: Callable[[], Mapping[str, SlicePlace]] = dict
+        self.steps = 0
         self.resume = resume
         self._stop_reason: str | None = None
         self._interrupt: BaseException | None = None
         self._stop_lock = threading.Lock()
 
     # -- the term ---------------------------------------------------------------------------
+
+    def _leader_lease(self) -> int:
+        """The etcd lease of this coordinator's term (device leases hang on it); 0 when it holds none."""
+        _term, keeper = self.election.held()
+        return int(getattr(keeper, "lease_id", 0) or 0)
 
     def open_run(self, run_dir: Path | None) -> None:
         """The run's directory, once the executor has made or found it: a resume reads commit records there."""
@@ -148,14 +160,46 @@ class JobTerm:
 
     # -- commits ------------------------------------------------------------------------------
 
+    def promote(self, worker: str, slice_name: str, step: int, *, keep: int = 0, cut: int = 0) -> bool:
+        """Worker ``worker`` reported its commit of ``slice_name`` at ``step``: check it and make it the job's
+        (job/promote.py), through an etcd outage while the term holds; False when it is refused (logged). Then the
+        slice's earlier writers' commits past retention (``keep``, not the ``cut``) go (``prune_others``)."""
+        def run() -> bool:
+            if promote(self.store, self.keys, self.writer.txn, self.log, job=self.job, worker=worker,
+                       slice_name=slice_name, step=step, steps=self.steps, places=self.places(),
+                       run_dir=self.run_dir) is None:
+                return False
+            prune_others(self.store, self.keys, self.writer.txn, job=self.job, slice_name=slice_name, worker=worker,
+                         keep=keep, cut=cut)
+            return True
+        try:
+            return self.until_etcd("promoting a checkpoint commit", run)
+        except NotLeader as exc:
+            self.log.warning("checkpoint.promote_failed", worker=worker, slice=slice_name, step=step, error=str(exc))
+            return False
+
     def commits(self) -> dict[str, list[CheckpointCommit]]:
-        """The commits of this run: etcd's, or (etcd lost them: a new cluster) the copies beside the checkpoints."""
+        """The commits of this run: etcd's, or (etcd lost them: a new cluster) the copies beside the checkpoints.
+        Commits the placement's workers wrote and the leader did not promote yet (an event lost) are promoted first."""
         def read() -> dict[str, list[CheckpointCommit]]:
+            promote_pending(self.store, self.keys, self.writer.txn, self.log, job=self.job, steps=self.steps,
+                            places=self.places() or self._recorded(), run_dir=self.run_dir)
             commits = read_commits(self.store, self.keys, self.job)
             if not commits and self.resume and self.run_dir is not None:
                 commits = read_commit_records(self.run_dir)
             return commits
         return self.until_etcd("reading checkpoint commits", read)
+
+    def _recorded(self) -> Mapping[str, SlicePlace]:
+        """Before the job is placed (a resumed or adopted run reads its cut first): the placement its record says the
+        earlier term had, whose workers' commits that term may not have promoted yet."""
+        if not self.resume:
+            return {}
+        kv = self.store.get(self.keys.job(self.job))
+        try:
+            return places_of_record(kv.json().get("placement")) if kv is not None else {}
+        except (ValueError, AttributeError):
+            return {}
 
     @staticmethod
     def cut_of(commits: Commits, slices: list[str], before: int | None) -> int:
@@ -166,8 +210,13 @@ class JobTerm:
 
     def drop_commit(self, slice_name: str, step: int) -> None:
         """The commit stops counting in etcd and beside the checkpoints (it did not restore)."""
-        self.until_etcd("dropping a corrupt commit", lambda: self.writer.txn(
-            [], [Delete(self.keys.checkpoint(self.job, slice_name, step))], []))
+        def drop() -> None:
+            key = self.keys.checkpoint(self.job, slice_name, step)
+            kv = self.store.get(key)
+            worker = _worker_of(kv.value) if kv is not None else None
+            own = [Delete(self.keys.worker_commit(worker, self.job, slice_name, step))] if worker else []
+            self.writer.txn([], [Delete(key), *own], [])  # the worker's own goes too, or a sweep would promote it again
+        self.until_etcd("dropping a corrupt commit", drop)
         if self.run_dir is not None:
             commit_record_path(self.run_dir, slice_name, step).unlink(missing_ok=True)
         self.log.warning("checkpoint.decommitted", slice=slice_name, step=step)
@@ -194,3 +243,15 @@ class JobTerm:
             if kv is None or kv.create_revision != inc:
                 lost[w] = "its etcd registration is gone (lease expired or fenced)"
         return lost
+
+
+def _worker_of(value: bytes) -> str | None:
+    """The worker a promoted commit names (None: none, or not a record)."""
+    import json  # noqa: PLC0415 - beside its one use
+
+    try:
+        d = json.loads(value)
+    except ValueError:
+        return None
+    w = d.get("worker") if isinstance(d, dict) else None
+    return w if isinstance(w, str) and w else None

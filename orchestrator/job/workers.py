@@ -106,7 +106,7 @@ class JobWorkers:
         address = self._address[worker]
         if address not in self._stubs:
             self._channels[address] = tls_channel(
-                address, self.tls,
+                address, self.tls, worker=worker,  # the server must be this worker (its certificate names it)
                 options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), *KEEPALIVE])
             self._stubs[address] = pb_grpc.WorkerRuntimeStub(self._channels[address])
         return self._stubs[address]

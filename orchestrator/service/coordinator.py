@@ -33,7 +33,7 @@ import grpc
 from tenacity import RetryCallState
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
-from rallypoint.orchestrator.control.devices import fence_worker
+from rallypoint.orchestrator.control.devices import fence_worker, free_worker
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.basics.errors import ConfigError, Fenced, NotLeader, StoreError
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
@@ -282,8 +282,10 @@ class Coordinator:
             link = self._links.get(info.worker)
             if link is not None and link.info.incarnation == info.incarnation:
                 self._links.pop(info.worker).stop()
+            # Its device leases hang on the leader's lease, not its own: the leader frees them (control/devices.py).
+            freed = free_worker(self.store, self.keys, self.election.fenced_txn, info.worker, change.revision)
             if change.kind == "left":
-                self.log.info("worker.left", worker=info.worker, incarnation=info.incarnation)
+                self.log.info("worker.left", worker=info.worker, incarnation=info.incarnation, freed=freed)
                 return
             revoked = self._revoked.get((info.worker, info.incarnation))
             reason, suspected_at = revoked if revoked else ("lease_expired", None)

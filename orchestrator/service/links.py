@@ -45,7 +45,7 @@ class WorkerLink:
         self.info, self.term, self.cluster, self.coordinator_id = info, term, cluster, coordinator_id
         self.interval_s, self.clock, self.suspect = interval_s, clock, suspect
         self._stop = threading.Event()
-        self._channel = tls_channel(info.address, tls)
+        self._channel = tls_channel(info.address, tls, worker=info.worker)  # it must be that worker
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name=f"link-{info.worker}", daemon=True)

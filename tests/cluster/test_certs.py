@@ -20,20 +20,24 @@ from rallypoint.basics.tls import TlsConfig
 def test_certs_command_makes_a_ca_and_per_process_certificates(tmp_path: Path) -> None:
     out = tmp_path / "tls"
     r = CliRunner().invoke(cli, ["certs", "--out", str(out), "--names", "c0,w0,client,gpu7:worker,admin:operator",
-                                 "--hosts", "10.1.2.3,db.lan"])
+                                 "--hosts", "10.1.2.3,db.lan", "--days", "30"])
     assert r.exit_code == 0, r.output
-    assert "gpu7 (role worker)" in r.output and "admin (role operator)" in r.output
+    assert "gpu7 (role worker, 30 days)" in r.output and "admin (role operator, 30 days)" in r.output
     ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
     roles = {"c0": "coordinator", "w0": "worker", "client": "client", "gpu7": "worker", "admin": "operator"}
     for name, role in roles.items():
         cert = x509.load_pem_x509_certificate((out / f"{name}.crt").read_bytes())
         assert cert.issuer == ca.subject
         cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
-        assert cn == f"rallypoint-{role}"  # the etcd user of the role
+        worker = role == "worker"  # a worker's certificate names its id: its own etcd user, URI and DNS name
+        assert cn == (f"rallypoint-worker-{name}" if worker else f"rallypoint-{role}")  # the etcd user
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert set(san.get_values_for_type(x509.DNSName)) == {name, "db.lan"}
+        assert set(san.get_values_for_type(x509.DNSName)) == {name, "db.lan"} | ({f"{name}.worker.rallypoint"}
+                                                                               if worker else set())
         assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.1.2.3"]
-        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [f"rallypoint://role/{role}"]
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [f"rallypoint://role/{role}"] + (
+            [f"rallypoint://worker/{name}"] if worker else [])
+        assert (cert.not_valid_after_utc - cert.not_valid_before_utc).days == 30  # --days
         assert role_of_pem((out / f"{name}.crt").read_bytes()) == role
         assert (out / f"{name}.key").stat().st_mode & 0o077 == 0
         TlsConfig.from_dir(out, name)  # loads and the pair matches

@@ -30,7 +30,8 @@ from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.proto import rallypoint_pb2 as pb
 from tests.conftest import stop_cluster
 from tests.examples import example
-from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.workers.checkpoints.checksums import commit_binding, state_checksum
 from rallypoint.workers.faults import WorkerFaults
 from tests.helpers.checkpoints import largest_file
 from tests.helpers.cli import rp
@@ -84,7 +85,8 @@ def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_an
         on_disk = list(mngr.all_steps())
     finally:
         mngr.close()
-    assert state_checksum(loaded) == commit["checksum"]
+    named = CheckpointCommit(compiled.program.name, survivor, commit["step"], commit["path"], commit["checksum"])
+    assert state_checksum(loaded, commit_binding(named)) == commit["checksum"]  # bound to job, run, slice, step
     assert status["consistent_cut"] in on_disk and len(on_disk) <= 4, on_disk
     assert_settled(lc)
 

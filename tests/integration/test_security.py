@@ -281,30 +281,22 @@ def test_etcd_users_per_role_write_only_what_the_role_needs(lc: LocalCluster, ro
     before = state(lc)
     k = lc.keys
     commit = k.checkpoint("j", "s0", 1)
+    w0 = issue(lc.tls_dir, "w0-probe", role="worker", worker="w0")  # worker w0's own etcd user (the cluster added it)
     client = EtcdStore(lc.endpoints, tls=role["client"], request_timeout_s=2)
-    worker = EtcdStore(lc.endpoints, tls=role["worker"], request_timeout_s=2)
+    worker = EtcdStore(lc.endpoints, tls=w0, request_timeout_s=2)
     try:
         assert client.get(k.leader) is not None and worker.get(k.leader) is not None  # both read the cluster
         for key in (k.worker("w9"), k.device("w9", 0), k.leader, commit, k.job("evil"), k.coordinator("c9")):
             with pytest.raises(StoreError, match="PERMISSION_DENIED"):
                 client.put(key, "{}")  # a client registers no worker and writes no leader or commit key
-        for key in (k.leader, k.coordinator("c9"), k.lost("w0"), k.prefix + "drained/w0/j", k.job_yields("j") + "s"):
+        for key in (k.leader, k.coordinator("c9"), k.lost("w0"), k.prefix + "drained/w0/j", k.job_yields("j") + "s",
+                    k.worker("w9"), k.lease("w0", 0), commit, k.job("evil")):
             with pytest.raises(StoreError, match="PERMISSION_DENIED"):
-                worker.put(key, "{}")  # a worker certificate cannot lead, mark peers lost or end a drain
+                worker.put(key, "{}")  # a worker cannot lead, mark peers lost, end a drain, lease or commit for a job
         with pytest.raises(StoreError, match="PERMISSION_DENIED"):
             worker.delete(k.leader)
-        # What a worker needs: its registration, and its lease while the leader has attached device leases to it
-        # (etcd lets a put with a lease, and a revoke, through only to a user who may write every key on it).
-        leader = EtcdStore(lc.endpoints, tls=role["coordinator"], request_timeout_s=2)
-        try:
-            lease = worker.grant_lease(10).id
-            worker.put(k.worker("probe"), "{}", lease=lease)
-            leader.put(k.lease("probe", 0), "{}", lease=lease)
-            worker.put(k.device("probe", 0), "{}", lease=lease)
-            worker.revoke_lease(lease)
-            assert worker.get(k.worker("probe")) is None and worker.get(k.lease("probe", 0)) is None
-        finally:
-            leader.close()
+        worker.put(k.worker_commit("w0", "j", "s0", 1), "{}")  # its own commit key: the leader promotes it or not
+        worker.delete(k.worker_commit("w0", "j", "s0", 1))
     finally:
         client.close()
         worker.close()

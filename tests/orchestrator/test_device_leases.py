@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from rallypoint.chaos.invariants import check_exclusive_device_leases
-from rallypoint.orchestrator.control.devices import DeviceLeases, Placement
+from rallypoint.orchestrator.control.devices import DeviceLeases, Placement, free_worker
 from rallypoint.etcd.cluster_view import Holder, read_cluster
 from rallypoint.basics.errors import AllocationError, NoSpareDevices, UnknownWorker
 from rallypoint.etcd.keys import Keys
@@ -170,11 +170,13 @@ def test_release_on_request_on_job_end_and_on_worker_loss(store: EtcdStore) -> N
     assert leases.release("j1") == 0
     snap = read_cluster(store, KEYS)
     assert {h.job for s in snap.workers.values() for h in s.holders.values()} == {"j2"}
-    # Fencing a worker (revoking its lease) frees its devices in the same operation.
+    # Fencing a worker (revoking its lease) deletes its registration; its device leases are the leader's (on the
+    # leader's lease), which the leader deletes when it sees the worker gone.
     j2_worker = next(w for w, s in snap.workers.items() if s.holders)
     store.revoke_lease(snap.workers[j2_worker].info.lease)
     snap = read_cluster(store, KEYS)
     assert j2_worker not in snap.workers
+    assert free_worker(store, KEYS, store.txn, j2_worker, snap.revision + 1) == 2
     assert store.get_prefix(KEYS.worker_leases(j2_worker))[0] == []
     assert a.worker and b.worker and lease1
 

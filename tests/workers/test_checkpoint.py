@@ -25,9 +25,9 @@ from rallypoint.basics.logs import configure
 from rallypoint.etcd.etcd_store import EtcdStore
 from rallypoint.etcd.store import created_at
 from tests.conftest import wait_until
-from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_commits
+from rallypoint.etcd.commits import CheckpointCommit, consistent_cut, read_worker_commits
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
-from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.checkpoints.checksums import binding, state_checksum
 from rallypoint.workers.checkpoints.committer import etcd_commit
 from rallypoint.workers.checkpoints.restore import latest_committed, restore_commit
 from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused
@@ -63,10 +63,11 @@ def test_round_trip_is_bitwise_and_commit_names_the_checkpoint(tmp_path: Path) -
     c = rec.commits[0]
     assert ck.directory.parent == (tmp_path / "j" / "s0").absolute()  # the slice's directory, then the writer's
     assert c == CheckpointCommit("j", "s0", 10, str(ck.directory / "10"),
-                                 state_checksum(states_at(10)), ("stage0.opt", "stage0.params"))
-    assert re.fullmatch(r"sha256:[0-9a-f]{64}", c.checksum)
+                                 state_checksum(states_at(10), binding("j", "j", "s0", 10)),
+                                 ("stage0.opt", "stage0.params"))
+    assert re.fullmatch(r"sha256b:[0-9a-f]{64}", c.checksum)  # bound to job, run, slice and step
     assert CheckpointCommit.from_json(json.loads(json.dumps(c.to_json()))) == c
-    assert state_checksum(states_at(11)) != c.checksum
+    assert state_checksum(states_at(11), binding("j", "j", "s0", 10)) != c.checksum
     events = [e["event"] for e in logs if e["event"].startswith("checkpoint.")]
     assert events.index("checkpoint.saved") < events.index("checkpoint.committed")
     assert all(e["job"] == "j" and e["slice"] == "s0" for e in logs if e["event"] == "checkpoint.committed")
@@ -140,7 +141,7 @@ def test_corrupt_newest_checkpoint_is_detected_and_an_older_commit_is_used(tmp_p
             ck.restore(20, rec.commits[1].checksum)
         msg = str(info.value)
         for part in ("'j'", "'s0'", "step 20", str(d.absolute() / "20"), rec.commits[1].checksum,
-                     state_checksum(raw)):
+                     state_checksum(raw, binding("j", d.parent.parent.name, "s0", 20))):
             assert part in msg
         assert [e["event"] for e in logs] == ["checkpoint.corrupt"]
 
@@ -300,11 +301,11 @@ def test_commits_in_etcd_are_guarded_on_the_incarnation(store: EtcdStore, tmp_pa
         b.save(10, states_at(10))
         a.wait()
         b.wait()
-        commits = read_commits(store, keys, "j")
+        commits = read_worker_commits(store, keys, "w1", "j")
         assert {s: [c.step for c in cs] for s, cs in commits.items()} == {"s0": [10, 20], "s1": [10]}
         assert commits["s0"] == a.commits and commits["s1"] == b.commits
         assert consistent_cut(commits, ["s0", "s1"]) == 10
-        kv = store.get(keys.checkpoint("j", "s0", 20))
+        kv = store.get(keys.worker_commit("w1", "j", "s0", 20))  # its own key: the leader promotes it
         assert kv is not None
         raw = kv.json()
         assert (raw["worker"], raw["incarnation"], raw["slice"]) == ("w1", inc, "s0")
@@ -315,7 +316,7 @@ def test_commits_in_etcd_are_guarded_on_the_incarnation(store: EtcdStore, tmp_pa
         a.save(30, states_at(30))
         with pytest.raises(CommitRefused, match=f"incarnation {inc} is fenced"):
             a.wait()
-        assert [c.step for c in read_commits(store, keys, "j")["s0"]] == [10, 20]
+        assert [c.step for c in read_worker_commits(store, keys, "w1", "j")["s0"]] == [10, 20]
         assert 30 in a.steps_on_disk()  # finalized by Orbax, but it does not count
 
         fresh = etcd_commit(store, keys, created_at(keys.worker("w1"), new_inc))
@@ -326,7 +327,7 @@ def test_commits_in_etcd_are_guarded_on_the_incarnation(store: EtcdStore, tmp_pa
             b2.wait()
         finally:
             b2.close()
-        commits = read_commits(store, keys, "j")
+        commits = read_worker_commits(store, keys, "w1", "j")
         assert consistent_cut(commits, ["s0", "s1"]) == 20
         assert latest_committed(commits["s1"]).commit == commits["s1"][-1]
     finally:
@@ -360,7 +361,7 @@ def test_orbax_alone_loads_a_slice_as_the_docs_show(tmp_path: Path) -> None:
     assert rec.commits[1].path == str(ck.directory / "20")
     state = namespace["load_slice_state"](str(Path(rec.commits[1].path).parent), 20)
     assert_bitwise(state, states_at(20))
-    assert state_checksum(state) == rec.commits[1].checksum
+    assert state_checksum(state, binding("j", "j", "s0", 20)) == rec.commits[1].checksum
 
 
 def test_the_slices_of_one_worker_save_at_the_same_time_and_every_commit_arrives(tmp_path: Path) -> None:

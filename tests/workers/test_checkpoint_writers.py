@@ -21,7 +21,7 @@ from rallypoint.etcd.store import created_at
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.runs import run_dir
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.etcd.commits import CheckpointCommit, read_commits
+from rallypoint.etcd.commits import CheckpointCommit, read_worker_commits
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
 from rallypoint.workers.checkpoints.committer import COMMIT_RETRY_S, etcd_commit
 from rallypoint.workers.checkpoints.restore import latest_committed, restore_commit
@@ -50,7 +50,7 @@ def test_two_writers_of_one_slice_one_fenced_never_touch_each_others_checkpoints
         for step in (10, 20):
             zombie.save(step, states_at(step))
         zombie.wait()
-        old = {c.step: c for c in read_commits(store, keys, "j")["s0"]}
+        old = {c.step: c for c in read_worker_commits(store, keys, "w1", "j")["s0"]}
         assert sorted(old) == [10, 20]
         marker = Path(old[20].path) / "marker"
         marker.write_text("the directory the commit of step 20 names")
@@ -67,7 +67,7 @@ def test_two_writers_of_one_slice_one_fenced_never_touch_each_others_checkpoints
         live.save(20, states_at(20))
         live.wait()
         assert marker.exists(), "the replay rewrote the committed step in place"
-        now = {c.step: c for c in read_commits(store, keys, "j")["s0"]}
+        now = {c.step: c for c in read_worker_commits(store, keys, "w1", "j")["s0"]}
         assert now[20].path == str(live.directory / "20") != old[20].path
         assert_bitwise(restore_commit(now[20], slice_dir), states_at(20))
 
@@ -75,7 +75,7 @@ def test_two_writers_of_one_slice_one_fenced_never_touch_each_others_checkpoints
         with pytest.raises(CommitRefused):
             zombie.wait()
         assert 30 in zombie.steps_on_disk()
-        assert 30 not in {c.step for c in read_commits(store, keys, "j")["s0"]}
+        assert 30 not in {c.step for c in read_worker_commits(store, keys, "w1", "j")["s0"]}
 
         # The zombie's retention may not delete what a live commit names (step 10, the cut).
         zombie.release(10)  # step 10 is now older than the zombie's newest commit and no longer protected by it
@@ -85,7 +85,7 @@ def test_two_writers_of_one_slice_one_fenced_never_touch_each_others_checkpoints
         # zombie's step 20 goes too; the cut (protected) stays, in the zombie's directory, where its commit points.
         live.save(30, states_at(30))
         live.wait()
-        final = {c.step: c for c in read_commits(store, keys, "j")["s0"]}
+        final = {c.step: c for c in read_worker_commits(store, keys, "w1", "j")["s0"]}
         assert sorted(final) == [10, 30]
         assert final[10].path == old[10].path and final[30].path == str(live.directory / "30")
         assert not Path(old[20].path).exists() and not (live.directory / "20").exists()
@@ -103,9 +103,9 @@ def test_forget_deletes_only_the_commit_naming_the_directory_and_refuses_when_fe
     committer = etcd_commit(store, keys, created_at(keys.worker("w1"), inc))
     committer(CheckpointCommit("j", "s0", 5, "/ck/s0/w-b/5", "sha256:x"))
     committer.forget("j", "s0", 5, "/ck/s0/w-a/5")  # another writer's commit of step 5: it stays
-    assert [c.path for c in read_commits(store, keys, "j")["s0"]] == ["/ck/s0/w-b/5"]
+    assert [c.path for c in read_worker_commits(store, keys, "w1", "j")["s0"]] == ["/ck/s0/w-b/5"]
     committer.forget("j", "s0", 5, "/ck/s0/w-b/./5")
-    assert read_commits(store, keys, "j") == {}
+    assert read_worker_commits(store, keys, "w1", "j") == {}
     committer.forget("j", "s0", 5, "/ck/s0/w-b/5")  # nothing left to forget
 
     committer(CheckpointCommit("j", "s0", 6, "/ck/s0/w-b/6", "sha256:x"))
@@ -113,7 +113,7 @@ def test_forget_deletes_only_the_commit_naming_the_directory_and_refuses_when_fe
     register_worker(store, keys, "w1", 1)
     with pytest.raises(CommitRefused):
         committer.forget("j", "s0", 6, "/ck/s0/w-b/6")
-    assert [c.step for c in read_commits(store, keys, "j")["s0"]] == [6]
+    assert [c.step for c in read_worker_commits(store, keys, "w1", "j")["s0"]] == [6]
 
 
 class Unreachable(MemoryStore):
@@ -137,7 +137,7 @@ def test_commits_retry_an_unreachable_etcd_on_the_injected_clock() -> None:
     clock = FakeClock()
     t0, start = time.monotonic(), clock.monotonic()
     etcd_commit(store, keys, created_at(keys.worker("w1"), inc), clock=clock)(c)
-    assert [x.step for x in read_commits(store, keys, "j")["s0"]] == [5]
+    assert [x.step for x in read_worker_commits(store, keys, "w1", "j")["s0"]] == [5]
     assert store.calls == 6 and clock.monotonic() > start
 
     store.down = 10**9  # never comes back: the commit gives up after COMMIT_RETRY_S of the clock, not of the wall

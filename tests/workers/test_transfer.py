@@ -116,7 +116,7 @@ class FakePeers:
     def __init__(self, holder: Holder) -> None:
         self.clock, self.holder = FakeClock(), holder
 
-    def stub(self, address: str) -> Holder:
+    def stub(self, address: str, worker: str = "") -> Holder:
         return self.holder
 
 

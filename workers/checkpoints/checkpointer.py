@@ -49,9 +49,9 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import check_name
 from rallypoint.workers import meter
-from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.checkpoints.checksums import binding, state_checksum
 from rallypoint.workers.checkpoints.restore import States, restore_commit
-from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused
+from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused, StillCommitted
 
 __all__ = ["SliceCheckpointer"]
 
@@ -154,8 +154,8 @@ class SliceCheckpointer:
 
     def _checksum(self, item: _Pending) -> str:
         """The commit's checksum of a finalized save (on the commit thread)."""
-        assert item.states is not None
-        return state_checksum(item.states)
+        assert item.states is not None  # bound to the job, run (the directory above the slice's), slice and step
+        return state_checksum(item.states, binding(self.job, self.slice_dir.parent.name, self.slice_name, item.step))
 
     def save(self, step: int, states: Mapping[str, Sequence[Any]]) -> None:
         """Start saving the slice's states after ``step`` (version ``step + 1``).
@@ -352,7 +352,10 @@ class SliceCheckpointer:
                     if s >= keep_from or s in held:
                         continue
                     if self._forget is not None:
-                        self._forget(s, str(path))
+                        try:
+                            self._forget(s, str(path))
+                        except StillCommitted:
+                            continue  # another worker's commit names it and counts: it stays
                     try:
                         shutil.rmtree(path)
                     except OSError as e:

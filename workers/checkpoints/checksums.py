@@ -1,7 +1,12 @@
 """What a checkpoint's commit says its bytes are: one checksum over a slice's states, of either of two kinds.
 
-* ``sha256:<hex>`` (:func:`state_checksum`): over every state's leaves, whole, in name order:
-  what a slice on one worker commits, computed from the host copy it saves.
+* ``sha256b:<hex>`` (:func:`state_checksum` with ``bind``): over the checkpoint's identity
+  ``(job, run, slice, step)`` (:func:`binding`), then every state's leaves, whole, in name
+  order: what a slice on one worker commits, computed from the host copy it saves. A commit
+  that names another step's (or slice's, job's, run's) directory and checksum does not
+  verify: the restorer binds the commit's own job, slice and step and the run its path lies in.
+  ``sha256:<hex>`` is the same without the identity (checkpoints of earlier versions: they
+  still restore, but a leader promotes no new commit of that kind).
 * ``sha256-shards:<hex>`` (:func:`shards_checksum`): what a multi-host slice commits, whose
   members each save only their own shards and no process ever holds a whole leaf
   (docs/multihost.md). Each member digests the shards it holds the first replica of; the
@@ -26,10 +31,36 @@ SHARDED = "sha256-shards:"
 SHARDS_FILE = "shards.json"  # the digests of a sharded save, in its step directory
 
 
-def state_checksum(states: Mapping[str, Sequence[Any]]) -> str:
+BOUND = "sha256b:"
+
+
+def run_of(path: str | Path, slice_name: str) -> str:
+    """The run a checkpoint's path lies in: the directory above its slice's (``<run>/<slice>/<writer>/<step>``);
+    "" when the path names no such directory."""
+    parts = Path(path).parts
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] == slice_name:
+            return parts[i - 1]
+    return ""
+
+
+def binding(job: str, run: str, slice_name: str, step: int) -> tuple[str, str, str, int]:
+    """The identity a checkpoint's checksum binds."""
+    return (str(job), str(run), str(slice_name), int(step))
+
+
+def commit_binding(commit: Any) -> tuple[str, str, str, int]:
+    """The identity a commit (job, slice_name, step, path) claims for its checkpoint."""
+    return binding(commit.job, run_of(commit.path, commit.slice_name), commit.slice_name, commit.step)
+
+
+def state_checksum(states: Mapping[str, Sequence[Any]], bind: tuple[str, str, str, int] | None = None) -> str:
     """``sha256:<hex>`` over the states in name order: for each leaf a JSON header
-    ``{"state", "leaf", "dtype", "shape"}`` and a newline, then its C-order bytes."""
+    ``{"state", "leaf", "dtype", "shape"}`` and a newline, then its C-order bytes. With ``bind``
+    (:func:`binding`): ``sha256b:<hex>``, the identity's JSON line first."""
     h = hashlib.sha256()
+    if bind is not None:
+        h.update(json.dumps({"job": bind[0], "run": bind[1], "slice": bind[2], "step": bind[3]}).encode() + b"\n")
     for name in sorted(states):
         h.update(json.dumps({"state": name, "leaves": len(states[name])}).encode() + b"\n")
         for i, leaf in enumerate(states[name]):
@@ -37,7 +68,7 @@ def state_checksum(states: Mapping[str, Sequence[Any]]) -> str:
             h.update(json.dumps({"state": name, "leaf": i, "dtype": a.dtype.name,
                                  "shape": list(a.shape)}).encode() + b"\n")
             h.update(a.reshape(-1).view(np.uint8).data)
-    return "sha256:" + h.hexdigest()
+    return (BOUND if bind is not None else "sha256:") + h.hexdigest()
 
 
 def shard_entries(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
@@ -68,10 +99,14 @@ def read_listing(step_dir: Path) -> list[dict[str, Any]]:
     return listing
 
 
-def checksum_of(states: Mapping[str, Sequence[Any]], committed: str, step_dir: Path | None) -> str:
+def checksum_of(states: Mapping[str, Sequence[Any]], committed: str, step_dir: Path | None,
+                bind: tuple[str, str, str, int] | None = None) -> str:
     """The checksum of ``states`` (whole leaves) of the kind ``committed`` is: equal to it iff they are the
     bytes that were saved. A sharded one re-digests the leaves split as its ``shards.json`` lists them,
-    and is something else when that file is missing or does not cover each leaf exactly once."""
+    and is something else when that file is missing or does not cover each leaf exactly once. A bound one
+    (``sha256b:``) binds ``bind``, the identity the caller expects (:func:`commit_binding`)."""
+    if committed.startswith(BOUND):
+        return state_checksum(states, bind) if bind is not None else "none: no identity to bind"
     if not committed.startswith(SHARDED):
         return state_checksum(states)
     try:

@@ -2,9 +2,15 @@
 
 :class:`EtcdCommitter` is the ``commit`` (and ``forget``) of a
 :class:`~rallypoint.workers.checkpoints.checkpointer.SliceCheckpointer`: it writes a commit
-(:class:`~rallypoint.etcd.commits.CheckpointCommit`) to etcd at ``keys.checkpoint(job, slice,
-step)`` in a transaction guarded on the worker's incarnation, so a zombie incarnation can
-neither commit nor delete a commit (:class:`~rallypoint.workers.errors.CommitRefused`).
+(:class:`~rallypoint.etcd.commits.CheckpointCommit`) to etcd at its own key
+``keys.worker_commit(worker, job, slice, step)`` in a transaction guarded on the worker's
+incarnation, so a zombie incarnation can neither commit nor delete a commit
+(:class:`~rallypoint.workers.errors.CommitRefused`). The worker's etcd user may write no other
+commit key: the job's leader checks the commit (the worker holds the slice, the path is in the
+run's slice directory) when the worker reports it and promotes it to ``keys.checkpoint(job,
+slice, step)`` (:mod:`rallypoint.orchestrator.job.promote`); a forgotten commit stops counting
+at once (:func:`rallypoint.etcd.commits.read_commits` counts a promoted commit only while the
+worker's own is there).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Compare, Delete, Put, Store, key_missing, unchanged_since
-from rallypoint.workers.errors import CheckpointError, CommitRefused
+from rallypoint.workers.errors import CheckpointError, CommitRefused, StillCommitted
 
 __all__ = ["COMMIT_RETRY_S", "EtcdCommitter", "etcd_commit"]
 
@@ -32,7 +38,7 @@ COMMIT_RETRY_S = 30.0
 
 class EtcdCommitter:
     """A ``commit`` for :class:`~rallypoint.workers.checkpoints.checkpointer.SliceCheckpointer` that writes the commit JSON at
-    ``keys.checkpoint(job, slice, step)`` in a transaction guarded by ``guard``:
+    ``keys.worker_commit(worker, job, slice, step)`` in a transaction guarded by ``guard``:
     ``created_at(keys.worker(worker_id), incarnation)``, so a zombie incarnation
     cannot commit (:class:`CommitRefused`). Unreachable etcd is retried for
     ``COMMIT_RETRY_S`` of ``clock`` (the shared policy: :func:`rallypoint.basics.retry.retrying`);
@@ -57,7 +63,7 @@ class EtcdCommitter:
                              f"its incarnation is over; {what} refused")
 
     def __call__(self, c: CheckpointCommit) -> None:
-        key = self.keys.checkpoint(c.job, c.slice_name, c.step)
+        key = self.keys.worker_commit(self.worker, c.job, c.slice_name, c.step)
         value = json.dumps(c.to_json() | {"worker": self.worker, "incarnation": self.incarnation, "at": time.time()})
         for attempt in self._retrying(f"checkpoint commit {c.job}/{c.slice_name}@{c.step}"):
             with attempt:
@@ -76,9 +82,12 @@ class EtcdCommitter:
 
         With ``path``, only a commit naming that directory is deleted (one naming another
         writer's directory stays). Raises :class:`CommitRefused` when this incarnation is
-        over, so the caller keeps the directory.
+        over, and :class:`StillCommitted` when the job's commit of that step names ``path`` and
+        still counts as another worker's (this worker may not end it): the caller keeps the
+        directory either way.
         """
-        key = self.keys.checkpoint(job, slice_name, step)
+        self._check_not_others(job, slice_name, step, path)
+        key = self.keys.worker_commit(self.worker, job, slice_name, step)
         for attempt in self._retrying(f"forget checkpoint commit {job}/{slice_name}@{step}"):
             with attempt:
                 for _ in range(8):  # the key changed between the read and the delete: look again
@@ -91,6 +100,26 @@ class EtcdCommitter:
                         raise self._refused(f"forgetting the commit of {job}/{slice_name} step {step}")
                 raise CheckpointError(f"the commit of {job}/{slice_name} step {step} kept changing while "
                                       "it was being forgotten")
+
+
+    def _check_not_others(self, job: str, slice_name: str, step: int, path: str | None) -> None:
+        """Raise :class:`StillCommitted` when the job's commit of the step names ``path`` and counts as another
+        worker's (its own commit names the same directory)."""
+        if path is None:
+            return
+        kv = self.store.get(self.keys.checkpoint(job, slice_name, step))
+        if kv is None or not _same_path(_commit_path(kv.value), path):
+            return
+        try:
+            other = json.loads(kv.value).get("worker")
+        except (ValueError, AttributeError):
+            return
+        if not isinstance(other, str) or not other or other == self.worker:
+            return
+        src = self.store.get(self.keys.worker_commit(other, job, slice_name, step))
+        if src is not None and _same_path(_commit_path(src.value), path):
+            raise StillCommitted(f"the commit of {job}/{slice_name} step {step} at {path} is worker {other}'s and "
+                                 "still counts: its directory stays until the job's leader ends it")
 
 
 def _commit_path(value: bytes) -> str | None:

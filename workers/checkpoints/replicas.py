@@ -8,7 +8,7 @@ keeps them in its :class:`ReplicaStore`, which lives at the worker-service level
 (a holder may be a spare with no runtime of the job). A worker restoring a slice asks
 the holder named in ``LoadJobRequest.replica_sources`` for the copy of the commit
 (``FetchReplica``; its own store when it is the holder) and uses it only if
-:func:`rallypoint.workers.checkpoints.checksums.state_checksum` of what arrived equals the commit's
+:func:`rallypoint.workers.checkpoints.checksums.checksum_of` what arrived equals the commit's
 checksum; otherwise (holder unreachable, copy missing or evicted, checksum mismatch)
 it reads the checkpoint from disk. :meth:`ReplicaTier.fetch` returns the tier used.
 
@@ -36,7 +36,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.basics.retry import retrying, transient_rpc
 from rallypoint.proto import codec
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.checkpoints.checksums import state_checksum
+from rallypoint.workers.checkpoints.checksums import checksum_of, commit_binding
 from rallypoint.workers.checkpoints.restore import States
 from rallypoint.workers.transfer import PeerChannels
 
@@ -229,7 +229,7 @@ class Replicator:
         try:
             r = retrying(clock=self._peers.clock, what="replica push", retry_if=transient_rpc,
                          stop_after_s=PUSH_RETRY_S, should_stop=lambda: self._closed, initial_s=0.05, max_s=1.0,
-                         jitter_s=0.05)(lambda: self._peers.stub(target.address).PushReplica(
+                         jitter_s=0.05)(lambda: self._peers.stub(target.address, target.worker_id).PushReplica(
                              codec.replica_chunks(header, states), timeout=FETCH_TIMEOUT_S))
         except grpc.RpcError as exc:
             self.log.warning("replica.push_failed", slice=c.slice_name, step=c.step, holder=target.worker_id,
@@ -282,7 +282,7 @@ class ReplicaTier:
                     return None
                 checksum, states = r.checksum, r.states
             else:
-                stream = self.peers.stub(source.address).FetchReplica(pb.FetchReplicaRequest(
+                stream = self.peers.stub(source.address, source.worker_id).FetchReplica(pb.FetchReplicaRequest(
                     to=pb.Identity(cluster=req.to.cluster, worker_id=source.worker_id, incarnation=source.incarnation),
                     job=req.job, slice=ref.slice, step=int(ref.step)), timeout=FETCH_TIMEOUT_S)
                 header, states = codec.assemble_replica(stream)
@@ -293,7 +293,8 @@ class ReplicaTier:
         except ValueError as exc:
             log.warning("replica.unavailable", **where, reason=f"malformed replica stream: {exc}")
             return None
-        actual = state_checksum(states)
+        claimed = CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum)
+        actual = checksum_of(states, ref.checksum, None, commit_binding(claimed))  # bound to the commit's identity
         if checksum != ref.checksum or actual != ref.checksum:
             log.warning("replica.corrupt", **where, expected=ref.checksum, sent=checksum, actual=actual)
             return None

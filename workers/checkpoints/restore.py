@@ -21,7 +21,7 @@ from rallypoint.basics.errors import ConfigError
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import check_name
-from rallypoint.workers.checkpoints.checksums import checksum_of
+from rallypoint.workers.checkpoints.checksums import checksum_of, commit_binding
 from rallypoint.workers.errors import CheckpointCorrupt
 
 __all__ = ["LatestCommitted", "States", "checkpoint_within", "latest_committed", "metadata_tree", "restore_commit"]
@@ -96,7 +96,7 @@ def restore_commit(commit: CheckpointCommit, slice_dir: Path | None = None) -> S
         log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
                     actual=None, error=f"{type(e).__name__}: {e}")
         raise CheckpointCorrupt(commit, None, f"{type(e).__name__}: {e}") from e
-    actual = checksum_of(states, commit.checksum, step_dir)
+    actual = checksum_of(states, commit.checksum, step_dir, commit_binding(commit))
     if actual != commit.checksum:
         log.warning("checkpoint.corrupt", step=commit.step, path=commit.path, expected=commit.checksum,
                     actual=actual)

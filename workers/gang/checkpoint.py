@@ -49,8 +49,8 @@ from rallypoint.workers import meter
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer, _Pending
 from rallypoint.workers.checkpoints.restore import checkpoint_within, metadata_tree
-from rallypoint.workers.checkpoints.checksums import (SHARDED, SHARDS_FILE, checksum_of, read_listing, shard_entries,
-                                          shards_checksum)
+from rallypoint.workers.checkpoints.checksums import (SHARDED, SHARDS_FILE, checksum_of, commit_binding,
+                                                      read_listing, shard_entries, shards_checksum)
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replicas import part_name
 from rallypoint.workers.gang.lead import GangSlice, GroupSharding, GroupValue
@@ -269,7 +269,7 @@ def restore_on_gang(commit: CheckpointCommit, slice_dir: Path, gang: GangSlice,
     if actual is None:  # saved otherwise (by a slice on one worker, or split otherwise): checked whole, on the lead
         checked = "gathered"
         actual = checksum_of({s: [np.asarray(v) for v in leaves] for s, leaves in values.items()}, commit.checksum,
-                             step_dir)
+                             step_dir, commit_binding(commit))
     if actual != commit.checksum:
         raise corrupt(actual, "the bytes read back are not the ones committed")
     log.info("checkpoint.restored_on_group", step=commit.step, checked=checked, members=len(gang.group.members),

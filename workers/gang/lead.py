@@ -60,14 +60,15 @@ class GangSlice:
     @classmethod
     def form(cls, sa: pb.SliceAssignment, stub: Any, *, cluster: str, request_timeout_s: float = 120.0,
              job: str = "", cancel: threading.Event | None = None) -> GangSlice:
-        """Form the group of ``sa.members`` (``stub(address)``: a ``WorkerRuntimeStub`` with this worker's identity)."""
+        """Form the group of ``sa.members`` (``stub(address, worker)``: a ``WorkerRuntimeStub`` whose server must be
+        that worker)."""
         from rallypoint.workers.gang.link import form_on_workers
 
         per = {int(m.devices) for m in sa.members}
         if len(per) != 1:
             raise ValueError(f"slice {sa.slice!r}: its members give {sorted(per)} devices; a gang's must be equal")
-        workers = [(stub(m.address), pb.Identity(cluster=cluster, worker_id=m.worker_id, incarnation=m.incarnation))
-                   for m in sa.members]
+        workers = [(stub(m.address, m.worker_id),
+                    pb.Identity(cluster=cluster, worker_id=m.worker_id, incarnation=m.incarnation)) for m in sa.members]
         group = form_on_workers(workers, per.pop(), request_timeout_s=request_timeout_s,
                                 device_ids=[list(m.device_ids) for m in sa.members], job=job, slice_name=sa.slice,
                                 cancel=cancel)

@@ -131,8 +131,8 @@ class Parts:
                 from_worker=str(h["from_worker"]), from_incarnation=int(h["from_incarnation"]))
             t0 = time.perf_counter()
             try:
-                r = self.peers().stub(target.address).PushReplica(codec.replica_chunks(header, states),
-                                                                  timeout=PUSH_TIMEOUT_S)
+                r = self.peers().stub(target.address, target.worker_id).PushReplica(codec.replica_chunks(header, states),
+                                                                                    timeout=PUSH_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the other holder, or the disk, serves instead
                 self.log.warning("replica.push_failed", part=h["part"], step=h["step"], holder=target.worker_id,
                                  error=f"{type(exc).__name__}: {exc}")
@@ -157,7 +157,7 @@ class Parts:
         whys = []
         for source in map(_peer, h["sources"]):
             try:
-                stream = self.peers().stub(source.address).FetchReplica(pb.FetchReplicaRequest(
+                stream = self.peers().stub(source.address, source.worker_id).FetchReplica(pb.FetchReplicaRequest(
                     to=pb.Identity(cluster=str(h["cluster"]), worker_id=source.worker_id,
                                    incarnation=source.incarnation),
                     job=str(h["job"]), slice=str(h["part"]), step=int(h["step"])), timeout=PUSH_TIMEOUT_S)
