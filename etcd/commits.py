@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.records import MAX_RECORD_BYTES, REQUIRED, Fields, skip_bad
+from rallypoint.etcd.records import MAX_RECORD_BYTES, REQUIRED, BadRecord, Fields, skip_bad
 from rallypoint.etcd.store import KeyValue, Store
 
 
@@ -75,9 +75,11 @@ def read_commits(store: Store, keys: Keys, job: str) -> dict[str, list[Checkpoin
     mine = {kv.key: kv.value for kv in own}
     out: dict[str, list[CheckpointCommit]] = {}
     for kv in kvs:
-        d = kv.json()
-        c = CheckpointCommit.from_json(d)
-        worker = d.get("worker") if isinstance(d, dict) else None
+        fields = skip_bad(lambda kv=kv: Fields.of(kv, "commit"))
+        c = skip_bad(lambda kv=kv: CheckpointCommit.from_kv(kv)) if fields is not None else None
+        if c is None:
+            continue
+        worker = fields.raw.get("worker")
         if isinstance(worker, str) and worker:
             src = mine.get(keys.worker_commit(worker, job, c.slice_name, c.step))
             if src is None or _path_of(src) != c.path:
@@ -102,11 +104,12 @@ def read_worker_commits(store: Store, keys: Keys, worker: str, job: str) -> dict
 
 
 def _path_of(value: bytes) -> str | None:
+    """The ``path`` of a worker's own commit record (None: not a commit record)."""
     try:
-        d = json.loads(value)
-    except ValueError:
+        path = Fields("commit", value, "commit").raw.get("path")
+    except BadRecord:
         return None
-    return d.get("path") if isinstance(d, dict) else None
+    return path if isinstance(path, str) else None
 
 
 def consistent_cut(commits: Mapping[str, Sequence[CheckpointCommit]], slices: Iterable[str], *,

@@ -31,6 +31,7 @@ from typing import Any
 
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.records import Fields, skip_bad
 from rallypoint.etcd.store import Delete, KeyValue, Op, Put, Store, unchanged_since
 from rallypoint.recovery.load_plan import SlicePlace
 
@@ -107,14 +108,11 @@ def promote(store: Store, keys: Keys, txn: Callable[[list[Any], list[Op], list[O
     if kv is None:
         done = store.get(keys.checkpoint(job, slice_name, step))
         if done is not None:  # promoted already (a sweep), or written by a coordinator: it counts as it is
-            return CheckpointCommit.from_json(done.json())
+            return skip_bad(lambda: CheckpointCommit.from_kv(done))
         log.warning("checkpoint.commit_refused", worker=worker, slice=slice_name, step=step,
                     reason="the worker reported a commit its own commit key does not hold")
         return None
-    try:
-        rec = json.loads(kv.value)
-    except ValueError:
-        rec = None
+    rec = skip_bad(lambda: Fields.of(kv, "commit").raw)  # etcd/records.py: the one boundary
     why = why_refused(rec, job=job, worker=worker, slice_name=slice_name, step=step, steps=steps, places=places,
                       run_dir=run_dir)
     if why is not None:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from rallypoint.basics.tls import forget
 from rallypoint.cluster import local_security as security
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.workers.code import CodeCache
@@ -175,14 +176,18 @@ def test_the_embedded_clusters_daemons_see_ca_crt_and_their_own_pair_only(tmp_pa
     tls = security.cluster_tls_dir(state)
     for name, role in (("c0", "coordinator"), ("w0", "worker")):
         security.issue_process(tls, name, role=role, host="127.0.0.1", cluster="t", net=None)
-    lc = LocalCluster(LocalClusterConfig(state_dir=state, cluster="t"), ["127.0.0.1:1"], [])
-    for name, role in (("c0", "coordinator"), ("w0", "worker")):
-        argv = lc.argv(role, name)
-        own = Path(argv[argv.index("--tls-dir") + 1])
-        assert sorted(os.listdir(own)) == sorted(["ca.crt", f"{name}.crt", f"{name}.key"]), own
-        assert own != tls and (own.stat().st_mode & 0o077) == 0
+    endpoints = ["127.0.0.1:1"]
+    lc = LocalCluster(LocalClusterConfig(state_dir=state, cluster="t"), endpoints, [])
+    try:
+        for name, role in (("c0", "coordinator"), ("w0", "worker")):
+            argv = lc.argv(role, name)
+            own = Path(argv[argv.index("--tls-dir") + 1])
+            assert sorted(os.listdir(own)) == sorted(["ca.crt", f"{name}.crt", f"{name}.key"]), own
+            assert own != tls and (own.stat().st_mode & 0o077) == 0
+        argv = lc.argv("worker", "w0")
+    finally:
+        forget(endpoints)  # the identity the cluster recorded for its endpoints: no other test may use it
     assert not (tls / "w0.key").exists() and not (tls / "c0.key").exists()  # beside ca.key: no daemon's key
-    argv = lc.argv("worker", "w0")
     hidden = [argv[i + 1] for i, a in enumerate(argv) if a == "--source-hide"]
     assert str(tls) in hidden  # ca.key, the operator's and every other key: hidden from the job code it runs
 

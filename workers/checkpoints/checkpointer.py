@@ -49,7 +49,7 @@ from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.etcd.keys import check_name
 from rallypoint.workers import meter
-from rallypoint.workers.checkpoints.checksums import binding, state_checksum
+from rallypoint.workers.checkpoints.checksums import binding, run_of, state_checksum
 from rallypoint.workers.checkpoints.restore import States, restore_commit
 from rallypoint.workers.errors import CheckpointCorrupt, CheckpointError, CommitRefused, StillCommitted
 
@@ -155,7 +155,8 @@ class SliceCheckpointer:
     def _checksum(self, item: _Pending) -> str:
         """The commit's checksum of a finalized save (on the commit thread)."""
         assert item.states is not None  # bound to the job, run (the directory above the slice's), slice and step
-        return state_checksum(item.states, binding(self.job, self.slice_dir.parent.name, self.slice_name, item.step))
+        bind = binding(self.job, run_of(self.slice_dir, self.slice_name), self.slice_name, item.step)
+        return state_checksum(item.states, bind)
 
     def save(self, step: int, states: Mapping[str, Sequence[Any]]) -> None:
         """Start saving the slice's states after ``step`` (version ``step + 1``).
