@@ -35,6 +35,7 @@ STEPS = 40
 LONG = 200
 EVERY = 5
 QUIET = {"warm_spares": 0, "checkpoint_every": EVERY}  # no spare compiles beside the job: this machine has 2 cores
+CALLER = "operator:client"  # a stop's `by`: the caller's certificate (the CLI of the embedded cluster)
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +104,10 @@ def test_a_detached_job_is_suspended_listed_resumed_with_nothing_replayed_and_lo
     assert stopped.value.state == "suspended" and "`rallypoint resume" in str(stopped.value)
     rec = record(lc, job)
     assert rec["state"] == "suspended" and rec["cut"] == rec["step_done"] and 8 < rec["cut"] < STEPS
-    assert rec["stop"]["by"] == "operator test" and held(lc, job) == 0
+    assert rec["stop"]["by"] == CALLER and held(lc, job) == 0
     listed = [json.loads(line) for line in cli(lc, "jobs", "--json").output.splitlines()]
     row = next(r for r in listed if r["job"] == job and r["current"])
-    assert row["state"] == "suspended" and row["run"] == run and row["stopped_by"] == "operator test"
+    assert row["state"] == "suspended" and row["run"] == run and row["stopped_by"] == CALLER
     assert [r["run"] for r in listed if r["job"] == job] == [run]  # one run: the retried submit started none
     shown = cli(lc, "watch", job)
     assert shown.exit_code == 4 and "is suspended" in shown.output
@@ -122,7 +123,7 @@ def test_a_detached_job_is_suspended_listed_resumed_with_nothing_replayed_and_lo
     assert names[:2] == ["job.placed", "job.started"] and names[-1] == "job.finished"
     assert names.index("job.stopping") < names.index("job.suspended") < names.index("job.resumed")
     text = cli(lc, "logs", job).output
-    assert "job.suspended" in text and "by operator test: maintenance" in text
+    assert "job.suspended" in text and f"by {CALLER}: maintenance" in text
 
 
 def placed_on(lc: LocalCluster, job: str, slice_name: str) -> str:
@@ -195,7 +196,7 @@ def test_a_suspend_asked_while_a_recovery_waits_for_room_takes_effect_once_the_j
     assert held(lc, job) == 0
     before = json.loads(seen[0].detail)  # what the watch was told happened before it came
     assert seen[0].event == "job.watching" and before["state"] == "recovering"
-    assert before["stop"]["by"] == "operator test" and [sorted(r["lost"]) for r in before["recoveries"]] == [[victim]]
+    assert before["stop"]["by"] == CALLER and [sorted(r["lost"]) for r in before["recoveries"]] == [[victim]]
     done = resume(job, **where(lc))
     assert done["state_digest"] == reference and done["start_step"] == rec["cut"]
     assert done["replayed_instances"] == {}  # what the recovery replayed, it replayed before the suspend
