@@ -155,7 +155,8 @@ class ScenarioFollower:
         detail = json.loads(ev.detail or "{}")
         with self._suspends_lock:
             sp = next((x for x in self.suspends if x.get("suspended_at") is None and not x.get("error")), None)
-            if sp is None or (detail.get("stop") or {}).get("by") != "chaos":
+            stop = detail.get("stop") or {}  # the harness's own suspend: its reason (the record's `by` is the
+            if sp is None or not str(stop.get("reason", "")).startswith("chaos harness"):  # caller's certificate)
                 return False
             sp.update(suspended_at=time.time(), step=int(ev.step), cut=detail.get("cut"),
                       reason=detail.get("reason", ""))

@@ -129,9 +129,10 @@ def leader_in_process(lc: LocalCluster, hooks: ExecutorHooks) -> Iterator[Any]:
         if p.role == "coordinator":
             lc.signal(p.name, signal.SIGTERM)
             lc.reap(p.name, timeout_s=30)
-    local_security.issue_process(lc.tls_dir, name, role="coordinator", host=cfg.host, cluster=cfg.cluster, net=None)
+    own = local_security.issue_process(lc.tls_dir, name, role="coordinator", host=cfg.host, cluster=cfg.cluster,
+                                       net=None)  # a folder of its own: ca.crt and its pair
     c = Coordinator(CoordinatorConfig(
-        tls=TlsConfig.from_dir(lc.tls_dir, name).check_role("coordinator"), cluster=cfg.cluster, coordinator_id=name,
+        tls=TlsConfig.from_dir(own, name).check_role("coordinator"), cluster=cfg.cluster, coordinator_id=name,
         endpoints=tuple(lc.endpoints), lease_ttl_s=cfg.lease_ttl_s, checkpoint_dir=str(lc.checkpoint_dir),
         suspect_after_s=cfg.suspect_after_s, host=cfg.host, hooks=hooks))
     serve_jobs(c)
