@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(PY) bench/lm.py
 	$(PY) bench/sharded.py
 	$(PY) bench/final_cut.py
+	$(PY) bench/commit_verify.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
 	$(PY) bench/elastic.py
