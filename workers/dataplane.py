@@ -46,6 +46,7 @@ from rallypoint.basics import authz
 from rallypoint.basics.logs import get_logger
 from rallypoint.basics.tls import HANDSHAKE_TIMEOUT_S, TlsConfig
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.proto.codec import leaf_meta
 
 MAGIC = b"RPV1"
 _U32 = struct.Struct("!I")
@@ -112,19 +113,9 @@ def _leaf_array(meta: pb.Tensor, left: int = MAX_VALUE_BYTES) -> np.ndarray:
     """An empty array for a leaf's (dtype, shape); FrameError for anything but plain numeric data, or for more
     than ``MAX_LEAF_BYTES``, or than ``left`` (what the frame's earlier leaves left of ``MAX_VALUE_BYTES``)."""
     try:
-        dtype = np.dtype(meta.dtype)
-    except (TypeError, ValueError) as exc:
-        raise FrameError(f"unknown dtype {meta.dtype!r}: {exc}") from None
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufcV":
-        raise FrameError(f"dtype {meta.dtype!r} is not plain numeric data")
-    shape = tuple(int(d) for d in meta.shape)
-    if any(d < 0 for d in shape) or len(shape) > 32:
-        raise FrameError(f"bad shape {shape}")
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    if nbytes > MAX_LEAF_BYTES:
-        raise FrameError(f"a leaf of {nbytes} bytes is over the limit of {MAX_LEAF_BYTES}")
+        dtype, shape, nbytes = leaf_meta(meta.dtype, meta.shape, MAX_LEAF_BYTES)  # the codec's checks, one place
+    except ValueError as exc:
+        raise FrameError(str(exc)) from None
     if nbytes > left:
         raise FrameError(f"a leaf of {nbytes} bytes takes the frame over its limit of {MAX_VALUE_BYTES}")
     try:
