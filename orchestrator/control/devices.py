@@ -31,8 +31,8 @@ from rallypoint.basics.errors import AllocationError, NoSpareDevices, StoreError
 from rallypoint.etcd.cluster_view import ClusterSnapshot, Holder, read_cluster
 from rallypoint.etcd.keys import Keys, check_name
 from rallypoint.etcd.records import skip_bad
-from rallypoint.etcd.store import (MAX_TXN_OPS, TXN_OPS, Compare, Delete, Get, KeyValue, Op, Put, Store, TxnResult, created_at,
-                                   key_missing, unchanged_since)
+from rallypoint.etcd.store import (MAX_TXN_OPS, TXN_OPS, Compare, Delete, Get, KeyValue, Op, Put, Store, TxnResult,
+                                   created_at, key_missing, unchanged_since)
 
 FencedTxn = Callable[[Sequence[Compare], Sequence[Op], Sequence[Op]], TxnResult]
 
