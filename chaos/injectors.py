@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rallypoint.basics.clock import SYSTEM_CLOCK
+from rallypoint.basics.retry import retrying
 from rallypoint.chaos.scenario import FaultSpec
 from rallypoint.etcd.commits import read_commits
 from rallypoint.basics.errors import RallypointError
@@ -115,12 +117,17 @@ class Target:
         return str(kv.json()["coordinator"])
 
     def incarnation(self, worker: str) -> int | None:
-        store = self.lc.store()
-        try:
-            kv = store.get(self.lc.keys.worker(worker))
-        finally:
-            store.close()
-        return None if kv is None else kv.create_revision
+        """The worker's incarnation now (None: not registered); an etcd that does not answer at once (a loaded
+        host: the harness's own connection timing out) is asked again for up to 10 s, not an injection error."""
+        def once() -> int | None:
+            store = self.lc.store()
+            try:
+                kv = store.get(self.lc.keys.worker(worker))
+            finally:
+                store.close()
+            return None if kv is None else kv.create_revision
+
+        return retrying(clock=SYSTEM_CLOCK, what=f"reading worker {worker}", stop_after_s=10.0, max_s=0.5)(once)
 
 
 TENANT_JOB = "chaos-tenant"  # the holder name of the devices a tenant fault takes

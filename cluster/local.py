@@ -130,7 +130,8 @@ class LocalCluster:
         etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host, tls=etcd_tls)
         etcd.detach()
         if client_tls is not None:
-            security.enable_etcd_auth(etcd, client_tls, cluster=config.cluster, secrets_dir=state / "etcd")
+            security.enable_etcd_auth(etcd, client_tls, cluster=config.cluster, secrets_dir=state / "etcd",
+                                      workers=[f"w{i}" for i in range(config.workers + config.spares)])
         processes = [
             ProcessRecord("etcd", m.name, m.pid or 0, process_start_time(m.pid or 0) or 0, str(m.log_path))
             for m in etcd.members

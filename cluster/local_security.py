@@ -69,10 +69,13 @@ def issue_etcd_and_client(state_dir: Path, *, host: str, cluster: str) -> tuple[
     return etcd_tls, client
 
 
-def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secrets_dir: Path) -> None:
-    """etcd's users (root, and one per role on the cluster's prefix only), then auth on; stops etcd on failure."""
+def enable_etcd_auth(etcd: EtcdCluster, client: TlsConfig, *, cluster: str, secrets_dir: Path,
+                     workers: Sequence[str] = ()) -> None:
+    """etcd's users (root, one per role on the cluster's prefix only, and one per worker of ``workers``: made now,
+    before any process uses etcd, since each change of etcd's users fails the requests in flight with "auth:
+    revision in header is old"), then auth on; stops etcd on failure."""
     try:
-        enable_auth(etcd.endpoints, client, Keys(cluster).prefix, secrets_dir=secrets_dir)
+        enable_auth(etcd.endpoints, client, Keys(cluster).prefix, secrets_dir=secrets_dir, workers=workers)
     except BaseException:
         etcd.stop()
         raise

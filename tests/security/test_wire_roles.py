@@ -78,6 +78,15 @@ def worker(lc: LocalCluster, name: str) -> tuple[str, int]:
     return kv.json()["address"], kv.create_revision
 
 
+def registered(lc: LocalCluster, name: str) -> bool:
+    """Whether worker ``name`` has a registration now."""
+    store = lc.store()
+    try:
+        return store.get(lc.keys.worker(name)) is not None
+    finally:
+        store.close()
+
+
 def leader_term(lc: LocalCluster) -> int:
     store = lc.store()
     try:
@@ -303,6 +312,7 @@ def test_a_gang_forming_on_a_hung_worker_fails_by_its_deadline_an_unload_ends_it
         # ... and a later load of the job on that worker is not refused as loaded: it goes as far as its leases
         # (gone now, so member 0 is refused at once).
         drop_leases(lc, "w0", "hung")
+        wait_until(lambda: registered(lc, "w1"), 60, "w1 registered again after its SIGSTOP (its lease may have lapsed)")
         with pytest.raises(grpc.RpcError) as later:
             driver.LoadJob(_gang_load(lc, "hung"), timeout=30)
         assert "already loaded" not in later.value.details() and "leased to nobody" in later.value.details(), \
