@@ -260,6 +260,15 @@ def test_a_watch_follows_a_detached_job_across_a_leader_kill_and_ctrl_c_detaches
         raise
 
 
+def next_event(p: subprocess.Popen[str]) -> str:
+    """The event of the next JSON line ``p`` prints; a CLI that prints none fails naming what it said instead."""
+    line = p.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        p.wait(timeout=30)
+        raise AssertionError(f"the CLI ended (exit {p.returncode}) without a line: {p.stderr.read()}")  # type: ignore[union-attr]
+    return json.loads(line)["event"]
+
+
 def _watch_across_a_leader_kill(lc: LocalCluster, job: str, reference: str) -> None:
     argv = [sys.executable, "-m", "rallypoint.cli", "watch", job, "--json", *cluster_args(lc)]
     # A terminal's Ctrl-C is SIGINT with Python's handler in place (a suite run in the background ignores SIGINT,
@@ -270,8 +279,8 @@ def _watch_across_a_leader_kill(lc: LocalCluster, job: str, reference: str) -> N
     detaching = subprocess.Popen(interactive, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watching = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert json.loads(detaching.stdout.readline())["event"] == "job.watching"  # type: ignore[union-attr]
-        assert json.loads(detaching.stdout.readline())["event"] == "step"  # type: ignore[union-attr]
+        assert next_event(detaching) == "job.watching"
+        assert next_event(detaching) == "step"
         detaching.send_signal(signal.SIGINT)  # Ctrl-C while it follows the job
         _out, err = detaching.communicate(timeout=30)
         assert detaching.returncode == 130 and f"detached from job {job}" in err and "it goes on" in err, err
