@@ -67,32 +67,29 @@ def certs(lc: LocalCluster) -> dict[str, TlsConfig]:
     return made
 
 
-def worker(lc: LocalCluster, name: str) -> tuple[str, int]:
-    """The address and incarnation of worker ``name`` now."""
+def read(lc: LocalCluster, key: str) -> Any:
+    """The key-value at ``key`` now (None: no such key)."""
     store = lc.store()
     try:
-        kv = store.get(lc.keys.worker(name))
+        return store.get(key)
     finally:
         store.close()
+
+
+def worker(lc: LocalCluster, name: str) -> tuple[str, int]:
+    """The address and incarnation of worker ``name`` now."""
+    kv = read(lc, lc.keys.worker(name))
     assert kv is not None
     return kv.json()["address"], kv.create_revision
 
 
 def registered(lc: LocalCluster, name: str) -> bool:
     """Whether worker ``name`` has a registration now."""
-    store = lc.store()
-    try:
-        return store.get(lc.keys.worker(name)) is not None
-    finally:
-        store.close()
+    return read(lc, lc.keys.worker(name)) is not None
 
 
 def leader_term(lc: LocalCluster) -> int:
-    store = lc.store()
-    try:
-        kv = store.get(lc.keys.leader)
-    finally:
-        store.close()
+    kv = read(lc, lc.keys.leader)
     assert kv is not None
     return kv.create_revision
 
@@ -231,11 +228,7 @@ def _submit(lc: LocalCluster, tls: TlsConfig, job: str) -> None:
 
 
 def _leader_address(lc: LocalCluster) -> str:
-    store = lc.store()
-    try:
-        kv = store.get(lc.keys.leader)
-    finally:
-        store.close()
+    kv = read(lc, lc.keys.leader)
     assert kv is not None
     return kv.json()["address"]
 
