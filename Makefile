@@ -20,9 +20,10 @@ demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
 	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
-# The whole suite, with its 25 slowest tests at the end (CI's log shows where the time goes).
+# The whole suite on two processes (pytest-xdist; a test module's tests stay together on one, in order, so a
+# module's cluster is started once), with its 25 slowest tests at the end (CI's log shows where the time goes).
 test: $(STAMP) layers browser
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadfile tests
 
 # The fast tier for the edit-test loop: the unit and property tests that start no process
 # (tests marked `processes` left out; tests/conftest.py marks them and refuses a process to the rest).

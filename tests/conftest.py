@@ -29,7 +29,19 @@ jax.config.update("jax_num_cpu_devices", 8)
 # A persistent compilation cache for this process, for the session: the same programs (the examples, their
 # references, in-process workers) are compiled by many tests, and from the second time on they are loaded.
 # Set before anything compiles (JAX decides once per process); removed when the session ends.
-JAX_CACHE = Path(tempfile.mkdtemp(prefix="rallypoint-tests-jax-cache-"))
+# Under pytest-xdist (`make test` runs the suite on two processes) the processes of one session share it: the
+# first (the controller) makes it and names it in RALLYPOINT_TESTS_JAX_CACHE, which the others inherit.
+def _session_dir(variable: str, prefix: str) -> tuple[Path, bool]:
+    """The session's directory named by ``variable`` (made, and named there, if none is): (path, made here)."""
+    named = os.environ.get(variable)
+    if named:
+        return Path(named), False
+    made = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ[variable] = str(made)
+    return made, True
+
+
+JAX_CACHE, _OWN_JAX_CACHE = _session_dir("RALLYPOINT_TESTS_JAX_CACHE", "rallypoint-tests-jax-cache-")
 configure_compile_cache(JAX_CACHE)
 
 
@@ -48,12 +60,16 @@ import matplotlib.font_manager  # noqa: E402,F401  (builds the font cache: fc-li
 
 # Where the CLI keeps what it is not told to put elsewhere (RALLYPOINT_STATE_DIR: the runs an embedded `rallypoint
 # run` keeps, STATE_DIR/runs): a temporary directory of the session's, not the checkout's .rallypoint/.
+# One per process (two tests on two processes may run the same example at once); a RALLYPOINT_STATE_DIR the
+# caller set is kept (RALLYPOINT_TESTS_CALLER_STATE_DIR passes it on to the processes of an xdist session).
 STATE_DIR = Path(tempfile.mkdtemp(prefix="rallypoint-tests-state-"))
-os.environ.setdefault("RALLYPOINT_STATE_DIR", str(STATE_DIR))
+os.environ.setdefault("RALLYPOINT_TESTS_CALLER_STATE_DIR", os.environ.get("RALLYPOINT_STATE_DIR", ""))
+os.environ["RALLYPOINT_STATE_DIR"] = os.environ["RALLYPOINT_TESTS_CALLER_STATE_DIR"] or str(STATE_DIR)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(JAX_CACHE, ignore_errors=True)
+    if _OWN_JAX_CACHE:  # the controller, which ends after every xdist process
+        shutil.rmtree(JAX_CACHE, ignore_errors=True)
     shutil.rmtree(MPL_CONFIG, ignore_errors=True)
     shutil.rmtree(STATE_DIR, ignore_errors=True)
 
@@ -172,6 +188,10 @@ def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One JAX compilation cache for every cluster the session starts (``--compile-cache-dir``): a program
     compiled by one test's workers is loaded by the next test's, as a restarted worker loads it from a cluster's
     own cache. tests/workers/test_compile_cache.py checks the cache itself, from cold."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # shared by the session's xdist processes: each basetemp's parent
+        shared = tmp_path_factory.getbasetemp().parent / "compile-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("compile-cache")
 
 
