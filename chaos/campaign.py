@@ -223,7 +223,7 @@ def job_slices(scenario: Scenario) -> list[str] | None:
 
     try:
         ensure_host_devices(8)  # as run_scenario does, before the job file can touch JAX
-        return list(load_program(scenario.job_file, steps=scenario.steps).slices)
+        return list(load_program(scenario.job_file, steps=scenario.steps, settings=dict(scenario.settings)).slices)
     except RallypointError:
         return None  # each seed's run then fails with the reason
 

@@ -339,7 +339,8 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
     """
     out = out_dir or Path("chaos-reports") / f"{scenario.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     with library_logs_to(out / LIBRARY_LOG_FILE):
-        compiled, reference, reference_wall = prepared(scenario.job_file, scenario.steps, scenario.checkpoint_every)
+        compiled, reference, reference_wall = prepared(scenario.job_file, scenario.steps, scenario.checkpoint_every,
+                                                      dict(scenario.settings))
         state = Path(tempfile.mkdtemp(prefix=f"rallypoint-chaos-{scenario.name}-"))
         ok = False
         try:
@@ -356,13 +357,15 @@ def run_scenario(scenario: Scenario, *, out_dir: Path | None = None, say: Callab
     return summary, write_report(out, summary)
 
 
-_PREPARED: dict[tuple[str, str, int, int], tuple[Any, Any, float]] = {}
+_PREPARED: dict[tuple[Any, ...], tuple[Any, Any, float]] = {}
 
 
-def prepared(job_file: Path | str, steps: int | None, checkpoint_every: int | None) -> tuple[Any, Any, float]:
+def prepared(job_file: Path | str, steps: int | None, checkpoint_every: int | None,
+             settings: dict[str, str] | None = None) -> tuple[Any, Any, float]:
     """A scenario's job compiled, and its fault-free in-process reference run with that run's wall time.
 
-    Both are deterministic in the job file (by content), the step count and the checkpoint interval, so they are
+    Both are deterministic in the job file (by content), the step count, the checkpoint interval and the job's
+    ``settings`` (``--set``), so they are
     made once per process for each: the chaos suite runs a dozen scenarios of the same pipeline at 40 steps, and
     each compiled it and ran its reference again (several seconds each on a 2-core host).
     """
@@ -373,9 +376,10 @@ def prepared(job_file: Path | str, steps: int | None, checkpoint_every: int | No
     from rallypoint.client.reference import ReferenceExecutor
 
     path = Path(job_file).resolve()
-    key = (str(path), hashlib.sha256(path.read_bytes()).hexdigest(), int(steps or 0), int(checkpoint_every or 0))
+    key = (str(path), hashlib.sha256(path.read_bytes()).hexdigest(), int(steps or 0), int(checkpoint_every or 0),
+           tuple(sorted((settings or {}).items())))
     if key not in _PREPARED:
-        program = load_program(job_file, steps=steps)
+        program = load_program(job_file, steps=steps, settings=settings)
         if checkpoint_every:
             program.checkpoint_every = checkpoint_every
         compiled = compile_program(program)

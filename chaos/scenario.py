@@ -11,6 +11,7 @@ checkpoint_every = 5
 policy = "partial"                  # or "restart-all"
 window = 2
 on_no_spare = "wait"                # or "fail", or "shrink"; wait_timeout_s = 60
+settings = { LM_VARIANT = "pipeline" }  # optional: the job's settings, as `rallypoint run --set NAME=VALUE`
 reference = "process"               # or "cluster": the fault-free run on this cluster first (a multi-host
                                     # slice's collectives sum in another order than one process: docs/multihost.md)
 
@@ -138,6 +139,7 @@ class Scenario:
     policy: str = "partial"
     window: int = 2
     on_no_spare: str = "wait"
+    settings: tuple[tuple[str, str], ...] = ()  # the job's settings (``--set NAME=VALUE``), sorted by name
     wait_timeout_s: float = 60.0
     workers: int | None = None
     spares: int = 1
@@ -234,7 +236,11 @@ def load_scenario(path: Path) -> Scenario:
     name = _get(data, "name", str, w) or path.stem
     job = _get(data, "job", dict, w, {})
     _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s",
-                   "priority", "reference"}, f"{w} [job]")
+                   "priority", "reference", "settings"}, f"{w} [job]")
+    settings = _get(job, "settings", dict, f"{w} [job]", {})
+    for k, v in settings.items():
+        if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+            raise ConfigError(f"{w} [job].settings.{k}: a setting is a string or a number, got {v!r}")
     reference = _get(job, "reference", str, f"{w} [job]", "process")
     if reference not in ("process", "cluster"):
         raise ConfigError(f"{w} [job].reference: {reference!r} is not 'process' or 'cluster'")
@@ -332,6 +338,7 @@ def load_scenario(path: Path) -> Scenario:
         name=name, description=_get(data, "description", str, w, ""), path=path, job_file=job_file,
         steps=_get(job, "steps", int, f"{w} [job]"), checkpoint_every=_get(job, "checkpoint_every", int, f"{w} [job]"),
         policy=policy, window=_get(job, "window", int, f"{w} [job]", 2), on_no_spare=on_no_spare,
+        settings=tuple(sorted((str(k), str(v)) for k, v in settings.items())),
         wait_timeout_s=float(_get(job, "wait_timeout_s", (int, float), f"{w} [job]", 60.0)),
         workers=_get(cluster, "workers", int, f"{w} [cluster]"), spares=_get(cluster, "spares", int, f"{w} [cluster]", 1),
         devices_per_worker=_get(cluster, "devices_per_worker", int, f"{w} [cluster]"),

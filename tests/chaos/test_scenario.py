@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def test_only_the_storms_and_the_short_campaign_ask_for_a_supervised_cluster() -
     supervised = {p.stem for p in SCENARIOS if load_scenario(p).supervise}
     # Random leader kills can outnumber the coordinators (campaign-short seed 11: three); elsewhere a killed process
     # stays dead, as the scenarios expect.
-    assert supervised == {"campaign-storm", "campaign-storm-eval", "campaign-short"}
+    assert supervised == {"campaign-storm", "campaign-storm-eval", "campaign-short", "lm-storm"}
     storm = load_scenario(ROOT / "scenarios" / "campaign-storm.toml")
     assert (storm.workers, storm.spares) == (4, 2) and storm.random is not None
 
@@ -74,6 +75,8 @@ def write(tmp_path: Path, body: str) -> Path:
     ('[[faults]]\nkind = "suspend"\n', r"#1: give exactly one of at_step and at_s"),
     ('[expect]\noutcome = "failed"\n[[faults]]\nkind = "suspend"\nat_step = 5\n', r"its job must end finished"),
     ('[random]\nkinds = ["kill", "suspend"]\n', r"\[random\]\.kinds: \['suspend'\].*never at random"),
+    ('[job.settings]\nLM_VARIANT = ["pipeline"]\n', r"\[job\]\.settings\.LM_VARIANT: a setting is a string or a number"),
+    ('[job.settings]\nLM_BIG = true\n', r"\[job\]\.settings\.LM_BIG: a setting is a string or a number, got True"),
 ])
 def test_a_bad_scenario_is_refused_naming_the_field(tmp_path: Path, body: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -128,3 +131,14 @@ def test_outcome_checks_state_reason_and_time_bound() -> None:
     assert check_outcome("failed", "lost slice 's1'", 5, expect="failed", expect_reason="lost slice", time_bound_s=60).ok
     late = check_outcome("failed", "timed out", 5, expect="failed", expect_reason="lost slice", time_bound_s=60)
     assert not late.ok and "does not match" in late.evidence
+
+
+def test_a_scenarios_job_settings_reach_its_program_as_rallypoint_run_set_gives_them() -> None:
+    """``[job] settings`` are the job's ``--set NAME=VALUE``: lm-storm runs the LM's pipeline layout, whose random
+    faults target its two stages (the job file's default is the one-slice dp layout)."""
+    from rallypoint.chaos.campaign import job_slices
+
+    storm = load_scenario(ROOT / "scenarios" / "lm-storm.toml")
+    assert dict(storm.settings) == {"LM_VARIANT": "pipeline", "LM_EVAL_EVERY": "0"}
+    assert job_slices(storm) == ["stage0", "stage1"]
+    assert job_slices(replace(storm, settings=())) == ["dp"]

@@ -26,7 +26,7 @@ from rallypoint.chaos.scenario import KINDS, Scenario, load_scenario
 pytestmark = pytest.mark.processes  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
-MAKE_CHAOS_ONLY = ("soak", "multihost", "multihost-kill",  # multihost-shrink here
+MAKE_CHAOS_ONLY = ("soak", "lm-storm", "multihost", "multihost-kill",  # multihost-shrink here
                    "multihost-hang",  # tests/security/test_wire_roles.py: a gang forming on a hung worker
                    # each also held in make test elsewhere (docs/chaos.md says where):
                    "drain-worker",  # integration/test_drain.py drains each stage; the fsdp scenario drains
