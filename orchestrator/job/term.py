@@ -26,7 +26,7 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path, consistent_cut, read_commit_records, \
     read_commits
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Delete, Get, Op, Store
+from rallypoint.etcd.store import TXN_OPS, Delete, Get, Op, Store
 from rallypoint.orchestrator.control.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.control.election import LeaderElection, TermWriter
 from rallypoint.orchestrator.job.promote import places_of_record, promote, promote_pending, prune_others
@@ -34,7 +34,6 @@ from rallypoint.orchestrator.job.state import HandedOff, JobFailed
 from rallypoint.recovery.load_plan import SlicePlace
 
 ETCD_OUTAGE_S = 600.0  # how long the job waits for etcd (its quorum) before it fails
-READS_PER_TXN = 100  # registrations read in one etcd transaction (etcd allows 128 operations in one by default)
 
 T = TypeVar("T")
 Commits = Mapping[str, list[CheckpointCommit]]
@@ -236,8 +235,8 @@ class JobTerm:
     def gone(self, incarnations: Mapping[str, int]) -> dict[str, str]:
         """The workers (worker -> incarnation) whose registration is gone from etcd; none while etcd is away."""
         lost, ws = {}, sorted(incarnations)
-        for at in range(0, len(ws), READS_PER_TXN):  # a round trip per READS_PER_TXN workers, not one each
-            chunk = ws[at:at + READS_PER_TXN]
+        for at in range(0, len(ws), TXN_OPS):  # a round trip per TXN_OPS workers, not one each
+            chunk = ws[at:at + TXN_OPS]
             try:
                 reads = self.store.txn([], [Get(self.keys.worker(w)) for w in chunk]).reads
             except StoreError:
