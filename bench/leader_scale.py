@@ -2,16 +2,18 @@
 
 One leader (a real :class:`~rallypoint.orchestrator.job.executor.JobExecutor` on its own thread, a real etcd, a real
 election) drives a job of 1, 16, 128 and 512 slices, a pipeline of one node per slice, on stand-in workers that
-answer instantly: loads and grants are taken in memory, and a driver thread reports each step's ``InstanceDone``
-of every slice as soon as the grant allows it (and, paced, no sooner than its time at the given step rate). What
-is measured is the executor's thread alone (its CPU clock, ``time.pthread_getcpuclockid``), read at each
-``step.done`` it emits, over the steps after a warm-up:
+answer instantly: loads and grants are taken in memory, and each step's ``InstanceDone`` of every slice is put on
+the executor's event queue as soon as the grant allows it. What is measured is the executor's thread alone (its
+CPU clock, ``time.pthread_getcpuclockid``), read at each ``step.done`` it emits, over the steps after a warm-up
+(the job runs without checkpoints: commits and the cut's moves are not in it):
 
-* **flood**: the driver reports as fast as the grants allow; the leader's thread is the bottleneck. Its CPU per
-  instance is the marginal cost of one event, and the steps/s reached is where it saturates (``sat_steps_s``);
-  ``sat_est_steps_s`` is one core over the CPU per step;
-* **paced**: 5 steps/s; the leader's cores used (CPU seconds per wall second), the target being under half a core
-  for 512 slices;
+* **flood**: the stand-ins report a step's instances within the grant that allows it (prebuilt messages, one
+  queue put each, on the executor's thread: no second thread to wait for), so the leader's thread is the
+  bottleneck. Its CPU per instance is the marginal cost of one event; ``sat_est_steps_s`` (one core over the CPU
+  per step) is where it saturates, ``sat_steps_s`` the steps/s the run reached (lower on a loaded machine: it
+  shares the cores, and waits on etcd for its periodic reads and records);
+* **paced**: a driver thread reports each step at 5 steps/s; the leader's cores used (CPU seconds per wall
+  second), the target being under half a core for 512 slices;
 * **jobs**: several jobs of 128 slices on one leader (one executor thread each, as the service runs them), paced
   at 5 steps/s: the cores used by all of them and the CPU per instance.
 
@@ -20,7 +22,8 @@ Targets: the CPU per instance stays flat as slices grow (``flat_ratio``: 512 sli
 
 Writes a PNG plot (``--plot``, default ``bench/leader_scale.png``); the last stdout line is one JSON object
 ``{"bench": "leader_scale", ...}``; the table goes to stderr. Run: ``python bench/leader_scale.py`` (``make
-bench``); ``--slices 1,16`` ``--steps 40`` ``--repeats 3`` to change the sizes.
+bench``); ``--slices 1,16`` ``--steps 40`` ``--repeats 3`` to change the sizes, ``--compare FILE`` to draw an
+earlier run's last line (its flood CPU per instance) beside this one.
 """
 
 from __future__ import annotations
@@ -211,7 +214,7 @@ def run_jobs(store: EtcdStore, keys: Keys, election: LeaderElection, slices: int
             "sat_est_steps_s": 1.0 / per_step / jobs if per_step else float("inf")}
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, before: dict[str, Any] | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -221,8 +224,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
     a.plot([r["slices"] for r in flood], [r["cpu_per_instance_us"] for r in flood], "o-", label="flood")
     a.plot([r["slices"] for r in paced], [r["cpu_per_instance_us"] for r in paced], "s--", label="5 steps/s")
-    a.set(xscale="log", xlabel="slices", ylabel="leader CPU per instance (us)", title="cost per instance")
-    a.set_ylim(bottom=0)
+    if before:  # an earlier run's last line (--compare)
+        was = sorted((int(n), v) for n, v in before.get("cpu_per_instance_us", {}).items())
+        a.plot([n for n, _ in was], [v for _, v in was], "x:", color="grey", label="flood, before")
+    a.set(xscale="log", yscale="log", xlabel="slices", ylabel="leader CPU per instance (us)",
+          title="cost per instance")
     a.legend()
     b.plot([r["slices"] for r in flood], [r["steps_s"] for r in flood], "o-", label="saturated (flood)")
     b.axhline(PACED_STEPS_S, color="grey", ls=":", label="5 steps/s")
@@ -241,6 +247,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each size (medians)")
     ap.add_argument("--jobs", type=int, default=4, help="jobs of 128 slices on one leader, paced (0: none)")
     ap.add_argument("--modes", default="flood,paced", help="flood, paced or both")
+    ap.add_argument("--compare", help="a file holding an earlier run's last line, drawn beside this one")
     ap.add_argument("--plot", default=str(ROOT / "bench" / "leader_scale.png"))
     args = ap.parse_args()
     configure(level="WARNING")
@@ -281,7 +288,7 @@ def main() -> None:
             election.resign()
             store.close()
             etcd.stop()
-    plot(rows, Path(args.plot))
+    plot(rows, Path(args.plot), json.loads(Path(args.compare).read_text().splitlines()[-1]) if args.compare else None)
     flood = {r["slices"]: r for r in rows if r["mode"] == "flood"}
     paced = {r["slices"]: r for r in rows if r["mode"] == "paced"}
     base = flood.get(16) or flood.get(min(flood, default=0))

@@ -52,7 +52,7 @@ class Marks:
             for marks in by_step:
                 for old in [k for k in marks if k[0] < keep_from]:
                     del marks[old]
-                low = min((k[0] for k in marks), default=low)
+                low = min(low, min((k[0] for k in marks), default=NEVER))
             self.low = low
         if self.low_save < keep_saves_from:
             for old in [k for k in saves if k[0] < keep_saves_from]:

@@ -16,6 +16,7 @@ from rallypoint.basics.errors import StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.orchestrator.job import progress as progress_module
 from rallypoint.orchestrator.job.progress import JobProgress
+from rallypoint.orchestrator.job.straggler_marks import NEVER, Marks
 from rallypoint.orchestrator.job.stragglers import StragglerWatch
 from rallypoint.orchestrator.job.term import JobTerm
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -332,3 +333,16 @@ def test_the_periodic_check_of_registrations_reads_them_in_a_few_round_trips_not
     assert store.trips <= 3, f"{store.trips} round trips to etcd for 206 registrations"
     store.away = True
     assert term.gone(incs) == {}  # etcd away: nobody is lost for that
+
+
+def test_the_marks_remember_the_lowest_step_of_every_dict_they_drop_from() -> None:
+    m = Marks()
+    done, heard, saves = {(3, "s0"): 1.0, (9, "s1"): 1.0}, {(7, "s0"): 1, (8, "s1"): 1}, {(5, "s0"): 0.1}
+    m.low, m.low_save = 1, 5
+    m.drop_old((done, heard), 2, saves, 0)  # nothing that old: kept, and the lowest step is 3 (of the first dict)
+    assert m.low == 3 and len(done) == 2 and len(heard) == 2
+    m.drop_old((done, heard), 5, saves, 6)
+    assert done == {(9, "s1"): 1.0} and heard == {(7, "s0"): 1, (8, "s1"): 1} and saves == {}
+    assert m.low == 7 and m.low_save == NEVER
+    m.drop_old((done, heard), 7, saves, 6)  # nothing below 7: no scan, nothing dropped
+    assert m.low == 7 and len(heard) == 2
