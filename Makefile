@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(PY) bench/commit_verify.py
 	$(PY) bench/recovery.py
 	$(PY) bench/leader.py
+	$(PY) bench/leader_scale.py
 	$(PY) bench/elastic.py
 	$(PY) bench/mttr.py
 	$(PY) bench/multihost.py

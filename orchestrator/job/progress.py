@@ -76,6 +76,8 @@ class JobProgress:
         self._completed = self._start = self._cut = 0
         self.grants = Grants(spec.steps)
         self._committed: dict[str, set[int]] = {s: set() for s in self._ckpt_slices}  # commit steps heard, >= cut
+        self._commit_count: Counter[int] = Counter()  # step -> slices of _committed with a commit there
+        self._need: tuple[int, int] = (-1, 0)  # (step, its instances): instances_per_step of the step completing
         self._saved: set[tuple[str, int]] = set()  # (slice, step) commits heard (a drain waits for its own)
         self._floor: dict[str, int] = {}
         self._done: dict[tuple[str, int], set[int]] = defaultdict(set)  # (node, step) -> microbatches heard
@@ -148,6 +150,7 @@ class JobProgress:
         self.grants.begin(start)
         self._cut = start
         self._committed = {s: {int(c) for c in commits.get(s, ()) if int(c) >= start} for s in self._ckpt_slices}
+        self._count_commits()
 
     # -- instances and steps ---------------------------------------------------------------------
 
@@ -167,8 +170,7 @@ class JobProgress:
     def complete(self) -> list[StepDone]:
         """Every step that is now done by every node, in order (``completed`` moves past them)."""
         out = []
-        while (self._completed < self.spec.steps
-               and self._step_count[self._completed] == instances_per_step(self.spec, self._completed)):
+        while self._completed < self.spec.steps and self._step_count[self._completed] == self._instances(self._completed):
             s = self._completed
             by_name: dict[str, list[tuple[int, float]]] = defaultdict(list)
             for name, mb, v in self._metrics.pop(s, []):
@@ -180,6 +182,12 @@ class JobProgress:
             del self._step_count[s]
             self._completed += 1
         return out
+
+    def _instances(self, step: int) -> int:
+        """:func:`instances_per_step` of ``step``, worked out once per step (every event asks it of the same step)."""
+        if self._need[0] != step:
+            self._need = (step, instances_per_step(self.spec, step))
+        return self._need[1]
 
     def widen(self, window: int) -> bool:
         """:meth:`Grants.widen` from the steps completed. True: workers are to be granted."""
@@ -193,8 +201,9 @@ class JobProgress:
         if self.grants.halted is not None and step > self.grants.halted:
             return None
         self._saved.add((slice_name, step))
-        if slice_name in self._committed and step >= self._cut:
+        if slice_name in self._committed and step >= self._cut and step not in self._committed[slice_name]:
             self._committed[slice_name].add(step)
+            self._commit_count[step] += 1
         return self._recut()
 
     def recut(self) -> int | None:
@@ -206,7 +215,9 @@ class JobProgress:
         """A commit stops counting (its checkpoint did not restore); the recovery that found it restores
         from an older cut and says so (:meth:`restored`), which lowers the cut."""
         self._saved.discard((slice_name, step))
-        self._committed.get(slice_name, set()).discard(step)
+        if step in self._committed.get(slice_name, ()):
+            self._committed[slice_name].discard(step)
+            self._commit_count[step] -= 1
 
     def restored(self, cut: int, commits: Mapping[str, Iterable[int]]) -> int | None:
         """Runtimes restored from ``cut``; ``commits`` (slice -> steps) are those that still count (etcd's, less
@@ -217,6 +228,7 @@ class JobProgress:
         Returns the new cut when it moved.
         """
         self._committed = {s: {int(c) for c in commits.get(s, ()) if int(c) >= cut} for s in self._ckpt_slices}
+        self._count_commits()
         self._saved = {(s, c) for s, c in self._saved if c in self._committed.get(s, {c})}
         old, self._cut = self._cut, cut
         self._floor = {n: f for n, f in self._floor.items() if f > cut}
@@ -228,16 +240,24 @@ class JobProgress:
         is heard after they passed it."""
         if not self._ckpt_slices:
             return None
+        every = len(self._ckpt_slices)  # steps every slice with states has a commit at, above the cut
+        full = [c for c, n in self._commit_count.items() if n == every and c > self._cut]
+        if not full:  # the cut cannot rise (the common case: nothing new to intersect, no scan of the slices)
+            return None
         reached = self.stateless_through
-        cut = max((c for c in set.intersection(*(self._committed[s] for s in self._ckpt_slices)) if c <= reached),
-                  default=self._cut)
+        cut = max((c for c in full if c <= reached), default=self._cut)
         if cut <= self._cut:
             return None
         self._cut = cut
         for s in self._ckpt_slices:
             self._committed[s] = {c for c in self._committed[s] if c >= cut}
+        self._count_commits()
         self._floor = {n: f for n, f in self._floor.items() if f > cut}
         return cut
+
+    def _count_commits(self) -> None:
+        """Count again, per step, the slices with a commit there (after ``_committed`` was set anew)."""
+        self._commit_count = Counter(c for steps in self._committed.values() for c in steps)
 
     # -- output logs --------------------------------------------------------------------------------
 

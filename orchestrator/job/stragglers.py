@@ -57,6 +57,7 @@ from typing import Any, Protocol
 from rallypoint.basics.clock import Clock
 from rallypoint.etcd.cluster_view import ClusterSnapshot
 from rallypoint.orchestrator.job.drain import DrainRecord
+from rallypoint.orchestrator.job.straggler_marks import Marks
 from rallypoint.orchestrator.job.state import JobState
 from rallypoint.recovery.load_plan import SlicePlace
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -163,6 +164,7 @@ class StragglerWatch:
         self.spans: dict[int, dict[str, list[tuple[float, float]]]] = {}  # step -> slice -> [ready, done] intervals
         self.granted_at: dict[int, float] = {}
         self.work: dict[str, list[tuple[float, float]]] = {}  # slice -> when its loop worked, newest last
+        self._marks = Marks()  # what lets advanced() drop old marks without a scan of every slice per event
         self.finished_at: dict[int, float] = {}
         self._granted = 0
         self._judged = 0  # steps below this are measured (or skipped)
@@ -203,6 +205,8 @@ class StragglerWatch:
         barrier = self._barrier(slice_name, step)
         if item.saving_s > 0 and barrier is not None:  # the slice's loop saved the checkpoint before this instance
             self.save_s[(barrier, slice_name)] = self.save_s.get((barrier, slice_name), 0.0) + float(item.saving_s)
+            self._marks.low_save = min(self._marks.low_save, barrier)
+        self._marks.low = min(self._marks.low, step)
         if (node, mb) not in self.heard.setdefault(step, {}):
             n = self.heard_in[(step, slice_name)] = self.heard_in.get((step, slice_name), 0) + 1
             if n == self._instances(slice_name, step):
@@ -211,8 +215,10 @@ class StragglerWatch:
         ready = self._ready(node, step, mb)
         if ready is not None and now > ready:
             self.spans.setdefault(step, {}).setdefault(self.slice_of[node], []).append((ready, now))
+            self._marks.span(step, ready)
         # The loop ran this instance just before it was heard (the worker's loop runs one instance at a time).
         self.work.setdefault(slice_name, []).append((now - float(item.compute_s) - float(item.busy_s), now))
+        self._marks.worked(slice_name, now)
 
     def _ready(self, node: str, step: int, mb: int) -> float | None:
         """When the instance could start, as the executor heard it; None when an input is not heard yet."""
@@ -274,15 +280,11 @@ class StragglerWatch:
             self._judged += 1
             self.finished_at[s] = now
             self._measure(s)
-        for by_step, keep_from in ((self.slice_done, self._judged - 2), (self.heard_in, self._judged - 2),
-                                   (self.save_s, self._judged - 2 - self._checkpoint_every())):
-            for old in [k for k in by_step if k[0] < keep_from]:
-                del by_step[old]
-        oldest = min((a for by_slice in self.spans.values() for xs in by_slice.values() for a, _ in xs), default=now)
-        for s, xs in self.work.items():  # work that ended before every span still measured overlaps none
-            self.work[s] = [x for x in xs if x[1] > oldest]
+        self._marks.drop_old((self.slice_done, self.heard_in), self._judged - 2,  # no scan when none is that old
+                             self.save_s, self._judged - 2 - self._checkpoint_every())
+        self._marks.drop_work(self.work, self._marks.oldest(now))  # work that ended before every span overlaps none
         for marks, keep_from in ((self.heard, self._judged - 2), (self.spans, self._judged - 2),
-                                 (self.granted_at, self._judged - 2),
+                                 (self._marks.span_low, self._judged - 2), (self.granted_at, self._judged - 2),
                                  (self.finished_at, self._judged - 2 * self.settings.window - 2)):
             for old in [s for s in marks if s < keep_from]:
                 del marks[old]
@@ -291,8 +293,9 @@ class StragglerWatch:
         # A runtime loaded (or rewired, resending its log) by a drain or recovery is slower for some steps
         # (first calls compile, logged outputs go out again): a window of steps passes before samples count.
         self._quiet_from = max(self._quiet_from, self.port.progress.completed + self.settings.window)
-        for q in self.recent.values():
-            q.clear()
+        if self._recent_steps:  # the samples of every slice join the window together: empty with it
+            for q in self.recent.values():
+                q.clear()
         self._recent_steps.clear()
 
     def _own(self, step: int, slice_name: str) -> float:

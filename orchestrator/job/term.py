@@ -26,7 +26,7 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.commits import CheckpointCommit, commit_record_path, consistent_cut, read_commit_records, \
     read_commits
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.store import Delete, Op, Store
+from rallypoint.etcd.store import TXN_OPS, Delete, Get, Op, Store
 from rallypoint.orchestrator.control.devices import DeviceLeases, fence_worker
 from rallypoint.orchestrator.control.election import LeaderElection, TermWriter
 from rallypoint.orchestrator.job.promote import places_of_record, promote, promote_pending, prune_others
@@ -234,14 +234,16 @@ class JobTerm:
 
     def gone(self, incarnations: Mapping[str, int]) -> dict[str, str]:
         """The workers (worker -> incarnation) whose registration is gone from etcd; none while etcd is away."""
-        lost = {}
-        for w, inc in sorted(incarnations.items()):
+        lost, ws = {}, sorted(incarnations)
+        for at in range(0, len(ws), TXN_OPS):  # a round trip per TXN_OPS workers, not one each
+            chunk = ws[at:at + TXN_OPS]
             try:
-                kv = self.store.get(self.keys.worker(w))
+                reads = self.store.txn([], [Get(self.keys.worker(w)) for w in chunk]).reads
             except StoreError:
                 return {}  # etcd is away: nobody is declared lost because of that
-            if kv is None or kv.create_revision != inc:
-                lost[w] = "its etcd registration is gone (lease expired or fenced)"
+            for w, kvs in zip(chunk, reads):
+                if not kvs or kvs[0].create_revision != incarnations[w]:
+                    lost[w] = "its etcd registration is gone (lease expired or fenced)"
         return lost
 
 
