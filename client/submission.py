@@ -63,7 +63,7 @@ RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", 
 
 
 def submit(
-    compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
+    compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 0,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, new_run: bool = False,
     code_dir: str | None = None, final_state: str = "sharded", **recovery: Any,
