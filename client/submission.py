@@ -59,7 +59,7 @@ SILENT_SWITCH_S = 1.0
 
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
                     "corrupt_checkpoints", "stalls", "drains", "resharded", "exact", "tolerance",
-                    "nondeterministic_workers", "stragglers", "final_cut_s")
+                    "nondeterministic_workers", "stragglers", "final_cut_s", "window")
 
 
 def submit(

@@ -482,7 +482,7 @@ class JobExecutor:
         """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
         return {"failures": self.port.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
                 "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
-                "stalls": self.watchdog.stalls if self.watchdog else 0,
+                "stalls": self.watchdog.stalls if self.watchdog else 0, "window": self.worker_events.window.steps,
                 "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions,
                 "final_cut_s": self.end.final_cut_s}
 
