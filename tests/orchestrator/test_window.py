@@ -67,3 +67,12 @@ def test_a_wide_window_is_granted_once_every_half_window_and_a_slice_is_never_le
             sent.append(completed)
         assert g.granted - completed >= window // 2  # at least half the window still granted ahead
     assert sent == list(range(0, 60, 5))  # one grant every half window, not one per step
+
+
+def test_a_job_that_asks_for_a_negative_window_is_refused_naming_the_field() -> None:
+    from rallypoint.orchestrator.job.recovery import JobSettings
+    from rallypoint.proto import rallypoint_pb2 as pb
+
+    with pytest.raises(ValueError, match=r"window must be >= 0 \(0: the leader decides it .*\), got -3"):
+        JobSettings.from_spec(pb.JobSpec(job="j", window=-3))
+    JobSettings.from_spec(pb.JobSpec(job="j", window=0))  # the default: the leader's
