@@ -22,6 +22,7 @@ Events of a runtime the job gave up on (an older generation) are dropped, but ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -110,6 +111,9 @@ class JobEvents:
             for done in item:
                 if not self.workers.current(worker, gen):
                     break  # one of them lost the runtime (a multi-host slice's member)
+                if counted and _disrupts(done):  # what came before it advances first, as one at a time
+                    self._advance()
+                    counted = False
                 counted = self._instance(worker, gen, done, watchdog) or counted
             if counted:
                 self._advance()
@@ -187,3 +191,8 @@ class JobEvents:
         if self.progress.widen(self.window.steps):
             self._grant()
         self.stragglers.advanced()
+
+
+def _disrupts(item: pb.InstanceDone) -> bool:
+    """Whether ``item`` may fail the job or lose its runtime (an error, a lost member, a metric not finite)."""
+    return bool(item.error) or item.HasField("group_lost") or not all(map(math.isfinite, item.metrics.values()))

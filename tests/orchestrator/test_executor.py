@@ -459,3 +459,20 @@ def test_an_error_in_a_batch_fails_the_job_after_the_instances_before_it(tmp_pat
     with pytest.raises(JobFailed, match=f"node 'fwd0' failed at step 1 on worker {w}: boom"):
         h.x.step(timeout_s=0.0)
     assert h.x.progress.done_through("fwd0") == 1  # step 0 was counted first
+
+
+def test_the_steps_before_a_non_finite_metric_in_a_batch_are_done_before_the_job_stops(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    while not h.workers.events.empty():
+        h.workers.events.get_nowait()
+    gens = {s: (h.worker_of(s), h.workers.generation[h.worker_of(s)]) for s in ("s0", "s1")}
+    h.workers.events.put(("batch", (*gens["s0"], [pb.InstanceDone(node="fwd0", step=0),
+                                                  pb.InstanceDone(node="fwd0", step=1)])))
+    h.x.step(timeout_s=0.0)
+    h.workers.events.put(("batch", (*gens["s1"], [
+        pb.InstanceDone(node="fwd1", step=0, metrics={"loss": 1.0}),
+        pb.InstanceDone(node="fwd1", step=1, metrics={"loss": float("nan")})])))
+    with pytest.raises(JobFailed):
+        h.x.step(timeout_s=0.0)
+    assert [e.step for e in h.events if e.event == "step.done"] == [0]  # step 0 is done, as one event at a time
