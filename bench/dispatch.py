@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--width", type=int, default=1024, help="heavy pipeline: stage width")
     ap.add_argument("--microbatch-size", type=int, default=1024, help="heavy pipeline: rows per microbatch")
-    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--window", type=int, default=0, help="steps in flight (0: the leader decides)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--value-mb", type=int, default=4, help="transfer: size of one value")
     ap.add_argument("--values", type=int, default=64, help="transfer: values per measurement")

@@ -35,8 +35,11 @@ limit; hang MTTR <= TTL + 0.5 s; goodput >= 0.90 at one fault per 10 s; a stragg
 detected and migrated within 5 s; beside the CPU hogs, a hang or partition detected within
 ``suspect_after_s + 0.5 s`` at the 90th percentile.
 The table goes to stderr; the last stdout line is ``{"bench": "mttr", ...}``.
+Before those, what the window of steps in flight costs a recovery: the same kill with each of
+``--windows`` (default 2 and the leader's own, 0), side by side: the window the run had, the
+instances replayed, the output logs' peak bytes, the MTTR and its replay phase.
 Run: ``python bench/mttr.py`` (``make bench``); ``--repeats`` for medians; ``--only detection``
-for the busy-host detection alone.
+for the busy-host detection alone, ``--only window`` for the window's cost alone.
 """
 
 from __future__ import annotations
@@ -90,10 +93,50 @@ def slice_state_bytes(compiled: Any) -> dict[str, int]:
 
 
 def scenario(name: str, steps: int, every: int, faults: tuple[FaultSpec, ...] = (), *, spares: int = 1,
-             rnd: RandomFaults | None = None, bound_s: float = 300.0) -> Scenario:
+             rnd: RandomFaults | None = None, bound_s: float = 300.0, window: int = 0) -> Scenario:
     return Scenario(name=name, description=f"bench/mttr.py: {name}", path=JOB, job_file=JOB, steps=steps,
                     checkpoint_every=every, workers=4, spares=spares, coordinators=1, lease_ttl_s=TTL_S,
-                    faults=faults, random=rnd, time_bound_s=bound_s)
+                    faults=faults, random=rnd, time_bound_s=bound_s, window=window)
+
+
+def window_cost(args: Any) -> tuple[list[dict[str, Any]], bool]:
+    """What the window costs a recovery: a kill of ``--target``'s worker at ``--at`` with each window of
+    ``--windows`` (0: the leader's), in turn, ``--repeats`` times: the window the run had, the instances
+    replayed, the output logs' peak (bytes in memory and spilled, the most any worker held) and the MTTR."""
+    rows, bitwise = [], True
+    for _ in range(args.repeats):
+        for asked in args.windows:
+            fault = FaultSpec("kill", args.target, at_step=args.at)
+            summary, _ = run_scenario(scenario(f"mttr-window-{asked}", args.steps, args.every, (fault,), window=asked),
+                                      say=lambda _d: None)
+            bitwise &= bool(summary["ok"])
+            peak = summary.get("output_log_peak") or {}
+            recs = summary["recoveries"]
+            rows.append({"asked": asked, "window": summary.get("window"),
+                         "replayed": sum(summary["replayed_instances"].values()),
+                         "log_bytes": int(peak.get("memory_bytes", 0)) + int(peak.get("spilled_bytes", 0)),
+                         "mttr_s": recs[0]["mttr_s"] if recs else None,
+                         "replay_s": recs[0]["phases"].get("replay") if recs else None,
+                         "wall_s": summary["outcome"]["wall_s"], "ok": bool(summary["ok"])})
+    return rows, bitwise
+
+
+def _print_window(rows: list[dict[str, Any]], args: Any) -> list[dict[str, Any]]:
+    """The medians by window asked, one row each (stderr); returns them."""
+    w = sys.stderr.write
+    w(f"window cost: kill of {args.target} at step {args.at}, checkpoints every {args.every}, {args.steps} steps, "
+      f"{args.repeats} runs each (medians)\n{'asked':>6}{'window':>8}{'replayed':>10}{'log peak B':>12}"
+      f"{'MTTR s':>8}{'replay s':>10}{'wall s':>8}\n")
+    out = []
+    for asked in args.windows:
+        mine = [r for r in rows if r["asked"] == asked]
+        row = {"asked": asked, "window": mine[0]["window"],
+               **{k: med([r[k] for r in mine if r[k] is not None]) for k in ("replayed", "log_bytes", "mttr_s",
+                                                                             "replay_s", "wall_s")}}
+        w(f"{'auto' if asked == 0 else asked:>6}{row['window']!s:>8}{row['replayed']:>10}{int(row['log_bytes']):>12}"
+          f"{row['mttr_s']:>8}{row['replay_s']:>10}{row['wall_s']:>8}\n")
+        out.append(row)
+    return out
 
 
 def med(xs: list[float]) -> float:
@@ -192,7 +235,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--detect-runs", type=int, default=5, help="hangs (and as many partitions) beside the CPU hogs")
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy processes beside the cluster")
-    ap.add_argument("--only", choices=("detection",), help="run only this part")
+    ap.add_argument("--only", choices=("detection", "window"), help="run only this part")
+    ap.add_argument("--windows", type=int, nargs="+", default=[2, 0],
+                    help="the window part: the windows compared (0: the leader's, from the checkpoint interval)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args()
     configure(level="error")
@@ -203,6 +248,12 @@ def main() -> int:
     state_bytes = slice_state_bytes(compiled)
     bandwidth = memory_bandwidth_bytes_per_s()
     quiet = lambda _d: None  # noqa: E731
+    windows, windows_ok = window_cost(args)
+    window_rows = _print_window(windows, args)
+    if args.only == "window":
+        print(json.dumps({"bench": "mttr", "steps": args.steps, "every": args.every, "at": args.at,
+                          "window_cost": window_rows, "bitwise_equal": windows_ok}))
+        return 1 if args.strict and not windows_ok else 0
     detect, detect_ok = detection_beside_hogs(args.detect_runs, args.hogs, 60, args.every)
     detect_met = detect["undetected"] == 0 and detect["all"].get("p90", float("inf")) <= SUSPECT_AFTER_S + 0.5
     _print_detection(detect)
@@ -249,7 +300,8 @@ def main() -> int:
                        "wall_s": long_run["outcome"]["wall_s"], "ok": long_run["ok"],
                        "mttr_median_s": long_run["mttr_s"]["median"]},
            "straggler": {k: med([r[k] for r in strag if r[k] is not None]) for k in strag[0]},
-           "detection": detect, "bitwise_equal": bitwise and bool(long_run["ok"]) and detect_ok}
+           "detection": detect, "window_cost": window_rows,
+           "bitwise_equal": bitwise and bool(long_run["ok"]) and detect_ok and windows_ok}
     kill, hang = rows["kill"], rows["hang"]
     out["targets"] = {
         "kill_mttr_le_0.5s": kill["mttr_s"] <= 0.5,
@@ -277,6 +329,7 @@ def main() -> int:
       f"{st['migrated_s']} s, paused {st['paused_s']} s, {st['replayed_instances']} instances re-run, "
       f"{st['false_moves']} healthy workers moved as well (median)\n")
     _print_detection(detect)
+    _print_window(windows, args)
     w("targets: " + ", ".join(f"{k} {v}" for k, v in out["targets"].items()) + "\n")
     print(json.dumps(out))
     return 1 if args.strict and not (all(out["targets"].values()) and out["bitwise_equal"]) else 0

@@ -314,6 +314,7 @@ class ScenarioRun:
             "second_job": self.second_outcome or None,
             "drains": job.detail.get("drains") or job.drains, "resharded": job.detail.get("resharded") or [],
             "stragglers": job.stragglers, "replayed_instances": job.detail.get("replayed_instances", {}),
+            "window": job.detail.get("window"), "output_log_peak": job.detail.get("output_log_peak", {}),
             "invariants": [c.to_json() for c in checks], "ok": all(c.ok for c in checks),
             "goodput": {"useful_device_s": round(useful, 4), "redone_device_s": round(total - useful, 4),
                         "goodput": round(useful / total, 4) if total else None,

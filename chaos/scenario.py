@@ -9,7 +9,7 @@ file = "examples/pipeline_mlp.py"   # relative to the scenario file, else to the
 steps = 40                          # optional: override the program's
 checkpoint_every = 5
 policy = "partial"                  # or "restart-all"
-window = 2
+window = 0                          # steps in flight; 0: the leader decides (the checkpoint interval)
 on_no_spare = "wait"                # or "fail", or "shrink"; wait_timeout_s = 60
 settings = { LM_VARIANT = "pipeline" }  # optional: the job's settings, as `rallypoint run --set NAME=VALUE`
 reference = "process"               # or "cluster": the fault-free run on this cluster first (a multi-host
@@ -137,7 +137,7 @@ class Scenario:
     steps: int | None = None
     checkpoint_every: int | None = None
     policy: str = "partial"
-    window: int = 2
+    window: int = 0
     on_no_spare: str = "wait"
     settings: tuple[tuple[str, str], ...] = ()  # the job's settings (``--set NAME=VALUE``), sorted by name
     wait_timeout_s: float = 60.0
@@ -337,7 +337,7 @@ def load_scenario(path: Path) -> Scenario:
     s = Scenario(
         name=name, description=_get(data, "description", str, w, ""), path=path, job_file=job_file,
         steps=_get(job, "steps", int, f"{w} [job]"), checkpoint_every=_get(job, "checkpoint_every", int, f"{w} [job]"),
-        policy=policy, window=_get(job, "window", int, f"{w} [job]", 2), on_no_spare=on_no_spare,
+        policy=policy, window=_get(job, "window", int, f"{w} [job]", 0), on_no_spare=on_no_spare,
         settings=tuple(sorted((str(k), str(v)) for k, v in settings.items())),
         wait_timeout_s=float(_get(job, "wait_timeout_s", (int, float), f"{w} [job]", 60.0)),
         workers=_get(cluster, "workers", int, f"{w} [cluster]"), spares=_get(cluster, "spares", int, f"{w} [cluster]", 1),

@@ -22,10 +22,13 @@ RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every"
                    "on_nonfinite")
 
 
-def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path | None = None,
+def job_spec(compiled: CompiledProgram, *, window: int = 0, code_dir: str | Path | None = None,
              tensorboard: str | Path | None = None, wandb: str | Path | None = None, **recovery: Any) -> pb.JobSpec:
     """Everything the runtime needs to run ``compiled``: slices, exported nodes and inits, and the
     job's code bundle when it has host sources (or ``code_dir`` is given).
+
+    ``window``: steps the workers may run ahead of the leader; 0 (the default): the leader decides it from
+    the checkpoint interval and the output log's limit (docs/runtime.md, "The window").
 
     ``code_dir``: the directory shipped as the code bundle (default: the directory of the job
     file that declares the first host source; docs/data.md). The bundle also ships the program's
@@ -38,8 +41,9 @@ def job_spec(compiled: CompiledProgram, *, window: int = 2, code_dir: str | Path
     Raises:
         ProgramError: a bad setting, a bundle over its limit, a host source outside the bundle.
     """
-    if window < 1:
-        raise ProgramError(f"the window of steps in flight must be at least 1, got {window}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ProgramError(f"the window of steps in flight must be an int >= 1, or 0 for the leader to decide it "
+                           f"from the checkpoint interval and the output log's limit (the default), got {window!r}")
     unknown = sorted(set(recovery) - set(RECOVERY_FIELDS))
     if unknown:
         raise ProgramError(f"unknown recovery settings {unknown}; known: {list(RECOVERY_FIELDS)}")

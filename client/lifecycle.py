@@ -35,7 +35,7 @@ from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 CONTROL_WAIT_S = 15.0  # how long cancel and suspend look for a leader that answers
 
 
-def submit_detached(compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
+def submit_detached(compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 0,
                     new_run: bool = False, code_dir: str | None = None, submit_id: str = "",
                     on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any) -> dict[str, Any]:
     """Submit ``compiled`` and return once it runs: ``{"job", "run", "placement", "submit_id"}``.

@@ -59,11 +59,11 @@ SILENT_SWITCH_S = 1.0
 
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
                     "corrupt_checkpoints", "stalls", "drains", "resharded", "exact", "tolerance",
-                    "nondeterministic_workers", "stragglers", "final_cut_s")
+                    "nondeterministic_workers", "stragglers", "final_cut_s", "window")
 
 
 def submit(
-    compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 2,
+    compiled: CompiledProgram, *, endpoints: Sequence[str], cluster: str, window: int = 0,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_event: Callable[[pb.JobEvent], None] | None = None, follow_s: float = FOLLOW_S, new_run: bool = False,
     code_dir: str | None = None, final_state: str = "sharded", **recovery: Any,

@@ -472,6 +472,12 @@ class InstanceDone(_message.Message):
     group_lost: GroupLoss
     def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., saving_s: _Optional[float] = ..., group_lost: _Optional[_Union[GroupLoss, _Mapping]] = ...) -> None: ...
 
+class InstanceDoneBatch(_message.Message):
+    __slots__ = ("done",)
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    done: _containers.RepeatedCompositeFieldContainer[InstanceDone]
+    def __init__(self, done: _Optional[_Iterable[_Union[InstanceDone, _Mapping]]] = ...) -> None: ...
+
 class GroupLoss(_message.Message):
     __slots__ = ("member_worker",)
     MEMBER_WORKER_FIELD_NUMBER: _ClassVar[int]

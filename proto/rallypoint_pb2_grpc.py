@@ -167,7 +167,7 @@ class WorkerRuntimeStub:
         self.JobEvents = channel.unary_stream(
                 '/rallypoint.v1.WorkerRuntime/JobEvents',
                 request_serializer=proto_dot_rallypoint__pb2.JobEventsRequest.SerializeToString,
-                response_deserializer=proto_dot_rallypoint__pb2.InstanceDone.FromString,
+                response_deserializer=proto_dot_rallypoint__pb2.InstanceDoneBatch.FromString,
                 _registered_method=True)
         self.FetchState = channel.unary_stream(
                 '/rallypoint.v1.WorkerRuntime/FetchState',
@@ -301,7 +301,7 @@ def add_WorkerRuntimeServicer_to_server(servicer, server):
             'JobEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.JobEvents,
                     request_deserializer=proto_dot_rallypoint__pb2.JobEventsRequest.FromString,
-                    response_serializer=proto_dot_rallypoint__pb2.InstanceDone.SerializeToString,
+                    response_serializer=proto_dot_rallypoint__pb2.InstanceDoneBatch.SerializeToString,
             ),
             'FetchState': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchState,
@@ -446,7 +446,7 @@ class WorkerRuntime:
             target,
             '/rallypoint.v1.WorkerRuntime/JobEvents',
             proto_dot_rallypoint__pb2.JobEventsRequest.SerializeToString,
-            proto_dot_rallypoint__pb2.InstanceDone.FromString,
+            proto_dot_rallypoint__pb2.InstanceDoneBatch.FromString,
             options,
             channel_credentials,
             insecure,

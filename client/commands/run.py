@@ -36,7 +36,8 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--spares", type=int, default=1, show_default=True, help="Embedded cluster: spare workers.")
 @click.option("--devices-per-worker", type=int, default=None,
               help="Embedded cluster: devices per worker (default: the largest slice).")
-@click.option("--window", type=int, default=2, show_default=True, help="Steps in flight.")
+@click.option("--window", type=int, default=0, show_default=True,
+              help="Steps in flight (0: the leader decides from the checkpoint interval and the output log's limit).")
 @click.option("--platform", "platforms", default=None, metavar="P[,P...]",
               help="Export the job's programs for these platforms (cpu, cuda, rocm, tpu). Default: with --cluster, "
               "the platforms of the pool's workers; on an embedded cluster, cpu; with --reference, this process's. "

@@ -23,7 +23,7 @@ from typing import Any
 
 from rallypoint.basics.clock import Clock
 from rallypoint.basics.errors import StoreError
-from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.drains import DrainRequest, DrainResult, read_drain_requests
 from rallypoint.etcd.records import Fields, key_parts, parsed, skip_bad
 from rallypoint.etcd.store import Delete, Put
@@ -35,6 +35,7 @@ from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.progress import JobProgress, LogFloor
 from rallypoint.orchestrator.job.recovery import JobSettings
+from rallypoint.orchestrator.job.requests import RequestReader, Requests
 from rallypoint.orchestrator.job.state import FINAL_RECORD_STATES
 from rallypoint.orchestrator.job.stop import StopRequest
 from rallypoint.orchestrator.job.term import JobTerm
@@ -86,6 +87,7 @@ class JobDrains(DrainPort):
         self._ckpt_slices = stateful_slices(spec)
         self._answered: dict[str, int] = {}  # worker -> the request revision last answered
         self._floors: list[LogFloor] = []  # the floors the moves of this step made, for the executor
+        self.reader = RequestReader(self._read, clock=clock, log=log)  # etcd read off the event path (job/requests.py)
 
     @property
     def placement(self) -> Mapping[str, SlicePlace]:  # type: ignore[override]
@@ -105,13 +107,21 @@ class JobDrains(DrainPort):
 
     # -- requests ---------------------------------------------------------------------
 
-    def poll(self) -> None:
-        """Start a drain for each new request that names a worker holding a slice of this job."""
+    def _read(self, with_cluster: bool, started: float) -> Requests:
+        """What :meth:`poll` acts on, read from etcd (the reader's thread). Raises :class:`StoreError`."""
         store, keys = self.term.store, self.term.keys
-        try:
-            requests = read_drain_requests(store, keys)
-        except StoreError:
-            return  # etcd is away: requests wait
+        return Requests(read_drain_requests(store, keys), self._yields(),
+                        read_cluster(store, keys) if with_cluster else None, started)
+
+    def poll(self) -> None:
+        """Start a drain for each new request that names a worker holding a slice of this job, from the newest
+        reading of the requests (:class:`RequestReader`: none, when nothing new was read)."""
+        got = self.reader.take()
+        if got is None:
+            return
+        self.reader.with_cluster = not self.drains and any(  # a shrunk slice: the next readings look for room
+            p.count < self.places.devices_of(s) for s, p in self.placement.items())
+        requests = got.drains
         ours = ({p.worker for p in self.placement.values()} & set(self.loads.loaded)) | \
             {m.worker for p in self.placement.values() for m in p.members}  # a gang's members: it moves whole
         for worker, req in sorted(requests.items()):
@@ -120,8 +130,8 @@ class JobDrains(DrainPort):
             if self.progress.all_granted:
                 continue  # every step is granted: the job ends soon and frees the worker anyway
             self.start(req)
-        self._poll_yields()
-        self._poll_grow()
+        self._poll_yields(got.yields)
+        self._poll_grow(got.cluster)
 
     def _yields(self) -> dict[str, dict[str, Any]]:
         """Slice -> the yield request a higher-priority job put for it. Raises :class:`StoreError`."""
@@ -134,15 +144,11 @@ class JobDrains(DrainPort):
                 out[got[0]] = got[1]
         return out
 
-    def _poll_yields(self) -> None:
+    def _poll_yields(self, asked: dict[str, dict[str, Any]]) -> None:
         """A higher-priority job asked for some of this job's slices: park them (save, release, wait for room).
         Asked for every slice, the job suspends instead, and the leader resumes it once room returns
         (orchestrator/service/verbs.py)."""
         if self.drains or not self._running() or self.progress.all_granted:
-            return
-        try:
-            asked = self._yields()
-        except StoreError:
             return
         if asked and self.checkpoints and set(self.placement) <= set(asked):
             why = asked[min(asked)]
@@ -164,20 +170,16 @@ class JobDrains(DrainPort):
                        park=True)
             return  # one at a time
 
-    def _poll_grow(self) -> None:
+    def _poll_grow(self, snap: ClusterSnapshot | None) -> None:
         """A slice running on fewer devices than declared (shrunk) moves back onto a worker with room for all of
         them, or a whole gang of workers when none holds them (docs/multihost.md), by a drain (nothing lost,
         nothing replayed), once there is room."""
-        if self.drains or not self._running() or self.progress.all_granted:
-            return
+        if self.drains or not self._running() or self.progress.all_granted or snap is None:
+            return  # (no snapshot: none was asked for, no slice was shrunk; the next reading has it)
         for s, p in sorted(self.placement.items()):
             full = self.places.devices_of(s)
             if p.count >= full or any(o != s and q.worker == p.worker for o, q in self.placement.items()):
                 continue
-            try:
-                snap = read_cluster(self.term.store, self.term.keys)
-            except StoreError:
-                return
             away = frozenset(self.loads.loaded) | {m.worker for m in p.members}
             if full > max((w.info.devices for w in snap.workers.values()), default=0):  # back onto a whole gang
                 fits = choose_gang(snap, full, exclude=away) is not None
@@ -192,6 +194,7 @@ class JobDrains(DrainPort):
     def start(self, req: DrainRequest, **kw: Any) -> Drain:
         """Start a drain of ``req`` (``kw``: :class:`Drain`'s ``only``, ``target``, ``park``)."""
         d = Drain(self, len(self.drain_records) + 1, req, clock=self.clock, log=self.log, **kw)
+        self.reader.invalidate()  # what was read before the drain started is not acted on again
         self.drain_records.append(d.record)
         self.drains[req.worker] = d
         self.log.info("drain.started", drain=d.record.number, worker=req.worker, reason=req.reason, by=req.by)
@@ -242,6 +245,7 @@ class JobDrains(DrainPort):
         return f"drain {d.record.number} of worker {d.worker} ({d.record.reason}) runs"
 
     def _answer(self, d: Drain) -> None:
+        self.reader.invalidate()  # the readings from before its answer still show its request
         rec = d.record
         state = "done" if d.phase is DrainPhase.DONE else "cancelled"
         if d.request.revision:  # a request from etcd (a grow is the executor's own)

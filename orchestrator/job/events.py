@@ -7,18 +7,22 @@ The executor's loop takes one event at a time from :attr:`JobWorkers.events
 * ``grant_failed``: a worker whose process is gone is lost; any other refusal is noted on the
   grants (``Grants.refused``) and granted again at the next periodic check;
 * ``fenced``, ``ended``: the worker is lost;
+* ``batch``: the ``InstanceDone``s of one message of a worker's stream, each as below, in order, and
+  the completed steps advanced once for them all (one pass, however many arrived together);
 * an instance done (``InstanceDone``): a checkpoint commit moves the cut; a multi-host slice's
   lost member (``group_lost``) loses its group; an error fails the job; a non-finite metric under
   ``on_nonfinite = "stop"`` halts the grants, unloads the workers and fails the job with what the
   executor's ``JobCut`` dropped and kept; otherwise the instance is counted
   (recoveries, the watchdog, drains, stragglers, step times) and the completed steps advance
-  (``step.done``, a record every ``RECORD_EVERY`` steps, the window widened and granted).
+  (``step.done``, a record every ``RECORD_EVERY`` steps, the window widened and granted). Its output
+  log's bytes may narrow an automatic window (job/window.py: a ``job.window`` event).
 
 Events of a runtime the job gave up on (an older generation) are dropped, but ``warmed``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +39,7 @@ from rallypoint.orchestrator.job.recoveries import JobRecoveries
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.stragglers import StragglerWatch
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
+from rallypoint.orchestrator.job.window import StepWindow
 from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replay import Graph
@@ -70,6 +75,7 @@ class JobEvents:
         self.job_cut = job_cut
         self._event, self._emit, self._grant, self._recover, self._record = event, emit, grant, recover, record
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}  # the workers' output logs, the most any held
+        self.window = StepWindow(spec.window)  # the steps in flight (job/window.py): decided when the run begins
 
     def fenced(self, worker: str, incarnation: int, reason: str) -> None:
         """The leader fenced ``worker`` (any thread): an event of its runtime, if the job runs on that incarnation."""
@@ -100,26 +106,46 @@ class JobEvents:
         if kind == "ended":
             self._recover({worker: f"event stream ended: {item}"})
             return
+        if kind == "batch":  # a stream's InstanceDones, in order (InstanceDoneBatch): one pass, one advance
+            counted = False
+            for done in item:
+                if not self.workers.current(worker, gen):
+                    break  # one of them lost the runtime (a multi-host slice's member)
+                if counted and _disrupts(done):  # what came before it advances first, as one at a time
+                    self._advance()
+                    counted = False
+                counted = self._instance(worker, gen, done, watchdog) or counted
+            if counted:
+                self._advance()
+            return
+        if self._instance(worker, gen, item, watchdog):
+            self._advance()
+
+    def _instance(self, worker: str, gen: int, item: pb.InstanceDone, watchdog: ProgressWatchdog) -> bool:
+        """One ``InstanceDone`` (see the module doc). True: an instance was counted (the steps may advance)."""
         watchdog.progressed()
         if item.checkpoint_slice:
             keep = self.places.settings.keep_checkpoints if self.places.settings is not None else 0
             if not self.places.term.promote(worker, item.checkpoint_slice, int(item.checkpoint_step), keep=keep,
                                             cut=self.progress.cut):
-                return  # refused (logged): it never counts
+                return False  # refused (logged): it never counts
             if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
                 self.log.info("job.cut", step=self.progress.cut)
                 self._grant()
-            return
+            return False
         if item.HasField("group_lost"):  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
             lost, alive = self.places.group_lost(worker, item.group_lost.member_worker,
                                                  f"node {item.node!r} at step {item.step}: {item.error}")
             self._recover(lost, unload=alive)
-            return
+            return False
         if item.error:
             where = f"node {item.node!r} failed at step {item.step}" if item.node else "the job failed"
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
+        if (narrowed := self.window.heard(int(item.log_bytes), int(item.step), self.progress.cut)) is not None:
+            self.log.info("job.window", **narrowed.to_json())
+            self._event("job.window", step=self.progress.completed, **narrowed.to_json())
         bad = self.metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) where to stop
         if bad is not None:
             self.progress.grants.halt(bad.step)
@@ -127,7 +153,7 @@ class JobEvents:
                 self.workers.unload(w)
             raise JobFailed(self.job_cut.stop(bad, self.metrics))  # the commits past it go, the cut before stays
         self._count(worker, gen, item, watchdog)
-        self._advance()
+        return True
 
     def _grant_failed(self, worker: str, failure: WorkerCallFailed) -> None:
         """A worker whose process is gone is lost; any other refusal is granted again later
@@ -162,6 +188,11 @@ class JobEvents:
             self.log.info("job.cut", step=self.progress.cut)
             self._grant()
         self.recovery.progressed()
-        if self.progress.widen(self.spec.window):
+        if self.progress.widen(self.window.steps):
             self._grant()
         self.stragglers.advanced()
+
+
+def _disrupts(item: pb.InstanceDone) -> bool:
+    """Whether ``item`` may fail the job or lose its runtime (an error, a lost member, a metric not finite)."""
+    return bool(item.error) or item.HasField("group_lost") or not all(map(math.isfinite, item.metrics.values()))

@@ -32,7 +32,6 @@ ends with ``job.handed_off``: the job is not failed, the next leader adopts it (
 etcd record and newest consistent cut). Device leases and loaded runtimes are released in ``finally``.
 """
 
-
 from __future__ import annotations
 
 import json
@@ -77,6 +76,7 @@ from rallypoint.orchestrator.job.recovery_machine import Recovery
 from rallypoint.orchestrator.job.runs import JOBSPEC_FILE, run_dir, spec_digest, start_run
 from rallypoint.orchestrator.job.stragglers import StragglerWatch, busy_reason
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
+from rallypoint.orchestrator.job.window import StepWindow
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import flat_state_digest
 from rallypoint.recovery.decide import Budget, Fail
@@ -88,7 +88,6 @@ __all__ = ["JOBSPEC_FILE", "JobExecutor", "JobFailed", "JobState", "run_dir"]
 LOSS_GRACE_S = 0.05  # after one loss, how long to gather others that happened with it
 ETCD_CHECK_S = 1.0  # how often registrations and the watchdog are checked (a hung worker's stream stays open)
 STEP_WAIT_S = 0.1  # the running loop's wait for an event: a drain under way advances at least this often
-DRAIN_POLL_S = 0.5  # how often drain and yield requests are read (three etcd reads each): a drain starts within 0.5 s
 
 
 class JobExecutor:
@@ -180,7 +179,7 @@ class JobExecutor:
         self.started_at = clock.wall()  # when the run began (an adopted or resumed run keeps its first start)
         self.watchdog: ProgressWatchdog | None = None
         self.warmer: SpareWarmer | None = None
-        self._checked = self._drains_polled = float("-inf")
+        self._checked = float("-inf")
         self.end = JobEnd(spec, workers=self.workers, term=self.term, places=self.places, losses=self.losses,
                           recovery=self.recovery, drains=self.drains, progress=self.progress, clock=clock, log=self.log,
                           hooks=hooks, step=self.step, set_state=self._set_state)  # the final cut and state (finish.py)
@@ -232,7 +231,7 @@ class JobExecutor:
         """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
         the final one takes a suspend or cancel asked from etcd with it (carried out, or moot)."""
         done = [Delete(self.keys.control(self.spec.job))] if self.state.is_terminal else []  # moot, or carried out
-        record = record_of(self.view(), self.history, **fields)
+        record = record_of(self.view(), self.history, window=self.worker_events.window.steps, **fields)
         self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record)), *done])
 
     def _record_quietly(self, **fields: Any) -> None:
@@ -295,6 +294,8 @@ class JobExecutor:
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
         self.drains.open_run(self.run_dir is not None and self.settings.checkpoint_every > 0)
         self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
+        self.worker_events.window = StepWindow(self.spec.window, checkpoint_every=self.settings.checkpoint_every,  # window.py
+            checkpoints=self.run_dir is not None, steps=self.spec.steps, log_limit_bytes=self.settings.log_limit_bytes)
         if self.resume:  # what an earlier executor left (device leases, loaded runtimes) goes first
             self.term.leases().release(self.spec.job)
             self.loads.unload_everywhere(read_cluster(self.store, self.keys))
@@ -335,9 +336,8 @@ class JobExecutor:
             if quiet is not None:
                 self.losses.stalled(quiet, self.watchdog)
                 return
-        if self.clock.monotonic() - self._drains_polled >= DRAIN_POLL_S and self.state is not JobState.STOPPING:
-            self._drains_polled = self.clock.monotonic()
-            self.drains.poll()
+        if self.state is not JobState.STOPPING:
+            self.drains.poll()  # the newest reading of drain and yield requests, if any (read off this thread)
         if self.drains.drains:
             if self.drains.parked_waiting and self.watchdog is not None:
                 self.watchdog.progressed()  # a job waiting for its parked slices' room is not stalled
@@ -408,9 +408,9 @@ class JobExecutor:
             raise JobFailed(lost.reason)
         self._set_state(JobState.RUNNING)
         self.event("job.started", step=self.progress.completed, run=self.run_id, placement=self.places.to_json(),
-                   resumed=self.resume, adopted=self.adopted)
+                   resumed=self.resume, adopted=self.adopted, **self.worker_events.window.choice.to_json())
         self._warm_soon("placed")
-        self.progress.widen(self.spec.window)
+        self.progress.widen(self.worker_events.window.steps)
         if gone or lost:  # workers lost while the job was placed or loading: an ordinary recovery moves their slices
             self.losses.recover({**gone, **lost}, unload=alive)
         else:
@@ -482,7 +482,7 @@ class JobExecutor:
         """Failures, recoveries and replay counts, as ``job.finished`` reports them."""
         return {"failures": self.port.failures, "recoveries": self.recovery.to_json(), **self.progress.summary(),
                 "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
-                "stalls": self.watchdog.stalls if self.watchdog else 0,
+                "stalls": self.watchdog.stalls if self.watchdog else 0, "window": self.worker_events.window.steps,
                 "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions,
                 "final_cut_s": self.end.final_cut_s}
 

@@ -4,7 +4,9 @@
 
 * ``granted``: workers may run instances of steps below it (the window in flight). It
   widens to ``completed + window`` as steps complete (:meth:`Grants.widen`), never past
-  the job's last step;
+  the job's last step, once no more than half the window is left ahead of the completed
+  steps: a worker still has that half to run while the grant travels (it never idles for
+  a round trip), and a wide window is granted once every half window, not every step;
 * ``halted``: the step a metric was not finite at (``on_nonfinite = "stop"``): from then
   on no grant widens (and the progress counts no commit past it);
 * ``holds``: worker -> the step it is held at (a drain moving its slices, or a suspend or
@@ -96,11 +98,13 @@ class Grants:
         self._granted = start
 
     def widen(self, completed: int, window: int) -> bool:
-        """Move the grant to ``completed + window`` when it fell short of that. True: workers are to be granted."""
-        if self._halted is not None:
+        """Move the grant to ``completed + window`` once at most half the window is left granted ahead of
+        ``completed`` (see the module doc). True: workers are to be granted."""
+        window = max(1, window)
+        if self._halted is not None or self._granted >= self.steps:
             return False
-        if completed + max(1, window) > self._granted and self._granted < self.steps:
-            self._granted = min(completed + max(1, window), self.steps)
+        if self._granted - completed <= window // 2 and completed + window > self._granted:
+            self._granted = min(completed + window, self.steps)
             return True
         return False
 

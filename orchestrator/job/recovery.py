@@ -80,6 +80,9 @@ class JobSettings:
                              "prog.slice(name, devices=(min, max)) so its programs are exported for those counts")
         if on_no_spare not in ON_NO_SPARE:
             raise ValueError(f"on_no_spare {on_no_spare!r} is not one of {list(ON_NO_SPARE)}")
+        if spec.window < 0:
+            raise ValueError(f"window must be >= 0 (0: the leader decides it from checkpoint_every and "
+                             f"log_limit_bytes), got {spec.window}")
         for name in ("checkpoint_every", "keep_checkpoints", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")

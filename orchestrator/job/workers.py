@@ -7,8 +7,8 @@ with a deadline that follows from the bytes it moves (:func:`transfer_deadline_s
 a rewire's from the output log the worker last reported (what it may resend), a
 fetch's from the bytes received so far (it is cut once no bytes come for the base
 time). Its ``JobEvents`` stream is read by a thread that
-puts ``(kind, (worker, generation, item))`` on one queue: ``"done"`` for each
-event, ``"ended"`` once the stream broke. A worker's **generation** changes every
+puts ``(kind, (worker, generation, item))`` on one queue: ``"batch"`` for each
+message (its ``InstanceDone``s, a list in order), ``"ended"`` once the stream broke. A worker's **generation** changes every
 time it is (re)loaded or dropped, so the executor ignores whatever a runtime it
 gave up on still says.
 """
@@ -137,10 +137,11 @@ class JobWorkers:
             stream = self._stub(worker).JobEvents(pb.JobEventsRequest(to=to, job=self.job))
             with self._lock:
                 self._streams.append(stream)
-            for item in stream:
-                if not item.error:  # each event carries the output log's bytes as they are now
-                    self.log_bytes[worker] = int(item.log_bytes) + int(item.log_spilled_bytes)
-                self.events.put(("done", (worker, gen, item)))
+            for batch in stream:  # InstanceDoneBatch: every event the worker had ready, in order, handled in one pass
+                for item in batch.done:
+                    if not item.error:  # each event carries the output log's bytes as they are now
+                        self.log_bytes[worker] = int(item.log_bytes) + int(item.log_spilled_bytes)
+                self.events.put(("batch", (worker, gen, list(batch.done))))
             self.events.put(("ended", (worker, gen, "stream ended")))
         except grpc.RpcError as exc:
             self.events.put(("ended", (worker, gen, f"{exc.code().name} {exc.details()}")))

@@ -50,7 +50,7 @@ def test_the_jobspec_page_has_every_field_of_jobspec_with_its_comment() -> None:
     page = gen_reference.jobspec_reference()
     for field in pb.JobSpec.DESCRIPTOR.fields:
         assert f"| `{field.name}` | {field.number} |" in page
-    assert "| `window` | 4 | int32 | steps in flight |" in page
+    assert "| `window` | 4 | int32 | steps in flight (0: the leader decides, from checkpoint_every and log_limit_bytes) |" in page
     assert "## CodeBundle" in page and "## GangMember" in page and "### InputBinding.Kind" in page
 
 

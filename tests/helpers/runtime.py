@@ -106,7 +106,7 @@ def started_workers(commit_factory: Callable[[], Callable[[CheckpointCommit], No
 
 @dataclass
 class Events:
-    """One worker's JobEvents stream, read on a thread."""
+    """One worker's JobEvents stream, read on a thread: its batches' events, in order."""
 
     call: Any
     items: list[pb.InstanceDone] = field(default_factory=list)
@@ -118,8 +118,8 @@ class Events:
 
     def _read(self) -> None:
         try:
-            for ev in self.call:
-                self.items.append(ev)
+            for batch in self.call:
+                self.items.extend(batch.done)
         except grpc.RpcError:
             pass
         finally:

@@ -45,9 +45,14 @@ def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_an
     compiled, reference = pipeline
     step = random.Random(f"kill-{victim}").randint(3, STEPS - 4)
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1)
-    result, injector = run(lc, compiled, [Fault(victim, victim, step)])
+    started: list[dict[str, Any]] = []
+    result, injector = run(lc, compiled, [Fault(victim, victim, step)], on_event=lambda ev: started.append(
+        json.loads(ev.detail)) if ev.event == "job.started" else None)
     why = f"SIGKILL of {victim} at step {step}"
     assert result.state_digest == reference, why
+    # The default window is the leader's: one checkpoint interval, wider than the old constant 2.
+    window = started[0]["window"]
+    assert started[0]["auto"] and window == EVERY > 2, started
     rec = result.recovery
     assert [f["slices"] for f in rec["failures"]] == [[victim]], why
     (r,) = rec["recoveries"]
@@ -60,9 +65,9 @@ def test_killing_the_worker_of_each_slice_at_a_random_step_ends_bitwise_equal_an
     assert set(r["replay_nodes"]) == nodes_of(compiled, victim)
     for node, count in replayed.items():
         # The plan counts up to the first instance not reported done; the lost worker may also have run
-        # instances of the next steps of the window (2) out of order, which re-run too.
+        # instances of the next steps of the window out of order, which re-run too.
         per_step = 4 if compiled.program.nodes[node].per == "microbatch" else 1
-        assert count <= r["planned_instances"].get(node, 0) + 2 * per_step, (node, count, r["planned_instances"])
+        assert count <= r["planned_instances"].get(node, 0) + window * per_step, (node, count, r["planned_instances"])
     assert set(r["phases"]) == {"detection", "fencing", "remap", "restore", "replay", "catch_up"}
     assert r["mttr_s"] is not None and r["mttr_s"] > 0
     # The operator's view says the same.

@@ -420,3 +420,59 @@ def test_a_second_loss_after_a_fall_back_restores_from_the_lowered_cut(tmp_path:
     h.steps_until(20)
     assert [(c["slice"], c["step"]) for c in h.x.port.corrupt] == [("s1", 10)]
     assert h.x.progress.cut == 15
+
+
+def _as_batches(h: Harness) -> None:
+    """What the fakes put on the queue one event at a time, regrouped as the streams send it: a batch per worker."""
+    by_worker: dict[tuple[str, int], list[pb.InstanceDone]] = {}
+    while not h.workers.events.empty():
+        kind, (w, gen, item) = h.workers.events.get_nowait()
+        assert kind == "done"
+        by_worker.setdefault((w, gen), []).append(item)
+    for (w, gen), items in by_worker.items():
+        h.workers.events.put(("batch", (w, gen, items)))
+
+
+def test_a_batch_of_instances_is_handled_in_one_pass_and_the_window_moves_once(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    _as_batches(h)  # steps 0 and 1 (the window) of both stages, one message per worker
+    h.x.step(timeout_s=0.0)
+    h.x.step(timeout_s=0.0)
+    assert h.x.progress.completed == 2 and h.x.progress.granted == 4
+    stale = h.worker_of("s0")
+    h.workers.events.put(("batch", (stale, h.workers.generation[stale] - 1, [pb.InstanceDone(node="fwd0", step=9)])))
+    h.x.step(timeout_s=0.0)  # a runtime given up on: its batch is dropped whole
+    assert h.x.progress.done_through("fwd0") < 9
+    h.steps_until(20)
+    assert h.x.finish().event == "job.finished"
+
+
+def test_an_error_in_a_batch_fails_the_job_after_the_instances_before_it(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    while not h.workers.events.empty():
+        h.workers.events.get_nowait()
+    w = h.worker_of("s0")
+    h.workers.events.put(("batch", (w, h.workers.generation[w], [
+        pb.InstanceDone(node="fwd0", step=0), pb.InstanceDone(node="fwd0", step=1, error="boom")])))
+    with pytest.raises(JobFailed, match=f"node 'fwd0' failed at step 1 on worker {w}: boom"):
+        h.x.step(timeout_s=0.0)
+    assert h.x.progress.done_through("fwd0") == 1  # step 0 was counted first
+
+
+def test_the_steps_before_a_non_finite_metric_in_a_batch_are_done_before_the_job_stops(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.x.begin()
+    while not h.workers.events.empty():
+        h.workers.events.get_nowait()
+    gens = {s: (h.worker_of(s), h.workers.generation[h.worker_of(s)]) for s in ("s0", "s1")}
+    h.workers.events.put(("batch", (*gens["s0"], [pb.InstanceDone(node="fwd0", step=0),
+                                                  pb.InstanceDone(node="fwd0", step=1)])))
+    h.x.step(timeout_s=0.0)
+    h.workers.events.put(("batch", (*gens["s1"], [
+        pb.InstanceDone(node="fwd1", step=0, metrics={"loss": 1.0}),
+        pb.InstanceDone(node="fwd1", step=1, metrics={"loss": float("nan")})])))
+    with pytest.raises(JobFailed):
+        h.x.step(timeout_s=0.0)
+    assert [e.step for e in h.events if e.event == "step.done"] == [0]  # step 0 is done, as one event at a time

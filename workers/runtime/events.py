@@ -1,4 +1,8 @@
-"""A loaded job's event feed: the ``InstanceDone`` events its ``JobEvents`` streams read."""
+"""A loaded job's event feed: the ``InstanceDone`` events its ``JobEvents`` streams read.
+
+A stream sends what its queue holds in one :class:`pb.InstanceDoneBatch` (:func:`drain_events`): the
+instances that completed while the previous message was on its way go together, in order.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from collections import deque
 from rallypoint.proto import rallypoint_pb2 as pb
 
 BACKLOG_EVENTS = 100_000  # events kept while no JobEvents stream is open
+MAX_BATCH = 512  # events in one InstanceDoneBatch at most (a backlog handed over goes in several)
 
 
 class EventFeed:
@@ -55,3 +60,25 @@ class EventFeed:
             for q in self._subscribers:
                 q.put(None)
             self._subscribers.clear()
+
+
+def drain_events(q: queue.Queue[pb.InstanceDone | None], timeout_s: float,
+                 max_batch: int = MAX_BATCH) -> tuple[pb.InstanceDoneBatch, bool]:
+    """Wait up to ``timeout_s`` for an event of ``q``, then take every other one it holds (up to ``max_batch``)
+    without waiting: one batch, in order, and whether the feed closed (None was read: nothing after it).
+
+    Raises:
+        queue.Empty: no event came within ``timeout_s``.
+    """
+    first = q.get(timeout=timeout_s)
+    batch = pb.InstanceDoneBatch()
+    ev: pb.InstanceDone | None = first
+    while ev is not None:
+        batch.done.append(ev)
+        if len(batch.done) >= max_batch:
+            return batch, False
+        try:
+            ev = q.get_nowait()
+        except queue.Empty:
+            return batch, False
+    return batch, True

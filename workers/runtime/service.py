@@ -38,6 +38,7 @@ from rallypoint.workers.runtime.checkpoints import CommitFn
 from rallypoint.workers.checkpoints.replicas import ReplicaStore, ReplicaTier
 from rallypoint.workers.runtime.runtime import JobRuntime
 from rallypoint.workers.runtime.control import Admit
+from rallypoint.workers.runtime.events import drain_events
 from rallypoint.workers.runtime.load import ProgramFailed
 from rallypoint.workers.errors import DeliveryError, LoadError, RestoreError
 from rallypoint.workers.transfer import PeerChannels
@@ -264,19 +265,20 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.PushResponse(duplicate=duplicate)
 
-    def JobEvents(self, request: pb.JobEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.InstanceDone]:
+    def JobEvents(self, request: pb.JobEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.InstanceDoneBatch]:
         rt = self._job(request.to, request.job, context)
         q = rt.subscribe()
         context.send_initial_metadata(())  # the caller may wait for this: from here on no event is missed
         try:
             while context.is_active():
                 try:
-                    ev = q.get(timeout=0.25)
+                    batch, ended = drain_events(q, timeout_s=0.25)
                 except queue.Empty:
                     continue
-                if ev is None:
+                if batch.done:
+                    yield batch
+                if ended:
                     return
-                yield ev
         finally:
             rt.unsubscribe(q)
 
