@@ -119,9 +119,12 @@ class ReferenceExecutor:
         meshes = {name: slice_mesh(program, name, devices) for name in program.slices}
         self._calls = {n: load_exported(c.exported, meshes[c.slice]) for n, c in compiled.nodes.items()}
         # where each flat argument of a node must be when it is called (a value elsewhere is moved there)
-        self._layouts = {n: _in_shardings(c.exported, meshes[c.slice]) for n, c in compiled.nodes.items()
+        self._layouts = {n: _shardings(c.exported, meshes[c.slice], "in") for n, c in compiled.nodes.items()
                          if c.host is None}
         self._inits = {s: load_exported(c.exported_init, meshes[c.slice]) for s, c in compiled.states.items()}
+        # where each state's leaves live: as its init lays them out (a state from the host is put there once)
+        self._state_layouts = {s: _shardings(c.exported_init, meshes[c.slice], "out")
+                               for s, c in compiled.states.items()}
         self._metric_refs = [(ref.node, ref.output) for ref in program.metrics.values()]
 
     def initial_state(self) -> dict[str, Any]:
@@ -142,7 +145,7 @@ class ReferenceExecutor:
         The result's states are host arrays."""
         program: Program = self.compiled.program
         total = program.steps if steps is None else steps
-        states = dict(state) if state is not None else self.initial_state()
+        states = self._on_devices(dict(state) if state is not None else self.initial_state())
         instances = dict.fromkeys(self.compiled.nodes, 0)
         metrics_log: list[dict[str, float]] = []
         t0 = time.perf_counter()
@@ -158,6 +161,19 @@ class ReferenceExecutor:
         states = {name: to_host(value) for name, value in states.items()}
         wall = time.perf_counter() - t0
         return RunResult(program.name, total, states, state_digest(states), wall, metrics_log, instances)
+
+    def _on_devices(self, states: dict[str, Any]) -> dict[str, Any]:
+        """``states`` on their slices' devices, each laid out as its init lays it out (copied from the host once,
+        not at every read)."""
+        import jax
+
+        out = {}
+        for name, value in states.items():
+            leaves, tree = jax.tree_util.tree_flatten(value)
+            layout = self._state_layouts.get(name)
+            out[name] = tree.unflatten(place(leaves, layout, None, "checkpoint")) if layout and len(layout) == len(
+                leaves) else value
+        return out
 
     def _step(self, step: int, states: dict[str, Any],
               instances: dict[str, int]) -> tuple[dict[tuple[str, str], Any], list[str]]:
@@ -251,11 +267,13 @@ class ReferenceExecutor:
         return v[mb] if isinstance(v, list) else v
 
 
-def _in_shardings(blob: bytes, mesh: Any) -> list[Any]:
-    """How an exported program takes its flat arguments on ``mesh`` (unspecified: replicated)."""
+def _shardings(blob: bytes, mesh: Any, which: str) -> list[Any]:
+    """How an exported program takes its flat arguments (``which`` "in") or lays out its results ("out") on
+    ``mesh`` (unspecified: replicated)."""
     import jax
 
-    return arg_shardings(jax.export.deserialize(bytearray(blob)).in_shardings_jax(mesh), mesh)
+    exp = jax.export.deserialize(bytearray(blob))
+    return arg_shardings(exp.in_shardings_jax(mesh) if which == "in" else exp.out_shardings_jax(mesh), mesh)
 
 
 def run_reference(program: Program, *, steps: int | None = None,
