@@ -171,8 +171,8 @@ class ReferenceExecutor:
         for name, value in states.items():
             leaves, tree = jax.tree_util.tree_flatten(value)
             layout = self._state_layouts.get(name)
-            out[name] = tree.unflatten(place(leaves, layout, None, "checkpoint")) if layout and len(layout) == len(
-                leaves) else value
+            fits = layout is not None and len(layout) == len(leaves)
+            out[name] = tree.unflatten(place(leaves, layout, None, "checkpoint")) if fits else value
         return out
 
     def _step(self, step: int, states: dict[str, Any],
@@ -233,7 +233,8 @@ class ReferenceExecutor:
         for mname, ref in self.compiled.program.metrics.items():
             v = host.get((ref.node, ref.output))
             if v is not None:
-                metrics[mname] = float(np.mean([np.asarray(x, dtype=np.float64) for x in v])) if isinstance(v, list) else float(v)
+                metrics[mname] = (float(np.mean([np.asarray(x, dtype=np.float64) for x in v]))
+                                  if isinstance(v, list) else float(v))
         if self.on_step is not None:
             self.on_step(step, metrics)
         return metrics
