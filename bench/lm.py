@@ -8,8 +8,9 @@ Reports, side by side in one run (medians of ``--repeats``; steady state: the fi
    of devices laid out the same way (weights replicated, the batch sharded on "data"),
    fed by the same Grain host source (``lm_batch``) called in this process; the next
    step's batch is read while the device runs the current one. No Rallypoint.
-2. **reference**: the in-process reference executor on the program (exported nodes run
-   one after another, values through host memory).
+2. **reference**: the in-process reference executor on the program (the exported nodes run
+   one after another, values kept on the devices, a step's metrics read once the next
+   step is dispatched, as a worker runs them).
 3. **cluster**: the program on an embedded local cluster (``dp``: one worker of
    ``LM_DEVICES`` devices; ``pipeline``: two workers of two), the host source run by
    the workers, in their source processes.

@@ -101,6 +101,27 @@ onto the devices in C++ within the call (microseconds), where an explicit ``jax.
 costs 40-80 us of Python; above it, the value is put on the devices once and kept there."""
 
 
+_SAME: dict[tuple[Any, Any, int], bool] = {}
+_SAME_MAX = 4096
+
+
+def same_layout(have: Any, want: Any, ndim: int) -> bool:
+    """Whether an array of ``ndim`` dimensions laid out as ``have`` is laid out as ``want``.
+
+    ``Sharding.is_equivalent_to`` costs microseconds, and a step's arguments ask it of
+    every leaf at every call: the answers are kept (shardings are immutable and hashable;
+    a program's output shardings are the same objects at every call)."""
+    if have is want:
+        return True
+    key = (have, want, ndim)
+    got = _SAME.get(key)
+    if got is None:
+        if len(_SAME) >= _SAME_MAX:
+            _SAME.clear()
+        got = _SAME[key] = bool(have.is_equivalent_to(want, ndim))
+    return got
+
+
 def place(leaves: Sequence[Any], shardings: Sequence[Any], copies: Copies | None, purpose: str, *,
           small: str = "") -> list[Any]:
     """``leaves`` on the devices of ``shardings`` (one per leaf), each as that sharding lays it out.
@@ -123,7 +144,7 @@ def place(leaves: Sequence[Any], shardings: Sequence[Any], copies: Copies | None
     host = 0
     for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
         if is_device_array(x):
-            if x.sharding is s or x.sharding.is_equivalent_to(s, x.ndim):
+            if same_layout(x.sharding, s, x.ndim):
                 continue
         else:
             n = int(np.asarray(x).nbytes)

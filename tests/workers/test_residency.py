@@ -180,3 +180,20 @@ def test_copies_are_counted_by_direction_and_purpose_and_a_host_copy_is_made_onc
     assert w.sharding.device_set == {jax.devices()[1]} and copies.count("h2d") == 2
     with pytest.raises(ValueError, match="lunch"):
         copies.add("d2h", "lunch", 1)
+
+
+def test_place_keeps_equivalent_layouts_and_moves_the_rest_with_the_layout_answers_kept() -> None:
+    """``same_layout`` answers as ``Sharding.is_equivalent_to`` does, asked again or not; ``place`` moves only
+    what is laid out otherwise."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    rep2 = NamedSharding(mesh, P(None))  # another object, the same layout
+    for _ in range(2):
+        assert residency.same_layout(rep, rep2, 1) and residency.same_layout(rep, rep, 2)
+        assert not residency.same_layout(rep, split, 1) and not residency.same_layout(split, rep, 1)
+    x = jax.device_put(np.arange(4.0), rep)
+    kept, moved = place([x, x], [rep2, split], None, "transfer")
+    assert kept is x and moved.sharding == split
+    np.testing.assert_array_equal(np.asarray(moved), np.arange(4.0))
