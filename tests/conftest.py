@@ -104,6 +104,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         top = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
         if top in PROCESS_DIRS or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _heavy_modules_first(items)
+
+
+def _heavy_modules_first(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`: ``--dist loadfile`` hands whole modules to its two processes in collection
+    order), the long modules first and the quick ones last, so that the quick ones fill in at the end instead of one
+    process running a long module alone: the modules of clusters and jobs (tests/integration, tests/chaos) with the
+    most tests that start processes, then the other modules that start processes, then the rest. A module's tests
+    keep their order."""
+    count: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        count[module] = count.get(module, 0) + (1 if item.get_closest_marker("processes") else 0)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module = item.nodeid.split("::", 1)[0]
+        jobs = Path(module).parts[1:2] in (("integration",), ("chaos",))
+        return (0 if jobs and count[module] else 1 if count[module] else 2), -count[module]
+
+    items.sort(key=rank)  # stable: ties keep collection order
 
 
 class ProcessRefused(RuntimeError):

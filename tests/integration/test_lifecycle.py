@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.processes
 
 STEPS = 40
 LONG = 200
+WATCHED = 300  # the watch across a leader kill: the job must still run when the leader is killed
 EVERY = 5
 QUIET = {"warm_spares": 0, "checkpoint_every": EVERY}  # no spare compiles beside the job: this machine has 2 cores
 CALLER = "operator:client"  # a stop's `by`: the caller's certificate (the CLI of the embedded cluster)
@@ -238,8 +240,9 @@ def test_a_cancel_during_a_drain_lets_the_drain_finish_then_ends_cancelled_at_a_
 
 @pytest.fixture(scope="module")
 def long_pipeline() -> tuple[CompiledProgram, str]:
-    """Long enough to outlast a CLI's start, a Ctrl-C and a leader's kill and adoption."""
-    compiled = compile_program(example("pipeline_mlp").build(steps=LONG))
+    """Long enough to outlast two CLIs' start, a Ctrl-C and a leader's kill and adoption on a loaded host (the
+    suite runs on two processes: 200 steps could end before the kill)."""
+    compiled = compile_program(example("pipeline_mlp").build(steps=WATCHED))
     return compiled, ReferenceExecutor(compiled).run().state_digest
 
 
@@ -277,34 +280,59 @@ def _watch_across_a_leader_kill(lc: LocalCluster, job: str, reference: str) -> N
                    "signal.default_int_handler); sys.argv[0] = 'rallypoint'; runpy.run_module('rallypoint.cli', "
                    "run_name='__main__')", *argv[3:]]
     detaching = subprocess.Popen(interactive, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    watching = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch_err = tempfile.TemporaryFile("w+")  # read at the end: a pipe nobody reads could fill and stall the CLI
+    watching = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=watch_err, text=True)
+    # Every line the watch prints, read through one reader (a readline then communicate() loses what the readline
+    # buffered past its line).
+    lines: list[dict[str, Any]] = []
+
+    def read() -> None:
+        for line in watching.stdout:  # type: ignore[union-attr]
+            lines.append(json.loads(line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        assert next_event(detaching) == "job.watching"
-        assert next_event(detaching) == "step"
-        detaching.send_signal(signal.SIGINT)  # Ctrl-C while it follows the job
-        _out, err = detaching.communicate(timeout=30)
-        assert detaching.returncode == 130 and f"detached from job {job}" in err and "it goes on" in err, err
-        assert json.loads(watching.stdout.readline())["event"] == "job.watching"  # type: ignore[union-attr]
-        until_step(lc, job, 10)
+        # The leader is killed as soon as the watch follows the job's steps, while the job has most of its steps
+        # ahead (on a loaded host, a kill after the Ctrl-C below could come after the job's end).
+        wait_until(lambda: [e["event"] for e in lines][:2] == ["job.watching", "step"] or watching.poll() is not None,
+                   60, "the watch's first step")
+        assert [e["event"] for e in lines][:2] == ["job.watching", "step"], (lines, _text(watch_err))
         store = lc.store()
         try:
             leader = store.get(lc.keys.leader).json()["coordinator"]  # type: ignore[union-attr]
         finally:
             store.close()
+        assert record(lc, job).get("state") in ("running", "recovering"), \
+            f"the job ended before its leader was killed: {record(lc, job)}"
         lc.signal(leader, signal.SIGKILL)
-        out, err = watching.communicate(timeout=120)
+        assert next_event(detaching) == "job.watching"
+        while (event := next_event(detaching)) != "step":  # the leader's change may come first
+            assert event not in ("job.finished", "job.failed", "job.cancelled", "job.suspended"), event
+        detaching.send_signal(signal.SIGINT)  # Ctrl-C while it follows the job
+        _out, err = detaching.communicate(timeout=30)
+        assert detaching.returncode == 130 and f"detached from job {job}" in err and "it goes on" in err, err
+        watching.wait(timeout=120)
+        reader.join(timeout=10)
     finally:
         for p in (detaching, watching):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    lines = [json.loads(line) for line in out.splitlines()]
+        err = _text(watch_err)
+        watch_err.close()
     assert watching.returncode == 0, err
     events = [e["event"] for e in lines]
-    assert events.count("job.watching") == 1, events  # followed to the new leader, which adopted it (the first: read)
+    assert events.count("job.watching") == 2, events  # followed to the new leader, which adopted it
     assert lines[-1]["event"] == "job.finished" and lines[-1]["state_digest"] == reference
     assert record(lc, job)["state"] == "succeeded"
     respawn(lc, leader, "coordinator")
+
+
+def _text(f: Any) -> str:
+    """What ``f`` (a temporary file a process wrote) holds."""
+    f.seek(0)
+    return f.read()
 
 
 def counter(name: str, steps: int) -> CompiledProgram:
