@@ -20,10 +20,13 @@ demo: $(STAMP)
 	$(PY) examples/demo_cluster.py
 	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
-# The whole suite on two processes (pytest-xdist; a test module's tests stay together on one, in order, so a
-# module's cluster is started once), with its 25 slowest tests at the end (CI's log shows where the time goes).
+# The whole suite, with its 25 slowest tests at the end (CI's log shows where the time goes). TEST_PROCS=2 runs it on
+# two processes (pytest-xdist; a module's tests stay together on one, in order): 24-27 min instead of about 35 on
+# this 2-core host, but some timing-sensitive tests (a straggler's detection, a CLI's etcd handshake) still fail
+# beside another test's cluster, so CI runs it on one.
+TEST_PROCS ?= 1
 test: $(STAMP) layers browser
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadfile tests
+	$(PY) -m pytest -q --durations=25 $(if $(filter-out 1,$(TEST_PROCS)),-n $(TEST_PROCS) --dist loadfile) tests
 
 # The fast tier for the edit-test loop: the unit and property tests that start no process
 # (tests marked `processes` left out; tests/conftest.py marks them and refuses a process to the rest).
