@@ -29,7 +29,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # A persistent compilation cache for this process, for the session: the same programs (the examples, their
 # references, in-process workers) are compiled by many tests, and from the second time on they are loaded.
 # Set before anything compiles (JAX decides once per process); removed when the session ends.
-# Under pytest-xdist (`make test` runs the suite on two processes) the processes of one session share it: the
+# Under pytest-xdist (`make test TEST_PROCS=2`: two processes) the processes of one session share it: the
 # first (the controller) makes it and names it in RALLYPOINT_TESTS_JAX_CACHE, which the others inherit.
 def _session_dir(variable: str, prefix: str) -> tuple[Path, bool]:
     """The session's directory named by ``variable`` (made, and named there, if none is): (path, made here)."""
@@ -109,11 +109,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _heavy_modules_first(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`: ``--dist loadfile`` hands whole modules to its two processes in collection
-    order), the long modules first and the quick ones last, so that the quick ones fill in at the end instead of one
-    process running a long module alone: the modules of clusters and jobs (tests/integration, tests/chaos) with the
-    most tests that start processes, then the other modules that start processes, then the rest. A module's tests
-    keep their order."""
+    """Under pytest-xdist (`make test TEST_PROCS=2`: ``--dist loadfile`` hands whole modules to its processes in
+    collection order), the long modules first and the quick ones last, so that the quick ones fill in at the end
+    instead of one process running a long module alone: the modules of clusters and jobs (tests/integration,
+    tests/chaos) with the most tests that start processes, then the other modules that start processes, then the
+    rest. A module's tests keep their order."""
     count: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]
