@@ -37,15 +37,16 @@ def test_a_slow_etcd_never_holds_up_the_executor_and_its_reading_arrives_later()
 
 
 def test_a_reading_from_before_the_drains_changed_etcd_is_dropped() -> None:
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
 
     def read(with_cluster: bool, started: float) -> Requests:
+        entered.set()
         gate.wait(5)
         return Requests(started=started)
 
     reader = RequestReader(read, clock=SYSTEM_CLOCK, log=LOG, period_s=0.01)
     reader.take()  # a read starts, and waits at the gate
-    time.sleep(0.05)
+    assert entered.wait(5)
     reader.invalidate()  # a drain started meanwhile: that read is stale
     gate.set()
     wait_until(lambda: reader.take() is not None, 5, "a reading started after the drain")
