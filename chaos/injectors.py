@@ -56,7 +56,7 @@ from typing import Any
 from rallypoint.basics.clock import SYSTEM_CLOCK
 from rallypoint.basics.retry import retrying
 from rallypoint.chaos.scenario import FaultSpec
-from rallypoint.etcd.commits import read_commits
+from rallypoint.etcd.commits import read_commits, read_worker_commits
 from rallypoint.basics.errors import RallypointError
 from rallypoint.cluster.local import LocalCluster
 
@@ -65,6 +65,19 @@ Heal = Callable[[], dict[str, Any]]
 
 class InjectionError(RallypointError):
     """A fault could not be fired (its target is unknown or already gone)."""
+
+
+def newest_commit(store: Any, keys: Any, job: str, slice_name: str, worker: str) -> Any:
+    """The newest checkpoint of ``slice_name`` in etcd: promoted, or only at ``worker``'s own keys.
+
+    The worker's own commit is in etcd before the leader hears of it; the leader's promotion can land
+    seconds later on a loaded host, so a choice among promoted commits alone could damage an older
+    checkpoint than the one a recovery then restores."""
+    commits = [*read_commits(store, keys, job).get(slice_name, []),
+               *read_worker_commits(store, keys, worker, job).get(slice_name, [])]
+    if not commits:
+        raise InjectionError(f"slice {slice_name!r} has no committed checkpoint yet")
+    return max(commits, key=lambda c: c.step)
 
 
 @dataclass
@@ -347,26 +360,24 @@ class Injectors:
 
     # -- storage ---------------------------------------------------------------------------------
 
-    def _newest_commit(self, slice_name: str) -> Any:
+    def _newest_commit(self, slice_name: str, worker: str) -> Any:
         store = self.t.lc.store()
         try:
-            commits = read_commits(store, self.t.lc.keys, self.t.job).get(slice_name, [])
+            return newest_commit(store, self.t.lc.keys, self.t.job, slice_name, worker)
         finally:
             store.close()
-        if not commits:
-            raise InjectionError(f"slice {slice_name!r} has no committed checkpoint yet")
-        return commits[-1]
 
     def _damage(self, spec: FaultSpec, how: str) -> tuple[dict[str, Any], Heal | None]:
         s = self.t.slice_of(spec.target)
         w = self.t.worker_of(s)
         # Freeze the worker first, so the checkpoint damaged is its slice's newest for good: a save that
         # commits between the choice and the kill would give the recovery a newer, intact cut. The pause
-        # lets a commit already on its way to etcd land; it is far under the lease TTL, so nobody is lost yet.
+        # lets the worker's own commit already on its way to etcd land; it is far under the lease TTL, so
+        # nobody is lost yet. The leader's promotion of it may come later: _newest_commit reads both.
         pid = self._signal(w, signal.SIGSTOP)
         time.sleep(SETTLE_S)
         try:
-            c = self._newest_commit(s)
+            c = self._newest_commit(s, w)
             files = [p for p in Path(c.path).rglob("*") if p.is_file()]
             if not files:
                 raise InjectionError(f"the checkpoint at {c.path} has no files")

@@ -27,7 +27,7 @@ from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.jobspec import job_spec
 from rallypoint.client.submission import FOLLOW_S, JobError, JobFollower, JobStoppedError, ended
 from rallypoint.etcd.keys import Keys
-from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.etcd_store import CLIENT_CONNECT_WAIT_S, EtcdStore
 from rallypoint.orchestrator.api import END_EVENTS
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
@@ -106,7 +106,7 @@ def _record(store: EtcdStore, job: str, cluster: str) -> dict[str, Any]:
 
 
 def _resumes_by_itself(job: str, endpoints: Sequence[str], cluster: str) -> bool:
-    store = EtcdStore(list(endpoints))
+    store = EtcdStore(list(endpoints), connect_wait_s=CLIENT_CONNECT_WAIT_S)
     try:
         r = _record(store, job, cluster)
     finally:
@@ -116,7 +116,7 @@ def _resumes_by_itself(job: str, endpoints: Sequence[str], cluster: str) -> bool
 
 def _until_resumed(job: str, endpoints: Sequence[str], cluster: str, poll_s: float = 0.5) -> None:
     """Wait until the job's record leaves SUSPENDED (the leader resumed it, or an operator cancelled it)."""
-    store = EtcdStore(list(endpoints))
+    store = EtcdStore(list(endpoints), connect_wait_s=CLIENT_CONNECT_WAIT_S)
     try:
         while True:
             try:
@@ -140,7 +140,7 @@ def control(job: str, action: str, *, endpoints: Sequence[str], cluster: str, ch
         JobError: the leader refused (its reason, which says what to do), or none answered in ``wait_s``.
     """
     request = pb.JobControlRequest(job=job, checkpoint=checkpoint, by=by, reason=reason)
-    store = EtcdStore(list(endpoints))
+    store = EtcdStore(list(endpoints), connect_wait_s=CLIENT_CONNECT_WAIT_S)
     deadline, last = time.monotonic() + wait_s, "no leader in etcd"
     try:
         while True:

@@ -25,7 +25,7 @@ from rallypoint.basics.clock import SYSTEM_CLOCK
 from rallypoint.basics.errors import RallypointError, StoreError
 from rallypoint.etcd.keys import Keys
 from rallypoint.basics.retry import retrying
-from rallypoint.etcd.etcd_store import EtcdStore
+from rallypoint.etcd.etcd_store import CLIENT_CONNECT_WAIT_S, EtcdStore
 from rallypoint.orchestrator.api import END_EVENTS
 from rallypoint.basics.tls import channel as tls_channel
 from rallypoint.basics.tls import tls_of
@@ -193,7 +193,7 @@ class JobFollower:
         """
         watch: Callable[[Any], Iterator[pb.JobEvent]] = lambda stub: stub.WatchJob(  # noqa: E731
             pb.WatchJobRequest(job=self.job))
-        self._store = EtcdStore(self.endpoints)
+        self._store = EtcdStore(self.endpoints, connect_wait_s=CLIENT_CONNECT_WAIT_S)
         rpc, watching, why, lost_at = call, False, "", 0.0
         try:
             while True:

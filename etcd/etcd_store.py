@@ -45,7 +45,7 @@ from rallypoint.etcd.store import (
     prefix_end,
 )
 
-__all__ = ["EtcdStore"]
+__all__ = ["CLIENT_CONNECT_WAIT_S", "EtcdStore"]
 
 
 def _b(v: bytes | str) -> bytes:
@@ -62,6 +62,8 @@ def _kv(m: Any) -> KeyValue:
         lease=m.lease,
     )
 
+
+CLIENT_CONNECT_WAIT_S = 5.0  # a CLI's store: how long a connection cut short is redialled before a call fails
 
 _TRANSIENT = {
     grpc.StatusCode.UNAVAILABLE,
@@ -117,9 +119,15 @@ class EtcdStore:
             None: plain; ``AUTO`` (the default): the identity (or plain) a local cluster or
             etcd of this process recorded for these endpoints, and a ConfigError naming the
             endpoints when none did: never a silent fall-back to plain TCP.
+        connect_wait_s: wait up to this long for the channel to connect before the first call,
+            redialling a connection cut short (a TLS handshake a loaded host's etcd drops): a short-lived
+            client (a CLI command) makes few calls and would otherwise fail on the first one. Past it the
+            calls go on and fail as usual, naming etcd unreachable. 0: no wait (long-lived processes, whose
+            loops retry).
     """
 
-    def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 2.0, tls: Any = AUTO) -> None:
+    def __init__(self, endpoints: Sequence[str], *, request_timeout_s: float = 2.0, tls: Any = AUTO,
+                 connect_wait_s: float = 0.0) -> None:
         if not endpoints:
             raise StoreError("no etcd endpoints given; pass --cluster HOST:PORT[,HOST:PORT...]")
         self.endpoints = list(endpoints)
@@ -141,6 +149,12 @@ class EtcdStore:
         self._lease = etcdrpc.LeaseStub(self._channel)
         self._watch = etcdrpc.WatchStub(self._channel)
         self._maintenance = etcdrpc.MaintenanceStub(self._channel)
+        if connect_wait_s > 0:
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=connect_wait_s)
+            except grpc.FutureTimeoutError:
+                ready.cancel()  # unreachable for now: the first call says so
 
     # -- errors ---------------------------------------------------------------
 

@@ -75,13 +75,13 @@ class ClusterAddress:
 def resolve_cluster(state_dir: Path, cluster: str | None) -> ClusterAddress:
     """Find the cluster from ``--cluster`` or the state dir."""
     from rallypoint.cluster.local import LocalCluster
-    from rallypoint.etcd.etcd_store import EtcdStore
+    from rallypoint.etcd.etcd_store import CLIENT_CONNECT_WAIT_S, EtcdStore
 
     if cluster:
         name, endpoints = parse_cluster(cluster)
         tls_registry.remember(endpoints, client_tls())
         if name is None:
-            store = EtcdStore(endpoints)
+            store = EtcdStore(endpoints, connect_wait_s=CLIENT_CONNECT_WAIT_S)
             try:
                 kvs, _ = store.get_prefix(all_clusters_prefix())
             except StoreError as exc:
@@ -117,10 +117,10 @@ def cluster_options(f: F) -> F:
 
 
 def store_and_keys(state_dir: Path, cluster: str | None) -> tuple[Any, Keys]:
-    from rallypoint.etcd.etcd_store import EtcdStore
+    from rallypoint.etcd.etcd_store import CLIENT_CONNECT_WAIT_S, EtcdStore
 
     addr = resolve_cluster(state_dir, cluster)
-    return EtcdStore(addr.endpoints), Keys(addr.name)
+    return EtcdStore(addr.endpoints, connect_wait_s=CLIENT_CONNECT_WAIT_S), Keys(addr.name)
 
 
 def export_platforms_for(given: str | None, *, reference: bool, cluster: str | None) -> tuple[str, ...] | None:

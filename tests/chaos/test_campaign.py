@@ -18,6 +18,7 @@ import pytest
 from rallypoint.chaos.campaign import (CAMPAIGN_FILE, campaign_data, check_campaign, default_out_dir,
                                        format_campaign, percentile, run_campaign, seed_list, seed_row, totals)
 from rallypoint.chaos.scenario import KINDS, Scenario, load_scenario
+from rallypoint.chaos.report import SUMMARY_FILE
 from rallypoint.basics.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,13 +281,15 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(args: list[str], message
 def test_a_real_campaign_of_random_faults_passes_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "campaign"
     r = cli("scenarios/campaign-short.toml", "--seeds", "1", "--out", str(out), timeout=580)
-    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
+    # What failed, first (its invariants' evidence and why), then the exit status: a failure must say what broke.
+    assert (out / CAMPAIGN_FILE).exists(), (r.returncode, r.stdout[-4000:], r.stderr[-4000:])
     data = json.loads((out / CAMPAIGN_FILE).read_text())
+    failed = [(row["seed"], row["failed_invariants"], row["reason"], row["logs"]) for row in data["rows"] if not row["ok"]]
+    assert not failed, (failed, _evidence(out))
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
     seeds = seed_list(short_scenario().seed or 0, 1)
     assert data["seeds"] == seeds and data["complete"] and data["ok"]
     assert [row["seed"] for row in data["rows"]] == seeds
-    failed = [(row["seed"], row["failed_invariants"], row["reason"], row["logs"]) for row in data["rows"] if not row["ok"]]
-    assert not failed, failed
     assert data["totals"]["passed"] == 1 and data["totals"]["failed"] == 0 and data["failed"] == []
     assert set(data["totals"]["faults_fired"]) == WORKER_KINDS | LEADER_KINDS and data["totals"]["recoveries"] > 0
     # Every scheduled fault was tried (fired, or failed to and said why): none was left for after the end.
@@ -298,3 +301,13 @@ def test_a_real_campaign_of_random_faults_passes_every_invariant(tmp_path: Path)
         assert f"{row['wall_s']:.1f}" in line.split()
     assert "1 passed, 0 failed (pass rate 100%)" in r.stdout
     assert sorted(p.name for p in out.iterdir()) == [CAMPAIGN_FILE]  # passed seeds' reports removed
+
+
+def _evidence(out: Path) -> list[tuple[str, str]]:
+    """The failed invariants' evidence in the failed seeds' reports under ``out``."""
+    found = []
+    for report in sorted(out.rglob(SUMMARY_FILE)):
+        summary = json.loads(report.read_text())
+        found += [(c["name"], str(c["evidence"])[:1500]) for c in summary.get("invariants", []) if not c["ok"]]
+        found += [("outcome", str(summary.get("outcome")))]
+    return found
