@@ -5,7 +5,8 @@ keeps in the run directory, ``<run>/code/<sha256>.zip``: the filesystem every wo
 mounts, as for checkpoints. :class:`CodeCache` checks the zip's sha256 against the
 hash the load names (a damaged or swapped file is refused), unpacks those very bytes (one
 read: what was hashed is what is unpacked) into a private directory of this worker and
-keeps it for every later load of the same hash; the directory goes with the worker.
+keeps it for every later load of the same hash; the directory goes with the worker (a killed
+worker's is swept by the next worker on the host: :mod:`rallypoint.workers.scratch`).
 A bundle is refused whole when an entry would land outside its directory (an absolute
 path, ``..``, a symlink) or when it holds more than :data:`MAX_ENTRIES` entries or
 unpacks to more than :data:`MAX_UNPACKED_BYTES`. Once unpacked, its files and folders are
@@ -18,9 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import shutil
 import stat
-import tempfile
 import threading
 import uuid
 import zipfile
@@ -28,6 +27,7 @@ from pathlib import Path, PurePosixPath
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.trusted_files import UntrustedFile, read_bounded
+from rallypoint.workers.scratch import remove_tree, scratch_dir
 
 MAX_BUNDLE_BYTES = 256 * 2**20
 """The largest code bundle read (the coordinator takes a submit of at most 256 MiB, its code included)."""
@@ -79,7 +79,7 @@ class CodeCache:
                 raise CodeError(f"the job's code bundle {path} hashes to {got}, not to {sha256}: it was changed "
                                 "after the submit; submit the job again")
             if self._root is None:
-                self._root = Path(tempfile.mkdtemp(prefix="rallypoint-code-"))
+                self._root = Path(scratch_dir("code"))
             self._root.mkdir(parents=True, exist_ok=True)
             os.chmod(self._root, 0o755)  # sources run with fewer rights (sandbox.py) and read their code here
             dest = self._root / sha256
@@ -101,21 +101,6 @@ class CodeCache:
                 remove_tree(self._root)
                 self._root = None
             self.unpacked.clear()
-
-
-def remove_tree(path: Path) -> None:
-    """Remove ``path`` and all beneath it, read-only folders (an unpacked bundle's) included."""
-    def writable_then_retry(func, p, _exc):  # type: ignore[no-untyped-def]
-        try:
-            os.chmod(os.path.dirname(p), 0o755)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o755)
-            func(p)
-        except OSError:
-            pass
-
-    if path.exists() or path.is_symlink():
-        shutil.rmtree(path, onerror=writable_then_retry)
 
 
 def unzip(data: bytes, dest: Path, name: str) -> None:

@@ -66,6 +66,7 @@ from rallypoint.workers.preemption import handle_preemption
 from rallypoint.workers.programs import configure_compile_cache
 from rallypoint.workers.registration import try_register
 from rallypoint.workers.runtime.service import WorkerRuntimeService
+from rallypoint.workers.scratch import sweep_orphans
 
 
 class WorkerState(enum.Enum):
@@ -147,6 +148,7 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         else:
             self.devices = [{"index": i, "platform": "cpu", "kind": "cpu", "memory_bytes": 0}
                             for i in range(self.config.devices)]
+        sweep_orphans()  # the scratch folders of workers killed on this host before they could remove them
         cache = configure_compile_cache(self.config.compile_cache_dir)  # before anything compiles
         if cache is not None:
             self.log.info("worker.compile_cache", directory=str(cache))

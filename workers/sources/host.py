@@ -26,7 +26,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -39,6 +38,7 @@ from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.keys import check_name
 from rallypoint.workers.residency import Copies, place
+from rallypoint.workers.scratch import scratch_dir
 from rallypoint.workers.sources.sandbox import SourcePolicy, source_env
 from rallypoint.workers.sources.values import describe_mismatch, to_dtypes
 
@@ -152,7 +152,7 @@ class HostSource:
         self._dead = ""
         self._log = get_logger("rallypoint.source", job=job, node=node)
         policy = policy or SourcePolicy()
-        self._tmp = tempfile.mkdtemp(prefix="rallypoint-source-")  # its TMPDIR: the one place it may write
+        self._tmp = scratch_dir("source")  # its TMPDIR: the one place it may write
         self._proc = subprocess.Popen(  # a scrubbed environment, and restricted before the job's code (sandbox.py)
             [sys.executable, "-m", "rallypoint.workers.sources.child", str(bundle), file, name, ",".join(outputs),
              policy.args(self._tmp, str(Path(bundle).parent))],
