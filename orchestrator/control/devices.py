@@ -20,7 +20,9 @@ A **spare** is a live, uncordoned worker none of whose devices is leased.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,6 +86,16 @@ def choose_gang(snapshot: ClusterSnapshot, count: int, *, exclude: frozenset[str
     return None
 
 
+_PLACING: dict[str, threading.Lock] = {}
+_PLACING_GUARD = threading.Lock()
+
+
+def _placing(cluster: str) -> threading.Lock:
+    """The lock one process's allocations in ``cluster`` take turns on (one leader's jobs, one at a time)."""
+    with _PLACING_GUARD:
+        return _PLACING.setdefault(cluster, threading.Lock())
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Devices leased to one virtual slice."""
@@ -106,10 +118,16 @@ class DeviceLeases:
             every write also requires the leader's term.
         term: the leader term recorded in holders (0 when not fenced).
         clock: what a cordon's ``at`` is read from.
+        exclusive: allocations by every ``DeviceLeases`` of this process in the cluster take turns (one
+            leader places its jobs' slices one at a time). Each allocator ranks the same snapshot the same
+            way, so allocators racing in one process mostly lose to each other: sixteen jobs placed at once
+            ran slices out of attempts with devices to spare. The compare-and-swap still guards against
+            another process (a deposed leader). False: race freely (a test of the compare-and-swap).
     """
 
     def __init__(self, store: Store, keys: Keys, *, fenced_txn: FencedTxn | None = None, term: int = 0,
-                 clock: Clock = SYSTEM_CLOCK, lease: Callable[[], int] = lambda: 0) -> None:
+                 clock: Clock = SYSTEM_CLOCK, lease: Callable[[], int] = lambda: 0, exclusive: bool = True) -> None:
+        self._turn: threading.Lock | None = _placing(keys.cluster) if exclusive else None
         self.store = store
         self.lease_id = lease  # the etcd lease device leases are put on: the leader's (0: none, e.g. a test's)
         self.clock = clock
@@ -129,6 +147,11 @@ class DeviceLeases:
         if count < 1:
             raise AllocationError(f"slice {slice_name!r} asks for {count} devices; it needs at least 1")
         holder = Holder(job=job, slice=slice_name, nonce=uuid.uuid4().hex, term=self.term)
+        with self._turn or contextlib.nullcontext():
+            return self._allocate(holder, count, max_attempts)
+
+    def _allocate(self, holder: Holder, count: int, max_attempts: int) -> Placement:
+        job, slice_name = holder.job, holder.slice
         for _ in range(max_attempts):
             snap = read_cluster(self.store, self.keys)
             choice = choose_devices(snap, count)
@@ -158,6 +181,12 @@ class DeviceLeases:
         check_name("job", job)
         check_name("slice", slice_name)
         holder = Holder(job=job, slice=slice_name, nonce=uuid.uuid4().hex, term=self.term)
+        with self._turn or contextlib.nullcontext():
+            return self._allocate_gang(holder, count, exclude, max_attempts)
+
+    def _allocate_gang(self, holder: Holder, count: int, exclude: frozenset[str],
+                       max_attempts: int) -> tuple[Placement, ...]:
+        job, slice_name = holder.job, holder.slice
         for _ in range(max_attempts):
             snap = read_cluster(self.store, self.keys)
             gang = choose_gang(snap, count, exclude=exclude)

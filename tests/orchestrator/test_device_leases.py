@@ -69,7 +69,7 @@ def test_many_concurrent_allocators_never_hand_out_a_device_twice(store: EtcdSto
 
     def allocator(n: int) -> None:
         rng = random.Random(n)
-        leases = DeviceLeases(store, KEYS)
+        leases = DeviceLeases(store, KEYS, exclusive=False)  # as if each were its own process: only the CAS orders them
         mine: list[Placement] = []
         try:
             for step in range(12):
@@ -278,3 +278,29 @@ def test_a_gang_past_etcds_transaction_limit_is_refused_by_name_and_leases_nothi
     assert "needs 141 compares" in str(err.value) and "--max-txn-ops" in str(err.value)
     kvs, _ = store.get_prefix(KEYS.leases)
     assert kvs == []
+
+
+def test_jobs_placed_at_once_on_one_leader_all_get_their_devices(store: EtcdStore) -> None:
+    # Six jobs of 30 one-device slices placed at once by one leader (a DeviceLeases per job, as JobTerm holds):
+    # each allocator ranks the same snapshot the same way, so without order among them most attempts lose their
+    # race, and a slice ran out of attempts ("other allocators kept winning") with devices to spare.
+    for w in range(12):
+        register(store, f"w{w}", 20)  # 240 devices for 192 slices
+    placed: dict[str, list[Placement]] = {}
+    errors: list[BaseException] = []
+
+    def place(job: str) -> None:
+        leases = DeviceLeases(store, KEYS)
+        try:
+            placed[job] = [leases.allocate(job, f"s{i}", 1) for i in range(12)]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=place, args=(f"job{n}",)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    devices = [(p.worker, d) for ps in placed.values() for p in ps for d in p.devices]
+    assert len(devices) == len(set(devices)) == 192
