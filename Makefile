@@ -55,6 +55,7 @@ layers: $(STAMP)
 	cd "$$tmp" && PYTHONPATH="$$tmp/site" $(CURDIR)/$(VENV)/bin/lint-imports --no-logo --no-cache $(CURDIR)/.importlinter
 
 bench: $(STAMP)
+	$(PY) bench/startup.py
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
 	$(PY) bench/device.py
