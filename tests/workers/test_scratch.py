@@ -14,6 +14,7 @@ import pytest
 
 from rallypoint.workers.scratch import scratch_dir, sweep_orphans
 
+NS = os.stat("/proc/self/ns/pid").st_ino  # this process's pid namespace, as the folders' names carry it
 MAKES = ("import sys, time\n"
          "from pathlib import Path\n"
          "from rallypoint.workers.scratch import scratch_dir\n"
@@ -32,7 +33,7 @@ def test_a_killed_processs_scratch_folders_are_swept_and_a_live_ones_are_kept(tm
         assert p.stdout is not None
         made = [Path(p.stdout.readline().strip()) for _ in range(2)]
         assert [d.parent for d in made] == [tmp_path] * 2 and all(d.is_dir() for d in made), made
-        assert all(f"-{p.pid}-" in d.name for d in made)
+        assert all(f"-{NS}.{p.pid}-" in d.name for d in made)
         assert sweep_orphans(tmp_path) == []  # its process lives: nothing is touched
         assert all(d.is_dir() for d in made)
     finally:
@@ -40,12 +41,16 @@ def test_a_killed_processs_scratch_folders_are_swept_and_a_live_ones_are_kept(tm
         p.wait(10)
         if p.stdout is not None:
             p.stdout.close()
-    mine = Path(tempfile.mkdtemp(prefix=f"rallypoint-code-{os.getpid()}-", dir=tmp_path))  # this process: alive
+    mine = Path(tempfile.mkdtemp(prefix=f"rallypoint-code-{NS}.{os.getpid()}-", dir=tmp_path))  # this process: alive
     other = tmp_path / "rallypoint-checkpoints-1-x"  # not a scratch folder's name
     other.mkdir()
+    # The dead process's pid, in another pid namespace (a container sharing the folder): a pid this process cannot
+    # see, which may well be alive there.
+    elsewhere = tmp_path / f"rallypoint-source-{NS + 1}.{p.pid}-abcdefgh"
+    elsewhere.mkdir()
     assert sorted(sweep_orphans(tmp_path)) == sorted(made)
     assert not any(d.exists() for d in made)
-    assert mine.is_dir() and other.is_dir()
+    assert mine.is_dir() and other.is_dir() and elsewhere.is_dir()
 
 
 def test_a_scratch_folder_names_its_kind_and_an_unknown_kind_is_refused(tmp_path: Path,
@@ -53,6 +58,6 @@ def test_a_scratch_folder_names_its_kind_and_an_unknown_kind_is_refused(tmp_path
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
     d = Path(scratch_dir("source"))
-    assert d.parent == tmp_path and d.name.startswith(f"rallypoint-source-{os.getpid()}-")
+    assert d.parent == tmp_path and d.name.startswith(f"rallypoint-source-{NS}.{os.getpid()}-")
     with pytest.raises(ValueError, match="'cache' is not one of"):
         scratch_dir("cache")
