@@ -143,7 +143,8 @@ class JobEvents:
             raise JobFailed(f"{where} on worker {worker}: {item.error}")
         self.log_peak["memory_bytes"] = max(self.log_peak["memory_bytes"], int(item.log_bytes))
         self.log_peak["spilled_bytes"] = max(self.log_peak["spilled_bytes"], int(item.log_spilled_bytes))
-        if (narrowed := self.window.heard(int(item.log_bytes), int(item.step), self.progress.cut)) is not None:
+        logged = int(item.log_bytes) + int(item.log_spilled_bytes)  # since the cut, wherever it is now
+        if (narrowed := self.window.heard(logged, int(item.step), self.progress.cut)) is not None:
             self.log.info("job.window", **narrowed.to_json())
             self._event("job.window", step=self.progress.completed, **narrowed.to_json())
         bad = self.metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) where to stop

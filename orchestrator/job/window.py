@@ -11,9 +11,9 @@ The wider the window, the less a step waits for the leader, and the more a loss 
   touched them, and only there);
 * **output log**: each worker logs its outputs since the cut, for replay. It already holds up to one
   interval of them; running ahead adds at most ``window`` steps more. Once the leader has heard how many
-  bytes a step logs (``InstanceDone.log_bytes`` over the steps since the cut), the window is kept so that
-  ``(checkpoint_every + window)`` steps fit in the log's memory limit (past it the log spills to disk,
-  which replays slower but loses nothing);
+  bytes a step logs (``InstanceDone.log_bytes`` plus ``log_spilled_bytes`` over the steps since the cut),
+  the window is kept so that ``(checkpoint_every + window)`` steps fit in the log's memory limit (past it
+  the log spills to disk, which replays slower but loses nothing);
 * **stops and drains**: a suspend, cancel or drain is carried out at a step past the grant (a worker
   may already run up to it), so the window is also kept to a quarter of the job's steps.
 
