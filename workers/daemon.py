@@ -148,7 +148,9 @@ class WorkerDaemon(pb_grpc.WorkerServicer):
         else:
             self.devices = [{"index": i, "platform": "cpu", "kind": "cpu", "memory_bytes": 0}
                             for i in range(self.config.devices)]
-        sweep_orphans()  # the scratch folders of workers killed on this host before they could remove them
+        # The scratch folders of workers killed on this host before they could remove them: in the background,
+        # so that many of them do not hold up the registration (a replacement worker is on a recovery's path).
+        threading.Thread(target=sweep_orphans, name="scratch-sweep", daemon=True).start()
         cache = configure_compile_cache(self.config.compile_cache_dir)  # before anything compiles
         if cache is not None:
             self.log.info("worker.compile_cache", directory=str(cache))
