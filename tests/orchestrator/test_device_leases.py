@@ -281,7 +281,7 @@ def test_a_gang_past_etcds_transaction_limit_is_refused_by_name_and_leases_nothi
 
 
 def test_jobs_placed_at_once_on_one_leader_all_get_their_devices(store: EtcdStore) -> None:
-    # Six jobs of 30 one-device slices placed at once by one leader (a DeviceLeases per job, as JobTerm holds):
+    # Sixteen jobs of 12 one-device slices placed at once by one leader (a DeviceLeases per job, as JobTerm holds):
     # each allocator ranks the same snapshot the same way, so without order among them most attempts lose their
     # race, and a slice ran out of attempts ("other allocators kept winning") with devices to spare.
     for w in range(12):
