@@ -32,7 +32,7 @@ def _namespace() -> int:
 
 
 def scratch_dir(kind: str) -> str:
-    """A new private folder for ``kind`` (one of :data:`KINDS`), named with this process's pid."""
+    """A new private folder for ``kind`` (one of :data:`KINDS`), named with this process's pid namespace and pid."""
     if kind not in KINDS:
         raise ValueError(f"scratch folder kind {kind!r} is not one of {KINDS}")
     return tempfile.mkdtemp(prefix=f"rallypoint-{kind}-{_namespace()}.{os.getpid()}-")
