@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -128,5 +129,39 @@ def test_a_worker_started_without_the_jobs_setting_runs_its_source_with_the_ship
     try:
         x, n = src(1, 0)
         assert float(x[0, 0]) == 7.0 and int(n) == 7
+    finally:
+        src.close()
+
+
+CLOSES_FIRST = '''
+import os
+import time
+import numpy as np
+
+def batches(step, microbatch):
+    if step == 1:
+        os.close(0)  # its input closed first: the worker's next request finds a broken pipe
+        time.sleep(0.5)
+        os._exit(3)
+    return {"x": np.full((2, 3), step * 10 + microbatch, np.float32), "n": np.int32(step)}
+'''
+
+
+def test_a_loader_that_closes_its_input_then_dies_is_named_by_its_exit_code_not_as_stopped_answering(
+        tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "job.py").write_text(CLOSES_FIRST)
+    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
+                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
+                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
+                     prefetch=3, copies=Copies("j"), job="j")
+    try:
+        assert float(src(0, 0)[0][0, 0]) == 0.0
+        time.sleep(0.2)  # the process reached step 1 and closed its input; it exits 0.5 s later
+        assert float(src(0, 1)[0][0, 0]) == 1.0  # its next request meets the broken pipe
+        with pytest.raises(SourceError, match=r"its process \(pid \d+\) exited with code 3"):
+            src(1, 0)
     finally:
         src.close()

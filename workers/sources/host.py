@@ -217,8 +217,10 @@ class HostSource:
         try:
             self._proc.stdin.write(f"{key[0]} {key[1]}\n".encode())
             self._proc.stdin.flush()
-        except (OSError, ValueError):
-            self._dead = self._dead or self._ended()
+        except (OSError, ValueError):  # its input is closed: it is ending, most likely
+            if not self._dead:
+                self._wait_briefly()  # for its exit code, as the reader does (else "stopped answering" wins a race)
+                self._dead = self._dead or self._ended()
             self._cv.notify_all()
             return
         self._asked.append(key)
