@@ -94,7 +94,7 @@ def watch(job: str, *, endpoints: Sequence[str], cluster: str,
             ended(ev)
             return ev
         except JobStoppedError as exc:
-            if exc.state != "suspended" or not _resumes_by_itself(job, endpoints, cluster):
+            if not exc.resumes_by_itself:  # the end event says so: the record may have moved on since
                 raise
         # Suspended for a higher-priority job: the leader resumes it once room returns; follow it then.
         _until_resumed(job, endpoints, cluster)
@@ -105,22 +105,19 @@ def _record(store: EtcdStore, job: str, cluster: str) -> dict[str, Any]:
     return parsed(kv, "job") or {}
 
 
-def _resumes_by_itself(job: str, endpoints: Sequence[str], cluster: str) -> bool:
-    store = EtcdStore(list(endpoints), connect_wait_s=CLIENT_CONNECT_WAIT_S)
-    try:
-        r = _record(store, job, cluster)
-    finally:
-        store.close()
+def _resumes_by_itself(r: dict[str, Any]) -> bool:
+    """The job record ``r`` is suspended for a higher-priority job: the leader resumes it once room returns."""
     return r.get("state") == "suspended" and bool((r.get("stop") or {}).get("auto_resume"))
 
 
 def _until_resumed(job: str, endpoints: Sequence[str], cluster: str, poll_s: float = 0.5) -> None:
-    """Wait until the job's record leaves SUSPENDED (the leader resumed it, or an operator cancelled it)."""
+    """Wait until the job's record no longer waits for the leader to resume it (it resumed it; an operator
+    cancelled it, or suspended it for good: the next watch ends with that)."""
     store = EtcdStore(list(endpoints), connect_wait_s=CLIENT_CONNECT_WAIT_S)
     try:
         while True:
             try:
-                if _record(store, job, cluster).get("state") != "suspended":
+                if not _resumes_by_itself(_record(store, job, cluster)):
                     return
             except StoreError:
                 pass  # etcd away a moment: ask again

@@ -42,9 +42,10 @@ class JobStoppedError(JobError):
     """The job was suspended or cancelled (``state``) before it finished; the message says by whom and how to
     go on."""
 
-    def __init__(self, state: str, message: str) -> None:
+    def __init__(self, state: str, message: str, *, resumes_by_itself: bool = False) -> None:
         super().__init__(message)
         self.state = state
+        self.resumes_by_itself = resumes_by_itself  # suspended for a higher-priority job: the leader resumes it
 
 
 FOLLOW_S = 120.0
@@ -383,10 +384,10 @@ def ended(ev: pb.JobEvent) -> None:
         raise JobError(f"job {ev.job!r} failed: {reason}")
     if ev.event in ("job.suspended", "job.cancelled"):
         state = ev.event.removeprefix("job.")
+        auto = state == "suspended" and bool((detail.get("stop") or {}).get("auto_resume"))
         then = (f"the leader resumes it by itself once room returns (`rallypoint watch {ev.job}` follows it)"
-                if (detail.get("stop") or {}).get("auto_resume") else
-                f"its run is kept: `rallypoint resume {ev.job}` continues it")
-        raise JobStoppedError(state, f"{reason}; {then}")
+                if auto else f"its run is kept: `rallypoint resume {ev.job}` continues it")
+        raise JobStoppedError(state, f"{reason}; {then}", resumes_by_itself=auto)
 
 
 def _states(compiled: CompiledProgram, values: Sequence[pb.StateValue]) -> dict[str, Any]:

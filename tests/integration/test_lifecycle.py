@@ -350,10 +350,25 @@ def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_t
     others = free_workers(lc)[1:]
     cordon(lc, others, True)  # one worker is the whole pool: the urgent job needs the background job's only device
     listed: list[list[dict[str, Any]]] = []
+    slow: dict[str, Any] = {}
+
+    def slow_watcher(ev: pb.JobEvent) -> None:
+        """A watcher slow to act on the suspend's end event: the leader has resumed the job before it reads on."""
+        if ev.event == "job.suspended":
+            wait_until(lambda: record(lc, "background").get("state") != "suspended", 120, "background resumed", 0.1)
+
+    def watch_slowly() -> None:
+        try:
+            slow["end"] = watch("background", **where(lc), on_event=slow_watcher)
+        except Exception as exc:  # noqa: BLE001 (the assertion below names it)
+            slow["error"] = exc
+
+    slow_watch = threading.Thread(target=watch_slowly, daemon=True)
 
     def on_event(ev: pb.JobEvent) -> None:
         if ev.event == "step.done" and ev.step == 1 and not listed:
             listed.append([json.loads(line) for line in cli(lc, "jobs", "--json", "--current").output.splitlines()])
+            slow_watch.start()  # while the background job is suspended
 
     try:
         submit_detached(low, priority=0, **where(lc), **QUIET)
@@ -365,8 +380,13 @@ def test_a_job_that_needs_every_device_of_a_lower_priority_one_suspends_it_and_t
         assert row["state"] == "suspended" and row["stopped_by"] == "job urgent (priority 10)" and row["auto_resume"]
         assert row["devices_held"] == 0
         shown = cli(lc, "watch", "background")  # the progress bar: it waits through the suspend
+        slow_watch.join(timeout=300)
     finally:
         cordon(lc, others, False)
+        if record(lc, "background").get("state") not in ("succeeded", "failed", "cancelled"):
+            cli(lc, "cancel", "background")  # a failure here leaves no job to the next test
+    assert "error" not in slow, slow  # the end event said the leader resumes it: followed on, not "suspended"
+    assert slow["end"].event == "job.finished"
     assert shown.exit_code == 0, shown.output
     assert f"job background finished: 400 steps, state digest {low_reference}" in shown.output
     assert "watching job background" in shown.output  # it followed the job, not its record
