@@ -124,6 +124,29 @@ LIMIT = 4 * VALUE_BYTES
 STEPS = 48
 
 
+def _producer(tmp_path: Path, server: DataPlaneServer, limit: int, steps: int,
+              produce: Any) -> tuple[OutputLog, JobControl, Outbox, SliceScheduler, PeerChannels]:
+    """A one-node slice ``s`` whose node ``prod`` pushes its output ``y`` to ``server`` through a real outbox
+    (two push threads) and an output log of ``limit`` bytes spilling under ``tmp_path``; not started."""
+    outlog = OutputLog(limit, spill_dir=tmp_path)
+    control = JobControl("j", cluster="c", worker_id="here", admit=lambda to: None, incarnation=lambda: 1,
+                         outlog=outlog)
+    peers = PeerChannels()
+    outbox = Outbox(control, outlog, peers, push_threads=2)
+    prog = pb.NodeProgram(name="prod", slice="s", every=1, outputs=[pb.OutputSpec(name="y", leaves=1)])
+    node = LoadedNode(prog, produce, (-1,), NodeProgress(1, (-1,), steps))  # type: ignore[arg-type]
+    nodes = {"prod": node}
+    inputs = Inputs(control, nodes, {}, steps=steps, microbatches=1)
+    router = Router(control, nodes, set(), {}, inputs, outbox, steps=steps, start_step=0)
+    router.set_routes([pb.Route(node="prod", output="y", consumer_node="cons", arg="x", worker_id="far",
+                                incarnation=2, data_address=server.address)])
+    records = InstanceRecords(None, worker="here", incarnation=1, slices=["s"], start_step=0, restored_from=None)
+    scheduler = SliceScheduler(control, {"s": [node]}, inputs=inputs, router=router,
+                               handoff=_NoCheckpoints(), records=records, states={},  # type: ignore[arg-type]
+                               steps=steps, start_step=0)
+    return outlog, control, outbox, scheduler, peers
+
+
 def test_pushes_to_a_consumer_that_stops_reading_hold_the_producer_back_within_the_log_limit(tmp_path: Path) -> None:
     # A producer pushes a 1 MiB value per step over a real data-plane connection to a
     # consumer that stops reading after its first value. The bytes of pushes not yet
@@ -140,22 +163,7 @@ def test_pushes_to_a_consumer_that_stops_reading_hold_the_producer_back_within_t
 
     server = DataPlaneServer("127.0.0.1", consumer)
     server.start()
-    outlog = OutputLog(LIMIT, spill_dir=tmp_path)
-    control = JobControl("j", cluster="c", worker_id="here", admit=lambda to: None, incarnation=lambda: 1,
-                         outlog=outlog)
-    peers = PeerChannels()
-    outbox = Outbox(control, outlog, peers, push_threads=2)
-    prog = pb.NodeProgram(name="prod", slice="s", every=1, outputs=[pb.OutputSpec(name="y", leaves=1)])
-    node = LoadedNode(prog, _Produce(), (-1,), NodeProgress(1, (-1,), STEPS))  # type: ignore[arg-type]
-    nodes = {"prod": node}
-    inputs = Inputs(control, nodes, {}, steps=STEPS, microbatches=1)
-    router = Router(control, nodes, set(), {}, inputs, outbox, steps=STEPS, start_step=0)
-    router.set_routes([pb.Route(node="prod", output="y", consumer_node="cons", arg="x", worker_id="far",
-                                incarnation=2, data_address=server.address)])
-    records = InstanceRecords(None, worker="here", incarnation=1, slices=["s"], start_step=0, restored_from=None)
-    scheduler = SliceScheduler(control, {"s": [node]}, inputs=inputs, router=router,
-                               handoff=_NoCheckpoints(), records=records, states={},  # type: ignore[arg-type]
-                               steps=STEPS, start_step=0)
+    outlog, control, outbox, scheduler, peers = _producer(tmp_path, server, LIMIT, STEPS, _Produce())
     peak = [0, 0]  # the most bytes in pushes not yet ended, and in the log's memory, seen
 
     def watch() -> int:
@@ -199,3 +207,48 @@ def test_pushes_to_a_consumer_that_stops_reading_hold_the_producer_back_within_t
         server.stop()
         peers.close()
         outlog.close()
+
+
+class _ProduceSlowly(_Produce):
+    """:class:`_Produce` taking 20 ms an instance: a push of its value ends well before the next one is made."""
+
+    def __call__(self, *args: Any) -> list[np.ndarray]:
+        time.sleep(0.02)
+        return super().__call__(*args)
+
+
+def test_in_the_steady_state_the_push_threads_spill_the_log_and_the_slice_thread_writes_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A producer slower than its pushes logs 1 MiB a step past a 16 MiB log limit: three quarters of its values
+    # spill. The push threads spill below the limit, so the slice's own thread (which the next instance waits
+    # for) finds room under it and writes (almost) no file.
+    steps, limit = 32, 16 * VALUE_BYTES
+    writers: list[str] = []
+    real_save = np.save
+
+    def counted_save(*args: Any, **kwargs: Any) -> None:
+        writers.append(threading.current_thread().name)
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(np, "save", counted_save)
+    server = DataPlaneServer("127.0.0.1", lambda header, leaves: (Status.DELIVERED, ""))
+    server.start()
+    outlog, control, outbox, scheduler, peers = _producer(tmp_path, server, limit, steps, _ProduceSlowly())
+    try:
+        scheduler.start()
+        with control.cv:
+            control.until = steps
+            control.cv.notify_all()
+        wait_until(lambda: scheduler.completed >= steps and outbox.backlog_bytes == 0, 60, "the run")
+        assert len(writers) >= steps - limit // VALUE_BYTES, writers  # the log did spill
+        on_slice = [w for w in writers if w == "run-j-s"]
+        assert len(on_slice) <= 2, f"the slice's thread spilled {len(on_slice)} of {len(writers)} values"
+        assert outlog.peak_memory_bytes <= limit + VALUE_BYTES
+    finally:
+        with control.cv:
+            control.stopped = True
+            control.cv.notify_all()
+        outbox.shutdown()
+        scheduler.join(5)
+        server.stop()
+        peers.close()

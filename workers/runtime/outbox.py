@@ -20,8 +20,8 @@ other pushes and the log share that copy. The log's spills write files, so
 they happen outside the job's lock: on the push threads after each push, and on the
 producer's own device thread after each instance (:meth:`Outbox.relieve`), which keeps
 the bound when the pushes have not spilled enough (a slow disk slows the producer, not
-the job's calls). In the steady state the push threads do the spilling, so the slice's
-loop does not wait for the disk.
+the job's calls). In the steady state the push threads do the spilling, down to a mark a
+quarter of the limit below it, so the slice's loop does not wait for the disk.
 """
 
 from __future__ import annotations
@@ -97,12 +97,17 @@ class Outbox:
             self.backlog_bytes -= nbytes
             self._control.cv.notify_all()
 
-    def relieve(self) -> None:
-        """Spill the output log back within its limit; call it holding no lock (it writes files)."""
-        if not self.outlog.over_limit:
+    def relieve(self, *, off_path: bool = False) -> None:
+        """Spill the output log back within its limit; call it holding no lock (it writes files).
+
+        ``off_path``: called on a push thread, which nothing waits for: it spills down to the log's low mark,
+        leaving the producer's next values room under the limit.
+        """
+        down_to = self.outlog.low_mark if off_path else self.outlog.limit_bytes
+        if not self.outlog.over(down_to):
             return
         try:
-            self.outlog.spill()
+            self.outlog.spill(down_to)
         except OSError as exc:  # kept in memory: a later spill tries again
             self._control.log.warning("outlog.spill_failed", error=f"{type(exc).__name__}: {exc}")
 
@@ -140,4 +145,4 @@ class Outbox:
 
         self._peers.push(address, header, leaves, may_act=may_act, cancelled=cancelled, log=control.log,
                          data_plane=data_plane, send=send)
-        self.relieve()  # spill here, off the slice's loop: it then rarely finds the log over its limit
+        self.relieve(off_path=True)  # spill here, off the slice's loop: it then rarely finds the log over its limit

@@ -10,7 +10,9 @@ asked for again and are dropped (:meth:`OutputLog.trim`).
 
 Memory is bounded: past ``limit_bytes`` the oldest values spill to files in
 ``spill_dir`` (``numpy.save`` of each leaf, read back on resend). Nothing is ever
-dropped that a recovery could need; the counters say where the bytes are.
+dropped that a recovery could need; the counters say where the bytes are. A spill
+off the producer's path may go further down, to :attr:`OutputLog.low_mark`, so the
+producer's own spills (which it waits for) are rare.
 
 Where a logged value lives (:mod:`rallypoint.workers.residency`): it is logged as the
 :class:`~rallypoint.workers.residency.HostCopy` its pushes share, so it stays on the
@@ -92,7 +94,17 @@ class OutputLog:
     @property
     def over_limit(self) -> bool:
         """Whether more bytes are in memory (and not already being spilled) than the limit allows."""
-        return self.memory_bytes - self._spilling_bytes > self.limit_bytes
+        return self.over(self.limit_bytes)
+
+    @property
+    def low_mark(self) -> int:
+        """Where a spill off the producer's path (a push thread's) brings the log down to: a quarter of the limit
+        below it, so the producer's next values fit under the limit and its own thread rarely writes a file."""
+        return self.limit_bytes - self.limit_bytes // 4
+
+    def over(self, mark: int) -> bool:
+        """Whether more bytes are in memory (and not already being spilled) than ``mark``."""
+        return self.memory_bytes - self._spilling_bytes > mark
 
     @property
     def device_bytes(self) -> int:
@@ -124,8 +136,9 @@ class OutputLog:
         if gone is not None:
             _remove([gone])
 
-    def spill(self) -> int:
-        """Write the oldest in-memory entries to disk until memory is within the limit; returns bytes spilled.
+    def spill(self, down_to: int | None = None) -> int:
+        """Write the oldest in-memory entries to disk until memory is within ``down_to`` bytes (None: the limit);
+        returns bytes spilled.
 
         Call it holding no lock: the writes happen outside the log's lock too (several
         threads may spill at once, each its own entries).
@@ -133,10 +146,10 @@ class OutputLog:
         Raises:
             OSError: the file system refused a write (the entry stays in memory; a later spill tries again).
         """
-        spilled = 0
+        spilled, mark = 0, self.limit_bytes if down_to is None else min(down_to, self.limit_bytes)
         while True:
             with self._lock:
-                if self._closed or not self.over_limit:
+                if self._closed or not self.over(mark):
                     return spilled
                 key = min((k for k, e in self._entries.items() if e.leaves is not None and not e.spilling),
                           key=lambda k: (k[2], k[3]), default=None)
