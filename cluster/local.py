@@ -85,6 +85,7 @@ class LocalCluster:
         self._supervising: tuple[threading.Thread, threading.Event] | None = None
         self._spawn_lock = threading.Lock()
         self._reported: set[str] = set()  # processes past their restart limit, logged once
+        self.etcd_users: set[str] = set()  # workers whose etcd user this handle made (their restarts add none)
         # in-process clients (EtcdStore(endpoints), submit) find the identity (or plain) by the endpoints
         security.remember_client(endpoints, self.tls_dir if config.tls else None)
 
@@ -138,6 +139,8 @@ class LocalCluster:
         ]
         cluster = cls(config, etcd.endpoints, processes, worker_network=worker_network)
         cluster.etcd = etcd  # the in-process handle: tests stop and restart members through it
+        if client_tls is not None:  # made with auth above: a spawn need not log in as root to find them there
+            cluster.etcd_users.update(f"w{i}" for i in range(config.workers + config.spares))
         try:
             for i in range(config.coordinators):
                 cluster.spawn("coordinator", f"c{i}")
@@ -236,9 +239,10 @@ class LocalCluster:
         if self.config.tls:
             security.issue_process(self.tls_dir, name, role=role, host=self.config.host, cluster=self.config.cluster,
                                    net=net)
-            if role == "worker":  # its own etcd user, confined to its own keys (etcd/auth.py)
-                security.add_worker(self.endpoints, self.tls_dir, self.config.state_dir / "etcd",
+            if role == "worker" and name not in self.etcd_users:  # its own etcd user, confined to its own keys
+                security.add_worker(self.endpoints, self.tls_dir, self.config.state_dir / "etcd",  # (etcd/auth.py)
                                     cluster=self.config.cluster, worker=name)
+                self.etcd_users.add(name)
         with self._spawn_lock:
             rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
             self.save()
