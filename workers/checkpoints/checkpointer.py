@@ -27,6 +27,9 @@ and its successor, or a replay of a step that already counts) never share a step
 a temporary directory; each step is a plain Orbax step (item ``default``,
 ``StandardSave`` of ``{state name: [leaf arrays]}``): see ``docs/checkpoints.md``.
 Retention deletes a step directory only after the commit naming it is gone.
+
+Orbax is imported where it is used, not with this module: a worker (and a fresh one replacing a lost one)
+starts without its import and JAX's under it, about half its start, until a job loads.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.commits import CheckpointCommit
@@ -138,6 +140,7 @@ class SliceCheckpointer:
         self._thread.start()
 
     def _make_manager(self) -> Any:
+        import orbax.checkpoint as ocp  # where it is used: see the module docstring
         return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True))
 
@@ -149,6 +152,7 @@ class SliceCheckpointer:
 
     def _save_step(self, step: int, tree: dict[str, list[Any]]) -> None:
         """Start Orbax's save of ``tree`` as ``step``; it finalizes in the background."""
+        import orbax.checkpoint as ocp  # where it is used: see the module docstring
         with _ORBAX_SAVES:
             self._manager.save(step, args=ocp.args.StandardSave(tree), force=True)
 
@@ -303,6 +307,7 @@ class SliceCheckpointer:
         self.log.info("checkpoint.verified", step=c.step, verify_s=round(time.monotonic() - t0, 4))
 
     def _finalized_path(self, step: int) -> Path | None:
+        import orbax.checkpoint as ocp  # where it is used: see the module docstring
         for p in ocp.path.step.checkpoint_steps_paths(self.directory):
             if ocp.path.step.step_from_checkpoint_name(p.name) == step:
                 return Path(str(p))
@@ -380,6 +385,7 @@ class SliceCheckpointer:
 
     def steps_on_disk(self) -> list[int]:
         """Steps Orbax has finalized in this writer's directory."""
+        import orbax.checkpoint as ocp  # where it is used: see the module docstring
         return sorted(ocp.path.step.checkpoint_steps(self.directory))
 
     # -- restoring ------------------------------------------------------------------------

@@ -5,6 +5,9 @@ wrote it: a slice on one worker or the members of a multi-host slice) and checks
 the commit's checksum (:mod:`rallypoint.workers.checkpoints.checksums`); a path outside the
 slice's checkpoint directory is refused unread (:func:`checkpoint_within`).
 :func:`latest_committed` falls back to older commits past a corrupt one.
+
+Orbax is imported where it is used, not with this module: a worker (and a fresh one replacing a lost one)
+starts without its import and JAX's under it, about half its start, until a job loads.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from rallypoint.basics.errors import ConfigError
 from rallypoint.basics.logs import get_logger
@@ -32,6 +34,7 @@ States = dict[str, list[np.ndarray]]
 
 def metadata_tree(item_dir: Path) -> Any:
     """The Orbax metadata of a saved ``{state: [leaves]}`` item: each leaf's shape and dtype (and how it was split)."""
+    import orbax.checkpoint as ocp  # where it is used: see the module docstring
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
         meta = ckptr.metadata(item_dir)
     tree = getattr(meta, "item_metadata", meta)
@@ -42,6 +45,7 @@ def _restore_dir(step_dir: Path) -> States:
     """Read one step directory with Orbax alone, whole, into host arrays: one written by a slice on one worker, or
     by the members of a multi-host slice (saved over devices this process does not have: Orbax restores that only
     into a target it is given, here host arrays of the saved dtypes and shapes, 64-bit ones included)."""
+    import orbax.checkpoint as ocp  # where it is used: see the module docstring
     import jax
 
     target = jax.tree_util.tree_map(lambda m: np.empty(tuple(m.shape), np.dtype(m.dtype)),
