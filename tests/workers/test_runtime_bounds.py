@@ -147,6 +147,19 @@ def _producer(tmp_path: Path, server: DataPlaneServer, limit: int, steps: int,
     return outlog, control, outbox, scheduler, peers
 
 
+def _stop(control: JobControl, outbox: Outbox, scheduler: SliceScheduler, server: DataPlaneServer,
+          peers: PeerChannels, outlog: OutputLog) -> None:
+    """Unload what :func:`_producer` made: the slice's thread, the pushes, the consumer, the log's files."""
+    with control.cv:
+        control.stopped = True
+        control.cv.notify_all()
+    outbox.shutdown()
+    scheduler.join(5)
+    server.stop()
+    peers.close()
+    outlog.close()
+
+
 def test_pushes_to_a_consumer_that_stops_reading_hold_the_producer_back_within_the_log_limit(tmp_path: Path) -> None:
     # A producer pushes a 1 MiB value per step over a real data-plane connection to a
     # consumer that stops reading after its first value. The bytes of pushes not yet
@@ -199,14 +212,7 @@ def test_pushes_to_a_consumer_that_stops_reading_hold_the_producer_back_within_t
         assert outlog.memory_bytes <= LIMIT and outlog.spilled_bytes == (STEPS * VALUE_BYTES - outlog.memory_bytes)
     finally:
         go_on.set()
-        with control.cv:
-            control.stopped = True
-            control.cv.notify_all()
-        outbox.shutdown()
-        scheduler.join(5)
-        server.stop()
-        peers.close()
-        outlog.close()
+        _stop(control, outbox, scheduler, server, peers, outlog)
 
 
 class _ProduceSlowly(_Produce):
@@ -245,10 +251,4 @@ def test_in_the_steady_state_the_push_threads_spill_the_log_and_the_slice_thread
         assert len(on_slice) <= 2, f"the slice's thread spilled {len(on_slice)} of {len(writers)} values"
         assert outlog.peak_memory_bytes <= limit + VALUE_BYTES
     finally:
-        with control.cv:
-            control.stopped = True
-            control.cv.notify_all()
-        outbox.shutdown()
-        scheduler.join(5)
-        server.stop()
-        peers.close()
+        _stop(control, outbox, scheduler, server, peers, outlog)
