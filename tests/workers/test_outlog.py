@@ -148,3 +148,39 @@ def test_a_spill_the_file_system_refuses_keeps_the_value_in_memory(tmp_path: Pat
     assert np.array_equal(log.entries(["a"], 0)[0][1][0], value(0)[0])
     log.close()
     assert not any(tmp_path.iterdir())
+
+
+def test_the_producers_spill_waits_for_a_push_threads_write_in_flight_so_the_bytes_in_memory_keep_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A push thread is writing the oldest value out (its file write hangs) when the producer, one value over the
+    # limit, relieves the log: the value in flight counts as gone, so nothing is left for the producer to write,
+    # but until that write ends the bytes in memory are still over the limit. The producer waits for it (else it
+    # would log its next value on top: the log over its bound by two values, as CI once saw).
+    entered, release = threading.Event(), threading.Event()
+    real_save = np.save
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "push":
+            entered.set()
+            assert release.wait(30), "the test never let the write go"
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(np, "save", save)
+    log = OutputLog(3 * 1024, spill_dir=tmp_path)
+    for step in range(4):  # one value over the limit
+        log.put(header("a", step), value(step))
+    push = threading.Thread(target=log.spill, kwargs={"down_to": log.low_mark}, name="push", daemon=True)
+    push.start()
+    assert entered.wait(10)
+    producer = threading.Thread(target=log.spill, kwargs={"settle": True}, name="producer", daemon=True)
+    producer.start()
+    producer.join(0.5)
+    waited = producer.is_alive()
+    in_memory = log.memory_bytes
+    release.set()
+    producer.join(10)
+    push.join(10)
+    assert waited and in_memory == 4 * 1024, "the producer went on while the log held more than its limit"
+    assert not producer.is_alive() and log.memory_bytes <= log.low_mark
+    assert [h.step for h, _ in log.entries(["a"], 0)] == [0, 1, 2, 3]
+    log.close()

@@ -104,10 +104,10 @@ class Outbox:
         leaving the producer's next values room under the limit.
         """
         down_to = self.outlog.low_mark if off_path else self.outlog.limit_bytes
-        if not self.outlog.over(down_to):
+        if not self.outlog.over(down_to) and (off_path or self.outlog.memory_bytes <= down_to):
             return
         try:
-            self.outlog.spill(down_to)
+            self.outlog.spill(down_to, settle=not off_path)  # the producer's: the bound holds for the bytes in memory
         except OSError as exc:  # kept in memory: a later spill tries again
             self._control.log.warning("outlog.spill_failed", error=f"{type(exc).__name__}: {exc}")
 

@@ -78,6 +78,7 @@ class OutputLog:
         self.copies = copies
         self._spill_dir: Path | None = None
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # a spill was written (or failed), a trim or close freed bytes
         self._entries: dict[Key, _Entry] = {}
         self._seq = itertools.count()
         self._spilling_bytes = 0  # in memory, being written out by a spill
@@ -136,12 +137,14 @@ class OutputLog:
         if gone is not None:
             _remove([gone])
 
-    def spill(self, down_to: int | None = None) -> int:
+    def spill(self, down_to: int | None = None, *, settle: bool = False) -> int:
         """Write the oldest in-memory entries to disk until memory is within ``down_to`` bytes (None: the limit);
         returns bytes spilled.
 
         Call it holding no lock: the writes happen outside the log's lock too (several
-        threads may spill at once, each its own entries).
+        threads may spill at once, each its own entries). An entry another thread is writing
+        out counts as gone; ``settle`` (the producer's spill, which keeps the log's bound) also
+        waits for those writes until the bytes actually in memory are within the mark.
 
         Raises:
             OSError: the file system refused a write (the entry stays in memory; a later spill tries again).
@@ -149,12 +152,18 @@ class OutputLog:
         spilled, mark = 0, self.limit_bytes if down_to is None else min(down_to, self.limit_bytes)
         while True:
             with self._lock:
-                if self._closed or not self.over(mark):
-                    return spilled
-                key = min((k for k, e in self._entries.items() if e.leaves is not None and not e.spilling),
-                          key=lambda k: (k[2], k[3]), default=None)
-                if key is None:
-                    return spilled
+                while True:
+                    if self._closed:
+                        return spilled
+                    if self.over(mark):
+                        key = min((k for k, e in self._entries.items() if e.leaves is not None and not e.spilling),
+                                  key=lambda k: (k[2], k[3]), default=None)
+                        if key is None:
+                            return spilled
+                        break
+                    if not settle or self.memory_bytes <= mark:
+                        return spilled
+                    self._settled.wait(1.0)  # other threads' writes in flight bring it within the mark
                 e = self._entries[key]
                 e.spilling = True
                 self._spilling_bytes += e.nbytes
@@ -169,6 +178,7 @@ class OutputLog:
                 with self._lock:
                     e.spilling = False
                     self._spilling_bytes -= e.nbytes
+                    self._settled.notify_all()
                 if path is not None:
                     _remove([path])
                 raise
@@ -181,6 +191,7 @@ class OutputLog:
                     self.memory_bytes -= e.nbytes
                     self.spilled_bytes += e.nbytes
                     spilled += e.nbytes
+                self._settled.notify_all()
             if not current:  # trimmed or replaced while it was being written
                 _remove([path])
 
@@ -192,6 +203,7 @@ class OutputLog:
             self.low = below_step
             gone = [k for k in self._entries if k[2] < below_step]
             paths = [p for k in gone if (p := self._forget(self._entries.pop(k))) is not None]
+            self._settled.notify_all()
         _remove(paths)
         return len(gone)
 
@@ -227,6 +239,7 @@ class OutputLog:
         """Drop everything, spilled files included."""
         with self._lock:
             self._closed = True
+            self._settled.notify_all()
             self._entries.clear()
             self.memory_bytes = self.spilled_bytes = 0
             spill_dir, self._spill_dir = self._spill_dir, None
