@@ -239,8 +239,9 @@ class LocalCluster:
         if self.config.tls:
             security.issue_process(self.tls_dir, name, role=role, host=self.config.host, cluster=self.config.cluster,
                                    net=net)
-            if role == "worker" and name not in self.etcd_users:  # its own etcd user, confined to its own keys
-                security.add_worker(self.endpoints, self.tls_dir, self.config.state_dir / "etcd",  # (etcd/auth.py)
+            if role == "worker" and name not in self.etcd_users:
+                # its own etcd user, confined to its own keys (etcd/auth.py)
+                security.add_worker(self.endpoints, self.tls_dir, self.config.state_dir / "etcd",
                                     cluster=self.config.cluster, worker=name)
                 self.etcd_users.add(name)
         with self._spawn_lock:
