@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-import time
 from pathlib import Path
 
 import jax
@@ -18,6 +17,7 @@ import pytest
 
 from rallypoint.workers.sources.host import HostSource, SourceError, SourceLedger, instance_order
 from rallypoint.workers.residency import Copies
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -141,7 +141,8 @@ import numpy as np
 def batches(step, microbatch):
     if step == 1:
         os.close(0)  # its input closed first: the worker's next request finds a broken pipe
-        time.sleep(0.5)
+        open(os.path.join(os.environ["TMPDIR"], "input-closed"), "w").close()  # (the test waits for it)
+        time.sleep(0.5)  # then it dies: its exit code is known only after that request
         os._exit(3)
     return {"x": np.full((2, 3), step * 10 + microbatch, np.float32), "n": np.int32(step)}
 '''
@@ -159,7 +160,8 @@ def test_a_loader_that_closes_its_input_then_dies_is_named_by_its_exit_code_not_
                      prefetch=3, copies=Copies("j"), job="j")
     try:
         assert float(src(0, 0)[0][0, 0]) == 0.0
-        time.sleep(0.2)  # the process reached step 1 and closed its input; it exits 0.5 s later
+        closed = Path(src._tmp) / "input-closed"  # its TMPDIR, the one place it may write
+        wait_until(closed.exists, 10, "the source's process to close its input at step 1")
         assert float(src(0, 1)[0][0, 0]) == 1.0  # its next request meets the broken pipe
         with pytest.raises(SourceError, match=r"its process \(pid \d+\) exited with code 3"):
             src(1, 0)

@@ -103,11 +103,8 @@ class Outbox:
         ``off_path``: called on a push thread, which nothing waits for: it spills down to the log's low mark,
         leaving the producer's next values room under the limit.
         """
-        down_to = self.outlog.low_mark if off_path else self.outlog.limit_bytes
-        if not self.outlog.over(down_to) and (off_path or self.outlog.memory_bytes <= down_to):
-            return
-        try:
-            self.outlog.spill(down_to, settle=not off_path)  # the producer's: the bound holds for the bytes in memory
+        try:  # the producer's spill settles: the bound holds for the bytes in memory
+            self.outlog.spill(self.outlog.low_mark if off_path else None, settle=not off_path)
         except OSError as exc:  # kept in memory: a later spill tries again
             self._control.log.warning("outlog.spill_failed", error=f"{type(exc).__name__}: {exc}")
 
