@@ -167,3 +167,81 @@ def test_a_loader_that_closes_its_input_then_dies_is_named_by_its_exit_code_not_
             src(1, 0)
     finally:
         src.close()
+
+
+ANSWERS_THEN_DIES = '''
+import os
+import time
+import numpy as np
+
+def batches(step, microbatch):
+    if (step, microbatch) == (0, 1):
+        while not os.path.exists(os.path.join(os.environ["TMPDIR"], "go")):
+            time.sleep(0.01)  # the test holds the source's lock first
+    if step == 1:
+        os.close(0)
+        os._exit(3)
+    return {"x": np.full((2, 3), step * 10 + microbatch, np.float32), "n": np.int32(step)}
+'''
+
+
+def test_an_answer_written_before_the_loader_died_is_still_given_when_a_later_request_finds_it_dead(
+        tmp_path: Path) -> None:
+    # The order of CI's failure, made certain: step (0, 1)'s answer is in the pipe but not yet taken by the
+    # reader (the test holds the lock the reader needs) when taking (0, 0) asks for (1, 1) and meets a dead
+    # process. The answer was written before it died: the slice gets it, and the death only at step 1.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "job.py").write_text(ANSWERS_THEN_DIES)
+    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
+                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
+                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
+                     prefetch=3, copies=Copies("j"), job="j")
+    try:
+        wait_until(lambda: (0, 0) in src._ready, 20, "step (0, 0) read ahead")
+        with src._cv:  # the reader can read (0, 1) but not hand it over
+            (Path(src._tmp) / "go").touch()
+            wait_until(lambda: src._proc.poll() is not None, 20, "the source's process to die at step 1")
+            assert float(src(0, 0)[0][0, 0]) == 0.0  # its top-up asks for (1, 1): a broken pipe
+            assert src._dead, "the request for (1, 1) found the process dead"
+            assert float(src(0, 1)[0][0, 0]) == 1.0
+        with pytest.raises(SourceError, match=r"its process \(pid \d+\) exited with code 3"):
+            src(1, 0)
+    finally:
+        src.close()
+
+
+CLOSES_AND_HANGS = '''
+import os
+import time
+import numpy as np
+
+def batches(step, microbatch):
+    if step == 1:
+        os.close(0)
+        open(os.path.join(os.environ["TMPDIR"], "input-closed"), "w").close()
+        time.sleep(600)  # and never answers, nor exits
+    return {"x": np.full((2, 3), step * 10 + microbatch, np.float32), "n": np.int32(step)}
+'''
+
+
+def test_a_loader_that_closes_its_input_and_hangs_is_stopped_and_named_as_stopped_answering(
+        tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "job.py").write_text(CLOSES_AND_HANGS)
+    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
+                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
+                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
+                     prefetch=3, copies=Copies("j"), job="j")
+    try:
+        wait_until((Path(src._tmp) / "input-closed").exists, 20, "the source's process to close its input")
+        assert float(src(0, 0)[0][0, 0]) == 0.0  # its top-up asks for (1, 1): a broken pipe
+        assert float(src(0, 1)[0][0, 0]) == 1.0  # written before: still given
+        with pytest.raises(SourceError, match=r"its process \(pid \d+\) stopped answering"):
+            src(1, 0)  # asked before it closed its input: no answer can come, and the wait ends
+        assert src._proc.poll() is not None, "the process that can be asked nothing more was stopped"
+    finally:
+        src.close()

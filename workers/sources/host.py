@@ -176,8 +176,8 @@ class HostSource:
             while key not in self._ready:
                 if self._closed:
                     raise SourceError(f"host source {self.node!r} was closed")
-                if self._dead:
-                    raise SourceError(self._dead)
+                if self._dead and not (key in self._asked and self._reader.is_alive()):
+                    raise SourceError(self._dead)  # (an answer written before it died is still read first)
                 if not self._reader.is_alive() and key not in self._ready:
                     raise SourceError(f"host source {self.node!r}: its reader stopped before step {key[0]} came")
                 self._cv.wait(1.0)
@@ -221,6 +221,8 @@ class HostSource:
             if not self._dead:
                 self._wait_briefly()  # for its exit code, as the reader does (else "stopped answering" wins a race)
                 self._dead = self._dead or self._ended()
+                if self._proc.poll() is None:  # it closed its input and lives on: nothing more can be asked of it,
+                    self._proc.kill()  # and its end lets the reader finish the answers it wrote before
             self._cv.notify_all()
             return
         self._asked.append(key)
@@ -258,7 +260,7 @@ class HostSource:
                         self._wait_briefly()  # for its exit code
                     with self._cv:
                         if not self._closed:
-                            self._dead = self._ended()
+                            self._dead = self._dead or self._ended()  # (a failed request may have named it first)
                             self._log.warning("source.died", error=self._dead)
                         self._cv.notify_all()
                     return
