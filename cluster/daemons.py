@@ -10,8 +10,10 @@ service manager does on real hosts).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +77,20 @@ def _run_daemon(start: Callable[[], None], run: Callable[[], None], request_stop
         run()
     finally:
         stop()
+
+
+def _end_now() -> None:
+    """End the process once its daemon stopped cleanly (its lease revoked, its record written, its jobs unloaded),
+    skipping the interpreter's teardown: freeing XLA's client and gRPC's core took a worker 0.4-1 s of CPU after
+    it had left, which every stop of a cluster waited for. Its logs are flushed first. (A daemon that fails ends
+    the usual way, with its traceback; a command run in a test's own process is not ended.)"""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 @main.command()
@@ -230,4 +246,9 @@ def supervise(state_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as done:
+        if done.code in (None, 0):
+            _end_now()
+        raise
