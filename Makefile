@@ -60,7 +60,7 @@ layers: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps --target "$$tmp/site" . >/dev/null && \
 	cd "$$tmp" && PYTHONPATH="$$tmp/site" $(CURDIR)/$(VENV)/bin/lint-imports --no-logo --no-cache $(CURDIR)/.importlinter
 
-bench: $(STAMP)
+bench: $(STAMP) bytecode
 	$(PY) bench/startup.py
 	$(PY) bench/liveness.py
 	$(PY) bench/dispatch.py
