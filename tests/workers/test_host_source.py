@@ -245,3 +245,48 @@ def test_a_loader_that_closes_its_input_and_hangs_is_stopped_and_named_as_stoppe
         assert src._proc.poll() is not None, "the process that can be asked nothing more was stopped"
     finally:
         src.close()
+
+
+DIES_LEAVING_A_CHILD = '''
+import os
+import time
+import numpy as np
+
+def batches(step, microbatch):
+    if step == 1:
+        os.close(0)
+        if os.fork() == 0:  # a loader's worker process, holding the source's output open after it died
+            with open(os.path.join(os.environ["TMPDIR"], "holder.pid"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+            os._exit(0)
+        while not os.path.exists(os.path.join(os.environ["TMPDIR"], "holder.pid")):
+            time.sleep(0.01)
+        os._exit(3)
+    return {"x": np.full((2, 3), step * 10 + microbatch, np.float32), "n": np.int32(step)}
+'''
+
+
+def test_a_loader_that_dies_leaving_a_process_that_holds_its_output_fails_the_step_instead_of_waiting_forever(
+        tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "job.py").write_text(DIES_LEAVING_A_CHILD)
+    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
+                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
+                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
+                     prefetch=3, copies=Copies("j"), job="j")
+    holder = Path(src._tmp) / "holder.pid"
+    try:
+        assert float(src(0, 0)[0][0, 0]) == 0.0
+        assert float(src(0, 1)[0][0, 0]) == 1.0
+        wait_until(holder.exists, 20, "the source's process to start the one that outlives it")
+        with pytest.raises(SourceError, match=r"its process \(pid \d+\) exited with code 3"):
+            src(1, 0)  # no answer comes (the pipe stays open): the wait for one ends
+        assert src._reader.is_alive(), "the output was still held open: the bound ended the wait, not its end"
+    finally:
+        pid = int(holder.read_text()) if holder.exists() and holder.read_text() else 0
+        src.close()  # does not wait on the held pipe either
+        if pid:
+            os.kill(pid, 9)

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -46,6 +47,9 @@ DEFAULT_PREFETCH = 4
 """Instances a host source reads ahead of the one that runs (``HostSource.prefetch`` 0)."""
 STOP_WAIT_S = 2.0
 """How long a closing source's process may take to end on its own before it is killed."""
+DRAIN_S = 5.0
+"""How long after a source's process ended the answers it wrote before are still waited for: its output ends
+with it, unless a process it started (a loader's worker) holds the pipe open."""
 
 
 MAX_HEADER_BYTES = 1 << 20
@@ -149,7 +153,8 @@ class HostSource:
         self._ready: dict[tuple[int, int], list[Any] | SourceError] = {}
         self._skip: set[tuple[int, int]] = set()  # asked out of order: the order passes over them
         self._closed = False
-        self._dead = ""
+        self._dead = ""  # why it can answer nothing more (set once: _die)
+        self._dead_at = 0.0
         self._log = get_logger("rallypoint.source", job=job, node=node)
         policy = policy or SourcePolicy()
         self._tmp = scratch_dir("source")  # its TMPDIR: the one place it may write
@@ -176,8 +181,8 @@ class HostSource:
             while key not in self._ready:
                 if self._closed:
                     raise SourceError(f"host source {self.node!r} was closed")
-                if self._dead and not (key in self._asked and self._reader.is_alive()):
-                    raise SourceError(self._dead)  # (an answer written before it died is still read first)
+                if self._dead and not self._answer_may_come(key):
+                    raise SourceError(self._dead)
                 if not self._reader.is_alive() and key not in self._ready:
                     raise SourceError(f"host source {self.node!r}: its reader stopped before step {key[0]} came")
                 self._cv.wait(1.0)
@@ -206,7 +211,7 @@ class HostSource:
             self._proc.kill()
             self._proc.wait()
         self._reader.join(STOP_WAIT_S)
-        if self._proc.stdout is not None:
+        if self._proc.stdout is not None and not self._reader.is_alive():  # (a read in progress holds its lock)
             self._proc.stdout.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -220,12 +225,22 @@ class HostSource:
         except (OSError, ValueError):  # its input is closed: it is ending, most likely
             if not self._dead:
                 self._wait_briefly()  # for its exit code, as the reader does (else "stopped answering" wins a race)
-                self._dead = self._dead or self._ended()
+                self._die(self._ended())
                 if self._proc.poll() is None:  # it closed its input and lives on: nothing more can be asked of it,
                     self._proc.kill()  # and its end lets the reader finish the answers it wrote before
             self._cv.notify_all()
             return
         self._asked.append(key)
+
+    def _die(self, why: str) -> None:
+        """The process can answer nothing more, and why (the first reason found stays; under the lock)."""
+        if not self._dead:
+            self._dead, self._dead_at = why, time.monotonic()
+
+    def _answer_may_come(self, key: tuple[int, int]) -> bool:
+        """Whether ``key``'s answer may still be read after the process ended: it was asked, the reader is still
+        reading what the process wrote before, and not for longer than :data:`DRAIN_S` (under the lock)."""
+        return key in self._asked and self._reader.is_alive() and time.monotonic() - self._dead_at < DRAIN_S
 
     def _top_up(self) -> None:
         """Keep ``prefetch`` instances asked for or read ahead (under the lock)."""
@@ -260,7 +275,7 @@ class HostSource:
                         self._wait_briefly()  # for its exit code
                     with self._cv:
                         if not self._closed:
-                            self._dead = self._dead or self._ended()  # (a failed request may have named it first)
+                            self._die(self._ended())
                             self._log.warning("source.died", error=self._dead)
                         self._cv.notify_all()
                     return
@@ -290,7 +305,7 @@ class HostSource:
         else:
             msg = f"{what}: reading its output at {where} failed: {type(exc).__name__}: {exc}"
         with self._cv:
-            self._dead = self._dead or msg
+            self._die(msg)
             self._cv.notify_all()
         self._log.warning("source.failed", error=msg)
         try:
