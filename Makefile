@@ -18,7 +18,7 @@ install: $(STAMP)
 
 # The project's bytecode (its own modules: pip wrote the dependencies' at install). Where PYTHONDONTWRITEBYTECODE
 # is set, nothing else writes it, and each process would compile what it imports from source: 0.2 s of CPU at
-# every worker's start, and the suite starts thousands of processes. Only what changed is compiled again.
+# every worker's start, and `make test` starts some two hundred clusters. Only what changed is compiled again.
 bytecode: $(STAMP)
 	$(PY) -m compileall -q -j 0 rallypoint basics chaos client cluster etcd orchestrator proto recovery workers
 
