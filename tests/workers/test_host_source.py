@@ -32,10 +32,12 @@ def batches(step, microbatch):
 '''
 
 
-def source(tmp_path: Path, *, crash_at: int = -1, run_dir: Path | None = None, start: int = 0) -> HostSource:
+def source(tmp_path: Path, *, crash_at: int = -1, run_dir: Path | None = None, start: int = 0,
+           code: str = "") -> HostSource:
+    """The source of SOURCE (crashing at ``crash_at``), or of ``code`` as given, on a bundle under ``tmp_path``."""
     bundle = tmp_path / "bundle"
     bundle.mkdir(exist_ok=True)
-    (bundle / "job.py").write_text(textwrap.dedent(SOURCE).format(crash_at=crash_at))
+    (bundle / "job.py").write_text(code or textwrap.dedent(SOURCE).format(crash_at=crash_at))
     dev = jax.devices()[0]
     whole = jax.sharding.SingleDeviceSharding(dev)
     return HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
@@ -150,14 +152,7 @@ def batches(step, microbatch):
 
 def test_a_loader_that_closes_its_input_then_dies_is_named_by_its_exit_code_not_as_stopped_answering(
         tmp_path: Path) -> None:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "job.py").write_text(CLOSES_FIRST)
-    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
-                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
-                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
-                     prefetch=3, copies=Copies("j"), job="j")
+    src = source(tmp_path, code=CLOSES_FIRST)
     try:
         assert float(src(0, 0)[0][0, 0]) == 0.0
         closed = Path(src._tmp) / "input-closed"  # its TMPDIR, the one place it may write
@@ -190,14 +185,7 @@ def test_an_answer_written_before_the_loader_died_is_still_given_when_a_later_re
     # The order of CI's failure, made certain: step (0, 1)'s answer is in the pipe but not yet taken by the
     # reader (the test holds the lock the reader needs) when taking (0, 0) asks for (1, 1) and meets a dead
     # process. The answer was written before it died: the slice gets it, and the death only at step 1.
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "job.py").write_text(ANSWERS_THEN_DIES)
-    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
-                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
-                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
-                     prefetch=3, copies=Copies("j"), job="j")
+    src = source(tmp_path, code=ANSWERS_THEN_DIES)
     try:
         wait_until(lambda: (0, 0) in src._ready, 20, "step (0, 0) read ahead")
         with src._cv:  # the reader can read (0, 1) but not hand it over
@@ -228,14 +216,7 @@ def batches(step, microbatch):
 
 def test_a_loader_that_closes_its_input_and_hangs_is_stopped_and_named_as_stopped_answering(
         tmp_path: Path) -> None:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "job.py").write_text(CLOSES_AND_HANGS)
-    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
-                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
-                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
-                     prefetch=3, copies=Copies("j"), job="j")
+    src = source(tmp_path, code=CLOSES_AND_HANGS)
     try:
         wait_until((Path(src._tmp) / "input-closed").exists, 20, "the source's process to close its input")
         assert float(src(0, 0)[0][0, 0]) == 0.0  # its top-up asks for (1, 1): a broken pipe
@@ -256,8 +237,10 @@ def batches(step, microbatch):
     if step == 1:
         os.close(0)
         if os.fork() == 0:  # a loader's worker process, holding the source's output open after it died
-            with open(os.path.join(os.environ["TMPDIR"], "holder.pid"), "w") as f:
+            with open(os.path.join(os.environ["TMPDIR"], "holder.tmp"), "w") as f:
                 f.write(str(os.getpid()))
+            os.rename(os.path.join(os.environ["TMPDIR"], "holder.tmp"),
+                      os.path.join(os.environ["TMPDIR"], "holder.pid"))  # whole, once it is there
             time.sleep(600)
             os._exit(0)
         while not os.path.exists(os.path.join(os.environ["TMPDIR"], "holder.pid")):
@@ -269,14 +252,7 @@ def batches(step, microbatch):
 
 def test_a_loader_that_dies_leaving_a_process_that_holds_its_output_fails_the_step_instead_of_waiting_forever(
         tmp_path: Path) -> None:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "job.py").write_text(DIES_LEAVING_A_CHILD)
-    whole = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    src = HostSource("batch", bundle=bundle, file="job.py", name="batches", outputs=["x", "n"],
-                     shardings=[whole, whole], avals=[(np.float32, (2, 3)), (np.int32, ())],
-                     order=instance_order(6, 0, 1, (0, 1)), ledger=SourceLedger(None, "batch"),
-                     prefetch=3, copies=Copies("j"), job="j")
+    src = source(tmp_path, code=DIES_LEAVING_A_CHILD)
     holder = Path(src._tmp) / "holder.pid"
     try:
         assert float(src(0, 0)[0][0, 0]) == 0.0
@@ -286,7 +262,7 @@ def test_a_loader_that_dies_leaving_a_process_that_holds_its_output_fails_the_st
             src(1, 0)  # no answer comes (the pipe stays open): the wait for one ends
         assert src._reader.is_alive(), "the output was still held open: the bound ended the wait, not its end"
     finally:
-        pid = int(holder.read_text()) if holder.exists() and holder.read_text() else 0
+        pid = int(holder.read_text()) if holder.exists() else 0
         src.close()  # does not wait on the held pipe either
         if pid:
             os.kill(pid, 9)
