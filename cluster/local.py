@@ -53,13 +53,16 @@ from rallypoint.cluster.local_config import (DEFAULT_HOST, NETWORKS, LocalCluste
                                             WorkerNetworkHook)
 from rallypoint.cluster.local_devices import plan_devices
 from rallypoint.cluster.local_state import STATE_FILE, read_state, state_file, write_state
-from rallypoint.cluster.processes import (ProcessRecord, RestartPolicy, Supervisor, is_running, log_tail,
-                                          process_start_time, stop_process)
+from rallypoint.cluster import zygote_client as zygote
+from rallypoint.cluster.processes import (PROJECT_ROOT, ProcessRecord, RestartPolicy, Supervisor, child_env,
+                                          is_running, log_tail, process_start_time, stop_process)
 from rallypoint.etcd.cluster_view import ClusterSnapshot, read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.metrics_targets import read_metrics_targets
 from rallypoint.etcd.server import EtcdCluster
 from rallypoint.etcd.etcd_store import EtcdStore
+
+DAEMONS = "rallypoint.cluster.daemons"
 
 __all__ = [  # the launcher, and what its users import from here
     "DEFAULT_HOST", "NETWORKS", "STATE_FILE", "LocalCluster", "LocalClusterConfig", "ProcessRecord", "WorkerNetwork",
@@ -86,6 +89,7 @@ class LocalCluster:
         self._spawn_lock = threading.Lock()
         self._reported: set[str] = set()  # processes past their restart limit, logged once
         self.etcd_users: set[str] = set()  # workers whose etcd user this handle made (their restarts add none)
+        self.zygote = next((p for p in processes if p.role == "zygote"), None)  # forks workers (cluster/zygote.py)
         # in-process clients (EtcdStore(endpoints), submit) find the identity (or plain) by the endpoints
         security.remember_client(endpoints, self.tls_dir if config.tls else None)
 
@@ -126,9 +130,17 @@ class LocalCluster:
         for sub in ("etcd", "logs"):
             shutil.rmtree(state / sub, ignore_errors=True)
         (state / "logs").mkdir()
+        forks = cls._start_zygote(config)  # first: it imports while etcd starts
         etcd_tls, client_tls = (security.issue_etcd_and_client(state, host=config.host, cluster=config.cluster)
                                 if config.tls else (None, None))
-        etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host, tls=etcd_tls)
+        try:
+            etcd = EtcdCluster.start(members=config.etcd_members, base_dir=state / "etcd", host=config.host,
+                                     tls=etcd_tls)
+        except BaseException:
+            if forks is not None:
+                stop_process(forks)
+                zygote.remove_socket(forks.argv)
+            raise
         etcd.detach()
         if client_tls is not None:
             security.enable_etcd_auth(etcd, client_tls, cluster=config.cluster, secrets_dir=state / "etcd",
@@ -136,7 +148,7 @@ class LocalCluster:
         processes = [
             ProcessRecord("etcd", m.name, m.pid or 0, process_start_time(m.pid or 0) or 0, str(m.log_path))
             for m in etcd.members
-        ]
+        ] + ([forks] if forks is not None else [])
         cluster = cls(config, etcd.endpoints, processes, worker_network=worker_network)
         cluster.etcd = etcd  # the in-process handle: tests stop and restart members through it
         if client_tls is not None:  # made with auth above: a spawn need not log in as root to find them there
@@ -155,10 +167,33 @@ class LocalCluster:
             cluster.supervise()
         return cluster
 
+    @staticmethod
+    def _start_zygote(config: LocalClusterConfig) -> ProcessRecord | None:
+        """The zygote of a cluster whose workers it can fork (``config.zygote``; cpu, loopback), started."""
+        if not (config.zygote and config.platform == "cpu" and config.network == "loopback"):
+            return None
+        sock = zygote.socket_dir() / zygote.SOCKET_NAME
+        argv = [sys.executable, "-m", "rallypoint.cluster.zygote", str(sock)]
+        helper = Supervisor([])
+        return helper.launch("zygote", "zygote", argv, config.state_dir / "logs" / "zygote.log")
+
+    def _fork(self, name: str, argv: list[str], log_path: Path) -> ProcessRecord | None:
+        """Worker ``name`` forked by the zygote, recorded; None where it cannot (start it the usual way)."""
+        z = self.zygote
+        if z is None or argv[1:3] != ["-m", DAEMONS] or not is_running(z):
+            return None
+        try:
+            pid = zygote.fork(Path(z.argv[-1]), argv[3:], env=child_env(), log=log_path, cwd=PROJECT_ROOT,
+                              alive=lambda: is_running(z))
+        except zygote.ZygoteError as exc:
+            self.log.warning("zygote.failed", worker=name, error=str(exc))
+            return None
+        return self.supervisor.adopt("worker", name, pid, log_path, argv)
+
     def argv(self, role: str, name: str, net: WorkerNetwork | None = None) -> list[str]:
         """The command line of one coordinator or worker (``net``: the worker's placement)."""
         endpoints = list(net.endpoints) if net is not None and net.endpoints else self.endpoints
-        base = [*(net.prefix if net is not None else ()), sys.executable, "-m", "rallypoint.cluster.daemons", role,
+        base = [*(net.prefix if net is not None else ()), sys.executable, "-m", DAEMONS, role,
                 "--cluster", f"{self.config.cluster}@{','.join(endpoints)}",
                 "--id", name, "--lease-ttl-s", str(self.config.lease_ttl_s)]
         base += ["--tls-dir", str(security.process_tls_dir(self.tls_dir, name))] if self.config.tls else ["--insecure"]
@@ -245,7 +280,9 @@ class LocalCluster:
                                     cluster=self.config.cluster, worker=name)
                 self.etcd_users.add(name)
         with self._spawn_lock:
-            rec = self.supervisor.launch(role, name, self.argv(role, name, net), log_path, extra_env=extra_env)
+            argv = self.argv(role, name, net)
+            rec = self._fork(name, argv, log_path) if role == "worker" and net is None and not extra_env else None
+            rec = rec or self.supervisor.launch(role, name, argv, log_path, extra_env=extra_env)
             self.save()
         self.log.info("process.started", role=role, name=name, pid=rec.pid)
         return rec
@@ -375,7 +412,8 @@ class LocalCluster:
         self.supervisor.reap(name, timeout_s)
 
     def stop(self) -> None:
-        """Stop every recorded process: the supervision first, then workers, coordinators, etcd. Idempotent."""
+        """Stop every recorded process: the supervision first, then workers, coordinators, etcd, the zygote.
+        Idempotent."""
         self._end_supervision()
         daemons = [p for p in self.processes if p.role == "supervisor"]
         for p in daemons:
@@ -383,6 +421,9 @@ class LocalCluster:
         if daemons and state_file(self.config.state_dir).exists():  # what the daemon restarted, it recorded
             self.supervisor.records = read_state(self.config.state_dir)[2]
         self.supervisor.stop_all()
+        for p in self.processes:
+            if p.role == "zygote":
+                zygote.remove_socket(p.argv)
         if self.etcd is not None:
             self.etcd.stop()
         security.forget_client(self.endpoints)

@@ -74,6 +74,9 @@ class LocalClusterConfig:
             host the workers split its devices (:mod:`rallypoint.cluster.local_devices`).
         host_devices: the host's devices of ``platform`` (asked once, by ``rallypoint up`` or ``run``,
             through :func:`~rallypoint.cluster.local_devices.host_device_count`); 0 on cpu.
+        zygote: fork the workers from one process that has imported JAX and their modules
+            (:mod:`rallypoint.cluster.zygote`): a worker up in a fraction of its start's CPU. On cpu with
+            the loopback network only; elsewhere, or off, each worker is a fresh process.
     """
 
     state_dir: Path
@@ -98,6 +101,7 @@ class LocalClusterConfig:
     checkpoint_dir: Path | None = None
     platform: str = "cpu"
     host_devices: int = 0
+    zygote: bool = True
 
     def __post_init__(self) -> None:
         check_name("cluster", self.cluster)

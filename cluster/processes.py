@@ -131,6 +131,13 @@ def _reap(pid: int) -> None:
         pass
 
 
+def child_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a daemon is started with: this process's, unbuffered, the project importable, ``extra_env``."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
 def log_tail(path: str, lines: int = 15) -> str:
     """The last ``lines`` lines of a process's log ("(no log)" when it cannot be read)."""
     try:
@@ -157,15 +164,17 @@ class Supervisor:
     def launch(self, role: str, name: str, argv: list[str], log_path: Path, *,
                extra_env: dict[str, str] | None = None) -> ProcessRecord:
         """Start ``argv`` in its own session, output appended to ``log_path``; record it (replacing ``name``'s)."""
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (extra_env or {})
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=env, cwd=str(PROJECT_ROOT),
+                start_new_session=True, env=child_env(extra_env), cwd=str(PROJECT_ROOT),
             )
-        rec = ProcessRecord(role, name, proc.pid, process_start_time(proc.pid) or 0, str(log_path), argv)
         self._popen[name] = proc
+        return self.adopt(role, name, proc.pid, log_path, argv)
+
+    def adopt(self, role: str, name: str, pid: int, log_path: Path, argv: list[str]) -> ProcessRecord:
+        """Record ``pid``, started for ``name`` by another process (the zygote), replacing ``name``'s record."""
+        rec = ProcessRecord(role, name, pid, process_start_time(pid) or 0, str(log_path), argv)
         self.records = [p for p in self.records if p.name != name] + [rec]
         return rec
 
@@ -176,8 +185,9 @@ class Supervisor:
         raise RallypointError(f"no process named {name!r} in this cluster")
 
     def exited(self) -> list[ProcessRecord]:
-        """The recorded coordinators and workers that no longer run."""
-        return [p for p in self.records if p.role != "etcd" and not is_running(p)]
+        """The recorded coordinators and workers (and supervisor) that no longer run. A zygote gone is not one:
+        the workers are then started the usual way."""
+        return [p for p in self.records if p.role not in ("etcd", "zygote") and not is_running(p)]
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to the recorded process ``name`` (only if it is still that process)."""

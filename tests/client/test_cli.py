@@ -50,7 +50,7 @@ def up_workers_cordon_uncordon_down(state_dir: Path) -> None:
              "--coordinators", "2").stdout
     assert "rallypoint workers" in out and "rallypoint down" in out
     lc = LocalCluster.load(state_dir)
-    assert {p.role for p in lc.processes} == {"etcd", "coordinator", "worker", "supervisor"}
+    assert {p.role for p in lc.processes} == {"etcd", "coordinator", "worker", "supervisor", "zygote"}
     assert all(is_running(p) for p in lc.processes)
     # `up` prints the leader's dashboard (the page itself: tests/integration/test_dashboard.py), and it answers.
     m = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)", out)
