@@ -27,9 +27,9 @@ demo: $(STAMP) bytecode
 	$(VENV)/bin/rallypoint run examples/pipeline_mlp.py --fail kill:stage2@12
 
 # The whole suite, with its 25 slowest tests at the end (CI's log shows where the time goes). TEST_PROCS=2 runs it on
-# two processes (pytest-xdist; a module's tests stay together on one, in order): 24-27 min instead of about 35 on
-# this 2-core host, but some timing-sensitive tests (a straggler's detection, a CLI's etcd handshake) still fail
-# beside another test's cluster, so CI runs it on one.
+# two processes (pytest-xdist; a module's tests stay together on one, in order): 17.5 min instead of 25 on this
+# 2-core host (before the workers' zygote), but timing-sensitive tests still fail beside another test's cluster (a
+# replacement worker's 2 s lease expiring on the loaded box), so CI runs it on one.
 TEST_PROCS ?= 1
 test: $(STAMP) bytecode layers browser
 	$(PY) -m pytest -q --durations=25 $(if $(filter-out 1,$(TEST_PROCS)),-n $(TEST_PROCS) --dist loadfile) tests
