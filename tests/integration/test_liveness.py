@@ -61,7 +61,8 @@ def test_killed_worker_is_fenced_through_the_broken_connection_and_its_devices_f
         snap = read_cluster(store, lc.keys)
         assert victim not in snap.workers
         assert not [k for k in store.get_prefix(lc.keys.worker_leases(victim))[0]], "devices still leased"
-        events = read_events(_leader_log(lc), "worker.lost")
+        # The leader writes the record, then logs it: the record can be read before the line is written.
+        events = wait_until(lambda: read_events(_leader_log(lc), "worker.lost"), 5, "the loss in the leader's log")
         assert [e["worker"] for e in events] == [victim]
         assert read_events(_leader_log(lc), "lease.revoked")[0]["worker"] == victim
     finally:
