@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.gang.member_bounds import check_request
+import numpy as np
+
+from rallypoint.workers.gang.member_bounds import check_request, host_arguments
 
 
 def transfer(job: str) -> str:
@@ -56,3 +58,18 @@ def test_a_member_starts_only_for_the_job_and_slice_its_workers_leases_name() ->
                                           ("j", "s", [], "must name its job")):
         with pytest.raises(MemberRefused, match=why):
             leased_dirs(store, keys, "w1", job, slice_name, devices)
+
+
+def test_a_calls_small_host_arguments_are_read_as_declared_and_a_mismatch_is_refused() -> None:
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = host_arguments([{"arg": 1, "dtype": "<f4", "shape": [2, 3]}, {"arg": 0, "dtype": "<i4", "shape": []}],
+                         [x.tobytes(), np.int32(7).tobytes()], 3)
+    assert np.array_equal(got[1], x) and int(got[0]) == 7 and got[0].shape == ()
+    arg = {"arg": 0, "dtype": "<f4", "shape": [2, 3]}
+    for given, payloads, why in (([arg], [], "declares 1 host arguments and carries 0"),
+                                 ([arg], [x.tobytes()[:-1]], "23 bytes do not hold a float32 array of shape"),
+                                 ([{**arg, "arg": 3}], [x.tobytes()], "host argument 3 refused"),
+                                 ([arg, arg], [x.tobytes()] * 2, "host argument 0 refused"),
+                                 ([{**arg, "dtype": "|O"}], [x.tobytes()], "do not hold an? object")):
+        with pytest.raises(ValueError, match=why):
+            host_arguments(given, payloads, 3)

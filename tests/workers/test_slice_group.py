@@ -20,7 +20,7 @@ from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.workers.checkpoints.restore import restore_commit
 from rallypoint.workers.errors import CheckpointCorrupt
 from rallypoint.workers.checkpoints.checksums import SHARDED, read_listing
-from rallypoint.workers.gang.lead import GangSlice, GroupSharding, GroupValue
+from rallypoint.workers.gang.lead import GangExecutable, GangSlice, GroupSharding, GroupValue
 from rallypoint.workers.gang.checkpoint import GangSteps, restore_on_gang
 from rallypoint.workers.programs import load_exported
 from rallypoint.workers.gang.group import GroupError, GroupLost, SliceGroup
@@ -113,6 +113,38 @@ def _checkpoint_of_a_sharded_value(group: SliceGroup, x: np.ndarray, root: Path)
     with pytest.raises(CheckpointCorrupt, match="is corrupt: committed checksum sha256-shards:0000"):
         restore_on_gang(dataclasses.replace(commit, checksum=SHARDED + "0" * 64), root / "s", gang,
                         {"x": [GroupSharding(gang, {"mesh": "m", "spec": ["d"]})]})
+
+
+def test_an_instance_on_a_gang_is_one_request_carrying_its_small_arguments_and_bringing_back_its_metric(
+    program: bytes, group: SliceGroup,
+) -> None:
+    """The batch (512 bytes a leaf) travels in the call and the loss (a scalar) comes back in its answer: one
+    group round trip a step, where a put per host argument and a fetch per metric took four. The states and
+    losses are bitwise those of the explicit put, call and fetch."""
+    gang = GangSlice("s", group, [4], ["d"])
+    step = GangExecutable(program, gang)
+    requests: list[str] = []
+    send = group.request
+
+    def counted(header, *args, **kwargs):  # type: ignore[no-untyped-def]
+        requests.append(header["op"])
+        return send(header, *args, **kwargs)
+
+    group.request = counted  # type: ignore[method-assign]
+    w = gang.put(W0, {"mesh": "m", "spec": []})
+    group.put("w_explicit", W0, "m", [])
+    for s in range(3):
+        x, y = batch_at(s)
+        requests.clear()
+        w, loss = step(w, x, y)
+        assert requests == ["call"], requests
+        assert np.asarray(loss).shape == () and requests == ["call"], "the loss was fetched in a request of its own"
+        group.put("x", x, "m", ["d"])
+        group.put("y", y, "m", ["d"])
+        group.request({"op": "call", "prog": step.prog, "args": ["w_explicit", "x", "y"],
+                       "outs": ["w_explicit", "loss_explicit"]})
+        assert np.asarray(loss).tobytes() == group.fetch("loss_explicit").tobytes(), s
+    assert np.array_equal(np.asarray(w), group.fetch("w_explicit"))
 
 
 def test_a_killed_member_loses_the_group_and_abort_stops_the_survivor_at_once(program: bytes, group: SliceGroup) -> None:

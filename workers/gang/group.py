@@ -307,10 +307,24 @@ class SliceGroup:
                                payloads, extra=[{"shards": shards} for shards in held])
         return [int(h["bytes"]) for h, _ in answers]
 
-    def call(self, prog: str, args: Sequence[str], outs: Sequence[str]) -> list[tuple[str, tuple[int, ...]]]:
-        """Run a loaded program on every member; the outputs stay on the group. Their dtypes and shapes."""
-        h, _ = self.request({"op": "call", "prog": prog, "args": list(args), "outs": list(outs)})[0]
-        return [(d, tuple(s)) for d, s in h["avals"]]
+    def call(self, prog: str, args: Sequence[str | None], outs: Sequence[str], *,
+             host: Mapping[int, np.ndarray] | None = None,
+             ) -> tuple[list[tuple[str, tuple[int, ...]]], dict[int, np.ndarray]]:
+        """Run a loaded program on every member, in one request; the outputs stay on the group.
+
+        ``host``: argument index -> a small host array sent whole in the request (its ``args`` entry None), which
+        each member lays out as the program takes it. Returns the outputs' dtypes and shapes, and the value of
+        each scalar output by index (each member holds all of one: the first member's is sent back).
+        """
+        host = dict(host or {})
+        given = [_contiguous(host[i]) for i in sorted(host)]
+        header = {"op": "call", "prog": prog, "args": list(args), "outs": list(outs), "scalars": True,
+                  "host": [{"arg": i, "dtype": a.dtype.str, "shape": list(a.shape)} for i, a in zip(sorted(host), given)]}
+        h, data = self.request(header, [given] * len(self.members) if given else None)[0]
+        avals = [(d, tuple(s)) for d, s in h["avals"]]
+        scalars = {int(i): np.frombuffer(b, dtype=np.dtype(avals[int(i)][0])).reshape(()).copy()
+                   for i, b in zip(h.get("scalars", ()), data, strict=True)}
+        return avals, scalars
 
     def shards(self, value: str) -> tuple[list[list[tuple[list[list[int]], np.ndarray]]], np.dtype, tuple[int, ...]]:
         """Per member, the shards of ``value`` it holds (each index once) as host arrays; its dtype and shape."""

@@ -141,10 +141,12 @@ def on_gang(value: Any) -> GangSlice | None:
 class GroupValue:
     """One leaf of a value on a multi-host slice: a global array held, shard by shard, by its members."""
 
-    __slots__ = ("gang", "name", "dtype", "shape", "__weakref__")
+    __slots__ = ("gang", "name", "dtype", "shape", "host", "__weakref__")
 
-    def __init__(self, gang: GangSlice, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(self, gang: GangSlice, name: str, dtype: np.dtype, shape: tuple[int, ...],
+                 host: np.ndarray | None = None) -> None:
         self.gang, self.name, self.dtype, self.shape = gang, name, dtype, shape
+        self.host = host  # its value, when the call that made it sent it back (a scalar: a metric, say)
         weakref.finalize(self, gang.group.release, name)
 
     @property
@@ -160,7 +162,7 @@ class GroupValue:
         return self.size * self.dtype.itemsize
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        a = self.gang.fetch(self)
+        a = self.host if self.host is not None else self.gang.fetch(self)
         return a if dtype is None else a.astype(dtype)
 
     def __repr__(self) -> str:
@@ -181,13 +183,17 @@ class GroupSharding:
 
     def place_leaf(self, x: Any, copies: Any, purpose: str, small: str) -> Any:
         """``x`` on the slice's members laid out so: a host value is put there (counted as ``purpose``),
-        unless it is a gathered part, or a value received here that is left on the host until its instance."""
+        unless it is a gathered part, or a small one (``small``, as :func:`~rallypoint.workers.residency.place`
+        says): a value received here stays on the host until its instance, an instance's argument travels in
+        its call (:class:`GangExecutable`)."""
         from rallypoint.workers.residency import SMALL_VALUE_BYTES
 
         if isinstance(x, GroupValue):
             return x
         a = np.asarray(x)
-        if not self.whole or (small == "later" and a.nbytes < SMALL_VALUE_BYTES):
+        if not self.whole or (small and a.nbytes < SMALL_VALUE_BYTES):
+            if small == "call" and copies is not None:
+                copies.add("h2d", purpose, int(a.nbytes))
             return x
         v = self.gang.put(a, self.layout)
         if copies is not None:
@@ -218,12 +224,25 @@ class GangExecutable:
         return "cold"  # no warm spare compiles a multi-host slice's programs ahead
 
     def __call__(self, *args: Any) -> list[GroupValue]:
+        """One request to the members: the small host arguments (the step, a small value received here) travel in
+        it, and the scalar outputs (the metrics) come back in its answer; a larger host argument goes on first."""
+        from rallypoint.workers.residency import SMALL_VALUE_BYTES
+
         t0 = time.perf_counter()
-        # the runtime placed every argument already (residency.place); a host one left for the call goes on now
-        values = [s.place_leaf(a, None, "transfer", "") for a, s in zip(args, self.in_shardings, strict=True)]
+        placed: list[GroupValue | None] = []  # held until the call is sent: a value let go of is freed with it
+        host: dict[int, np.ndarray] = {}
+        for i, (a, s) in enumerate(zip(args, self.in_shardings, strict=True)):
+            if not isinstance(a, GroupValue) and s.whole and (h := np.asarray(a)).nbytes < SMALL_VALUE_BYTES:
+                host[i] = h
+                placed.append(None)
+            else:  # the runtime placed it already (residency.place), or it is too large to travel in the call
+                placed.append(s.place_leaf(a, None, "transfer", ""))
         outs = [self.gang.fresh() for _ in self.out_shardings]
-        avals = self.gang.group.call(self.prog, [v.name for v in values], outs)
-        result = [GroupValue(self.gang, name, np.dtype(d), shape) for name, (d, shape) in zip(outs, avals, strict=True)]
+        avals, scalars = self.gang.group.call(self.prog, [v.name if v is not None else None for v in placed], outs,
+                                              host=host)
+        del placed
+        result = [GroupValue(self.gang, name, np.dtype(d), shape, scalars.get(i))
+                  for i, (name, (d, shape)) in enumerate(zip(outs, avals, strict=True))]
         if not self.source:
             self.source, self.compile_s = "compiled", time.perf_counter() - t0
         return result

@@ -62,7 +62,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from rallypoint.workers.gang.member_bounds import check_request
+from rallypoint.workers.gang.member_bounds import check_request, host_arguments
 
 Index = list[list[int | None]]
 
@@ -299,7 +299,10 @@ class Member:
             return {"bytes": sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in payloads)}, []
         if op == "call":
             ins, _ = self.layouts[header["prog"]]  # an argument laid out otherwise is moved first
-            args = [self.jax.device_put(self.values[a], s) for a, s in zip(header["args"], ins, strict=True)]
+            host = host_arguments(header.get("host", ()), payloads, len(ins))  # small ones sent in the request
+            args = [self.jax.make_array_from_callback(host[i].shape, s, lambda ix, h=host[i]: np.asarray(h[ix]))
+                    if i in host else self.jax.device_put(self.values[a], s)
+                    for i, (a, s) in enumerate(zip(header["args"], ins, strict=True))]
             outs = self.programs[header["prog"]](*args)
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             if len(outs) != len(header["outs"]):
@@ -307,7 +310,10 @@ class Member:
                                  f"{len(header['outs'])} were named")
             for name, v in zip(header["outs"], outs, strict=True):
                 self.values[name] = v
-            return {"avals": [[str(v.dtype), list(v.shape)] for v in outs]}, []
+            # Scalars come back with the answer (the metrics): every member holds the whole of one.
+            scalars = [i for i, v in enumerate(outs) if header.get("scalars") and v.ndim == 0]
+            return ({"avals": [[str(v.dtype), list(v.shape)] for v in outs], "scalars": scalars},
+                    [np.asarray(outs[i].addressable_shards[0].data).reshape(-1).view(np.uint8) for i in scalars])
         if op == "get":
             v = self.values[header["value"]]
             seen: dict[str, Any] = {}

@@ -90,3 +90,26 @@ def leased_dirs(store: Any, keys: Any, worker: str, job: str, slice_name: str, d
     except (ValueError, AttributeError):
         run_dir = ""
     return [os.path.dirname(run_dir.rstrip(os.sep))] if run_dir else []  # the job's folder: every run of it
+
+
+def host_arguments(given: Sequence[Mapping[str, Any]], payloads: Sequence[bytes], args: int) -> dict[int, Any]:
+    """The small host arguments a ``call`` carries, by argument index (numpy arrays over its payloads).
+
+    Raises:
+        ValueError: what does not fit: an index outside the program's ``args`` arguments or given twice, a
+            payload count or size that differs from what the header declares.
+    """
+    import numpy as np
+
+    if len(given) != len(payloads):
+        raise ValueError(f"a call declares {len(given)} host arguments and carries {len(payloads)} payloads")
+    out: dict[int, Any] = {}
+    for g, p in zip(given, payloads, strict=True):
+        i = int(g["arg"])
+        if not 0 <= i < args or i in out:
+            raise ValueError(f"host argument {i} refused: the program takes {args} arguments, each given once")
+        dtype, shape = np.dtype(str(g["dtype"])), tuple(int(x) for x in g["shape"])
+        if dtype.hasobject or len(p) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"host argument {i}: {len(p)} bytes do not hold a {dtype} array of shape {shape}")
+        out[i] = np.frombuffer(p, dtype=dtype).reshape(shape)
+    return out
