@@ -23,7 +23,7 @@ from rallypoint.workers.checkpoints.checksums import SHARDED, read_listing
 from rallypoint.workers.gang.lead import GangExecutable, GangSlice, GroupSharding, GroupValue
 from rallypoint.workers.gang.checkpoint import GangSteps, restore_on_gang
 from rallypoint.workers.programs import load_exported
-from rallypoint.workers.gang.group import MAX_AHEAD, GroupError, GroupLost, SliceGroup
+from rallypoint.workers.gang.group import GroupError, GroupLost, SliceGroup
 from tests.helpers.slice_group import W0, WIDTH, all_gone, batch_at, run_steps, setup_group, train_step_bytes
 
 pytestmark = pytest.mark.processes
@@ -115,66 +115,36 @@ def _checkpoint_of_a_sharded_value(group: SliceGroup, x: np.ndarray, root: Path)
                         {"x": [GroupSharding(gang, {"mesh": "m", "spec": ["d"]})]})
 
 
-def test_an_instance_on_a_gang_is_one_request_sent_ahead_carrying_its_small_arguments_and_bringing_back_its_metric(
+def test_an_instance_on_a_gang_is_one_request_carrying_its_small_arguments_and_bringing_back_its_metric(
     program: bytes, group: SliceGroup,
 ) -> None:
     """The batch (512 bytes a leaf) travels in the call and the loss (a scalar) comes back in its answer: one
-    request an instance, where a put per host argument and a fetch per metric made four. After the first call
-    the lead does not wait for the answer: steps run back to back on the members, and the answers are read
-    when a loss is. The states and losses are bitwise those of the explicit put, call and fetch."""
+    group round trip a step, where a put per host argument and a fetch per metric took four. The states and
+    losses are bitwise those of the explicit put, call and fetch."""
     gang = GangSlice("s", group, [4], ["d"])
     step = GangExecutable(program, gang)
-    sent: list[str] = []
-    send = group.members[0].send
+    requests: list[str] = []
+    send = group.request
 
     def counted(header, *args, **kwargs):  # type: ignore[no-untyped-def]
-        sent.append(header["op"])
+        requests.append(header["op"])
         return send(header, *args, **kwargs)
 
-    group.members[0].send = counted  # type: ignore[method-assign]
+    group.request = counted  # type: ignore[method-assign]
     w = gang.put(W0, {"mesh": "m", "spec": []})
-    losses = []
-    for s in range(STEPS):
-        sent.clear()
-        w, loss = step(w, *batch_at(s))
-        assert sent == ["call"], sent
-        losses.append(loss)
-    assert group.unread == STEPS - 1  # the first call (it compiles) was answered; the others are ahead
-    assert [float(np.asarray(x)) for x in losses] and sent == ["call"], "reading a loss asked the members again"
-    assert group.unread == 0
-    explicit: list[float] = []
     group.put("w_explicit", W0, "m", [])
-    for s in range(STEPS):
+    for s in range(3):
         x, y = batch_at(s)
+        requests.clear()
+        w, loss = step(w, x, y)
+        assert requests == ["call"], requests
+        assert np.asarray(loss).shape == () and requests == ["call"], "the loss was fetched in a request of its own"
         group.put("x", x, "m", ["d"])
         group.put("y", y, "m", ["d"])
         group.request({"op": "call", "prog": step.prog, "args": ["w_explicit", "x", "y"],
                        "outs": ["w_explicit", "loss_explicit"]})
-        explicit.append(group.fetch("loss_explicit"))
-    assert [np.asarray(x).tobytes() for x in losses] == [x.tobytes() for x in explicit]
+        assert np.asarray(loss).tobytes() == group.fetch("loss_explicit").tobytes(), s
     assert np.array_equal(np.asarray(w), group.fetch("w_explicit"))
-
-
-def test_a_call_sent_ahead_that_a_member_refuses_fails_the_next_call_and_a_group_lost_meanwhile_says_so(
-    program: bytes, group: SliceGroup,
-) -> None:
-    gang = GangSlice("s", group, [4], ["d"])
-    step = GangExecutable(program, gang)
-    w = gang.put(W0, {"mesh": "m", "spec": []})
-    w, loss = step(w, *batch_at(0))  # compiled, answered
-    bad = GroupValue(gang, "no-such-value", np.dtype(np.float32), (WIDTH, WIDTH))
-    step(bad, *batch_at(1))  # sent ahead: the members refuse it, nobody is waiting
-    _, loss = step(w, *batch_at(2))
-    with pytest.raises(GroupError, match="refused 'call' of program .*no-such-value"):
-        np.asarray(loss)  # the first wait reports the refusal
-    w, loss = step(w, *batch_at(2))  # once: the group goes on
-    assert np.isfinite(float(np.asarray(loss)))
-    for s in range(3, 3 + 2 * MAX_AHEAD):
-        w, loss = step(w, *batch_at(s))
-    assert group.unread <= MAX_AHEAD
-    os.kill(group.members[1].pid, signal.SIGKILL)
-    with pytest.raises(GroupLost, match="member 1"):
-        np.asarray(step(w, *batch_at(99))[1])
 
 
 def test_a_killed_member_loses_the_group_and_abort_stops_the_survivor_at_once(program: bytes, group: SliceGroup) -> None:

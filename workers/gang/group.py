@@ -32,14 +32,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 from rallypoint.basics.errors import RallypointError
-from rallypoint.workers.gang.answers import Sent, blame, call_answer, request_name
 from rallypoint.workers.gang.member import read_frame, write_frame
 
 INIT_TIMEOUT_S = 30
@@ -48,8 +46,6 @@ HEARTBEAT_S = 10
 """JAX's coordination-service heartbeat timeout: the bound on a survivor nobody stopped."""
 REQUEST_TIMEOUT_S = 120.0
 """A request not answered within this is a lost member (hung or partitioned)."""
-MAX_AHEAD = 8
-"""Calls sent ahead of their answers at most (:meth:`SliceGroup.call_ahead`): the members' queues stay short."""
 STOP_WAIT_S = 5.0
 
 
@@ -160,10 +156,6 @@ class MemberProcess:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def gone(self) -> str:
-        """Why it ended ("": it runs)."""
-        return "" if self.alive() else self._ended() or "it ended"
-
     def kill(self) -> None:
         """SIGKILL by its pid (a stopped process dies too) and reap it."""
         if self._proc.poll() is None:
@@ -207,18 +199,12 @@ class Member(Protocol):
 
     def send(self, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None: ...
     def receive(self, deadline: float, what: str) -> tuple[dict[str, Any], list[bytes]]: ...
-    def gone(self) -> str: ...
     def kill(self) -> None: ...
     def stop(self) -> None: ...
 
 
 class SliceGroup:
-    """The members of one slice's group, driven in lockstep (member ``i`` is process ``i``).
-
-    Every request goes to every member in the same order; its answers are read in that order too, before those
-    of any request sent after it. A call may be sent ahead of its answer (:meth:`call_ahead`): the members run
-    the slice's programs back to back while the lead goes on, and the lead waits only where it needs a value.
-    """
+    """The members of one slice's group, driven in lockstep (member ``i`` is process ``i``)."""
 
     def __init__(self, members: Sequence[Member], *, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.members: list[Member] = list(members)
@@ -226,9 +212,6 @@ class SliceGroup:
         self._where: dict[str, list[list[Any]]] = {}
         self._lock = threading.RLock()  # one request at a time: every member must see them in the same order
         self._free: list[str] = []  # values let go of, dropped on the members with the next request
-        self._sent: deque[Sent] = deque()  # requests whose answers are not read yet, in order
-        self._refused: GroupError | None = None  # a call sent ahead that a member refused, not yet reported
-        self.out_avals: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # loaded program -> its outputs'
         self.formed_s = 0.0
 
     @classmethod
@@ -276,49 +259,18 @@ class SliceGroup:
         """Send ``header`` (with member ``i``'s ``extra[i]`` fields and ``payloads[i]``) to every member, then read
         every answer: each member blocks in the program's collectives until all have entered it."""
         with self._lock:
-            sent = self._send(header, payloads, extra, timeout_s)
-            self._settle(sent)
-        if sent.error is not None:
-            raise sent.error
-        assert sent.answers is not None
-        return sent.answers
-
-    @property
-    def unread(self) -> int:
-        """Requests sent whose answers are not read yet (calls sent ahead)."""
-        return len(self._sent)
-
-    def _send(self, header: dict[str, Any], payloads: Sequence[Sequence[Any]] | None,
-              extra: Sequence[dict[str, Any]] | None, timeout_s: float | None, *, ahead: bool = False) -> Sent:
-        """Send a request to every member (under the lock); its answers are read by :meth:`_settle`."""
-        if self._free:
-            header, self._free = dict(header, free=self._free), []
-        for i, m in enumerate(self.members):
-            m.send(dict(header, **(extra[i] if extra is not None else {})), payloads[i] if payloads is not None else ())
-        sent = Sent(request_name(header), time.monotonic() + (self.request_timeout_s if timeout_s is None else timeout_s), ahead)
-        self._sent.append(sent)
-        return sent
-
-    def _settle(self, upto: Sent) -> None:
-        """Read the answers of every request sent up to ``upto``, in order (under the lock). A member lost raises
-        :class:`GroupLost`; a request refused keeps its error (a call sent ahead's is reported by the next one)."""
-        while upto.answers is None:
-            sent = self._sent[0]
-            try:
-                answers = [m.receive(sent.deadline, sent.what) for m in self.members]
-            except GroupLost as lost:
-                other = blame(self.members, lost.member, lost.reason)
-                if other is None:
-                    raise
-                raise GroupLost(other[0], other[1], worker=self.members[other[0]].worker) from None
-            self._sent.popleft()
-            sent.answers = answers
-            errors = [(m.index, h["error"]) for m, (h, _) in zip(self.members, answers, strict=True) if "error" in h]
-            if errors:
-                sent.error = GroupError(f"the slice's group refused {sent.what}: member {errors[0][0]}: "
-                                        f"{errors[0][1]}")
-                if sent.ahead and self._refused is None:
-                    self._refused = sent.error
+            if self._free:
+                header, self._free = dict(header, free=self._free), []
+            for i, m in enumerate(self.members):
+                m.send(dict(header, **(extra[i] if extra is not None else {})),
+                       payloads[i] if payloads is not None else ())
+            deadline = time.monotonic() + (self.request_timeout_s if timeout_s is None else timeout_s)
+            answers = [m.receive(deadline, f"{header['op']!r}") for m in self.members]
+        errors = [(m.index, h["error"]) for m, (h, _) in zip(self.members, answers, strict=True) if "error" in h]
+        if errors:
+            what = f"value {header['value']!r}" if "value" in header else repr(header["op"])
+            raise GroupError(f"the slice's group refused {what}: member {errors[0][0]}: {errors[0][1]}")
+        return answers
 
     def release(self, value: str) -> None:
         """``value`` is no longer needed: the members drop it with the next request (any thread)."""
@@ -330,8 +282,6 @@ class SliceGroup:
     def load(self, prog: str, exported: bytes, mesh: str) -> tuple[int, int]:
         """Load an exported program on every member for ``mesh``; how many arguments it takes and gives."""
         h, _ = self.request({"op": "load", "prog": prog, "mesh": mesh}, [[exported]] * len(self.members))[0]
-        if "avals" in h:  # each output's dtype and shape, as exported: a call sent ahead names its outputs by them
-            self.out_avals[prog] = [(d, tuple(s)) for d, s in h["avals"]]
         return int(h["ins"]), int(h["outs"])
 
     def where(self, layout: dict[str, Any], shape: Sequence[int], value: str = "") -> list[list[list[list[int]]]]:
@@ -366,43 +316,15 @@ class SliceGroup:
         each member lays out as the program takes it. Returns the outputs' dtypes and shapes, and the value of
         each scalar output by index (each member holds all of one: the first member's is sent back).
         """
-        header, given = self._call(prog, args, outs, host)
-        return call_answer(self.request(header, given)[0])
-
-    def call_ahead(self, prog: str, args: Sequence[str | None], outs: Sequence[str], *,
-                   host: Mapping[int, np.ndarray] | None = None,
-                   ) -> Callable[[], tuple[list[tuple[str, tuple[int, ...]]], dict[int, np.ndarray]]]:
-        """:meth:`call`, sent without waiting for its answer: the function returned waits for it (and for every
-        request sent before it) and gives what :meth:`call` does. A member's refusal of a call sent ahead (an error
-        in its program) is raised once, by the first of them to see it: that function, or the next call sent
-        ahead. At most :data:`MAX_AHEAD` requests wait unread."""
-        header, given = self._call(prog, args, outs, host)
-        with self._lock:
-            if self._refused is not None:
-                refused, self._refused = self._refused, None
-                raise refused
-            while len(self._sent) >= MAX_AHEAD:
-                self._settle(self._sent[0])
-            sent = self._send(header, given, None, None, ahead=True)
-
-        def answer() -> tuple[list[tuple[str, tuple[int, ...]]], dict[int, np.ndarray]]:
-            with self._lock:
-                self._settle(sent)
-                refused, self._refused = self._refused, None
-            if refused is not None:  # this call's, or an earlier one's whose outputs it may have read: the first
-                raise refused
-            assert sent.answers is not None and sent.error is None
-            return call_answer(sent.answers[0])
-        return answer
-
-    def _call(self, prog: str, args: Sequence[str | None], outs: Sequence[str],
-              host: Mapping[int, np.ndarray] | None) -> tuple[dict[str, Any], list[list[np.ndarray]] | None]:
         host = dict(host or {})
         given = [_contiguous(host[i]) for i in sorted(host)]
         header = {"op": "call", "prog": prog, "args": list(args), "outs": list(outs), "scalars": True,
-                  "host": [{"arg": i, "dtype": a.dtype.str, "shape": list(a.shape)}
-                           for i, a in zip(sorted(host), given, strict=True)]}
-        return header, [given] * len(self.members) if given else None
+                  "host": [{"arg": i, "dtype": a.dtype.str, "shape": list(a.shape)} for i, a in zip(sorted(host), given)]}
+        h, data = self.request(header, [given] * len(self.members) if given else None)[0]
+        avals = [(d, tuple(s)) for d, s in h["avals"]]
+        scalars = {int(i): np.frombuffer(b, dtype=np.dtype(avals[int(i)][0])).reshape(()).copy()
+                   for i, b in zip(h.get("scalars", ()), data, strict=True)}
+        return avals, scalars
 
     def shards(self, value: str) -> tuple[list[list[tuple[list[list[int]], np.ndarray]]], np.dtype, tuple[int, ...]]:
         """Per member, the shards of ``value`` it holds (each index once) as host arrays; its dtype and shape."""
@@ -461,9 +383,6 @@ class SliceGroup:
     def close(self) -> None:
         """End the group cleanly (every member leaves together), or abort it."""
         try:
-            with self._lock:
-                if self._sent:  # calls sent ahead: their answers come before the exit's
-                    self._settle(self._sent[-1])
             for m in self.members:
                 m.send({"op": "exit"})
             deadline = time.monotonic() + STOP_WAIT_S

@@ -30,18 +30,17 @@ A member lost (its worker killed, hung or cut off) raises
 from __future__ import annotations
 
 import base64
-import functools
 import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from rallypoint.proto import rallypoint_pb2 as pb
-from rallypoint.workers.gang.group import GroupError, SliceGroup
+from rallypoint.workers.gang.group import SliceGroup
 
 MESH = "m"  # the slice's global mesh on its members
 
@@ -145,11 +144,9 @@ class GroupValue:
     __slots__ = ("gang", "name", "dtype", "shape", "host", "__weakref__")
 
     def __init__(self, gang: GangSlice, name: str, dtype: np.dtype, shape: tuple[int, ...],
-                 host: np.ndarray | Callable[[], np.ndarray] | None = None) -> None:
+                 host: np.ndarray | None = None) -> None:
         self.gang, self.name, self.dtype, self.shape = gang, name, dtype, shape
-        # its value, when the call that made it sends it back (a scalar: a metric, say); a function while that
-        # call's answer is not read yet (sent ahead)
-        self.host = host
+        self.host = host  # its value, when the call that made it sent it back (a scalar: a metric, say)
         weakref.finalize(self, gang.group.release, name)
 
     @property
@@ -165,8 +162,6 @@ class GroupValue:
         return self.size * self.dtype.itemsize
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        if callable(self.host):
-            self.host = self.host()
         a = self.host if self.host is not None else self.gang.fetch(self)
         return a if dtype is None else a.astype(dtype)
 
@@ -206,21 +201,6 @@ class GroupSharding:
         return v
 
 
-class _Answer:
-    """The answer of a call sent ahead, read once: when one of its scalar outputs is first needed here."""
-
-    def __init__(self, read: Callable[[], tuple[list[Any], dict[int, np.ndarray]]], declared: list[Any]) -> None:
-        self._read, self._declared = read, declared
-        self._scalars: dict[int, np.ndarray] | None = None
-
-    def scalar(self, i: int) -> np.ndarray:
-        if self._scalars is None:
-            avals, self._scalars = self._read()
-            if avals != self._declared:  # the names sent ahead stood for other values: no result here is safe
-                raise GroupError(f"the program's outputs are {avals}, its export declared {self._declared}")
-        return self._scalars[i]
-
-
 class GangExecutable:
     """A node's (or a state init's) exported program on every member of a multi-host slice."""
 
@@ -245,11 +225,7 @@ class GangExecutable:
 
     def __call__(self, *args: Any) -> list[GroupValue]:
         """One request to the members: the small host arguments (the step, a small value received here) travel in
-        it, and the scalar outputs (the metrics) come back in its answer; a larger host argument goes on first.
-
-        After the first call (which compiles, and is timed), the call is sent ahead of its answer: the outputs are
-        named and shaped as the program's export declares, the members run it after the requests before it, and
-        the answer is read only where a value is needed here (a metric, or a request that waits)."""
+        it, and the scalar outputs (the metrics) come back in its answer; a larger host argument goes on first."""
         from rallypoint.workers.residency import SMALL_VALUE_BYTES
 
         t0 = time.perf_counter()
@@ -262,19 +238,14 @@ class GangExecutable:
             else:  # the runtime placed it already (residency.place), or it is too large to travel in the call
                 placed.append(s.place_leaf(a, None, "transfer", ""))
         outs = [self.gang.fresh() for _ in self.out_shardings]
-        names = [v.name if v is not None else None for v in placed]
-        declared = self.gang.group.out_avals.get(self.prog)
-        if not self.source or declared is None:
-            avals, scalars = self.gang.group.call(self.prog, names, outs, host=host)
-            got: list[Any] = [scalars.get(i) for i in range(len(outs))]
-            if not self.source:
-                self.source, self.compile_s = "compiled", time.perf_counter() - t0
-        else:
-            avals, answer = declared, _Answer(self.gang.group.call_ahead(self.prog, names, outs, host=host), declared)
-            got = [functools.partial(answer.scalar, i) if not shape else None for i, (_, shape) in enumerate(avals)]
+        avals, scalars = self.gang.group.call(self.prog, [v.name if v is not None else None for v in placed], outs,
+                                              host=host)
         del placed
-        return [GroupValue(self.gang, name, np.dtype(d), shape, got[i])
-                for i, (name, (d, shape)) in enumerate(zip(outs, avals, strict=True))]
+        result = [GroupValue(self.gang, name, np.dtype(d), shape, scalars.get(i))
+                  for i, (name, (d, shape)) in enumerate(zip(outs, avals, strict=True))]
+        if not self.source:
+            self.source, self.compile_s = "compiled", time.perf_counter() - t0
+        return result
 
     def first_report(self) -> tuple[str, float] | None:
         if self._reported or not self.source:

@@ -378,10 +378,6 @@ class RemoteMember:
             raise GroupLost(self.index, f"on worker {self.worker}: {self._ended}", worker=self.worker)
         return frame
 
-    def gone(self) -> str:
-        """Why its call ended ("": it runs, as far as this side knows)."""
-        return f"on worker {self.worker}: {self._ended}" if self._ended else ""
-
     def kill(self) -> None:
         """End the call: the member's worker kills the process."""
         self._call.cancel()
