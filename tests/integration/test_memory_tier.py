@@ -15,8 +15,9 @@ import pytest
 from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.commands.faults import Fault
 from rallypoint.cluster.local import LocalCluster
+from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.faults import WorkerFaults
-from tests.conftest import read_events
+from tests.conftest import read_events, wait_until
 from tests.helpers.cluster import run
 
 VICTIM, KILL_AT = "stage2", 13
@@ -33,7 +34,20 @@ def test_a_killed_stage_restores_from_peer_memory_or_falls_back_to_disk_and_ends
     compiled, reference = pipeline
     lc = local_cluster(workers=4, spares=1, devices_per_worker=1, coordinators=1,
                        worker_faults=WorkerFaults(corrupt_replicas=corrupt))
-    result, injector = run(lc, compiled, [Fault(VICTIM, VICTIM, KILL_AT)])
+
+    def copy_pushed(ev: pb.JobEvent) -> None:
+        """Before the kill, the victim's copy of its newest commit is with its peer: the kill then always finds one
+        to restore (or, corrupted, to refuse). On a loaded host the kill came between a commit and its copy's push,
+        and the restore read the disk having found no copy at all (CI: "the corrupt copy was not reported")."""
+        def newest(event: str) -> int:
+            return max((e["step"] for p in lc.processes if p.role == "worker" for e in read_events(p.log, event)
+                        if e.get("slice") == VICTIM), default=0)
+
+        if ev.event == "step.done" and ev.step == KILL_AT - 2:  # the injector fires at the next one
+            wait_until(lambda: 0 < newest("checkpoint.committed") == newest("replica.pushed"), 30,
+                       f"{VICTIM}'s copy of its newest commit pushed")
+
+    result, injector = run(lc, compiled, [Fault(VICTIM, VICTIM, KILL_AT)], on_event=copy_pushed)
     assert result.state_digest == reference
     (r,) = result.recovery["recoveries"]
     tier = "disk" if corrupt else "memory"

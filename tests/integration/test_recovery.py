@@ -25,6 +25,9 @@ from rallypoint.client.compile import CompiledProgram
 from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client import submission as submit_module
 from rallypoint.client.submission import JobError, submit
+from rallypoint.basics.clock import SystemClock
+from rallypoint.basics.errors import StoreError
+from rallypoint.basics.retry import retrying
 from rallypoint.etcd.commits import consistent_cut, read_commits
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -241,20 +244,20 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
         # or 15 where the job ran ahead), its stage2 checkpoint fails its checksum.
         if ev.event == "step.done" and ev.step == 11 and not corrupted:
             deadline = time.monotonic() + 20
-            while True:
-                store = lc.store()
-                try:
-                    commits = read_commits(store, lc.keys, compiled.program.name)
-                finally:
-                    store.close()
-                if consistent_cut(commits, SLICES) >= 10 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-            injector = injector_box[0]
-            os.kill(lc.process(injector.placement["stage2"]).pid, signal.SIGSTOP)
-            store = lc.store()
+            store = lc.store()  # one connection for the polls: a TLS handshake each 20 ms failed on a loaded host
             try:
-                commits = read_commits(store, lc.keys, compiled.program.name)
+                while True:
+                    try:
+                        commits = read_commits(store, lc.keys, compiled.program.name)
+                    except StoreError:
+                        commits = {}  # etcd busy: ask again
+                    if consistent_cut(commits, SLICES) >= 10 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+                injector = injector_box[0]
+                os.kill(lc.process(injector.placement["stage2"]).pid, signal.SIGSTOP)
+                commits = retrying(clock=SystemClock(), what="reading the commits", stop_after_s=10.0)(
+                    read_commits, store, lc.keys, compiled.program.name)
             finally:
                 store.close()
             # Every save of stage2 at or past step 10 that is finalized on disk: a commit follows its save's
