@@ -103,7 +103,9 @@ class LocalCluster:
     @classmethod
     def start(cls, config: LocalClusterConfig, *, wait_s: float = 90.0,
               worker_network: WorkerNetworkHook | None = None) -> LocalCluster:
-        """Start etcd, coordinators and workers; return once every worker is registered.
+        """Start etcd, coordinators and workers; return once every worker is registered and a coordinator leads
+        (workers forked from the zygote come up before the coordinators, which import more: a cluster returned
+        without a leader showed no coordinator to a scrape or a ``rallypoint workers`` at once).
 
         Args:
             worker_network: places each worker on the network; required unless
@@ -159,7 +161,10 @@ class LocalCluster:
             for i in range(config.workers + config.spares):
                 cluster.spawn("worker", f"w{i}")
             cluster.save()
+            deadline = time.monotonic() + wait_s
             cluster.wait_for_workers(config.workers + config.spares, timeout_s=wait_s)
+            if config.coordinators:
+                cluster.wait_for_leader(timeout_s=max(deadline - time.monotonic(), 1.0))
         except BaseException:
             cluster.stop()
             raise
@@ -354,6 +359,27 @@ class LocalCluster:
                     why = f"{', '.join(p.name for p in dead)} exited" if dead else f"timed out after {timeout_s}s"
                     raise RallypointError(f"local cluster did not come up: {why}\n{tails}")
                 time.sleep(0.2)
+        finally:
+            store.close()
+
+    def wait_for_leader(self, *, timeout_s: float = 60.0) -> None:
+        """Wait until a coordinator leads; fail with the coordinators' logs' tails if none does in time."""
+        deadline = time.monotonic() + timeout_s
+        store = self.store()
+        try:
+            while True:
+                try:
+                    if store.get(self.keys.leader) is not None:
+                        return
+                except StoreError:
+                    pass
+                dead = [p for p in self.supervisor.exited() if p.role == "coordinator"]
+                if (dead and len(dead) == self.config.coordinators) or time.monotonic() > deadline:
+                    tails = "\n".join(f"--- {p.name} ({p.log})\n{log_tail(p.log)}" for p in self.processes
+                                      if p.role == "coordinator")
+                    why = "every coordinator exited" if dead else f"no coordinator led within {timeout_s:.0f}s"
+                    raise RallypointError(f"local cluster did not come up: {why}\n{tails}")
+                time.sleep(0.05)
         finally:
             store.close()
 

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from rallypoint.basics.errors import RallypointError
 from rallypoint.cluster.local import LocalCluster, is_running, stop_process
 from tests.conftest import wait_until
 
@@ -54,3 +59,28 @@ def test_without_a_zygote_or_once_it_is_gone_a_worker_is_a_fresh_process_of_the_
 def _logged(log: str, event: str) -> str:
     text = Path(log).read_text(errors="replace")
     return text if event in text else ""
+
+
+def test_a_cluster_returns_from_its_start_with_a_leader_and_waits_for_one_that_lags(
+        local_cluster: Callable[..., LocalCluster]) -> None:
+    """Workers forked from the zygote come up before the coordinators (which import more): the start waits for a
+    leader too. (CI's test_metrics scraped a cluster just started and found no coordinator.)"""
+    lc = local_cluster(workers=1, spares=0, coordinators=1, lease_ttl_s=2)
+    store = lc.store()
+    try:
+        assert store.get(lc.keys.leader) is not None, "the start returned before any coordinator led"
+        (c,) = [p for p in lc.processes if p.role == "coordinator"]
+        os.kill(c.pid, signal.SIGSTOP)  # its lease expires: no leader until it runs again
+        try:
+            wait_until(lambda: store.get(lc.keys.leader) is None, 15, "the frozen leader's key to expire")
+        finally:
+            threading.Timer(1.0, os.kill, (c.pid, signal.SIGCONT)).start()
+        t0 = time.monotonic()
+        lc.wait_for_leader(timeout_s=30)
+        assert store.get(lc.keys.leader) is not None and time.monotonic() - t0 >= 0.5
+        lc.signal(c.name, signal.SIGKILL)  # every coordinator gone: said at once, with its log
+        wait_until(lambda: store.get(lc.keys.leader) is None, 15, "the killed leader's key to expire")
+        with pytest.raises(RallypointError, match="every coordinator exited"):
+            lc.wait_for_leader(timeout_s=30)
+    finally:
+        store.close()
