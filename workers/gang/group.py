@@ -319,7 +319,8 @@ class SliceGroup:
         host = dict(host or {})
         given = [_contiguous(host[i]) for i in sorted(host)]
         header = {"op": "call", "prog": prog, "args": list(args), "outs": list(outs), "scalars": True,
-                  "host": [{"arg": i, "dtype": a.dtype.str, "shape": list(a.shape)} for i, a in zip(sorted(host), given)]}
+                  "host": [{"arg": i, "dtype": a.dtype.str, "shape": list(a.shape)}
+                           for i, a in zip(sorted(host), given, strict=True)]}
         h, data = self.request(header, [given] * len(self.members) if given else None)[0]
         avals = [(d, tuple(s)) for d, s in h["avals"]]
         scalars = {int(i): np.frombuffer(b, dtype=np.dtype(avals[int(i)][0])).reshape(()).copy()
