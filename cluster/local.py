@@ -41,6 +41,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -343,43 +344,47 @@ class LocalCluster:
 
     def wait_for_workers(self, count: int, *, timeout_s: float = 60.0) -> ClusterSnapshot:
         """Wait until ``count`` workers are registered; fail with their logs' tails if not."""
-        deadline = time.monotonic() + timeout_s
-        store = self.store()
-        try:
-            while True:
-                try:
-                    snap = read_cluster(store, self.keys)
-                    if len(snap.workers) >= count:
-                        return snap
-                except StoreError:
-                    pass
-                dead = self.supervisor.exited()
-                if dead or time.monotonic() > deadline:
-                    tails = "\n".join(f"--- {p.name} ({p.log})\n{log_tail(p.log)}" for p in (dead or self.processes))
-                    why = f"{', '.join(p.name for p in dead)} exited" if dead else f"timed out after {timeout_s}s"
-                    raise RallypointError(f"local cluster did not come up: {why}\n{tails}")
-                time.sleep(0.2)
-        finally:
-            store.close()
+        def registered(store: EtcdStore) -> ClusterSnapshot | None:
+            snap = read_cluster(store, self.keys)
+            return snap if len(snap.workers) >= count else None
+
+        def exited(dead: list[ProcessRecord]) -> tuple[list[ProcessRecord], str]:
+            return dead, f"{', '.join(p.name for p in dead)} exited"
+
+        return self._wait_up(registered, timeout_s=timeout_s, late=f"timed out after {timeout_s}s", lost=exited,
+                             interval_s=0.2)
 
     def wait_for_leader(self, *, timeout_s: float = 60.0) -> None:
         """Wait until a coordinator leads; fail with the coordinators' logs' tails if none does in time."""
+        def all_exited(dead: list[ProcessRecord]) -> tuple[list[ProcessRecord], str]:
+            gone = [p for p in dead if p.role == "coordinator"]
+            return (gone, "every coordinator exited") if len(gone) == self.config.coordinators else ([], "")
+
+        self._wait_up(lambda store: store.get(self.keys.leader), timeout_s=timeout_s,
+                      late=f"no coordinator led within {timeout_s:.0f}s", lost=all_exited, interval_s=0.05,
+                      shown=lambda p: p.role == "coordinator")
+
+    def _wait_up(self, ready: Callable[[EtcdStore], Any], *, timeout_s: float, late: str,
+                 lost: Callable[[list[ProcessRecord]], tuple[list[ProcessRecord], str]], interval_s: float,
+                 shown: Callable[[ProcessRecord], bool] = lambda p: True) -> Any:
+        """Poll ``ready`` until it answers (not None; a busy etcd is asked again). Fail, with the logs' tails, once
+        ``lost`` finds among the exited processes the ones whose loss means it cannot come (and why), or at the
+        deadline (``late``: why; the tails of the processes ``shown`` picks)."""
         deadline = time.monotonic() + timeout_s
         store = self.store()
         try:
             while True:
                 try:
-                    if store.get(self.keys.leader) is not None:
-                        return
+                    if (got := ready(store)) is not None:
+                        return got
                 except StoreError:
                     pass
-                dead = [p for p in self.supervisor.exited() if p.role == "coordinator"]
-                if (dead and len(dead) == self.config.coordinators) or time.monotonic() > deadline:
-                    tails = "\n".join(f"--- {p.name} ({p.log})\n{log_tail(p.log)}" for p in self.processes
-                                      if p.role == "coordinator")
-                    why = "every coordinator exited" if dead else f"no coordinator led within {timeout_s:.0f}s"
-                    raise RallypointError(f"local cluster did not come up: {why}\n{tails}")
-                time.sleep(0.05)
+                dead, why = lost(self.supervisor.exited())
+                if dead or time.monotonic() > deadline:
+                    tails = "\n".join(f"--- {p.name} ({p.log})\n{log_tail(p.log)}"
+                                      for p in (dead or [p for p in self.processes if shown(p)]))
+                    raise RallypointError(f"local cluster did not come up: {why if dead else late}\n{tails}")
+                time.sleep(interval_s)
         finally:
             store.close()
 

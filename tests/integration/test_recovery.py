@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from rallypoint.basics.retry import retrying
 from rallypoint.etcd.commits import consistent_cut, read_commits
 from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
 from rallypoint.proto import rallypoint_pb2 as pb
-from tests.conftest import stop_cluster
+from tests.conftest import stop_cluster, wait_until
 from tests.examples import example
 from rallypoint.etcd.commits import CheckpointCommit
 from rallypoint.workers.checkpoints.checksums import commit_binding, state_checksum
@@ -243,17 +242,16 @@ def test_a_corrupt_checkpoint_at_the_cut_is_reported_and_an_older_cut_is_used(
         # commit of stage2 at or past 10 is damaged, and the worker is killed: whatever the cut is by then (10,
         # or 15 where the job ran ahead), its stage2 checkpoint fails its checksum.
         if ev.event == "step.done" and ev.step == 11 and not corrupted:
-            deadline = time.monotonic() + 20
             store = lc.store()  # one connection for the polls: a TLS handshake each 20 ms failed on a loaded host
+
+            def cut_reached() -> bool:
+                try:
+                    return consistent_cut(read_commits(store, lc.keys, compiled.program.name), SLICES) >= 10
+                except StoreError:
+                    return False  # etcd busy: ask again
+
             try:
-                while True:
-                    try:
-                        commits = read_commits(store, lc.keys, compiled.program.name)
-                    except StoreError:
-                        commits = {}  # etcd busy: ask again
-                    if consistent_cut(commits, SLICES) >= 10 or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.02)
+                wait_until(cut_reached, 20, "every slice's commit at step 10", interval_s=0.02)
                 injector = injector_box[0]
                 os.kill(lc.process(injector.placement["stage2"]).pid, signal.SIGSTOP)
                 commits = retrying(clock=SystemClock(), what="reading the commits", stop_after_s=10.0)(

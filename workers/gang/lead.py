@@ -226,17 +226,16 @@ class GangExecutable:
     def __call__(self, *args: Any) -> list[GroupValue]:
         """One request to the members: the small host arguments (the step, a small value received here) travel in
         it, and the scalar outputs (the metrics) come back in its answer; a larger host argument goes on first."""
-        from rallypoint.workers.residency import SMALL_VALUE_BYTES
-
         t0 = time.perf_counter()
         placed: list[GroupValue | None] = []  # held until the call is sent: a value let go of is freed with it
         host: dict[int, np.ndarray] = {}
         for i, (a, s) in enumerate(zip(args, self.in_shardings, strict=True)):
-            if not isinstance(a, GroupValue) and s.whole and (h := np.asarray(a)).nbytes < SMALL_VALUE_BYTES:
-                host[i] = h
+            v = s.place_leaf(a, None, "transfer", "call")  # a small host value is left here: it goes in the call
+            if isinstance(v, GroupValue):
+                placed.append(v)
+            else:
+                host[i] = np.asarray(v)
                 placed.append(None)
-            else:  # the runtime placed it already (residency.place), or it is too large to travel in the call
-                placed.append(s.place_leaf(a, None, "transfer", ""))
         outs = [self.gang.fresh() for _ in self.out_shardings]
         avals, scalars = self.gang.group.call(self.prog, [v.name if v is not None else None for v in placed], outs,
                                               host=host)
