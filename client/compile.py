@@ -72,6 +72,7 @@ class CompiledNode:
     platforms: tuple[str, ...] = ()  # what it was lowered for (jax.export names: cpu, cuda, rocm, tpu)
     host: tuple[str, str] | None = None  # a host source: (its job file's path, the module-level name of fn)
     prefetch: int = 0  # a host source: instances read ahead (0: the default)
+    clock: bool = False  # a source given the step itself, never a skip's position (recovery/skips.py)
 
     def flatten_inputs(self, args: Sequence[Any]) -> list[Any]:
         """Input pytrees (in ``input_names`` order) -> the flat leaves the exported program takes."""
@@ -410,7 +411,7 @@ def compile_program(program: Program, *, platforms: Sequence[str] | None = None)
             inputs=dict(node.inputs), outputs=node.outputs, updates=dict(node.updates), is_source=node.is_source,
             exported=bytes(exported.serialize()), out_avals=out_avals[name], in_trees=in_trees, out_trees=out_trees,
             variants=variants, platforms=tuple(exported.platforms),
-            host=host_entry(node) if node.host else None, prefetch=node.prefetch,
+            host=host_entry(node) if node.host else None, prefetch=node.prefetch, clock=node.clock,
         )
     for mname, ref in program.metrics.items():
         aval = out_avals[ref.node][ref.output]

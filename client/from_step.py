@@ -251,11 +251,11 @@ def _clock(prog: Any, sl: str, extras: tuple[str, ...], made: dict[str, Any], *,
         return {}
     if not per_microbatch:
         if CLOCK not in made:
-            made[CLOCK] = prog.source(CLOCK, _step_number, slice=sl, per="step", outputs=("step",))
+            made[CLOCK] = prog.source(CLOCK, _step_number, slice=sl, per="step", outputs=("step",), clock=True)
         return {"clock.step": made[CLOCK]["step"]}
     if CLOCK_MB not in made:
         made[CLOCK_MB] = prog.source(CLOCK_MB, _step_and_microbatch, slice=sl, per="microbatch",
-                                     outputs=("step", "microbatch"))
+                                     outputs=("step", "microbatch"), clock=True)
     return {"clock.step": made[CLOCK_MB]["step"], "clock.microbatch": made[CLOCK_MB]["microbatch"]}
 
 

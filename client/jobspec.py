@@ -12,6 +12,7 @@ from rallypoint.client.program import Gathered, ProgramError, Ref, StateRef
 from rallypoint.client.trees import skeleton
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto.digest import structure
+from rallypoint.recovery.spikes import SPIKE_FIELDS
 from rallypoint.workers.checkpoints.pretrained import encode_keys
 
 
@@ -19,7 +20,7 @@ RECOVERY_FIELDS = ("policy", "on_no_spare", "wait_timeout_s", "checkpoint_every"
                    "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor",
                    "straggler_window", "straggler_persist", "straggler_probation_s", "straggler_repeat_window_s",
                    "warm_spares", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s",
-                   "on_nonfinite")
+                   "on_nonfinite", *SPIKE_FIELDS)
 
 
 def job_spec(compiled: CompiledProgram, *, window: int = 0, code_dir: str | Path | None = None,
@@ -84,7 +85,7 @@ def job_spec(compiled: CompiledProgram, *, window: int = 0, code_dir: str | Path
         node = compiled.nodes[name]
         msg = pb.NodeProgram(name=name, slice=node.slice, per_microbatch=node.per == "microbatch", every=node.every,
                              exported=node.exported, variants=_variants(program, node.slice, node.variants),
-                             platforms=node.platforms)
+                             platforms=node.platforms, clock=node.clock)
         if node.host is not None:
             assert bundle is not None
             what = f"host source {name!r} ({node.host[1]})"

@@ -266,7 +266,7 @@ class Program:
     def source(
         self, name: str, fn: Callable[[Any, Any], Any], *, slice: str, outputs: Sequence[str] = ("out",),
         per: Per = "microbatch", shardings: Mapping[str, PartitionSpec] | None = None, host: bool = False,
-        prefetch: int = 0, every: int = 1,
+        prefetch: int = 0, every: int = 1, clock: bool = False,
     ) -> NodeHandle:
         """Declare a deterministic data node: ``fn(step, microbatch)`` -> outputs.
 
@@ -283,15 +283,21 @@ class Program:
         ``shardings`` lay its outputs out on the slice (default: replicated). ``every``: it runs only at
         steps divisible by it, for the nodes of the same ``every`` that read it (an evaluation's held-out
         batches). See docs/data.md.
+
+        ``step`` is the position in the source's stream the step reads: the step itself, unless the run
+        skips batches (a rolled-back loss spike, docs/integrity.md). ``clock=True``: the source is the
+        job's clock (a learning-rate schedule's step), always given the step itself.
         """
-        if not isinstance(host, bool):
-            raise ProgramError(f"source {name!r}: host must be True or False, got {host!r}")
+        if not isinstance(host, bool) or not isinstance(clock, bool):
+            raise ProgramError(f"source {name!r}: host and clock must be True or False, got {host!r}, {clock!r}")
+        if host and clock:
+            raise ProgramError(f"source {name!r}: a clock is a JAX source of the step (host=False)")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ProgramError(f"source {name!r}: prefetch must be an integer >= 0 (0: the default), got {prefetch!r}")
         if not callable(fn):
             raise ProgramError(f"source {name!r}: fn must be callable as fn(step, microbatch), got {fn!r}")
         return self._add(NodeSpec(name, fn, slice, {}, tuple(outputs), per, {}, every, dict(shardings or {}), True,
-                                  host, prefetch, _job_module_globals() if host else None))
+                                  host, prefetch, _job_module_globals() if host else None, clock))
 
     @property
     def host_sources(self) -> list[str]:

@@ -27,6 +27,7 @@ from rallypoint.basics.errors import RallypointError
 from rallypoint.client.compile import CompiledProgram, compile_program, slice_mesh
 from rallypoint.client.program import Gathered, Program, Ref, StateRef
 from rallypoint.recovery.nonfinite import NonFiniteGuard, nonfinite_mode, nonfinite_values, stopped_at
+from rallypoint.recovery.skips import Skips
 from rallypoint.workers.programs import load_exported
 from rallypoint.workers.residency import is_device_array, place
 from rallypoint.workers.sources.values import flat_leaves, to_dtypes
@@ -104,14 +105,17 @@ class ReferenceExecutor:
             ``on_event`` with a ``job.nonfinite`` event once per metric and goes on
             (:mod:`rallypoint.recovery.nonfinite`, the cluster's policy).
         on_event: called with each such event (a dict, as ``rallypoint run --json`` prints it).
+        skips: the stream positions the run skips (a cluster run's rolled-back spikes, recovery/skips.py): every
+            source but a clock reads the position its step moves to, as on a worker.
     """
 
     def __init__(
         self, compiled: CompiledProgram, *, on_step: Callable[[int, dict[str, float]], None] | None = None,
         devices: Sequence[Any] | None = None, on_nonfinite: str | None = None,
-        on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None, skips: Skips = Skips(),
     ) -> None:
         self.compiled = compiled
+        self.skips = skips
         self.on_step = on_step
         self.guard = NonFiniteGuard(nonfinite_mode(on_nonfinite))
         self.on_event = on_event
@@ -193,9 +197,10 @@ class ReferenceExecutor:
             ran.append(name)
             mbs = range(m) if node.per == "microbatch" else [None]
             results = []
+            at = step if node.clock else self.skips.position(step)  # the stream position a source reads
             for mb in mbs:
                 if node.host:  # plain Python, here as on a worker: the same leaves, the same dtypes
-                    outs, _ = flat_leaves(node.outputs, program.nodes[name].fn(step, mb or 0),
+                    outs, _ = flat_leaves(node.outputs, program.nodes[name].fn(at, mb or 0),
                                           f"host source {name!r}")
                     outs = to_dtypes(outs, [a.dtype for o in node.outputs
                                             for a in jax.tree_util.tree_leaves(node.out_avals[o])])
@@ -203,7 +208,7 @@ class ReferenceExecutor:
                     instances[name] += 1
                     continue
                 if node.is_source:
-                    args = [np.int32(step), np.int32(mb or 0)]
+                    args = [np.int32(at), np.int32(mb or 0)]
                 else:
                     args = [self._resolve(node.inputs[a], mb, values, states) for a in node.input_names]
                 flat = place(node.flatten_inputs(args), self._layouts[name], None, "transfer", small="call")
@@ -279,6 +284,7 @@ def _shardings(blob: bytes, mesh: Any, which: str) -> list[Any]:
 
 def run_reference(program: Program, *, steps: int | None = None,
                   on_step: Callable[[int, dict[str, float]], None] | None = None,
-                  on_nonfinite: str | None = None) -> RunResult:
-    """Compile and run ``program`` in this process."""
-    return ReferenceExecutor(compile_program(program), on_step=on_step, on_nonfinite=on_nonfinite).run(steps)
+                  on_nonfinite: str | None = None, skips: Skips = Skips()) -> RunResult:
+    """Compile and run ``program`` in this process (``skips``: the stream positions it skips)."""
+    return ReferenceExecutor(compile_program(program), on_step=on_step, on_nonfinite=on_nonfinite,
+                             skips=skips).run(steps)

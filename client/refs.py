@@ -75,3 +75,4 @@ class NodeSpec:
     prefetch: int = 0  # a host source: instances read ahead (0: the default)
     origin: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)  # a host source: the
     # globals of the job's module that declared it (the worker imports ``fn`` from there by name)
+    clock: bool = False  # a source given the step itself, never a skip's stream position (recovery/skips.py)

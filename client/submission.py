@@ -60,7 +60,7 @@ SILENT_SWITCH_S = 1.0
 
 RECOVERY_SUMMARY = ("failures", "recoveries", "replayed_instances", "redone_s", "compute_s", "output_log_peak",
                     "corrupt_checkpoints", "stalls", "drains", "resharded", "exact", "tolerance",
-                    "nondeterministic_workers", "stragglers", "final_cut_s", "window")
+                    "nondeterministic_workers", "stragglers", "final_cut_s", "window", "rollbacks")
 
 
 def submit(
@@ -94,10 +94,10 @@ def submit(
     spec.new_run = new_run
     spec.submit_id = uuid.uuid4().hex  # a retried submit follows the run this one started (service.py)
     t0 = time.perf_counter()
-    metrics_log: list[dict[str, float]] = []
+    metrics_log: dict[int, dict[str, float]] = {}  # step -> its metrics (a rolled-back step's: the last run's)
 
     def step(s: int, metrics: dict[str, float]) -> None:
-        metrics_log.append(metrics)
+        metrics_log[s] = metrics
         if on_step is not None:
             on_step(s, metrics)
 
@@ -111,7 +111,8 @@ def submit(
                        f"from the one of the states it sent ({digest})")
     if final_state == "sharded":
         states = _laid_out(compiled, states)
-    return RunResult(spec.job, spec.steps, states, digest, time.perf_counter() - t0, metrics_log,
+    return RunResult(spec.job, spec.steps, states, digest, time.perf_counter() - t0,
+                     [metrics_log[k] for k in sorted(metrics_log)],
                      recovery={k: detail[k] for k in RECOVERY_SUMMARY if k in detail})
 
 
@@ -145,7 +146,7 @@ class JobFollower:
 
     ``on_event`` receives every event as it comes (events may repeat across a switch:
     ``step.done`` of a step seen twice, or missed); ``on_step`` is called at most once
-    per step. Thread-safe :meth:`cancel` ends :meth:`follow` with a :class:`JobError`.
+    per step, but again for the steps a rollback runs again (``job.rolled_back``: from its cut on). Thread-safe :meth:`cancel` ends :meth:`follow` with a :class:`JobError`.
     """
 
     def __init__(self, job: str, endpoints: Sequence[str], cluster: str, *,
@@ -326,6 +327,9 @@ class JobFollower:
                         self._steps.add(int(ev.step))
                         if self.on_step is not None:
                             self.on_step(int(ev.step), dict(ev.metrics))
+                elif ev.event == "job.rolled_back":  # the steps from its cut run again, on other batches
+                    cut = int(json.loads(ev.detail or "{}").get("cut", ev.step))
+                    self._steps = {s for s in self._steps if s < cut}
                 elif self.until(ev):
                     return ev, ""
                 elif ev.event == "job.handed_off":

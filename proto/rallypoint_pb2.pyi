@@ -140,7 +140,7 @@ class OutputSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., leaves: _Optional[int] = ..., updates_state: _Optional[str] = ..., metrics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeProgram(_message.Message):
-    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported", "variants", "platforms", "host_source")
+    __slots__ = ("name", "slice", "per_microbatch", "every", "inputs", "outputs", "exported", "variants", "platforms", "host_source", "clock")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class NodeProgram(_message.Message):
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     HOST_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     name: str
     slice: str
     per_microbatch: bool
@@ -161,7 +162,8 @@ class NodeProgram(_message.Message):
     variants: _containers.RepeatedCompositeFieldContainer[ExportedVariant]
     platforms: _containers.RepeatedScalarFieldContainer[str]
     host_source: HostSource
-    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ..., variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ..., host_source: _Optional[_Union[HostSource, _Mapping]] = ...) -> None: ...
+    clock: bool
+    def __init__(self, name: _Optional[str] = ..., slice: _Optional[str] = ..., per_microbatch: _Optional[bool] = ..., every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[OutputSpec, _Mapping]]] = ..., exported: _Optional[bytes] = ..., variants: _Optional[_Iterable[_Union[ExportedVariant, _Mapping]]] = ..., platforms: _Optional[_Iterable[str]] = ..., host_source: _Optional[_Union[HostSource, _Mapping]] = ..., clock: _Optional[bool] = ...) -> None: ...
 
 class HostSource(_message.Message):
     __slots__ = ("file", "name", "prefetch")
@@ -256,7 +258,7 @@ class Route(_message.Message):
     def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class LoadJobRequest(_message.Message):
-    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources", "code_sha256")
+    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources", "code_sha256", "skips")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +277,7 @@ class LoadJobRequest(_message.Message):
     REPLICA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SOURCES_FIELD_NUMBER: _ClassVar[int]
     CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SKIPS_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     steps: int
@@ -293,7 +296,16 @@ class LoadJobRequest(_message.Message):
     replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
     replica_sources: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
     code_sha256: str
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., code_sha256: _Optional[str] = ...) -> None: ...
+    skips: _containers.RepeatedCompositeFieldContainer[SkipRange]
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., code_sha256: _Optional[str] = ..., skips: _Optional[_Iterable[_Union[SkipRange, _Mapping]]] = ...) -> None: ...
+
+class SkipRange(_message.Message):
+    __slots__ = ("start", "count")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    count: int
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ReplicaPeer(_message.Message):
     __slots__ = ("slice", "worker_id", "address", "incarnation")
@@ -639,7 +651,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "on_nonfinite", "new_run", "code", "submit_id", "metrics_sinks", "owner")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "on_nonfinite", "new_run", "code", "submit_id", "metrics_sinks", "owner", "on_spike", "spike_metric", "spike_window", "spike_factor", "spike_zscore", "spike_rewind", "spike_skip", "max_rollbacks")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -673,6 +685,14 @@ class JobSpec(_message.Message):
     SUBMIT_ID_FIELD_NUMBER: _ClassVar[int]
     METRICS_SINKS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    ON_SPIKE_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_METRIC_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_ZSCORE_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_REWIND_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_SKIP_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -706,7 +726,15 @@ class JobSpec(_message.Message):
     submit_id: str
     metrics_sinks: _containers.RepeatedCompositeFieldContainer[MetricsSink]
     owner: str
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., on_nonfinite: _Optional[str] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ..., submit_id: _Optional[str] = ..., metrics_sinks: _Optional[_Iterable[_Union[MetricsSink, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
+    on_spike: str
+    spike_metric: str
+    spike_window: int
+    spike_factor: float
+    spike_zscore: float
+    spike_rewind: int
+    spike_skip: int
+    max_rollbacks: int
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., on_nonfinite: _Optional[str] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ..., submit_id: _Optional[str] = ..., metrics_sinks: _Optional[_Iterable[_Union[MetricsSink, _Mapping]]] = ..., owner: _Optional[str] = ..., on_spike: _Optional[str] = ..., spike_metric: _Optional[str] = ..., spike_window: _Optional[int] = ..., spike_factor: _Optional[float] = ..., spike_zscore: _Optional[float] = ..., spike_rewind: _Optional[int] = ..., spike_skip: _Optional[int] = ..., max_rollbacks: _Optional[int] = ...) -> None: ...
 
 class MetricsSink(_message.Message):
     __slots__ = ("kind", "dir")

@@ -4,7 +4,10 @@ One policy for the cluster and the reference: the coordinator's job metrics
 (``orchestrator/job/metrics.py``) and the in-process reference (``client/reference.py``) both ask a
 :class:`NonFiniteGuard` about each instance's metrics, so the two stop (or warn) at the same value
 with the same words. With ``"warn"`` each metric is reported once and the job goes on; with
-``"stop"`` (the default) the first value that is not finite stops the job there.
+``"stop"`` (the default) the first value that is not finite stops the job there. ``"rollback"``
+(docs/integrity.md): on the cluster the job rolls back past that step as from a loss spike, skipping
+its batches (the job's spike settings say how far); the first such value is where it rolls back
+from, as a stop's. The reference, which cannot roll back, stops there.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-ON_NONFINITE = ("stop", "warn")
+ON_NONFINITE = ("stop", "warn", "rollback")
 
 
 def nonfinite_mode(spec: Any) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from rallypoint.client.commands import plot as plot_cli
+from rallypoint.client.commands.spikes import describe_spike
 
 EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "suspended": 4}
 DETACHED = 130  # Ctrl-C: the client went, the job goes on
@@ -87,6 +88,8 @@ def describe_event(d: dict[str, Any]) -> str:
         return f"[green]{how}[/green] from the cut at step {d.get('checkpoint_step', d.get('step'))}"
     if ev == "job.nonfinite":
         return plot_cli.describe_nonfinite(d)
+    if ev in ("job.spike", "job.rolled_back"):
+        return describe_spike(d)
     if ev == "job.waiting":
         return f"[yellow]waiting[/yellow] {d.get('reason')}"
     if ev == "job.straggler":

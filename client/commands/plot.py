@@ -40,22 +40,23 @@ KEPT_RUNS = "runs"  # STATE_DIR/runs/<job>/<run id>/metrics.jsonl: what an embed
 METRICS_FILE, LATEST_FILE = "metrics.jsonl", "LATEST"  # as orchestrator/job/metrics.py and runs.py name them
 MAX_PANELS = 6
 MARK_STYLE = {"fault": ("#d62728", "--"), "stall": ("#b36b00", ":"), "nonfinite": ("#d62728", "-"),
-              "resumed": ("#7f7f7f", ":"), "adopted": ("#7f7f7f", ":"), "drain": ("#1f77b4", ":")}
+              "resumed": ("#7f7f7f", ":"), "adopted": ("#7f7f7f", ":"), "drain": ("#1f77b4", ":"),
+              "spike": ("#9467bd", "-"), "rollback": ("#9467bd", "--")}
 REPLAYED = "#2a9d2a"  # the span a recovery replayed: hatched, light
 
 
 def on_nonfinite_option(f: F) -> F:
-    """``rallypoint run --on-nonfinite [stop|warn]`` (JobSpec.on_nonfinite)."""
+    """``rallypoint run --on-nonfinite [stop|warn|rollback]`` (JobSpec.on_nonfinite)."""
     return click.option(
-        "--on-nonfinite", type=click.Choice(["stop", "warn"]), default=None,
+        "--on-nonfinite", type=click.Choice(["stop", "warn", "rollback"]), default=None,
         help="A metric value that is not finite (nan, inf): stop the job at that step (default), keeping the last "
-        "committed cut at or before it and no checkpoint past it, or warn (a job.nonfinite event per metric) and go "
-        "on (docs/metrics.md).")(f)
+        "committed cut at or before it and no checkpoint past it; warn (a job.nonfinite event per metric) and go "
+        "on (docs/metrics.md); or roll back as from a loss spike (--spike-rewind, --spike-skip; docs/integrity.md).")(f)
 
 
 def describe_nonfinite(d: dict[str, Any]) -> str:
     """The progress line of a ``job.nonfinite`` event."""
-    then = "the job stops there" if d.get("action") == "stop" else "the job goes on"
+    then = {"stop": "the job stops there", "rollback": "the job rolls back"}.get(d.get("action"), "the job goes on")
     return (f"[red]non-finite[/red] metric {d.get('metric')!r} is {d.get('value')} at step {d.get('step')} "
             f"(node {d.get('node')}): {then} (--on-nonfinite {d.get('action')})")
 
@@ -194,8 +195,10 @@ def plot_data(data: MetricsRun, *, job: str, run: str, metric: str | None = None
     marks = data.plot_marks()
     recoveries = sum(m["kind"] == "recovery" for m in marks) or sum(m["kind"] == "fault" for m in marks)
     nonfinite = [m["label"] for m in marks if m["kind"] == "nonfinite"]
+    rollbacks = sum(m["kind"] == "rollback" for m in marks)
     summary = (f"{len(data.steps)} steps ({steps[0]}..{steps[-1]}), {main} {values[0]:.6g} -> {values[-1]:.6g}, "
                f"{recoveries} {'recovery' if recoveries == 1 else 'recoveries'}"
+               + (f", {rollbacks} {'rollback' if rollbacks == 1 else 'rollbacks'}" if rollbacks else "")
                + (f", non-finite: {'; '.join(nonfinite)}" if nonfinite else ""))
     sparse = frozenset(n for n in names if len(curves[n][0]) < len(data.steps))
     smoothed = {n: smooth(curves[n][1], smoothing) for n in names if smoothing and n not in sparse}

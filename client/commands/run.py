@@ -18,6 +18,8 @@ from rallypoint.basics.logs import configure as configure_logs, library_logs_to
 from rallypoint.client.commands import plot as plot_cli
 from rallypoint.client.commands.kept_runs import EmbeddedRuns, runs_root, settle
 from rallypoint.client.commands.output import describe_event, stops
+from rallypoint.client.commands.spikes import check_spikes, spike_options
+from rallypoint.recovery.skips import Skips
 from rallypoint.client.commands.clusters import DEFAULT_STATE_DIR, export_platforms_for, insecure, resolve_cluster, tls_options
 
 # -- running jobs ---------------------------------------------------------------------------
@@ -79,6 +81,7 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
               help="Spares that compile the job's programs before any loss, so a recovery onto one pays no "
               "compilation (default 2; 0: off).")
 @plot_cli.on_nonfinite_option
+@spike_options
 @click.option("--new-run", is_flag=True,
               help="The job name already has a run with checkpoints: start a new run anyway (the old run's files "
               "and commits stay under its run id, `rallypoint status NAME`). Without it such a run is refused; "
@@ -110,7 +113,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         straggler_factor: float | None, warm_spares: int | None, max_faults: int | None, on_nonfinite: str | None,
         max_preemptions: int | None, failure_window_s: float | None, compile_timeout_s: float | None, new_run: bool,
         detach: bool, code_dir: Path | None, remove_run: bool, keep_runs: int, tensorboard: Path | None = None,
-        wandb: Path | None = None, settings: tuple[str, ...] = ()) -> None:
+        wandb: Path | None = None, settings: tuple[str, ...] = (), spikes: dict[str, Any] | None = None,
+        skips: Skips = Skips()) -> None:
     """Run the program built by JOB_FILE: on an embedded local cluster (default), on --cluster, or --reference."""
     from rallypoint.client.compile import compile_program, ensure_host_devices
 
@@ -143,6 +147,10 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                       or remove_run or keep_runs):
         raise ConfigError("--reference runs in this process: it takes no --cluster, --workers, --devices-per-worker, "
                           "--fail, --new-run, --rm or --keep-runs")
+    if skips and not reference:
+        raise ConfigError("--skip is for --reference: a cluster run's skips come from its rollbacks (--on-spike)")
+    spikes = spikes or {}
+    check_spikes(spikes, checkpoint_every or program.checkpoint_every)
     if cluster and (remove_run or keep_runs):
         raise ConfigError("--rm and --keep-runs are for the embedded cluster's runs; a cluster's coordinators keep its "
                           "runs (their --keep-runs; `rallypoint delete-run` deletes one)")
@@ -169,7 +177,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                 "failure_window_s": failure_window_s, "compile_timeout_s": compile_timeout_s,
                 "on_nonfinite": on_nonfinite, "code_dir": str(code_dir) if code_dir else None,  # submit settings,
                 "tensorboard": str(tensorboard) if tensorboard else None,  # beside the recovery ones
-                "wandb": str(wandb) if wandb else None}
+                "wandb": str(wandb) if wandb else None, **spikes}
     compiled = compile_program(program, platforms=export_platforms_for(platforms, reference=reference,
                                                                           cluster=cluster))
     if not reference and (program.host_sources or code_dir or tensorboard or wandb):  # before any cluster starts:
@@ -192,7 +200,7 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                 on_step(s, metrics)
             try:
                 return ReferenceExecutor(compiled, on_step=step, on_nonfinite=on_nonfinite,  # the cluster's policy
-                                         on_event=lambda d: says[0](d)).run()
+                                         on_event=lambda d: says[0](d), skips=skips).run()
             finally:
                 if board is not None:
                     board.close()
@@ -298,7 +306,8 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
 
         def on_event(ev: pb.JobEvent) -> None:
             injector.on_event(ev)
-            if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler", "job.nonfinite"):
+            if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler", "job.nonfinite",
+                            "job.spike", "job.rolled_back"):
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,

@@ -35,10 +35,17 @@ recovery   ``RecoveryRecord`` in ``JobRecoveries``       ``JobPlacement.remap`` 
 records    -> each recovery's ``Recovery`` machine       waited for spares, the port the runtimes'
            (phases, plan, restore, the wait for spares,  generations; ``JobRecoveries`` opens the record
            the generations)                              and notes first calls
+skips      ``JobRollbacks.skips`` (``rollback.py``) ->    a ``RollBack`` raised by ``JobEvents`` (a spike
+           ``JobRollbacks.roll_back``, which hands them  ``JobRollbacks.observe`` judged, or a value not
+           to the loads and the job record; a resume or  finite under ``on_nonfinite = "rollback"``);
+           adoption reads them back (``adopt``)          ``rollback_plan`` (``recovery/spikes.py``)
 ========== ============================================= ===============================================
+
+A rollback (``rollback.py``) is the executor's too: it moves the cut, the commits, the grants and
+the log floor of the whole job at once (``JobProgress.rewind``, ``JobCut.drop_commit``).
 
 ``tests/orchestrator/test_one_mover.py`` scans the source for the rows cut, commits, grants
 and log floor: no module but the store touches their fields, and no module but the
-executor (its loop, ``events.py`` and ``losses.py``, and its ``JobCut``) calls their movers.
+executor (its loop, ``events.py``, ``losses.py`` and ``rollback.py``, and its ``JobCut``) calls their movers.
 The placement still has the callers the last column names.
 """

@@ -14,7 +14,10 @@ The executor's loop takes one event at a time from :attr:`JobWorkers.events
   ``on_nonfinite = "stop"`` halts the grants, unloads the workers and fails the job with what the
   executor's ``JobCut`` dropped and kept; otherwise the instance is counted
   (recoveries, the watchdog, drains, stragglers, step times) and the completed steps advance
-  (``step.done``, a record every ``RECORD_EVERY`` steps, the window widened and granted). Its output
+  (``step.done``, a record every ``RECORD_EVERY`` steps, the window widened and granted). Each
+  completed step is judged for a loss spike, and a non-finite metric under ``on_nonfinite =
+  "rollback"`` is one: under a rollback policy :class:`~rallypoint.orchestrator.job.rollback.RollBack`
+  is raised, which the executor's loop carries out (job/rollback.py). Its output
   log's bytes may narrow an automatic window (job/window.py: a ``job.window`` event).
 
 Events of a runtime the job gave up on (an older generation) are dropped, but ``warmed``.
@@ -36,6 +39,7 @@ from rallypoint.orchestrator.job.metrics import JobMetrics
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.progress import JobProgress
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
+from rallypoint.orchestrator.job.rollback import JobRollbacks
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.stragglers import StragglerWatch
 from rallypoint.orchestrator.job.watchdog import ProgressWatchdog
@@ -66,13 +70,13 @@ class JobEvents:
     def __init__(self, spec: pb.JobSpec, graph: Graph, *, workers: JobWorkers, loads: JobLoads,
                  progress: JobProgress, placement: JobPlacement, drains: JobDrains, recovery: JobRecoveries,
                  stragglers: StragglerWatch, step_times: StepTimes, metrics: JobMetrics, job_cut: JobCut,
-                 adopted: bool, log: Any,
+                 rollbacks: JobRollbacks, adopted: bool, log: Any,
                  event: Callable[..., None], emit: Callable[[pb.JobEvent], None],
                  grant: Callable[..., None], recover: Callable[..., None], record: Callable[[], None]) -> None:
         self.spec, self.graph, self.workers, self.loads, self.progress = spec, graph, workers, loads, progress
         self.places, self.drains, self.recovery, self.stragglers = placement, drains, recovery, stragglers
         self.step_times, self.metrics, self.adopted, self.log = step_times, metrics, adopted, log
-        self.job_cut = job_cut
+        self.job_cut, self.rollbacks = job_cut, rollbacks
         self._event, self._emit, self._grant, self._recover, self._record = event, emit, grant, recover, record
         self.log_peak = {"memory_bytes": 0, "spilled_bytes": 0}  # the workers' output logs, the most any held
         self.window = StepWindow(spec.window)  # the steps in flight (job/window.py): decided when the run begins
@@ -148,6 +152,8 @@ class JobEvents:
             self.log.info("job.window", **narrowed.to_json())
             self._event("job.window", step=self.progress.completed, **narrowed.to_json())
         bad = self.metrics.check(item)  # a metric not finite: a warning, or (on_nonfinite stop) where to stop
+        if bad is not None and self.metrics.mode == "rollback":
+            self.rollbacks.nonfinite(bad)  # raises RollBack: the executor's loop rolls the job back
         if bad is not None:
             self.progress.grants.halt(bad.step)
             for w in list(self.workers.workers):  # a save in flight finishes (and commits) before UnloadJob returns
@@ -181,6 +187,7 @@ class JobEvents:
         for done in self.progress.complete():
             self._emit(pb.JobEvent(job=self.spec.job, event="step.done", step=done.step, metrics=done.metrics))
             self.step_times.step_done(done.step)
+            self.rollbacks.observe(done)  # a loss spike (job/rollback.py): a job.spike event, or RollBack raised
             if self.adopted:
                 self.recovery.adopted_running(done.step)
             if self.progress.completed % RECORD_EVERY == 0:

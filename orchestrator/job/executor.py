@@ -49,7 +49,7 @@ from rallypoint.basics.tls import tls_of
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.records import parsed
-from rallypoint.etcd.store import Delete, Put, Store
+from rallypoint.etcd.store import Store
 from rallypoint.orchestrator.control.election import LeaderElection
 from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.goodput import StepTimes
@@ -63,8 +63,9 @@ from rallypoint.orchestrator.job.metrics import JobMetrics
 from rallypoint.orchestrator.job.placement import JobPlacement
 from rallypoint.orchestrator.job.ports import JobRecoveryPort, JobStragglerPort
 from rallypoint.orchestrator.job.progress import JobProgress
-from rallypoint.orchestrator.job.record import EventLog, RecordHistory, record_of
+from rallypoint.orchestrator.job.record import EventLog, JobRecorder, RecordHistory
 from rallypoint.orchestrator.job.recoveries import JobRecoveries
+from rallypoint.orchestrator.job.rollback import JobRollbacks, RollBack
 from rallypoint.orchestrator.job.recovery import JobSettings
 from rallypoint.orchestrator.job.state import TRANSITIONS, HandedOff, JobFailed, JobState, JobStopped
 from rallypoint.orchestrator.job.stop import JobStop, StopRequest, stop_request
@@ -153,6 +154,9 @@ class JobExecutor:
         self.port = JobRecoveryPort(self.graph, term=self.term, placement=self.places, loads=self.loads,
                                     progress=self.progress, on_restored=self._restored, job_cut=self.job_cut)
         self.history = RecordHistory(term=self.term.term, log=self.log)  # the record's lists, bounded
+        self.recorder = JobRecorder(spec.job, keys=keys, txn=self.term.txn, view=self.view, history=self.history,
+                                    window=lambda: self.worker_events.window.steps, log=self.log)  # jobs/<job>
+        self.record, self._record_quietly = self.recorder.record, self.recorder.quietly
         self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
                                       microbatches=spec.microbatches, hooks=hooks,
                                       on_replayed=lambda rec: self.job_metrics.replayed(rec))
@@ -167,10 +171,15 @@ class JobExecutor:
                                 placement=self.places, drains=self.drains, recovery=self.recovery, budget=budget,
                                 loss_grace_s=loss_grace_s, settings=asked, clock=clock, set_state=self._set_state,
                                 event=self.event)  # job/losses.py
+        self.rollbacks = JobRollbacks(  # loss spikes rolled back, the run's skipped batches (job/rollback.py)
+            spec, term=self.term, progress=self.progress, job_cut=self.job_cut, loads=self.loads, port=self.port,
+            recovery=self.recovery, drains=self.drains, stopping=lambda: self.state is JobState.STOPPING, log=self.log, event=self.event, grant=self._grant, recover=self.losses.recover,
+            record=lambda: self.record(), window=lambda: self.worker_events.window.steps, clock=clock, budget=budget)
         self.worker_events = JobEvents(  # what the workers' events move (job/events.py)
             spec, self.graph, workers=self.workers, loads=self.loads, progress=self.progress, placement=self.places,
             drains=self.drains, recovery=self.recovery, stragglers=self.stragglers, step_times=self.step_times,
-            metrics=self.job_metrics, job_cut=self.job_cut, adopted=self.adopted, log=self.log, event=self.event, emit=self.emit,
+            metrics=self.job_metrics, job_cut=self.job_cut, rollbacks=self.rollbacks, adopted=self.adopted, log=self.log,
+            event=self.event, emit=self.emit,
             grant=self._grant, recover=self.losses.recover, record=self._record_quietly)
         self.stopper = JobStop(  # a suspend or cancel, at a step boundary (job/stop.py)
             spec.job, placed=lambda: {s: p.worker for s, p in self.places.slices.items() if p.worker in self.loads.loaded},
@@ -204,7 +213,7 @@ class JobExecutor:
             recoveries=tuple(self.recovery.records), recovery_entries=tuple(self.recovery.entries()),
             failures=tuple(dict(f) for f in self.port.failures), drain_records=tuple(self.drains.drain_records),
             resharded=tuple(self.places.resharded), stop=self.stopper.pending,
-            stalls=self.watchdog.stalls if self.watchdog else 0, started_at=self.started_at,
+            stalls=self.watchdog.stalls if self.watchdog else 0, integrity=self.rollbacks.to_json(), started_at=self.started_at,
             running_s=end - self.started_mono, at=self.clock.wall())
 
     def request_stop(self, request: StopRequest) -> bool:
@@ -222,24 +231,7 @@ class JobExecutor:
         self.log.info("job.state", previous=old.value, state=new.value, **fields)
         if new is JobState.HANDED_OFF:
             return
-        if new.is_terminal:
-            self.record(**fields)
-        else:
-            self._record_quietly(**fields)
-
-    def record(self, **fields: Any) -> None:
-        """The job record in etcd (what a new leader adopts from; :func:`job_record.record_of`), written once;
-        the final one takes a suspend or cancel asked from etcd with it (carried out, or moot)."""
-        done = [Delete(self.keys.control(self.spec.job))] if self.state.is_terminal else []  # moot, or carried out
-        record = record_of(self.view(), self.history, window=self.worker_events.window.steps, **fields)
-        self.term.txn([Put(self.keys.job(self.spec.job), json.dumps(record)), *done])
-
-    def _record_quietly(self, **fields: Any) -> None:
-        """Record progress, unless etcd is away (the next record catches up)."""
-        try:
-            self.record(**fields)
-        except (StoreError, NotLeader) as exc:
-            self.log.warning("job.record_failed", error=str(exc))
+        (self.recorder.record if new.is_terminal else self.recorder.quietly)(**fields)
 
     def event(self, event: str, step: int = 0, **detail: Any) -> None:
         self.emit(pb.JobEvent(job=self.spec.job, event=event, step=step, detail=json.dumps(detail)))
@@ -281,6 +273,7 @@ class JobExecutor:
                 self.started_at = float(old.get("started_at") or self.started_at)
                 self.recovery.adopt(old.get("recoveries", []), self.term.term)  # docs/recovery.md
                 self.history.adopt(old.get("recoveries_earlier"))
+                self.rollbacks.adopt(old)  # the batches it skips, its rollbacks (docs/integrity.md)
             asked = self.term.until_etcd("reading the job's control", lambda: self.store.get(self.keys.control(self.spec.job)))
             if asked is not None and self.adopted:  # a suspend or cancel the lost leader had not carried out
                 self.stopper.request(stop_request(asked.value, self.log))
@@ -292,6 +285,7 @@ class JobExecutor:
         self.loads.open_run(self.run_dir)
         self.event_log.open(self.run_dir)
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
+        self.rollbacks.configure(self.settings.spikes, self.settings.on_nonfinite, self.run_dir)
         self.drains.open_run(self.run_dir is not None and self.settings.checkpoint_every > 0)
         self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
         self.worker_events.window = StepWindow(self.spec.window, checkpoint_every=self.settings.checkpoint_every,  # window.py
@@ -307,6 +301,7 @@ class JobExecutor:
             return newest
         c, commits, failed = newest
         self.progress.begin(c, commits)
+        self.rollbacks.seed(self.run_dir, c)  # the spike detector's baseline: the steps before the cut
         self.event("job.adopted" if self.adopted else "job.resumed", step=c, checkpoint_step=c, auto=self.auto_resumed)
         return self.port.lost_at_load(self.budget, failed, c)
 
@@ -336,6 +331,8 @@ class JobExecutor:
             if quiet is not None:
                 self.losses.stalled(quiet, self.watchdog)
                 return
+        if self.rollbacks.pending is not None:
+            self.rollbacks.roll_back()  # a spike's rollback that waited for a recovery or a drain to end
         if self.state is not JobState.STOPPING:
             self.drains.poll()  # the newest reading of drain and yield requests, if any (read off this thread)
         if self.drains.drains:
@@ -351,7 +348,10 @@ class JobExecutor:
         except queue.Empty:
             return
         assert self.watchdog is not None
-        self.worker_events.handle(kind, worker, gen, item, self.watchdog)
+        try:
+            self.worker_events.handle(kind, worker, gen, item, self.watchdog)
+        except RollBack as rb:  # a loss spike (or a value not finite) under a rollback policy (job/rollback.py)
+            self.rollbacks.roll_back(rb.spike)
 
     def worker_fenced(self, worker: str, incarnation: int, reason: str) -> None:
         """The leader fenced ``worker`` (any thread): if this job runs on that incarnation, recover it."""
@@ -484,7 +484,7 @@ class JobExecutor:
                 "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
                 "stalls": self.watchdog.stalls if self.watchdog else 0, "window": self.worker_events.window.steps,
                 "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions,
-                "final_cut_s": self.end.final_cut_s}
+                "final_cut_s": self.end.final_cut_s, "rollbacks": self.rollbacks.count}
 
     def _cleanup(self) -> None:
         """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""

@@ -94,8 +94,10 @@ class Grants:
     # -- moving them ----------------------------------------------------------------------------
 
     def begin(self, start: int) -> None:
-        """The runtimes start from ``start``: nothing past it is granted yet."""
+        """The runtimes start from ``start``: nothing past it is granted yet (a halt before a rollback is over)."""
         self._granted = start
+        self._halted = None
+        self._refused.clear()
 
     def widen(self, completed: int, window: int) -> bool:
         """Move the grant to ``completed + window`` once at most half the window is left granted ahead of

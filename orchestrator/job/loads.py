@@ -26,6 +26,7 @@ from rallypoint.orchestrator.job.workers import JobWorkers
 from rallypoint.recovery.load_plan import SlicePlace, load_requests
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.replicas import part_name, plan_replicas, replica_sources, with_parts
+from rallypoint.recovery.skips import Skips
 
 FLUSH_S = 30.0  # how long a worker being unloaded gets to deliver the pushes it had sent
 
@@ -44,6 +45,7 @@ class JobLoads:
         self.restore_tiers: dict[str, str] = {}
         self.program_sources: dict[str, str] = {}
         self.last_heard: dict[str, float] = {}
+        self.skips = Skips()  # the stream positions the run skips: the job's rollbacks (job/rollback.py) set it
 
     def open_run(self, run_dir: Path | None) -> None:
         """The run's directory, once the executor has made or found it: the loads' checkpoint directory."""
@@ -73,6 +75,7 @@ class JobLoads:
             req.log_limit_bytes = self.settings.log_limit_bytes
             req.start_step = start
             req.code_sha256 = self.spec.code.sha256  # host sources: <checkpoint_dir>/code/<sha256>.zip
+            self.skips.to_proto(req.skips)
             for sa in req.slices:
                 for c in commits.get(sa.slice, ()):
                     ref = pb.CheckpointRef(slice=c.slice_name, step=c.step, path=c.path, checksum=c.checksum)

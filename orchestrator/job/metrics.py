@@ -14,6 +14,9 @@ object a line (docs/metrics.md, "Per-step metrics"):
 * ``{"event": "replayed", "recovery", "t", "step", "from_step", "mttr_s"}``: that recovery's lost work is
   redone (its replay phase ended): ``mttr_s`` is its MTTR, the loss to the lost work redone;
 * ``{"event": "drain", "drain", "t", "step", "worker", "cause", "paused_s"}``: a drain moved slices off a worker;
+* ``{"event": "spike", "t", "step", "metric", "value", "baseline", "action"}``: a loss spike (job/rollback.py);
+  ``{"event": "rollback", "rollback", "t", "step", "from_step", "skipped_steps"}``: the job rolled back from the
+  spike at ``step`` to the cut at ``from_step``, the batches of steps ``skipped_steps[0] .. [1] - 1`` skipped;
 * ``{"event": "stall", "t", "step", "cause"}``, ``{"event": "nonfinite", "t", "step", "metric",
   "value", "action"}``, and ``{"event": "resumed" | "adopted", "t", "step"}`` (a run that goes on
   from the cut at ``step``: ``rallypoint resume``, or a new leader).
@@ -164,6 +167,13 @@ class MetricsRun:
                 out.append({"kind": "drain", "step": step, "label": f"drained {m.get('worker', '')}".strip()})
             elif kind == "nonfinite":
                 out.append({"kind": "nonfinite", "step": step, "label": f"{m.get('metric', '')} {m.get('value', '')}"})
+            elif kind == "spike":
+                out.append({"kind": "spike", "step": step, "label": f"spike {m.get('metric', '')} {m.get('value', '')}"})
+            elif kind == "rollback":
+                first, last = (m.get("skipped_steps") or [None, None])[:2]
+                out.append({"kind": "rollback", "step": step, "label": f"rolled back to {m.get('from_step')}"
+                            + (f", skipped {first}..{last - 1}" if isinstance(first, int) and isinstance(last, int)
+                               else "")})
             elif kind in ("stall", "resumed", "adopted"):
                 out.append({"kind": kind, "step": step, "label": kind})
         return out
@@ -319,7 +329,7 @@ class JobMetrics:
             self.sinks.close()
             return
         if name not in ("job.recovering", "job.recovered", "job.stalled", "job.nonfinite", "job.resumed",
-                        "job.adopted", "job.drained"):
+                        "job.adopted", "job.drained", "job.spike", "job.rolled_back"):
             return
         d = json.loads(ev.detail or "{}")
         if name == "job.recovering":
@@ -339,6 +349,12 @@ class JobMetrics:
             self._mark({"event": "drain", "drain": d.get("drain"), "t": round(now, 3), "step": step,
                         "worker": d.get("worker", ""), "cause": str(d.get("reason", "")),
                         "paused_s": d.get("paused_s")})
+        elif name == "job.spike":
+            self._mark({"event": "spike", "t": round(now, 3), "step": step, "metric": d.get("metric"),
+                        "value": d.get("value"), "baseline": d.get("baseline"), "action": d.get("action")})
+        elif name == "job.rolled_back":
+            self._mark({"event": "rollback", "rollback": d.get("rollback"), "t": round(now, 3), "step": step,
+                        "from_step": d.get("cut"), "skipped_steps": d.get("skipped_steps")})
         elif name == "job.stalled":
             self._mark({"event": "stall", "t": round(now, 3), "step": step, "cause": str(d.get("reason", ""))})
         elif name == "job.nonfinite":

@@ -152,6 +152,17 @@ class JobProgress:
         self._committed = {s: {int(c) for c in commits.get(s, ()) if int(c) >= start} for s in self._ckpt_slices}
         self._count_commits()
 
+    def rewind(self, cut: int, commits: Mapping[str, Iterable[int]]) -> None:
+        """The job rolled back (job/rollback.py): every runtime starts again from ``cut`` with ``commits``
+        (slice -> steps) counting; what was heard of the steps from the cut on is forgotten, the log floor reset."""
+        self._done.clear()
+        self._step_count.clear()
+        self._metrics.clear()
+        self._need = (-1, 0)
+        self._saved = {(s, c) for s, c in self._saved if c <= cut}
+        self._floor = {}
+        self.begin(cut, commits)
+
     # -- instances and steps ---------------------------------------------------------------------
 
     def instance(self, item: pb.InstanceDone) -> bool:

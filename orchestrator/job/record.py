@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint.basics.clock import SYSTEM_CLOCK, Clock
+from rallypoint.basics.errors import NotLeader, StoreError
+from rallypoint.etcd.keys import Keys
+from rallypoint.etcd.store import Delete, Put
 from rallypoint.orchestrator.job.recovery import RecoveryRecord
 from rallypoint.orchestrator.job.view import JobView
 
@@ -167,5 +170,36 @@ def record_of(v: JobView, history: RecordHistory, **fields: Any) -> dict[str, An
         "replayed_instances": dict(v.replayed), "resharded": [r.to_json() for r in v.resharded],
         "submit_id": v.submit_id, "owner": v.owner, "started_at": v.started_at,  # the run's first start (a resume keeps it)
         **({"stop": v.stop.to_json()} if v.stop is not None else {}),
+        **dict(v.integrity),  # the run's skipped stream positions and rollbacks (job/rollback.py)
         **({"ended_at": v.at} if v.state.is_terminal else {}), "at": v.at, **fields,
     }
+
+
+class JobRecorder:
+    """Writes the job record (``jobs/<job>`` in etcd): :func:`record_of` the executor's view, under its term.
+
+    Args:
+        keys: the cluster's key schema; ``txn``: the term's fenced transaction.
+        view: the job now (:meth:`JobExecutor.view`); ``window``: the steps in flight now.
+        history: the record's bounded lists.
+    """
+
+    def __init__(self, job: str, *, keys: Keys, txn: Callable[..., Any], view: Callable[[], JobView],
+                 window: Callable[[], int], history: RecordHistory, log: Any) -> None:
+        self.job, self.keys, self.txn, self.view, self.window, self.history, self.log = \
+            job, keys, txn, view, window, history, log
+
+    def record(self, **fields: Any) -> None:
+        """The record, written once; the final one takes a suspend or cancel asked from etcd with it (carried out,
+        or moot). Raises what the term's transaction raises (etcd away, the term over)."""
+        v = self.view()
+        done = [Delete(self.keys.control(self.job))] if v.state.is_terminal else []  # moot, or carried out
+        self.txn([Put(self.keys.job(self.job), json.dumps(record_of(v, self.history, window=self.window(), **fields))),
+                  *done])
+
+    def quietly(self, **fields: Any) -> None:
+        """The record, unless etcd is away or the term over (the next record catches up)."""
+        try:
+            self.record(**fields)
+        except (StoreError, NotLeader) as exc:
+            self.log.warning("job.record_failed", error=str(exc))

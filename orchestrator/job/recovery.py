@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint.recovery.nonfinite import nonfinite_mode
+from rallypoint.recovery.spikes import SpikeSettings
 from rallypoint.orchestrator.job.watchdog import DEFAULT_COMPILE_TIMEOUT_S
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.decide import (DEFAULT_FAILURE_WINDOW_S, DEFAULT_MAX_FAULTS, DEFAULT_MAX_PREEMPTIONS,
@@ -62,7 +63,8 @@ class JobSettings:
     warm_spares: int = DEFAULT_WARM_SPARES  # spares that compile the job's programs ahead (0: off)
     failure_policy: FailurePolicy = FailurePolicy()  # at most so many recoveries per window (docs/recovery.md)
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # no stall before this while the nodes waited on compile
-    on_nonfinite: str = "stop"  # a metric that is not finite: stop the job there, or warn (job/metrics.py)
+    on_nonfinite: str = "stop"  # a metric that is not finite: stop the job there, warn or roll back (job/metrics.py)
+    spikes: SpikeSettings = SpikeSettings()  # loss spikes: off, warn or roll back (job/rollback.py)
 
     @classmethod
     def from_spec(cls, spec: pb.JobSpec) -> JobSettings:
@@ -108,7 +110,22 @@ class JobSettings:
                    FailurePolicy(int(spec.max_faults or DEFAULT_MAX_FAULTS),
                                  int(spec.max_preemptions or DEFAULT_MAX_PREEMPTIONS),
                                  float(spec.failure_window_s or DEFAULT_FAILURE_WINDOW_S)),
-                   float(spec.compile_timeout_s or DEFAULT_COMPILE_TIMEOUT_S), nonfinite_mode(spec))
+                   float(spec.compile_timeout_s or DEFAULT_COMPILE_TIMEOUT_S), nonfinite_mode(spec),
+                   _spikes(spec, int(spec.checkpoint_every or DEFAULT_CHECKPOINT_EVERY)))
+
+
+def _spikes(spec: pb.JobSpec, every: int) -> SpikeSettings:
+    """The spike policy; a rollback (on a spike, or ``on_nonfinite = "rollback"``) needs checkpoints enough to go
+    back ``spike_rewind`` steps. Raises ValueError naming the settings."""
+    spikes = SpikeSettings.from_spec(spec, every)
+    if spikes.mode != "rollback" and nonfinite_mode(spec) != "rollback":
+        return spikes
+    keep = int(spec.keep_checkpoints or DEFAULT_KEEP)
+    if keep * every < spikes.rewind + 2 * every:
+        raise ValueError(f"a rollback goes back spike_rewind={spikes.rewind} steps, but keep_checkpoints={keep} "
+                         f"cuts every {every} steps keep only {keep * every}: keep at least "
+                         f"{-(-(spikes.rewind + 2 * every) // every)} checkpoints, or rewind less")
+    return spikes
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class JobView:
     resharded: tuple[Reshard, ...] = ()
     stop: StopRequest | None = None  # a suspend or cancel asked and not yet carried out
     stalls: int = 0
+    integrity: Mapping[str, Any] = field(default_factory=_empty)  # skips and rollbacks (job/rollback.py to_json)
     started_at: float = 0.0  # wall time of the run's first start (a resume keeps it)
     running_s: float = 0.0  # seconds this executor has run (until it ended)
     at: float = 0.0  # wall time, on the job's clock, when the view was taken (the record's ``at``)

@@ -20,7 +20,7 @@ MAX_PANELS = 4
 _W, _PANEL_H = 960, 170
 _LEFT, _RIGHT, _TOP, _BOTTOM = 70, 900, 22, 140  # one panel's plot area (y offsets within the panel)
 MARK_COLOURS = {"fault": "#d62728", "stall": "#b36b00", "nonfinite": "#d62728", "resumed": "#7f7f7f",
-                "adopted": "#7f7f7f"}
+                "adopted": "#7f7f7f", "spike": "#9467bd", "rollback": "#9467bd"}
 
 
 def metrics_svg(curves: Mapping[str, Sequence[Sequence[Any]]], marks: Sequence[Mapping[str, Any]],

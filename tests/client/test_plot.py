@@ -107,8 +107,8 @@ def test_on_nonfinite_is_a_choice_of_rallypoint_run_and_reaches_the_job_spec() -
     from tests.examples import example
 
     r = CliRunner().invoke(main, ["run", "--reference", "--on-nonfinite", "ignore", str(ROOT / "examples" / "x.py")])
-    assert r.exit_code == 2 and "'ignore' is not one of 'stop', 'warn'" in r.output, r.output
-    assert "--on-nonfinite [stop|warn]" in CliRunner().invoke(main, ["run", "--help"]).output
+    assert r.exit_code == 2 and "'ignore' is not one of 'stop', 'warn', 'rollback'" in r.output, r.output
+    assert "--on-nonfinite [stop|warn|rollback]" in CliRunner().invoke(main, ["run", "--help"]).output
     spec = job_spec(compile_program(example("rl_loop").build(steps=2)), on_nonfinite="warn")
     assert spec.on_nonfinite == "warn"
     line = describe_event({"event": "job.nonfinite", "step": 7, "metric": "loss", "value": "nan", "node": "train",

@@ -78,9 +78,10 @@ def test_the_writer_appends_json_lines_and_a_refused_write_is_logged_once_and_ne
     assert not MetricsLog(None, log).write({"step": 0})  # a job without a run directory keeps no file
 
 
-def test_on_nonfinite_is_stop_warn_or_empty_and_anything_else_names_the_choices() -> None:
+def test_on_nonfinite_is_stop_warn_rollback_or_empty_and_anything_else_names_the_choices() -> None:
     assert nonfinite_mode(pb.JobSpec()) == "stop" and nonfinite_mode(pb.JobSpec(on_nonfinite="warn")) == "warn"
-    with pytest.raises(ValueError, match=r"on_nonfinite 'ignore' is not one of \['stop', 'warn'\]"):
+    assert nonfinite_mode(pb.JobSpec(on_nonfinite="rollback")) == "rollback"
+    with pytest.raises(ValueError, match=r"on_nonfinite 'ignore' is not one of \['stop', 'warn', 'rollback'\]"):
         nonfinite_mode(pb.JobSpec(on_nonfinite="ignore"))
     assert JobSettings.from_spec(pb.JobSpec(job="j", on_nonfinite="warn")).on_nonfinite == "warn"
 

@@ -32,12 +32,13 @@ FACT_NAMES = {"_cut", "cut", "_floor", "log_floor", "_holds", "holds", "_halted"
 # The movers, reached through an object named ``progress`` or ``grants``: the executor alone uses them.
 MOVERS = {
     "progress": {"begin", "instance", "complete", "widen", "halt", "commit", "drop_commit", "restored", "floor",
-                 "reset_floor"},
+                 "reset_floor", "rewind"},
     "grants": {"begin", "widen", "halt", "hold", "refused", "retry"},
     "term": {"drop_commit"},  # a commit dropped in etcd: the executor's _drop_commit, with the progress
 }
-# The executor: its loop (executor.py) and the two modules its event handling and its losses were split into.
-EXECUTOR = ("job/executor.py", "job/events.py", "job/losses.py")
+# The executor: its loop (executor.py) and the modules its event handling, its losses and its rollbacks (a whole
+# job back to an older cut) were split into.
+EXECUTOR = ("job/executor.py", "job/events.py", "job/losses.py", "job/rollback.py")
 CUT_MOVER = "job/cut.py"  # the executor's JobCut: the cut, the commits and the log floor others decided
 
 

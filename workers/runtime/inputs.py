@@ -15,6 +15,10 @@ worker moves device to device; the arguments of an instance are laid out as the
 node's exported program takes them. A small host value (under
 ``residency.SMALL_VALUE_BYTES``: the step numbers, a small pushed value) is left for the
 call to copy on, which XLA's dispatch does faster than an explicit ``jax.device_put``.
+
+A source's step argument is the stream position the step reads: the step itself, unless the run
+skips batches (``LoadJobRequest.skips``, :mod:`rallypoint.recovery.skips`); a clock source
+(``NodeProgram.clock``) always gets the step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.skips import Skips
 from rallypoint.workers.residency import Copies, is_device_array, place, unstacked
 from rallypoint.workers.runtime.control import JobControl
 from rallypoint.workers.runtime.load import LoadedNode
@@ -44,16 +49,18 @@ class Inputs:
         steps: the job's step count.
         microbatches: microbatches per step.
         copies: where the job's host-device copies are counted (None: not counted).
+        skips: the stream positions the run skips (a source's step argument is the position its step reads).
     """
 
     def __init__(self, control: JobControl, nodes: Mapping[str, LoadedNode], states: Mapping[str, StateVersions], *,
-                 steps: int, microbatches: int, copies: Copies | None = None) -> None:
+                 steps: int, microbatches: int, copies: Copies | None = None, skips: Skips = Skips()) -> None:
         self._control = control
         self._nodes = nodes
         self._states = states
         self._steps = steps
         self._m = microbatches
         self._copies = copies
+        self._skips = skips
         self._inbox = Inbox()
         self._layout: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}  # (node, arg) -> (whole, delivered)
 
@@ -152,7 +159,8 @@ class Inputs:
         for b in n.prog.inputs:
             if b.kind in (B.STEP, B.MICROBATCH):
                 numbers.append(len(args))
-                args.append(np.int32(step if b.kind == B.STEP else (mb if mb >= 0 else 0)))
+                at = step if n.prog.clock or not self._skips else self._skips.position(step)
+                args.append(np.int32(at if b.kind == B.STEP else (mb if mb >= 0 else 0)))
             elif b.kind == B.STATE and b.state in self._states:
                 args += self._states[b.state].use(step)
             elif b.kind == B.GATHER:

@@ -28,6 +28,7 @@ from rallypoint.workers.gang.lead import GangExecutable, GangSlice
 from rallypoint.workers.gang.checkpoint import restore_for_gang
 from rallypoint.workers.checkpoints.pretrained import load_pretrained
 from rallypoint.workers.programs import load_exported, slice_mesh
+from rallypoint.recovery.skips import Skips
 from rallypoint.workers.errors import LoadError, RestoreError
 from rallypoint.workers.runtime.state import Leaves, NodeProgress, StateVersions
 from rallypoint.workers.residency import Copies, place
@@ -220,3 +221,15 @@ def load_states(req: pb.LoadJobRequest, mesh_of: MeshOf, nodes: Mapping[str, Loa
         sv.add(sv.key(start), leaves)
         states[st.name] = sv
     return states
+
+
+def load_skips(req: pb.LoadJobRequest) -> Skips:
+    """The stream positions the run skips (``req.skips``).
+
+    Raises:
+        LoadError: ranges that are not sorted and apart, or too many (the request is refused, nothing loaded).
+    """
+    try:
+        return Skips.from_proto(req.skips)
+    except ValueError as exc:
+        raise LoadError(f"job {req.job!r}: its skipped stream positions are refused: {exc}") from None

@@ -75,7 +75,8 @@ from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.runtime.control import Admit, JobControl
 from rallypoint.workers.runtime.handoff import CheckpointHandoff
 from rallypoint.workers.runtime.inputs import Inputs
-from rallypoint.workers.runtime.load import ProgramFailed, load_nodes, load_states, nodes_by_slice, slice_meshes
+from rallypoint.workers.runtime.load import (ProgramFailed, load_nodes, load_skips, load_states, nodes_by_slice,
+                                             slice_meshes)
 from rallypoint.workers.runtime.outbox import Outbox
 from rallypoint.workers.runtime.routes import Router
 from rallypoint.workers.runtime.scheduler import SliceScheduler
@@ -154,13 +155,14 @@ class JobRuntime:
               commit_factory: Callable[[], CommitFn] | None, faults: WorkerFaults, replicas: ReplicaTier | None,
               warm: WarmCache | None, code: CodeCache | None, t0: float) -> None:
         start = self.start_step
+        self.skips = load_skips(req)
         mesh_of = slice_meshes(req, devices, worker_id, gang)
         self.nodes = load_nodes(req, mesh_of, microbatches=self.m, warm=warm, program_sources=self.program_sources,
                                 worker_id=worker_id)
         self._slice_nodes = nodes_by_slice(req, self.nodes)
         self.states: dict[str, StateVersions] = {}  # filled below, once the routes say where each is pushed
         self.inputs = Inputs(self.control, self.nodes, self.states, steps=self.steps, microbatches=self.m,
-                             copies=self.copies)
+                             copies=self.copies, skips=self.skips)
         self.router = Router(self.control, self.nodes, {st.name for st in req.states}, self.states, self.inputs,
                              self.outbox, steps=self.steps, start_step=start, copies=self.copies)
         self.router.set_routes(req.routes)
@@ -183,7 +185,8 @@ class JobRuntime:
         self._own_code = code is None  # host sources' bundles: the worker's cache, or one of this runtime's
         self._code = code if code is not None else CodeCache()
         try:  # last: nothing after it can fail and leave their processes behind
-            self.host_sources = start_host_sources(req, self.nodes, self._code, self.copies, self._source_policy)
+            self.host_sources = start_host_sources(req, self.nodes, self._code, self.copies, self._source_policy,
+                                                   skips=self.skips)
         except CodeError as exc:
             self._close_code()
             raise ProgramFailed("the job's code bundle", worker_id, exc) from exc

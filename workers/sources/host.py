@@ -38,6 +38,7 @@ import numpy as np
 from rallypoint.basics.errors import RallypointError
 from rallypoint.basics.logs import get_logger
 from rallypoint.etcd.keys import check_name
+from rallypoint.recovery.skips import Skips
 from rallypoint.workers.residency import Copies, place
 from rallypoint.workers.scratch import scratch_dir
 from rallypoint.workers.sources.sandbox import SourcePolicy, source_env
@@ -107,12 +108,14 @@ class SourceLedger:
         return None
 
 
-def instance_order(steps: int, start: int, every: int, mbs: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """The (step, microbatch) a source runs, in the order its slice runs them (``mb`` -1 is asked as 0)."""
+def instance_order(steps: int, start: int, every: int, mbs: Sequence[int],
+                   skips: Skips = Skips()) -> Iterator[tuple[int, int]]:
+    """The (stream position, microbatch) a source is asked for, in the order its slice runs them (``mb`` -1 is
+    asked as 0): the position of each step, as ``skips`` moves it (recovery/skips.py)."""
     for step in range(start, steps):
         if step % every == 0:
             for mb in mbs:
-                yield step, max(mb, 0)
+                yield skips.position(step), max(mb, 0)
 
 
 class HostSource:
@@ -373,11 +376,12 @@ class HostSource:
 
 
 def start_host_sources(req: Any, nodes: Any, code: Any, copies: Copies | None,
-                       policy: SourcePolicy | None = None) -> list[HostSource]:
+                       policy: SourcePolicy | None = None, skips: Skips = Skips()) -> list[HostSource]:
     """A :class:`HostSource` for each host source of the load, in place of its node's program call.
 
     ``nodes``: the loaded nodes (``runtime_load.LoadedNode``); ``code``: the worker's
-    :class:`~rallypoint.workers.code.CodeCache`; ``policy``: what the sources' processes may reach (sandbox.py).
+    :class:`~rallypoint.workers.code.CodeCache`; ``policy``: what the sources' processes may reach (sandbox.py);
+    ``skips``: the stream positions the run skips (recovery/skips.py).
 
     Raises:
         CodeError: the job's code bundle cannot be used.
@@ -394,7 +398,7 @@ def start_host_sources(req: Any, nodes: Any, code: Any, copies: Copies | None,
             started.append(HostSource(
                 n.prog.name, bundle=bundle, file=hs.file, name=hs.name, outputs=[o.name for o in n.prog.outputs],
                 shardings=n.call.in_shardings, avals=[(a.dtype, a.shape) for a in exp.in_avals],
-                order=instance_order(int(req.steps), int(req.start_step), n.prog.every, n.mbs),
+                order=instance_order(int(req.steps), int(req.start_step), n.prog.every, n.mbs, skips),
                 ledger=SourceLedger(req.checkpoint_dir or None, n.prog.name), prefetch=hs.prefetch,
                 copies=copies, job=req.job, mesh=n.call.mesh, policy=policy))
             n.call = started[-1]

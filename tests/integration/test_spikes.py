@@ -1,0 +1,140 @@
+"""Loss spikes rolled back on a real local cluster (docs/integrity.md): real etcd, a real worker process, real
+Orbax checkpoints, and a data source that serves a poisoned batch at one stream position.
+
+One small cluster for the module (one worker of one device, one coordinator). A linear regression
+reads ``x`` from a JAX source of the stream position; the batch at position ``POISON`` is scaled 30x,
+so its step's loss jumps over 60x its baseline and the poisoned gradient wrecks the weights. With
+``on_spike = "rollback"`` the job rolls back to the cut ``REWIND`` steps before, skips the batches of
+``[spike - REWIND, spike + SKIP)`` and ends bitwise equal to the in-process reference given the same
+skip list, with the same loss curve. A learning rate that diverges spikes again after every rollback
+and fails the job after ``max_rollbacks``. A NaN batch under ``on_nonfinite = "rollback"`` is rolled
+back the same way. (The detector and the skips on their own: tests/recovery/test_spikes.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import pytest
+
+from rallypoint.client import Program
+from rallypoint.client.compile import compile_program
+from rallypoint.client.reference import ReferenceExecutor
+from rallypoint.client.submission import JobError, submit
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
+from rallypoint.etcd.commits import read_commits
+from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.skips import Skips
+from tests.conftest import stop_cluster
+
+STEPS, EVERY, POISON, REWIND, SKIP = 16, 2, 9, 3, 2
+SPIKES = {"on_spike": "rollback", "spike_window": 4, "spike_rewind": REWIND, "spike_skip": SKIP, "keep_checkpoints": 4}
+TRUE_W = (1.0, -2.0, 3.0, 0.5)
+
+
+def regression(name: str, *, lr: float = 0.05, poison: float = 30.0) -> Program:
+    """One slice: weights ``w`` fitted by SGD to ``y = x . TRUE_W``; the batch at stream position ``POISON`` has its
+    ``x`` multiplied by ``poison`` (nan: a batch of NaNs)."""
+    prog = Program(name, steps=STEPS, checkpoint_every=EVERY)
+    s = prog.slice("s", devices=1)
+    w = prog.state("w", slice=s, init=lambda: jnp.zeros((4,), jnp.float32))
+
+    def batch(step: Any, mb: Any) -> dict[str, Any]:  # step: the stream position the step reads
+        x = 1.0 + 0.1 * jnp.sin(step.astype(jnp.float32) + jnp.arange(4, dtype=jnp.float32))
+        x = jnp.where(step == POISON, x * poison, x)
+        return {"x": x, "y": jnp.dot(x, jnp.array(TRUE_W, jnp.float32))}
+
+    data = prog.source("data", batch, slice=s, outputs=("x", "y"), per="step")
+
+    def train(w: Any, x: Any, y: Any) -> dict[str, Any]:
+        err = jnp.dot(x, w) - y
+        return {"w": w - lr * err * x, "loss": err * err}
+
+    node = prog.node("train", train, slice=s, inputs={"w": w, "x": data["x"], "y": data["y"]}, outputs=("w", "loss"),
+                     updates={"w": w})
+    prog.metric("loss", node["loss"])
+    return prog
+
+
+@pytest.fixture(scope="module")
+def lc(tmp_path_factory: pytest.TempPathFactory, compile_cache: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster.start(LocalClusterConfig(state_dir=tmp_path_factory.mktemp("spikes"), workers=1, spares=0,
+                                                    devices_per_worker=1, coordinators=1, lease_ttl_s=2,
+                                                    compile_cache_dir=compile_cache))
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+        assert not [p for p in cluster.processes if is_running(p)], "processes left running"
+
+
+def run_dir_of(lc: LocalCluster, job: str) -> Path:
+    return lc.checkpoint_dir / job / (lc.checkpoint_dir / job / "LATEST").read_text().strip()
+
+
+def details(events: list[pb.JobEvent], name: str) -> list[dict[str, Any]]:
+    return [{"step": e.step, **json.loads(e.detail)} for e in events if e.event == name]
+
+
+def test_a_poisoned_batch_is_rolled_back_and_skipped_and_the_run_ends_bitwise_equal_to_the_reference_skipping_it(
+    lc: LocalCluster,
+) -> None:
+    events: list[pb.JobEvent] = []
+    result = submit(compile_program(regression("spiky")), endpoints=lc.endpoints, cluster=lc.keys.cluster,
+                    on_event=events.append, **SPIKES)
+    spikes, rollbacks = details(events, "job.spike"), details(events, "job.rolled_back")
+    assert [(d["step"], d["metric"], d["action"]) for d in spikes] == [(POISON, "loss", "rollback")]
+    assert spikes[0]["value"] > 60 * spikes[0]["baseline"]
+    first = POISON - REWIND
+    assert [(d["step"], d["cut"], d["skipped_steps"], d["skips"]) for d in rollbacks] == [
+        (POISON, first, [first, POISON + SKIP], [[first, POISON + SKIP - first]])]
+    expected = ReferenceExecutor(compile_program(regression("spiky")), skips=Skips.parse([f"{first}:{SKIP + REWIND}"]))
+    reference = expected.run()
+    assert result.state_digest == reference.state_digest  # bitwise, through the rollback
+    assert result.recovery["rollbacks"] == 1
+    # The loss curve: the client's and metrics.jsonl's (the last value per step) are the reference's.
+    assert [m["loss"] for m in result.metrics] == [m["loss"] for m in reference.metrics]
+    curve = read_metrics(run_dir_of(lc, "spiky") / METRICS_FILE)
+    assert [v for _, v in curve.curve("loss")] == pytest.approx([m["loss"] for m in reference.metrics], rel=1e-6)
+    assert [(m["kind"], m["step"]) for m in curve.plot_marks()] == [("spike", POISON), ("rollback", POISON)]
+    # The record keeps the skips (a resume or adoption reads them); no commit holds a state the spike made.
+    store = lc.store()
+    try:
+        record = store.get(lc.keys.job("spiky")).json()
+        assert record["skips"] == [[first, POISON + SKIP - first]] and record["rollback_count"] == 1
+        assert sorted(c.step for c in read_commits(store, lc.keys, "spiky")["s"])[-1] == STEPS
+    finally:
+        store.close()
+
+
+def test_a_spike_that_recurs_after_every_rollback_fails_the_job_after_max_rollbacks_naming_the_steps(
+    lc: LocalCluster,
+) -> None:
+    events: list[pb.JobEvent] = []
+    with pytest.raises(JobError) as info:
+        submit(compile_program(regression("unstable", lr=1.0)), endpoints=lc.endpoints, cluster=lc.keys.cluster,
+               on_event=events.append, **SPIKES, max_rollbacks=2)
+    rollbacks = details(events, "job.rolled_back")
+    assert len(rollbacks) == 2, rollbacks
+    steps = [d["spike"]["step"] for d in rollbacks]
+    message = str(info.value)
+    assert "the job rolled back 2 times already" in message and f"spikes at steps {steps[0]}, {steps[1]}" in message
+    assert "max_rollbacks" in message, message
+
+
+def test_a_nan_batch_under_on_nonfinite_rollback_is_skipped_like_a_spike(lc: LocalCluster) -> None:
+    events: list[pb.JobEvent] = []
+    result = submit(compile_program(regression("nan-batch", poison=float("nan"))), endpoints=lc.endpoints,
+                    cluster=lc.keys.cluster, on_event=events.append, on_nonfinite="rollback",
+                    spike_rewind=REWIND, spike_skip=SKIP, keep_checkpoints=4)
+    assert [(d["step"], d["action"]) for d in details(events, "job.nonfinite")] == [(POISON, "rollback")]
+    assert [(d["cut"], d["skipped_steps"]) for d in details(events, "job.rolled_back")] == [
+        (POISON - REWIND, [POISON - REWIND, POISON + SKIP])]
+    reference = ReferenceExecutor(compile_program(regression("nan-batch", poison=float("nan"))),
+                                  skips=Skips.parse([f"{POISON - REWIND}:{SKIP + REWIND}"])).run()
+    assert result.state_digest == reference.state_digest
