@@ -35,6 +35,12 @@ Every injector is a method of :class:`Injectors` named after the fault's kind (s
 * ``disk_full`` / ``disk_readonly``: the checkpoint directory fills up or turns
   read-only (:class:`rallypoint.chaos.storage.Storage`: a small tmpfs when root, else an error
   injected at the storage layer).
+* ``corrupt``: silent data corruption. The workers of a scenario with a corrupt fault are started with a
+  corrupt flag file (``WorkerFaults.corrupt_flag``); the injector adds a spec to it naming the worker that
+  holds the target slice now, the slice (and the node, when the target is one), the fault's ``at_step``
+  (0 for a fault at a time) and its ``mode``. That worker then flips one bit of the slice's state at its
+  first update of a step at or past it (``once``), or at every one (``persist``): the job goes on, and
+  its final state differs from the reference's (:mod:`rallypoint.workers.corruption`).
 * ``suspend``: an operator's suspend of the whole job (``SuspendJob``, as ``rallypoint
   suspend``; refused, and recorded as an injection error, when the leader refuses it). The job
   saves at its next step boundary (after a recovery under way) and ends SUSPENDED; the harness
@@ -91,6 +97,7 @@ class Target:
     members: dict[str, list[str]] = field(default_factory=dict)  # multi-host slice -> its members' workers, in order
     network: Any = None  # chaos.network partition control, when the scenario partitions
     storage: Any = None  # chaos.storage.Storage, when the scenario fills or freezes the disk
+    corrupt_flag: Path | None = None  # the workers' corrupt flag file, when the scenario corrupts
 
     def worker_of(self, target: str) -> str:
         slice_name, _, k = target.partition("#")  # SLICE#K: member K of a multi-host slice (docs/multihost.md)
@@ -415,6 +422,23 @@ class Injectors:
         st = self._storage()
         detail = st.freeze()
         return detail, st.thaw
+
+    # -- silent data corruption -------------------------------------------------------------------
+
+    def corrupt(self, spec: FaultSpec) -> tuple[dict[str, Any], Heal | None]:
+        from rallypoint.workers.corruption import CorruptSpec, read_specs, write_specs
+
+        flag = self.t.corrupt_flag
+        if flag is None:
+            raise InjectionError("this cluster's workers were started without a corrupt flag (no corrupt hook)")
+        s = self.t.slice_of(spec.target)
+        w = self.t.worker_of(s)
+        armed = CorruptSpec(s, spec.at_step or 0, spec.mode or "persist", worker=w,
+                            node=spec.target if spec.target in self.t.node_slice else "")
+        write_specs(flag, [*read_specs(flag), armed])
+        self._struck = time.time()
+        return {"worker": w, "slice": s, "node": armed.node, "step": armed.step, "mode": armed.mode,
+                "flag": str(flag)}, None
 
     # -- the operator ----------------------------------------------------------------------------
 

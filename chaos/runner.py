@@ -167,13 +167,15 @@ class ScenarioRun:
         schedule = s.schedule(list(program.slices))
         network = None
         storage = Storage(state_dir / "checkpoints") if {"disk_full", "disk_readonly"} & s.kinds else None
+        corrupt_flag = state_dir / "corrupt-fault.json" if "corrupt" in s.kinds else None
         config = LocalClusterConfig(
             state_dir=state_dir, workers=s.workers or len(program.slices), spares=s.spares,
             devices_per_worker=s.devices_per_worker or max(sl.devices for sl in program.slices.values()),
             coordinators=s.coordinators, etcd_members=s.etcd_members, lease_ttl_s=s.lease_ttl_s,
             compile_cache_dir=self.compile_cache_dir if s.compile_cache else "",
-            # a storage flag, without root; damaged in-memory checkpoint copies, when the scenario asks
-            worker_faults=replace(storage.faults if storage else NO_FAULTS, corrupt_replicas=s.corrupt_replicas),
+            # a storage flag, without root; damaged in-memory checkpoint copies, corrupt state: when the scenario asks
+            worker_faults=replace(storage.faults if storage else NO_FAULTS, corrupt_replicas=s.corrupt_replicas,
+                                  corrupt_flag=str(corrupt_flag) if corrupt_flag else ""),
             coordinator_hooks=ExecutorHooks(skip_replay=self.break_replay), supervise=s.supervise)
         if "partition" in s.kinds:
             from rallypoint.chaos.network import start_partitionable_cluster
@@ -183,7 +185,7 @@ class ScenarioRun:
             self.lc = LocalCluster.start(config)
         lc = self.lc
         self.target = Target(lc, program.name, {n: sp.slice for n, sp in program.nodes.items()},
-                             network=network, storage=storage)
+                             network=network, storage=storage, corrupt_flag=corrupt_flag)
         self.injectors = Injectors(self.target)
         self.job = ScenarioFollower(lc, self.target, self.injectors, done=self.done, say=self.say)
         self.scheduler = FaultScheduler(self.injectors, self.job, done=self.done, say=self.say)

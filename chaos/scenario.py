@@ -44,6 +44,12 @@ at_step = 12                        # or at_s = 5.0
 # until_step = 100                  # or: in force until the job reaches this step (instead of duration_s)
 # devices = 2                       # tenant: devices of the target worker another holder takes (default: all free)
 
+[[faults]]                          # silent data corruption: the worker holding the target slice (or node) flips
+kind = "corrupt"                    # one bit of the slice's state at each update from at_step on ("persist", the
+target = "stage1"                   # default) or at the first one ("once"); nothing detects it yet, so the run's
+at_step = 5                         # final-state-digest invariant fails (workers/corruption.py, docs/chaos.md)
+mode = "once"
+
 [[faults]]                          # an operator's suspend (no target): saved at the next step boundary, every
 kind = "suspend"                    # device released; once the job is SUSPENDED the harness waits resume_after_s
 at_step = 12                        # and resumes it (ResumeJob), then follows it to its end
@@ -83,10 +89,14 @@ KINDS = {
     "disk_full": (False, True), "disk_readonly": (False, True),
     "tenant": (True, True),
     "suspend": (False, False),  # an operator's action, not a fault: the harness resumes the job (resume_after_s)
+    "corrupt": (True, False),  # silent data corruption of the target slice's state (workers/corruption.py)
 }
 DEFAULT_DURATION_S = 3.0
 DEFAULT_RESUME_AFTER_S = 1.0  # a suspend: how long the job stays SUSPENDED before the harness resumes it
 OPERATOR_KINDS = frozenset({"suspend"})  # scheduled only: never drawn at random ([random].kinds refuses them)
+# Scheduled only as well: nothing detects a corruption yet, so a campaign drawing one would always fail its digest.
+SCHEDULED_ONLY = OPERATOR_KINDS | {"corrupt"}
+CORRUPT_MODES = ("persist", "once")
 
 
 @dataclass(frozen=True)
@@ -100,12 +110,14 @@ class FaultSpec:
     devices: int = 0  # tenant: how many of the worker's free devices it takes (0: all)
     until_step: int | None = None  # in force until the job reaches this step (instead of duration_s)
     resume_after_s: float | None = None  # suspend: seconds the job stays SUSPENDED before the harness resumes it
+    mode: str = ""  # corrupt: "persist" (every state update from the step on) or "once"
 
     def describe(self) -> str:
         when = f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:.2f}s"
         until = f" until step {self.until_step}" if self.until_step is not None else ""
         resume = f", resumed {self.resume_after_s:g}s after" if self.resume_after_s is not None else ""
-        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}{until}{resume}"
+        mode = f" ({self.mode})" if self.mode else ""
+        return f"{self.kind}{' ' + self.target if self.target else ''} at {when}{until}{resume}{mode}"
 
 
 @dataclass(frozen=True)
@@ -275,8 +287,8 @@ def load_scenario(path: Path) -> Scenario:
         where = f"{w} [[faults]] #{i + 1}"
         if not isinstance(f, dict):
             raise ConfigError(f"{where}: expected a table")
-        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "until_step", "devices", "resume_after_s"},
-                 where)
+        _unknown(f, {"kind", "target", "at_step", "at_s", "duration_s", "until_step", "devices", "resume_after_s",
+                     "mode"}, where)
         kind = _get(f, "kind", str, where, "")
         if kind not in KINDS:
             raise ConfigError(f"{where}.kind: {kind!r} is not one of {sorted(KINDS)}")
@@ -294,6 +306,13 @@ def load_scenario(path: Path) -> Scenario:
         elif "resume_after_s" in f:
             raise ConfigError(f"{where}.resume_after_s: only a suspend is resumed; a {kind} fault takes no "
                               "resume_after_s")
+        mode = ""
+        if kind == "corrupt":
+            mode = _get(f, "mode", str, where, "persist")
+            if mode not in CORRUPT_MODES:
+                raise ConfigError(f"{where}.mode: {mode!r} is not one of {', '.join(CORRUPT_MODES)}")
+        elif "mode" in f:
+            raise ConfigError(f"{where}.mode: only a corrupt fault takes a mode; a {kind} fault takes none")
         at_step, at_s = _get(f, "at_step", int, where), _get(f, "at_s", (int, float), where)
         if (at_step is None) == (at_s is None):
             raise ConfigError(f"{where}: give exactly one of at_step and at_s")
@@ -314,17 +333,17 @@ def load_scenario(path: Path) -> Scenario:
         if devices < 0 or (devices and kind != "tenant"):
             raise ConfigError(f"{where}.devices: only a tenant fault takes devices (>= 1; 0 or absent: all free ones)")
         faults.append(FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), duration,
-                                devices=devices, until_step=until_step, resume_after_s=resume_after))
+                                devices=devices, until_step=until_step, resume_after_s=resume_after, mode=mode))
     rnd = None
     if "random" in data:
         r = _get(data, "random", dict, w)
         where = f"{w} [random]"
         _unknown(r, {"seed", "mtbf_s", "duration_s", "kinds", "targets", "fault_duration_s"}, where)
         kinds = tuple(_get(r, "kinds", list, where, ["kill"]))
-        bad = [k for k in kinds if k not in KINDS or k in OPERATOR_KINDS]
+        bad = [k for k in kinds if k not in KINDS or k in SCHEDULED_ONLY]
         if bad or not kinds:
-            raise ConfigError(f"{where}.kinds: {bad or 'empty'}: pick from {sorted(set(KINDS) - OPERATOR_KINDS)} "
-                              f"({sorted(OPERATOR_KINDS)}: [[faults]] only, never at random)")
+            raise ConfigError(f"{where}.kinds: {bad or 'empty'}: pick from {sorted(set(KINDS) - SCHEDULED_ONLY)} "
+                              f"({sorted(SCHEDULED_ONLY)}: [[faults]] only, never at random)")
         mtbf = float(_get(r, "mtbf_s", (int, float), where, 10.0))
         if mtbf <= 0:
             raise ConfigError(f"{where}.mtbf_s must be > 0")

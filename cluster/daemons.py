@@ -138,12 +138,15 @@ def _end_now() -> None:
               help="Test fault: while this file exists, checkpoint saves fail with the errno named in it.")
 @click.option("--fault-corrupt-replicas", is_flag=True, hidden=True,
               help="Test fault: every checkpoint copy this worker holds in memory gets one byte flipped.")
+@click.option("--fault-corrupt-flag", default="", hidden=True,
+              help="Test fault: the state updates named by the JSON specs in this file get one bit flipped.")
 def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: bool, devices: int, platform: str | None,
            nondeterministic: bool, host: str,
            port: int, register_timeout_s: float, data_port: int, advertise_address: str, advertise_data_address: str,
            compile_cache_dir: str, preempt_deadline_s: float, metrics_port: int | None, member_pool: int,
            source_hide: tuple[str, ...], source_write: tuple[str, ...], source_sandbox: str,
-           fault_commit_delay_s: float, fault_storage_flag: str, fault_corrupt_replicas: bool) -> None:
+           fault_commit_delay_s: float, fault_storage_flag: str, fault_corrupt_replicas: bool,
+           fault_corrupt_flag: str) -> None:
     """Run the worker daemon (one per accelerator host)."""
     configure_logs()
     from rallypoint.workers.config import WorkerConfig
@@ -160,7 +163,7 @@ def worker(cluster: str, ident: str, lease_ttl_s: int, tls_dir: str, insecure: b
                        preempt_deadline_s=preempt_deadline_s, metrics_port=metrics_port, member_pool=member_pool,
                        source_hide=tuple(source_hide), source_write=tuple(source_write), source_sandbox=source_sandbox,
                        faults=WorkerFaults(commit_delay_s=fault_commit_delay_s, storage_flag=fault_storage_flag,
-                                          corrupt_replicas=fault_corrupt_replicas))
+                                          corrupt_replicas=fault_corrupt_replicas, corrupt_flag=fault_corrupt_flag))
     d = WorkerDaemon(cfg)
     _run_daemon(d.start, d.run, d.request_stop, d.stop, on_sigterm=d.request_preemption)
 

@@ -2,10 +2,11 @@
 
 They are injected, not read from the environment: the worker daemon takes them as
 hidden options (``--fault-commit-delay-s``, ``--fault-storage-flag``,
-``--fault-corrupt-replicas``), the local
+``--fault-corrupt-replicas``, ``--fault-corrupt-flag``), the local
 cluster passes :attr:`rallypoint.cluster.local.LocalClusterConfig.worker_faults` to
 every worker it starts, and the daemon hands them through the runtime to each job's
-checkpoints (:mod:`rallypoint.workers.runtime.checkpoints`).
+checkpoints (:mod:`rallypoint.workers.runtime.checkpoints`) and its state updates
+(:mod:`rallypoint.workers.corruption`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rallypoint.basics.errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerFaults:
-    """Faults a worker injects into its own checkpoints.
+    """Faults a worker injects into its own checkpoints and state.
 
     Attributes:
         commit_delay_s: seconds each checkpoint commit waits after Orbax finalized the
@@ -32,11 +33,14 @@ class WorkerFaults:
         corrupt_replicas: every checkpoint copy this worker holds in memory for a peer
             (:mod:`rallypoint.workers.checkpoints.replicas`) gets one byte flipped when stored, so a
             restore from it fails its checksum and reads the disk.
+        corrupt_flag: a file of ``corrupt`` specs (:mod:`rallypoint.workers.corruption`): the state updates they
+            name get one bit flipped, silently ("": off, and nothing can arm it).
     """
 
     commit_delay_s: float = 0.0
     storage_flag: str = ""
     corrupt_replicas: bool = False
+    corrupt_flag: str = ""
 
     def __post_init__(self) -> None:
         if not self.commit_delay_s >= 0:
@@ -56,6 +60,8 @@ class WorkerFaults:
             out += ["--fault-storage-flag", self.storage_flag]
         if self.corrupt_replicas:
             out += ["--fault-corrupt-replicas"]
+        if self.corrupt_flag:
+            out += ["--fault-corrupt-flag", self.corrupt_flag]
         return out
 
     def check_storage(self, where: str) -> None:

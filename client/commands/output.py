@@ -64,6 +64,15 @@ def progress_bar() -> Any:
 def describe_event(d: dict[str, Any]) -> str:
     """One line for a fault or recovery event in the progress output."""
     ev = d.get("event", "")
+    if ev == "fault.injected" and d.get("armed"):
+        when = "at every state update from" if d.get("mode") == "persist" else "once, at"
+        return (f"[red]fault[/red] {d['fault']}: worker {d.get('worker')} flips a bit of {d.get('slice')}'s state "
+                f"{when} step {d['step']} (silently)")
+    if ev == "digest.compared":
+        if d.get("equal"):
+            return f"state digest {d.get('state_digest')} equals the in-process reference's"
+        return (f"[red]state digest {d.get('state_digest')} differs from the in-process reference's "
+                f"{d.get('reference_digest')}[/red]: the corruption went undetected")
     if ev == "fault.injected":
         what = f"pid {d['pid']} SIGKILL" if "pid" in d else f"not fired: {d.get('error')}"
         return f"[red]fault[/red] {d['fault']}: worker {d.get('worker')} ({what}) at step {d['step']}"

@@ -47,7 +47,9 @@ HOST_DEVICES = 8  # JAX CPU devices of the client process (set before the job fi
 @click.option("--json", "as_json", is_flag=True, help="One JSON event per line instead of a progress bar.")
 @click.option("--fail", "fail", multiple=True, metavar="ACTION:NAME@STEP",
               help="Once the job reaches STEP, act on the worker holding slice or node NAME (repeatable): kill "
-              "(SIGKILL), preempt (SIGTERM, a preemption notice) or drain (as `rallypoint drain`).")
+              "(SIGKILL), preempt (SIGTERM, a preemption notice) or drain (as `rallypoint drain`). Embedded cluster "
+              "only: corrupt (that worker flips one bit of the slice's state at every update from STEP on, silently) "
+              "or corrupt-once (at STEP only); the final digest is then compared with the in-process reference's.")
 @click.option("--policy", type=click.Choice(["partial", "restart-all"]), default=None,
               help="Recovery policy (default partial: only the affected nodes re-run).")
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every K steps (default: the program's).")
@@ -170,6 +172,9 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
                           f"got {straggler_factor}")
     faults = parse_faults(fail, slices=list(program.slices), node_slices={n: s.slice for n, s in program.nodes.items()},
                           steps=program.steps)
+    if cluster and any(f.corrupts for f in faults):
+        raise ConfigError("--fail corrupt arms the workers' corrupt hook, which only an embedded cluster's workers "
+                          "are started with: drop --cluster")
     recovery = {"policy": policy, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep_checkpoints,
                 "on_no_spare": on_no_spare, "wait_timeout_s": wait_timeout_s, "stall_timeout_s": stall_timeout_s,
                 "priority": priority, "stragglers": stragglers, "straggler_factor": straggler_factor,
@@ -208,10 +213,15 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
         where = "cluster" if cluster else "embedded cluster"
 
         def runner(on_step: Callable[[int, dict[str, float]], None]) -> Any:
-            return _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
-                                   faults=faults, say=lambda d: says[0](d), recovery=recovery,
-                                   new_run=new_run, platform=platforms or "cpu",
-                                   runs=EmbeddedRuns(remove=remove_run, keep=keep_runs), after=after)
+            result = _run_on_cluster(compiled, cluster, workers, spares, devices_per_worker, window, on_step, as_json,
+                                     faults=faults, say=lambda d: says[0](d), recovery=recovery,
+                                     new_run=new_run, platform=platforms or "cpu",
+                                     runs=EmbeddedRuns(remove=remove_run, keep=keep_runs), after=after)
+            if any(f.corrupts for f in faults):  # what the corruption did: the reference's digest beside the run's
+                ref = ReferenceExecutor(compiled).run().state_digest
+                says[0]({"event": "digest.compared", "job": program.name, "state_digest": result.state_digest,
+                         "reference_digest": ref, "equal": ref == result.state_digest})
+            return result
 
     with stops(program.name, attached=bool(cluster)):
         _show(program, runner, as_json, where, says)
@@ -297,12 +307,13 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
     from rallypoint.cluster.local import LocalCluster, LocalClusterConfig
     from rallypoint.cluster.local_devices import local_plan
     from rallypoint.proto import rallypoint_pb2 as pb
+    from rallypoint.workers.faults import WorkerFaults
 
     program = compiled.program
     recovery = recovery or {}
 
-    def go(endpoints: Any, name: str, *, fresh: bool) -> Any:
-        injector = FaultInjector(list(faults), endpoints, name, log=say)
+    def go(endpoints: Any, name: str, *, fresh: bool, corrupt_flag: str = "") -> Any:
+        injector = FaultInjector(list(faults), endpoints, name, log=say, corrupt_flag=corrupt_flag)
 
         def on_event(ev: pb.JobEvent) -> None:
             injector.on_event(ev)
@@ -326,17 +337,22 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
     state = Path(tempfile.mkdtemp(prefix=f"rallypoint-{program.name}-"))
     if not quiet:
         click.echo(f"starting an embedded cluster: {n_workers} workers + {spares} spares x {plan.describe()} ({state})")
-    if len(faults) > spares and recovery.get("on_no_spare") != "fail":
-        click.echo(f"note: {len(faults)} kills and {spares} spares: recovery will wait for spares that never come; "
+    kills = [f for f in faults if not f.corrupts]
+    if len(kills) > spares and recovery.get("on_no_spare") != "fail":
+        click.echo(f"note: {len(kills)} kills and {spares} spares: recovery will wait for spares that never come; "
                    "add --spares", err=True)
+    # --fail corrupt: the workers read corrupt specs from this file (workers/corruption.py); without, none can
+    corrupt_flag = str(state / "corrupt-fault.json") if any(f.corrupts for f in faults) else ""
     lc = LocalCluster.start(LocalClusterConfig(state_dir=state, workers=n_workers, spares=spares, devices_per_worker=k,
                                                coordinators=2, tls=not insecure(), checkpoint_dir=root,
-                                               platform=plan.platform, host_devices=host_devices))
+                                               platform=plan.platform, host_devices=host_devices,
+                                               worker_faults=WorkerFaults(corrupt_flag=corrupt_flag)))
     ok = False
     try:
         # This process's library logging (absl, Orbax, JAX) joins the cluster's logs, not the progress bar's lines.
         with library_logs_to(state / "logs" / "client.log"):
-            result = go(lc.endpoints, lc.config.cluster, fresh=True)  # each embedded run is a run of its own
+            result = go(lc.endpoints, lc.config.cluster, fresh=True,  # each embedded run is a run of its own
+                        corrupt_flag=corrupt_flag)
         ok = True
         return result
     finally:

@@ -37,3 +37,23 @@ def test_the_checkpoint_damaged_is_the_workers_newest_even_before_the_leader_pro
     assert newest_commit(store, keys, "j", "s0", "w1").step == 20
     # Another worker's own commits are not this slice's worker's: they are not read.
     assert newest_commit(store, keys, "j", "s0", "w2").step == 10
+
+
+def test_a_corrupt_fault_adds_a_spec_naming_the_slices_worker_to_the_flag_file(tmp_path: Path) -> None:
+    from rallypoint.chaos.injectors import Injectors, Target
+    from rallypoint.chaos.scenario import FaultSpec
+    from rallypoint.workers.corruption import CorruptSpec, read_specs
+
+    flag = tmp_path / "corrupt-fault.json"
+    target = Target(lc=None, job="j", node_slice={"upd": "s1"},  # type: ignore[arg-type]
+                    placement={"s0": "w0", "s1": "w1"}, corrupt_flag=flag)
+    inj = Injectors(target)
+    detail, heal = inj.fire(FaultSpec("corrupt", "s0", at_step=3, mode="once"))
+    assert heal is None and detail["worker"] == "w0" and "struck_at" in detail
+    inj.fire(FaultSpec("corrupt", "upd", at_s=1.0, mode="persist"))  # by time: from any step on
+    assert read_specs(flag) == [CorruptSpec("s0", 3, "once", worker="w0"),
+                                CorruptSpec("s1", 0, "persist", worker="w1", node="upd")]
+    assert inj.fired["corrupt"] == 2
+    with pytest.raises(InjectionError, match="without a corrupt flag"):
+        Injectors(Target(lc=None, job="j", node_slice={}, placement={"s0": "w0"})).fire(  # type: ignore[arg-type]
+            FaultSpec("corrupt", "s0", at_step=3))

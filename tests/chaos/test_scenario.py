@@ -75,6 +75,11 @@ def write(tmp_path: Path, body: str) -> Path:
     ('[[faults]]\nkind = "suspend"\n', r"#1: give exactly one of at_step and at_s"),
     ('[expect]\noutcome = "failed"\n[[faults]]\nkind = "suspend"\nat_step = 5\n', r"its job must end finished"),
     ('[random]\nkinds = ["kill", "suspend"]\n', r"\[random\]\.kinds: \['suspend'\].*never at random"),
+    ('[[faults]]\nkind = "corrupt"\ntarget = "stage1"\nat_step = 5\nmode = "twice"\n',
+     r"#1\.mode: 'twice' is not one of persist, once"),
+    ('[[faults]]\nkind = "kill"\ntarget = "stage1"\nat_step = 5\nmode = "once"\n',
+     r"#1\.mode: only a corrupt fault takes a mode"),
+    ('[random]\nkinds = ["kill", "corrupt"]\n', r"\[random\]\.kinds: \['corrupt'\].*never at random"),
     ('[job.settings]\nLM_VARIANT = ["pipeline"]\n', r"\[job\]\.settings\.LM_VARIANT: a setting is a string or a number"),
     ('[job.settings]\nLM_BIG = true\n', r"\[job\]\.settings\.LM_BIG: a setting is a string or a number, got True"),
 ])
@@ -88,6 +93,14 @@ def test_a_fault_may_last_until_a_step_instead_of_a_duration(tmp_path: Path) -> 
                                          'until_step = 50\n')).faults
     assert (f.until_step, f.duration_s) == (50, 0.0)
     assert f.describe() == "tenant w1 at step 2 until step 50"
+
+
+def test_a_corrupt_fault_is_parsed_with_its_mode_persist_by_default(tmp_path: Path) -> None:
+    first, second = load_scenario(write(tmp_path, '[[faults]]\nkind = "corrupt"\ntarget = "stage1"\nat_step = 5\n'
+                                                  '[[faults]]\nkind = "corrupt"\ntarget = "fwd2"\nat_step = 7\n'
+                                                  'mode = "once"\n')).faults
+    assert (first.kind, first.target, first.at_step, first.mode) == ("corrupt", "stage1", 5, "persist")
+    assert second.mode == "once" and second.describe() == "corrupt fwd2 at step 7 (once)"
 
 
 def test_a_suspend_is_parsed_with_its_resume_delay_and_needs_checkpoints(tmp_path: Path) -> None:

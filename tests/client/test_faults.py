@@ -62,3 +62,47 @@ def test_a_kill_fault_reads_the_worker_through_an_etcd_that_fails_its_first_call
     inj.on_event(pb.JobEvent(event="step.done", step=2))
     (fired,) = inj.fired
     assert "not this host" in fired["error"], fired
+
+
+def test_corrupt_faults_parse_and_are_armed_for_the_slices_worker_before_their_step(tmp_path: Any) -> None:
+    """`--fail corrupt:NAME@STEP` (persist) and `corrupt-once:`: the specs are written before the job runs (any
+    worker holding the slice), then again naming the worker that holds it once the job is placed (and the node,
+    when NAME is one); again for a slice that moved before its step, not after it; no etcd is touched."""
+    from rallypoint.basics.errors import ConfigError
+    from rallypoint.client.commands.faults import parse_faults
+    from rallypoint.workers.corruption import CorruptSpec, read_specs
+
+    faults = parse_faults(["corrupt:s1@3", "corrupt-once:upd2@5"], slices=["s1", "s2"],
+                          node_slices={"upd2": "s2"}, steps=10)
+    assert faults == [Fault("s1", "s1", 3, "corrupt"), Fault("upd2", "s2", 5, "corrupt-once")]
+    try:
+        parse_faults(["rot:s1@3"], slices=["s1"], node_slices={}, steps=10)
+        raise AssertionError("an unknown action is refused")
+    except ConfigError as exc:
+        assert "corrupt, corrupt-once" in str(exc)
+    flag = tmp_path / "corrupt.json"
+
+    def refuse(_endpoints: Any) -> Any:
+        raise AssertionError("a corrupt fault needs no etcd")
+
+    inj = FaultInjector(faults, ["127.0.0.1:1"], "t", connect=refuse, corrupt_flag=str(flag))
+    assert read_specs(flag) == [CorruptSpec("s1", 3, "persist"), CorruptSpec("s2", 5, "once", node="upd2")]
+    assert inj.fired == []
+    inj.on_event(pb.JobEvent(event="job.placed", detail='{"s1": {"worker": "w1"}, "s2": {"worker": "w2"}}'))
+    assert read_specs(flag) == [CorruptSpec("s1", 3, "persist", worker="w1"),
+                                CorruptSpec("s2", 5, "once", worker="w2", node="upd2")]
+    assert [(f["fault"], f["worker"], f.get("armed")) for f in inj.fired] == [
+        ("corrupt:s1@3", "w1", True), ("corrupt-once:upd2@5", "w2", True)]
+    inj.on_event(pb.JobEvent(event="step.done", step=3))  # steps 0..3 done: s1's step reached, s2's not
+    inj.on_event(pb.JobEvent(event="job.recovered", detail='{"placement": {"s1": {"worker": "w3"}, '
+                                                           '"s2": {"worker": "w4"}}}'))
+    assert read_specs(flag) == [CorruptSpec("s1", 3, "persist", worker="w1"),
+                                CorruptSpec("s2", 5, "once", worker="w4", node="upd2")]
+    assert len(inj.fired) == 3 and inj.fired[-1]["worker"] == "w4"
+
+
+def test_a_corrupt_fault_without_a_flag_file_is_reported_not_fired() -> None:
+    inj = FaultInjector([Fault("s1", "s1", 3, "corrupt")], ["127.0.0.1:1"], "t")
+    inj.on_event(pb.JobEvent(event="job.placed", detail='{"s1": {"worker": "w1"}}'))
+    (fired,) = inj.fired
+    assert "without a corrupt flag" in fired["error"] and "armed" not in fired

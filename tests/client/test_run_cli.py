@@ -82,6 +82,20 @@ def test_a_straggler_decision_is_one_line_with_its_numbers() -> None:
                     "moving slices ['stage3'] off worker w3 by drain 1")
 
 
+def test_a_corrupt_fault_and_the_digest_comparison_are_one_line_each() -> None:
+    from rallypoint.client.commands.output import describe_event
+
+    armed = describe_event({"event": "fault.injected", "fault": "corrupt:a@3", "slice": "a", "worker": "w0",
+                            "step": 3, "mode": "persist", "armed": True})
+    assert armed == "[red]fault[/red] corrupt:a@3: worker w0 flips a bit of a's state at every state update from " \
+                    "step 3 (silently)"
+    differs = describe_event({"event": "digest.compared", "state_digest": "ab", "reference_digest": "cd",
+                              "equal": False})
+    assert differs == "[red]state digest ab differs from the in-process reference's cd[/red]: the corruption " \
+                      "went undetected"
+    assert "equals" in describe_event({"event": "digest.compared", "state_digest": "ab", "equal": True})
+
+
 def test_the_failure_policy_options_reach_the_job_spec_and_bad_values_are_refused_naming_them() -> None:
     from click.testing import CliRunner
 

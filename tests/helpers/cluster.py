@@ -47,8 +47,10 @@ def pipeline_and_digest(steps: int = STEPS) -> tuple[CompiledProgram, str]:
 
 
 def run(lc: LocalCluster, compiled: CompiledProgram, faults: list[Fault], *,
-        on_event: Callable[[pb.JobEvent], None] | None = None, **recovery: Any) -> tuple[RunResult, FaultInjector]:
-    injector = FaultInjector(faults, lc.endpoints, lc.keys.cluster)
+        on_event: Callable[[pb.JobEvent], None] | None = None, corrupt_flag: str = "",
+        **recovery: Any) -> tuple[RunResult, FaultInjector]:
+    """``corrupt_flag``: the workers' --fault-corrupt-flag, where ``faults`` corrupt (workers/corruption.py)."""
+    injector = FaultInjector(faults, lc.endpoints, lc.keys.cluster, corrupt_flag=corrupt_flag)
 
     def both(ev: pb.JobEvent) -> None:
         injector.on_event(ev)

@@ -26,6 +26,7 @@ from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.proto import rallypoint_pb2_grpc as pb_grpc
 from rallypoint.recovery.load_plan import SlicePlace, instances_per_step, load_requests
 from rallypoint.workers.daemon import StaleIncarnation
+from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.runtime.service import WorkerRuntimeService
 from tests.conftest import wait_until
 from tests.examples import example
@@ -80,14 +81,16 @@ def make_admit(worker_id: str, incarnation: int, fence: threading.Event) -> Call
 
 
 @contextmanager
-def started_workers(commit_factory: Callable[[], Callable[[CheckpointCommit], None]] | None = None
-                    ) -> Iterator[dict[str, Worker]]:
+def started_workers(commit_factory: Callable[[], Callable[[CheckpointCommit], None]] | None = None,
+                    faults: dict[str, WorkerFaults] | None = None) -> Iterator[dict[str, Worker]]:
+    """``faults``: the fault hooks of a worker, by its id (none for the others)."""
     started: list[Worker] = []
     devs = jax.devices()
     for i, wid in enumerate(("wA", "wB")):
         incarnation, fence = 100 + i, threading.Event()
         service = WorkerRuntimeService(wid, admit=make_admit(wid, incarnation, fence), devices=devs[4 * i : 4 * i + 4],
-                                       incarnation=lambda inc=incarnation: inc, commit_factory=commit_factory)
+                                       incarnation=lambda inc=incarnation: inc, commit_factory=commit_factory,
+                                       faults=(faults or {}).get(wid, NO_FAULTS))
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
         pb_grpc.add_WorkerRuntimeServicer_to_server(service, server)
         port = server.add_insecure_port("127.0.0.1:0")

@@ -60,6 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rallypoint.proto import codec, rallypoint_pb2 as pb
+from rallypoint.workers.corruption import StateCorruption
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.runtime.checkpoints import CommitFn, restore_for_load
 from rallypoint.workers.code import CodeCache, CodeError
@@ -101,6 +102,8 @@ class JobRuntime:
         push_threads: threads pushing outputs to other workers.
         commit_factory: makes this incarnation's checkpoint commit (None: no checkpoints).
         faults: test fault hooks of the job's checkpoints (:mod:`rallypoint.workers.faults`).
+        corrupt: the worker's ``corrupt`` fault hook (:mod:`rallypoint.workers.corruption`; None: off, always in
+            production).
         replicas: the worker's in-memory checkpoint tier (:mod:`rallypoint.workers.checkpoints.replicas`; None: disk only).
         warm: executables compiled ahead for this worker (:mod:`rallypoint.workers.warm`; None: compile at first calls).
         cancel: set by an unload while this load is under way: a gang still forming gives up at once.
@@ -115,10 +118,12 @@ class JobRuntime:
                  incarnation: Callable[[], int], peers: PeerChannels, push_threads: int = 4,
                  commit_factory: Callable[[], CommitFn] | None = None, faults: WorkerFaults = NO_FAULTS,
                  replicas: ReplicaTier | None = None, warm: WarmCache | None = None,
-                 code: CodeCache | None = None, source_policy: SourcePolicy | None = None,
+                 corrupt: StateCorruption | None = None, code: CodeCache | None = None,
+                 source_policy: SourcePolicy | None = None,
                  cancel: threading.Event | None = None) -> None:
         t0 = time.perf_counter()
         self._source_policy = source_policy
+        self._corrupt = corrupt
         self.program_sources: dict[str, str] = {}  # node -> "warm" (compiled ahead) or "cold" (at its first call)
         self.job = req.job
         self.steps = int(req.steps)
@@ -181,7 +186,8 @@ class JobRuntime:
                                        restored_from=min((int(r.step) for r in req.restore), default=None))
         self.scheduler = SliceScheduler(self.control, self._slice_nodes, inputs=self.inputs, router=self.router,
                                         handoff=self.handoff, records=self.records, states=self.states,
-                                        steps=self.steps, start_step=start, copies=self.copies)
+                                        steps=self.steps, start_step=start, copies=self.copies,
+                                        corrupt=self._corrupt)
         self._own_code = code is None  # host sources' bundles: the worker's cache, or one of this runtime's
         self._code = code if code is not None else CodeCache()
         try:  # last: nothing after it can fail and leave their processes behind

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 from rallypoint.basics.errors import RallypointError
 from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.workers.corruption import StateCorruption
 from rallypoint.workers.runtime.records import InstanceRecords
 from rallypoint.workers.residency import Copies, to_host
 from rallypoint.workers.runtime.control import JobControl
@@ -66,13 +67,16 @@ class SliceScheduler:
         steps: the job's step count.
         start_step: the first step this runtime runs.
         copies: where the job's host-device copies are counted (None: not counted).
+        corrupt: the worker's ``corrupt`` fault hook, given each state update before it is stored and sent
+            (:mod:`rallypoint.workers.corruption`; None: off, always in production).
     """
 
     def __init__(self, control: JobControl, slice_nodes: Mapping[str, list[LoadedNode]], *, inputs: Inputs,
                  router: Router, handoff: CheckpointHandoff, records: InstanceRecords,
                  states: Mapping[str, StateVersions], steps: int, start_step: int,
-                 copies: Copies | None = None) -> None:
+                 copies: Copies | None = None, corrupt: StateCorruption | None = None) -> None:
         self._control = control
+        self._corrupt = corrupt
         self._copies = copies
         self._slice_nodes = slice_nodes
         self._inputs = inputs
@@ -226,6 +230,8 @@ class SliceScheduler:
         new_state = False
         for out in n.prog.outputs:
             value, i = leaves[i : i + out.leaves], i + out.leaves
+            if out.updates_state and self._corrupt is not None:  # fault injection: silent data corruption
+                value = self._corrupt(self._control.job, n.prog.slice, n.prog.name, step, value)
             for metric in out.metrics:
                 done.metrics[metric] = metrics[metric]
             self._router.send_output(n.prog.name, out.name, step, mb, value)

@@ -33,6 +33,7 @@ from rallypoint.workers.gang.pieces import PieceAssembler, PieceError, whole_hea
 from rallypoint.workers.code import CodeCache
 from rallypoint.workers.sources.sandbox import SourcePolicy
 from rallypoint.workers.dataplane import Status
+from rallypoint.workers.corruption import corruption_hook
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.runtime.checkpoints import CommitFn
 from rallypoint.workers.checkpoints.replicas import ReplicaStore, ReplicaTier
@@ -87,6 +88,7 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
         self._loading: dict[str, threading.Event] = {}  # job -> set by an UnloadJob while its load is under way
         self.peers = PeerChannels(tls)  # pushes to peers: mutual TLS with this worker's identity
         self.log = get_logger("rallypoint.runtime", worker=worker_id)
+        self.corrupt = corruption_hook(faults.corrupt_flag, worker_id)  # the `corrupt` fault (None: off)
         self.replicas = ReplicaTier(worker_id, self.peers, ReplicaStore(
             corrupt=faults.corrupt_replicas, log=get_logger("rallypoint.replicas", worker=worker_id)))
         self.warm = WarmCache(log=get_logger("rallypoint.warm", worker=worker_id))
@@ -203,7 +205,8 @@ class WorkerRuntimeService(pb_grpc.WorkerRuntimeServicer):
             rt = JobRuntime(request, worker_id=self.worker_id, devices=self._device_list(), admit=self._admit_fn,
                             incarnation=self._incarnation, peers=self.peers, push_threads=self._push_threads,
                             commit_factory=self._commit_factory, faults=self._faults, replicas=self.replicas,
-                            warm=self.warm, code=self.code, source_policy=self.source_policy, cancel=cancel)
+                            corrupt=self.corrupt, warm=self.warm, code=self.code, source_policy=self.source_policy,
+                            cancel=cancel)
         except RestoreError as exc:
             failure = (grpc.StatusCode.DATA_LOSS, str(exc))
             metadata = corrupt_checkpoint_metadata(exc.slice_name, exc.step)
