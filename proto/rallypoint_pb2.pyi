@@ -258,7 +258,7 @@ class Route(_message.Message):
     def __init__(self, node: _Optional[str] = ..., output: _Optional[str] = ..., state: _Optional[str] = ..., consumer_node: _Optional[str] = ..., arg: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., consumer_every: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class LoadJobRequest(_message.Message):
-    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources", "code_sha256", "skips")
+    __slots__ = ("to", "job", "steps", "microbatches", "slices", "nodes", "states", "routes", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "log_limit_bytes", "start_step", "restore", "committed", "replica_targets", "replica_sources", "code_sha256", "skips", "verify")
     TO_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class LoadJobRequest(_message.Message):
     REPLICA_SOURCES_FIELD_NUMBER: _ClassVar[int]
     CODE_SHA256_FIELD_NUMBER: _ClassVar[int]
     SKIPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     to: Identity
     job: str
     steps: int
@@ -297,7 +298,16 @@ class LoadJobRequest(_message.Message):
     replica_sources: _containers.RepeatedCompositeFieldContainer[ReplicaPeer]
     code_sha256: str
     skips: _containers.RepeatedCompositeFieldContainer[SkipRange]
-    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., code_sha256: _Optional[str] = ..., skips: _Optional[_Iterable[_Union[SkipRange, _Mapping]]] = ...) -> None: ...
+    verify: Verification
+    def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., log_limit_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[CheckpointRef, _Mapping]]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., replica_sources: _Optional[_Iterable[_Union[ReplicaPeer, _Mapping]]] = ..., code_sha256: _Optional[str] = ..., skips: _Optional[_Iterable[_Union[SkipRange, _Mapping]]] = ..., verify: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
+
+class Verification(_message.Message):
+    __slots__ = ("job", "commit")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    commit: CheckpointRef
+    def __init__(self, job: _Optional[str] = ..., commit: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
 
 class SkipRange(_message.Message):
     __slots__ = ("start", "count")
@@ -444,7 +454,7 @@ class JobEventsRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class InstanceDone(_message.Message):
-    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s", "busy_s", "saving_s", "group_lost")
+    __slots__ = ("node", "step", "microbatch", "compute_s", "metrics", "error", "checkpoint_slice", "checkpoint_step", "log_bytes", "log_spilled_bytes", "program_source", "compile_s", "busy_s", "saving_s", "group_lost", "verified")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -467,6 +477,7 @@ class InstanceDone(_message.Message):
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     SAVING_S_FIELD_NUMBER: _ClassVar[int]
     GROUP_LOST_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     node: str
     step: int
     microbatch: int
@@ -482,7 +493,20 @@ class InstanceDone(_message.Message):
     busy_s: float
     saving_s: float
     group_lost: GroupLoss
-    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., saving_s: _Optional[float] = ..., group_lost: _Optional[_Union[GroupLoss, _Mapping]] = ...) -> None: ...
+    verified: VerifiedState
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., compute_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., checkpoint_slice: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_spilled_bytes: _Optional[int] = ..., program_source: _Optional[str] = ..., compile_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., saving_s: _Optional[float] = ..., group_lost: _Optional[_Union[GroupLoss, _Mapping]] = ..., verified: _Optional[_Union[VerifiedState, _Mapping]] = ...) -> None: ...
+
+class VerifiedState(_message.Message):
+    __slots__ = ("slice", "step", "checksum", "match")
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    slice: str
+    step: int
+    checksum: str
+    match: bool
+    def __init__(self, slice: _Optional[str] = ..., step: _Optional[int] = ..., checksum: _Optional[str] = ..., match: _Optional[bool] = ...) -> None: ...
 
 class InstanceDoneBatch(_message.Message):
     __slots__ = ("done",)
@@ -651,7 +675,7 @@ class FetchReplicaRequest(_message.Message):
     def __init__(self, to: _Optional[_Union[Identity, _Mapping]] = ..., job: _Optional[str] = ..., slice: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "on_nonfinite", "new_run", "code", "submit_id", "metrics_sinks", "owner", "on_spike", "spike_metric", "spike_window", "spike_factor", "spike_zscore", "spike_rewind", "spike_skip", "max_rollbacks")
+    __slots__ = ("job", "steps", "microbatches", "window", "slices", "nodes", "states", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "policy", "on_no_spare", "wait_timeout_s", "log_limit_bytes", "stall_timeout_s", "priority", "stragglers", "straggler_factor", "straggler_window", "straggler_persist", "warm_spares", "straggler_probation_s", "straggler_repeat_window_s", "max_faults", "max_preemptions", "failure_window_s", "compile_timeout_s", "on_nonfinite", "new_run", "code", "submit_id", "metrics_sinks", "owner", "on_spike", "spike_metric", "spike_window", "spike_factor", "spike_zscore", "spike_rewind", "spike_skip", "max_rollbacks", "verify_every", "verify_seed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -693,6 +717,8 @@ class JobSpec(_message.Message):
     SPIKE_REWIND_FIELD_NUMBER: _ClassVar[int]
     SPIKE_SKIP_FIELD_NUMBER: _ClassVar[int]
     MAX_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_EVERY_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SEED_FIELD_NUMBER: _ClassVar[int]
     job: str
     steps: int
     microbatches: int
@@ -734,7 +760,9 @@ class JobSpec(_message.Message):
     spike_rewind: int
     spike_skip: int
     max_rollbacks: int
-    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., on_nonfinite: _Optional[str] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ..., submit_id: _Optional[str] = ..., metrics_sinks: _Optional[_Iterable[_Union[MetricsSink, _Mapping]]] = ..., owner: _Optional[str] = ..., on_spike: _Optional[str] = ..., spike_metric: _Optional[str] = ..., spike_window: _Optional[int] = ..., spike_factor: _Optional[float] = ..., spike_zscore: _Optional[float] = ..., spike_rewind: _Optional[int] = ..., spike_skip: _Optional[int] = ..., max_rollbacks: _Optional[int] = ...) -> None: ...
+    verify_every: int
+    verify_seed: int
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[int] = ..., microbatches: _Optional[int] = ..., window: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceAssignment, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeProgram, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StateProgram, _Mapping]]] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., keep_checkpoints: _Optional[int] = ..., policy: _Optional[str] = ..., on_no_spare: _Optional[str] = ..., wait_timeout_s: _Optional[float] = ..., log_limit_bytes: _Optional[int] = ..., stall_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., stragglers: _Optional[str] = ..., straggler_factor: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_persist: _Optional[int] = ..., warm_spares: _Optional[int] = ..., straggler_probation_s: _Optional[float] = ..., straggler_repeat_window_s: _Optional[float] = ..., max_faults: _Optional[int] = ..., max_preemptions: _Optional[int] = ..., failure_window_s: _Optional[float] = ..., compile_timeout_s: _Optional[float] = ..., on_nonfinite: _Optional[str] = ..., new_run: _Optional[bool] = ..., code: _Optional[_Union[CodeBundle, _Mapping]] = ..., submit_id: _Optional[str] = ..., metrics_sinks: _Optional[_Iterable[_Union[MetricsSink, _Mapping]]] = ..., owner: _Optional[str] = ..., on_spike: _Optional[str] = ..., spike_metric: _Optional[str] = ..., spike_window: _Optional[int] = ..., spike_factor: _Optional[float] = ..., spike_zscore: _Optional[float] = ..., spike_rewind: _Optional[int] = ..., spike_skip: _Optional[int] = ..., max_rollbacks: _Optional[int] = ..., verify_every: _Optional[int] = ..., verify_seed: _Optional[int] = ...) -> None: ...
 
 class MetricsSink(_message.Message):
     __slots__ = ("kind", "dir")

@@ -27,8 +27,9 @@ from rallypoint.recovery.skips import Skips
 
 ON_SPIKE = ("off", "warn", "rollback")
 SPIKE_FIELDS = ("on_spike", "spike_metric", "spike_window", "spike_factor", "spike_zscore", "spike_rewind",
-                "spike_skip", "max_rollbacks")
-"""The ``JobSpec`` fields of the spike policy (submit settings: ``client/jobspec.py``'s ``RECOVERY_FIELDS``)."""
+                "spike_skip", "max_rollbacks", "verify_every", "verify_seed")
+"""The ``JobSpec`` fields of the spike policy and the verifications (submit settings: ``client/jobspec.py``'s
+``RECOVERY_FIELDS``)."""
 DEFAULT_METRIC = "loss"
 DEFAULT_WINDOW = 20
 DEFAULT_FACTOR = 3.0
@@ -50,6 +51,8 @@ class SpikeSettings:
     rewind: int = 0  # 0: the job's checkpoint interval
     skip: int = DEFAULT_SKIP
     max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
+    verify_every: int = 0  # verify one slice's steps every this many cuts (0: never; orchestrator/job/verify.py)
+    verify_seed: int = 0  # which slices
 
     @classmethod
     def from_spec(cls, spec: Any, checkpoint_every: int) -> SpikeSettings:
@@ -57,7 +60,7 @@ class SpikeSettings:
         mode = spec.on_spike or "off"
         if mode not in ON_SPIKE:
             raise ValueError(f"on_spike {mode!r} is not one of {list(ON_SPIKE)}")
-        for name in ("spike_window", "spike_rewind", "spike_skip", "max_rollbacks"):
+        for name in ("spike_window", "spike_rewind", "spike_skip", "max_rollbacks", "verify_every"):
             if getattr(spec, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(spec, name)}")
         for name in ("spike_factor", "spike_zscore"):
@@ -70,14 +73,15 @@ class SpikeSettings:
         s = cls(mode, spec.spike_metric or DEFAULT_METRIC, int(spec.spike_window or DEFAULT_WINDOW),
                 float(spec.spike_factor or DEFAULT_FACTOR), float(spec.spike_zscore),
                 int(spec.spike_rewind or checkpoint_every), int(spec.spike_skip or DEFAULT_SKIP),
-                int(spec.max_rollbacks or DEFAULT_MAX_ROLLBACKS))
+                int(spec.max_rollbacks or DEFAULT_MAX_ROLLBACKS), int(spec.verify_every), int(spec.verify_seed))
         if s.window < 2:
             raise ValueError(f"spike_window must be >= 2 steps (the baseline is their median), got {s.window}")
         return s
 
     def to_json(self) -> dict[str, Any]:
         return {"on_spike": self.mode, "metric": self.metric, "window": self.window, "factor": self.factor,
-                "zscore": self.zscore, "rewind": self.rewind, "skip": self.skip, "max_rollbacks": self.max_rollbacks}
+                "zscore": self.zscore, "rewind": self.rewind, "skip": self.skip, "max_rollbacks": self.max_rollbacks,
+                "verify_every": self.verify_every, "verify_seed": self.verify_seed}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from rallypoint.client.commands import plot as plot_cli
-from rallypoint.client.commands.spikes import describe_spike
+from rallypoint.client.commands.integrity import describe_spike
 
 EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "suspended": 4}
 DETACHED = 130  # Ctrl-C: the client went, the job goes on

@@ -18,7 +18,7 @@ from rallypoint.basics.logs import configure as configure_logs, library_logs_to
 from rallypoint.client.commands import plot as plot_cli
 from rallypoint.client.commands.kept_runs import EmbeddedRuns, runs_root, settle
 from rallypoint.client.commands.output import describe_event, stops
-from rallypoint.client.commands.spikes import check_spikes, spike_options
+from rallypoint.client.commands.integrity import check_spikes, spike_options
 from rallypoint.recovery.skips import Skips
 from rallypoint.client.commands.clusters import DEFAULT_STATE_DIR, export_platforms_for, insecure, resolve_cluster, tls_options
 

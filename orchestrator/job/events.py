@@ -136,6 +136,7 @@ class JobEvents:
             if self.progress.commit(item.checkpoint_slice, int(item.checkpoint_step)) is not None:
                 self.log.info("job.cut", step=self.progress.cut)
                 self._grant()
+                self.rollbacks.cut_moved(self.progress.cut)  # a verification of the steps up to it, maybe
             return False
         if item.HasField("group_lost"):  # a multi-host slice lost a member (wherever its lead noticed; docs/multihost.md)
             lost, alive = self.places.group_lost(worker, item.group_lost.member_worker,
@@ -195,6 +196,7 @@ class JobEvents:
         if self.progress.recut() is not None:  # a commit that waited for the slices without states
             self.log.info("job.cut", step=self.progress.cut)
             self._grant()
+            self.rollbacks.cut_moved(self.progress.cut)
         self.recovery.progressed()
         if self.progress.widen(self.window.steps):
             self._grant()

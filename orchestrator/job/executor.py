@@ -20,11 +20,10 @@ handle one event. A lost worker starts a :class:`~rallypoint.orchestrator.job.re
 (docs/recovery.md); a stall (no progress for the job's ``stall_timeout_s``) is a
 ``job.stalled`` event and a recovery of the workers the job waits on. Spares warm the
 job's programs (:mod:`rallypoint.orchestrator.job.warm`) once the job has moved after its
-placement or a recovery, and again whenever the spares change.
-
-A suspend or cancel (:mod:`~rallypoint.orchestrator.job.stop`) is looked at on every
-iteration: the job stops at a step boundary with every slice saved there, and ends
-SUSPENDED or CANCELLED with its run kept (a cancel without a final cut ends it at once).
+placement or a recovery, and again whenever the spares change. A loss spike rolls the job back, a conviction
+moves it off a worker computing wrong numbers (job/rollback.py). A suspend or cancel (job/stop.py), looked at on
+every iteration, stops the job at a step boundary with every slice saved there: SUSPENDED or CANCELLED, its run
+kept (a cancel without a final cut ends it at once).
 
 The executor writes only under its own term (:class:`~rallypoint.orchestrator.control.election.TermWriter`);
 when that term ends (:meth:`JobExecutor.stop`, or a newer term, or the lease gone) it
@@ -157,9 +156,8 @@ class JobExecutor:
         self.recorder = JobRecorder(spec.job, keys=keys, txn=self.term.txn, view=self.view, history=self.history,
                                     window=lambda: self.worker_events.window.steps, log=self.log)  # jobs/<job>
         self.record, self._record_quietly = self.recorder.record, self.recorder.quietly
-        self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log,
-                                      microbatches=spec.microbatches, hooks=hooks,
-                                      on_replayed=lambda rec: self.job_metrics.replayed(rec))
+        self.recovery = JobRecoveries(self.port, budget=budget, clock=clock, log=self.log, microbatches=spec.microbatches,
+                                      hooks=hooks, on_replayed=lambda rec: self.job_metrics.replayed(rec))
         self.stragglers = StragglerWatch(spec, JobStragglerPort(  # docs/elastic.md
             spec.job, term=self.term, placement=self.places, loads=self.loads, progress=self.progress,
             drains=self.drains, busy=self.busy, event=self.event), clock=clock, log=self.log)
@@ -171,10 +169,12 @@ class JobExecutor:
                                 placement=self.places, drains=self.drains, recovery=self.recovery, budget=budget,
                                 loss_grace_s=loss_grace_s, settings=asked, clock=clock, set_state=self._set_state,
                                 event=self.event)  # job/losses.py
-        self.rollbacks = JobRollbacks(  # loss spikes rolled back, the run's skipped batches (job/rollback.py)
+        self.rollbacks = JobRollbacks(  # spikes rolled back, skipped batches, verifications (job/rollback.py)
             spec, term=self.term, progress=self.progress, job_cut=self.job_cut, loads=self.loads, port=self.port,
-            recovery=self.recovery, drains=self.drains, stopping=lambda: self.state is JobState.STOPPING, log=self.log, event=self.event, grant=self._grant, recover=self.losses.recover,
-            record=lambda: self.record(), window=lambda: self.worker_events.window.steps, clock=clock, budget=budget)
+            recovery=self.recovery, drains=self.drains, stopping=lambda: self.state is JobState.STOPPING,
+            log=self.log, event=self.event, grant=self._grant, recover=self.losses.recover, record=self.record,
+            window=lambda: self.worker_events.window.steps, clock=clock, budget=budget, places=self.places,
+            tls=tls_of(store))
         self.worker_events = JobEvents(  # what the workers' events move (job/events.py)
             spec, self.graph, workers=self.workers, loads=self.loads, progress=self.progress, placement=self.places,
             drains=self.drains, recovery=self.recovery, stragglers=self.stragglers, step_times=self.step_times,
@@ -191,9 +191,9 @@ class JobExecutor:
         self._checked = float("-inf")
         self.end = JobEnd(spec, workers=self.workers, term=self.term, places=self.places, losses=self.losses,
                           recovery=self.recovery, drains=self.drains, progress=self.progress, clock=clock, log=self.log,
-                          hooks=hooks, step=self.step, set_state=self._set_state)  # the final cut and state (finish.py)
-        self.started_mono = clock.monotonic()
-        self.ended_mono: float | None = None  # when run() ended (the metrics' steps/s stops there)
+                          hooks=hooks, step=self.step, set_state=self._set_state,
+                          settled=self.rollbacks.settled)  # the final cut and state (finish.py)
+        self.started_mono, self.ended_mono = clock.monotonic(), None  # ended: when run() ended (steps/s stops)
 
     # -- what outside code reads and asks (job/view.py) ------------------------------------------
 
@@ -285,7 +285,8 @@ class JobExecutor:
         self.loads.open_run(self.run_dir)
         self.event_log.open(self.run_dir)
         self.job_metrics.open(self.run_dir, self.settings.on_nonfinite)  # a resumed or adopted run appends
-        self.rollbacks.configure(self.settings.spikes, self.settings.on_nonfinite, self.run_dir)
+        self.rollbacks.configure(self.settings.spikes, self.settings.on_nonfinite, self.run_dir,
+                                 self.settings.checkpoint_every, self.settings.log_limit_bytes)
         self.drains.open_run(self.run_dir is not None and self.settings.checkpoint_every > 0)
         self.stragglers.configure(self.settings.stragglers, self.settings.checkpoint_every if self.run_dir else 0)
         self.worker_events.window = StepWindow(self.spec.window, checkpoint_every=self.settings.checkpoint_every,  # window.py
@@ -331,8 +332,7 @@ class JobExecutor:
             if quiet is not None:
                 self.losses.stalled(quiet, self.watchdog)
                 return
-        if self.rollbacks.pending is not None:
-            self.rollbacks.roll_back()  # a spike's rollback that waited for a recovery or a drain to end
+        self.rollbacks.poll()  # a rollback that waited for a recovery or a drain; a verification's result
         if self.state is not JobState.STOPPING:
             self.drains.poll()  # the newest reading of drain and yield requests, if any (read off this thread)
         if self.drains.drains:
@@ -484,7 +484,7 @@ class JobExecutor:
                 "corrupt_checkpoints": self.port.corrupt, "drains": self.drains.to_json(), **self.places.summary(),
                 "stalls": self.watchdog.stalls if self.watchdog else 0, "window": self.worker_events.window.steps,
                 "output_log_peak": self.worker_events.log_peak, "stragglers": self.stragglers.decisions,
-                "final_cut_s": self.end.final_cut_s, "rollbacks": self.rollbacks.count}
+                "final_cut_s": self.end.final_cut_s, **self.rollbacks.summary()}
 
     def _cleanup(self) -> None:
         """Release what the job holds, whatever ended it; a term that is over releases nothing in etcd."""

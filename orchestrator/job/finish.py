@@ -95,19 +95,21 @@ class JobEnd:
 
     def __init__(self, spec: pb.JobSpec, *, workers: JobWorkers, term: JobTerm, places: JobPlacement, losses: Any,
                  recovery: Any, drains: Any, progress: Any, clock: Clock, log: Any, hooks: Any,
-                 step: Callable[[], None], set_state: Callable[[JobState], None]) -> None:
-        self.spec, self.workers, self.term, self.places = spec, workers, term, places
+                 step: Callable[[], None], set_state: Callable[[JobState], None],
+                 settled: Callable[[], bool] = lambda: True) -> None:
+        self.spec, self.workers, self.term, self.places, self.settled = spec, workers, term, places, settled
         self.losses, self.recovery, self.drains, self.progress = losses, recovery, drains, progress
         self.clock, self.log, self.hooks, self.step, self.set_state = clock, log, hooks, step, set_state
         self.final_cut_s: float | None = None  # every step done -> the final cut committed (None: no final cut)
 
     def final_cut(self, checkpoints: bool) -> None:
         """Wait until the cut reaches ``steps``: every slice's final state committed (``checkpoints`` False, or no
-        slice holds states: the job has no checkpoints, so none). The loop runs meanwhile."""
+        slice holds states: the job has no checkpoints, so none), and ``settled`` (the verifications of the end,
+        job/verify.py). The loop runs meanwhile."""
         if not checkpoints or not stateful_slices(self.spec):
             return
         t0 = self.clock.monotonic()
-        while self.progress.cut < self.spec.steps:
+        while self.progress.cut < self.spec.steps or not self.settled():  # a verification may roll it back
             self.step()
         self.final_cut_s = round(self.clock.monotonic() - t0, 4)
         self.log.info("job.final_cut", step=self.spec.steps, wait_s=self.final_cut_s)

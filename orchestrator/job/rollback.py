@@ -25,17 +25,21 @@ detector from ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rallypoint.etcd.cluster_view import read_cluster
+from rallypoint.etcd.store import Put
 from rallypoint.orchestrator.job.cut import JobCut
 from rallypoint.orchestrator.job.loads import JobLoads
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.orchestrator.job.progress import JobProgress, StepDone
 from rallypoint.orchestrator.job.state import JobFailed
 from rallypoint.orchestrator.job.term import JobTerm
+from rallypoint.orchestrator.job.verify import CORDON_BY, Conviction, JobVerifier
 from rallypoint.recovery.decide import Budget, Fail
 from rallypoint.recovery.nonfinite import NonFinite
 from rallypoint.recovery.skips import Skips
@@ -69,8 +73,9 @@ class JobRollbacks:
     def __init__(self, spec: Any, *, term: JobTerm, progress: JobProgress, job_cut: JobCut, loads: JobLoads,
                  port: Any, recovery: Any, drains: Any, stopping: Callable[[], bool], log: Any,
                  event: Callable[..., None],
-                 grant: Callable[[], None], recover: Callable[[dict[str, str]], None],
-                 record: Callable[[], None], window: Callable[[], int], clock: Any, budget: Budget) -> None:
+                 grant: Callable[[], None], recover: Callable[..., None],
+                 record: Callable[[], None], window: Callable[[], int], clock: Any, budget: Budget,
+                 places: Any, tls: Any) -> None:
         self.spec, self.term, self.progress, self.job_cut, self.loads, self.port = \
             spec, term, progress, job_cut, loads, port
         self.recovery, self.drains, self.stopping = recovery, drains, stopping
@@ -83,10 +88,16 @@ class JobRollbacks:
         self.rollbacks: list[dict[str, Any]] = []  # the newest MAX_KEPT_ROLLBACKS
         self.count = 0  # every rollback of the run
         self.pending: Spike | None = None  # a rollback waiting for a recovery or a drain to end
+        self.verifier = JobVerifier(  # silent data corruption: shadow re-execution (job/verify.py)
+            spec, cluster=term.keys.cluster, tls=tls, term=term, placement=lambda: dict(places.slices),
+            skips=lambda: self.skips, cluster_now=lambda: read_cluster(term.store, term.keys),
+            deterministic=lambda: not places.nondeterministic, event=event, log=log)
 
-    def configure(self, settings: SpikeSettings, on_nonfinite: str, run_dir: Path | None) -> None:
+    def configure(self, settings: SpikeSettings, on_nonfinite: str, run_dir: Path | None, checkpoint_every: int,
+                  log_limit_bytes: int) -> None:
         """The job's settings, once checked. Raises JobFailed: a rollback asked of a job without checkpoints."""
         self.settings, self.nonfinite_rollback = settings, on_nonfinite == "rollback"
+        self.verifier.configure(settings.verify_every, settings.verify_seed, run_dir, checkpoint_every, log_limit_bytes)
         self.detector = SpikeDetector(settings)
         if (settings.mode == "rollback" or self.nonfinite_rollback) and run_dir is None:
             raise JobFailed("on_spike or on_nonfinite 'rollback' needs checkpoints to roll back to: give the job a "
@@ -113,7 +124,50 @@ class JobRollbacks:
 
     def to_json(self) -> dict[str, Any]:
         """What the job record keeps (a resume or adoption reads it back: :meth:`adopt`)."""
-        return {"skips": self.skips.to_json(), "rollbacks": list(self.rollbacks), "rollback_count": self.count}
+        return {"skips": self.skips.to_json(), "rollbacks": list(self.rollbacks), "rollback_count": self.count,
+                "verifications": self.verifier.to_json()}
+
+    def summary(self) -> dict[str, Any]:
+        """What ``job.finished`` reports."""
+        return {"rollbacks": self.count, "verifications": self.verifier.to_json()}
+
+    # -- the executor's loop ------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """A rollback waiting for a recovery or a drain to end; a verification's result (a conviction carried out)."""
+        if self.pending is not None:
+            self.roll_back()
+        conviction = self.verifier.poll()
+        if conviction is not None:
+            self.convict(conviction)
+
+    def cut_moved(self, cut: int) -> None:
+        """The job's cut moved: maybe verify a slice's steps up to it (not while anything moves the job)."""
+        self.verifier.cut_moved(cut, busy=bool(self.pending is not None or self.waits()))
+
+    def settled(self) -> bool:
+        """Whether the job may end at its final cut: no rollback waits, the verifications of the end are done."""
+        return self.pending is None and self.verifier.settled()
+
+    def convict(self, c: Conviction) -> None:
+        """A worker computes wrong numbers: cordon it (``suspect-sdc``); when it held the slice, the job goes back
+        to the newest consistent cut at or before the slice's trusted one (the commits past it dropped), every
+        slice reloading there and the suspect's moving to other workers (a recovery of the whole job)."""
+        why = {"by": CORDON_BY, "job": self.spec.job, "slice": c.slice, "step": c.step, "at": self.clock.wall(),
+               "evidence": c.evidence}
+        self.term.txn([Put(self.term.keys.cordon(c.worker), json.dumps(why))])
+        self.log.error("job.suspect_cordoned", worker=c.worker, slice=c.slice, step=c.step, primary=c.primary)
+        if not c.primary:
+            return
+        commits = self.term.commits()
+        cut = self.port.cut_step(commits, c.trusted + 1)
+        for slice_name, cs in commits.items():
+            for x in cs:
+                if x.step > cut:
+                    self.job_cut.drop_commit(slice_name, x.step)
+        self.verifier.forget_from(cut)
+        self.recover({c.worker: f"suspect-sdc: computed slice {c.slice!r} wrong by step {c.step} (verification)"},
+                     unload=frozenset({c.worker}), policy="restart-all")
 
     # -- judging ------------------------------------------------------------------------------------
 
@@ -188,6 +242,7 @@ class JobRollbacks:
         self.progress.rewind(plan.cut, {s: [c.step for c in cs] for s, cs in kept.items()})
         self.progress.widen(self.window())
         self.detector.rewind(plan.cut)
+        self.verifier.forget_from(plan.cut)
         took = round(self.clock.monotonic() - t0, 3)
         self.log.warning("job.rolled_back", took_s=took, **entry)
         self.event("job.rolled_back", step=spike.step, took_s=took, **entry)

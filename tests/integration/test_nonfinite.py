@@ -141,7 +141,7 @@ def test_an_unknown_on_nonfinite_is_refused_at_submit_naming_the_value_and_the_c
     with pytest.raises(JobError) as info:
         submit(compile_program(diverging("nan-bad")), endpoints=lc.endpoints, cluster=lc.keys.cluster,
                on_nonfinite="ignore")
-    assert "INVALID_ARGUMENT" in str(info.value) and "on_nonfinite 'ignore' is not one of ['stop', 'warn']" in str(
+    assert "INVALID_ARGUMENT" in str(info.value) and "on_nonfinite 'ignore' is not one of ['stop', 'warn', 'rollback']" in str(
         info.value)
 
 

@@ -18,10 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import pytest
 
-from rallypoint.client import Program
 from rallypoint.client.compile import compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submission import JobError, submit
@@ -31,36 +29,10 @@ from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.skips import Skips
 from tests.conftest import stop_cluster
+from tests.helpers.regression import POISON, regression
 
-STEPS, EVERY, POISON, REWIND, SKIP = 16, 2, 9, 3, 2
+STEPS, REWIND, SKIP = 16, 3, 2
 SPIKES = {"on_spike": "rollback", "spike_window": 4, "spike_rewind": REWIND, "spike_skip": SKIP, "keep_checkpoints": 4}
-TRUE_W = (1.0, -2.0, 3.0, 0.5)
-
-
-def regression(name: str, *, lr: float = 0.05, poison: float = 30.0) -> Program:
-    """One slice: weights ``w`` fitted by SGD to ``y = x . TRUE_W``; the batch at stream position ``POISON`` has its
-    ``x`` multiplied by ``poison`` (nan: a batch of NaNs)."""
-    prog = Program(name, steps=STEPS, checkpoint_every=EVERY)
-    s = prog.slice("s", devices=1)
-    w = prog.state("w", slice=s, init=lambda: jnp.zeros((4,), jnp.float32))
-
-    def batch(step: Any, mb: Any) -> dict[str, Any]:  # step: the stream position the step reads
-        x = 1.0 + 0.1 * jnp.sin(step.astype(jnp.float32) + jnp.arange(4, dtype=jnp.float32))
-        x = jnp.where(step == POISON, x * poison, x)
-        return {"x": x, "y": jnp.dot(x, jnp.array(TRUE_W, jnp.float32))}
-
-    data = prog.source("data", batch, slice=s, outputs=("x", "y"), per="step")
-
-    def train(w: Any, x: Any, y: Any) -> dict[str, Any]:
-        err = jnp.dot(x, w) - y
-        return {"w": w - lr * err * x, "loss": err * err}
-
-    node = prog.node("train", train, slice=s, inputs={"w": w, "x": data["x"], "y": data["y"]}, outputs=("w", "loss"),
-                     updates={"w": w})
-    prog.metric("loss", node["loss"])
-    return prog
-
-
 @pytest.fixture(scope="module")
 def lc(tmp_path_factory: pytest.TempPathFactory, compile_cache: Path) -> Iterator[LocalCluster]:
     cluster = LocalCluster.start(LocalClusterConfig(state_dir=tmp_path_factory.mktemp("spikes"), workers=1, spares=0,

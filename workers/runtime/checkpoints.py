@@ -34,6 +34,7 @@ from rallypoint.etcd.commits import CheckpointCommit, commit_record_path
 from rallypoint.workers import meter
 from rallypoint.workers.gang.checkpoint import GangCheckpointer
 from rallypoint.workers.checkpoints.checkpointer import SliceCheckpointer
+from rallypoint.workers.checkpoints.checksums import binding, run_of, state_checksum
 from rallypoint.workers.checkpoints.restore import States, restore_commit
 from rallypoint.workers.faults import NO_FAULTS, WorkerFaults
 from rallypoint.workers.residency import Copies, to_host
@@ -65,8 +66,9 @@ def restore(req: pb.LoadJobRequest, fetch: Fetch | None = None,
             continue
         t0 = time.perf_counter()
         states, tier = (fetch(ref) if fetch is not None else None), "memory"
-        if states is None:
-            commit = CheckpointCommit(req.job, ref.slice, int(ref.step), ref.path, ref.checksum)
+        if states is None:  # a verification restores the verified job's commit, bound to that job's name
+            job = req.verify.job if req.HasField("verify") else req.job
+            commit = CheckpointCommit(job, ref.slice, int(ref.step), ref.path, ref.checksum)
             if not req.checkpoint_dir:
                 raise CheckpointCorrupt(commit, None, "the load request names no checkpoint directory to read "
                                                       "it from")
@@ -123,8 +125,11 @@ class JobCheckpoints:
                  on_commit: Callable[[str, int], None], log_fields: Mapping[str, Any],
                  faults: WorkerFaults = NO_FAULTS,
                  replicate: Callable[[CheckpointCommit, States], None] | None = None,
-                 copies: Copies | None = None, gangs: Mapping[str, Any] | None = None) -> None:
+                 copies: Copies | None = None, gangs: Mapping[str, Any] | None = None,
+                 on_verified: Callable[[pb.VerifiedState], None] | None = None) -> None:
         self.job = req.job
+        self.verify = req.verify if req.HasField("verify") else None  # a verification: compare, save nothing
+        self._on_verified = on_verified
         self.gangs = dict(gangs or {})  # slice -> the maker of a multi-host slice's checkpointer
         self.copies = copies
         self._replicate = replicate
@@ -136,18 +141,21 @@ class JobCheckpoints:
         self.log = get_logger("rallypoint.checkpoint", job=req.job, **dict(log_fields))
         assigned = {sa.slice for sa in req.slices}
         self.slices = sorted({st.slice for st in req.states} & assigned)  # slices that hold states
-        self.enabled = bool(self.every > 0 and self.root is not None and commit_factory is not None and self.slices)
+        self.enabled = bool(self.every > 0 and self.slices and (
+            self.verify is not None or (self.root is not None and commit_factory is not None)))
         start = int(req.start_step)
         self._extra: set[int] = set()  # steps a drain asked for, off the every-K schedule
         self._retry_at: dict[str, float] = {}  # slice -> when its failed final save is tried again (monotonic)
         first = self._after(start) if self.every > 0 and start < self.steps else math.inf
+        if self.verify is not None:  # its one "save": the state at the verified step, compared
+            first = int(self.verify.commit.step)
         self.next: dict[str, float] = {s: first for s in self.slices}
         self._already = {(ref.slice, int(ref.step)) for ref in req.committed}
         self.cut = start
         self._ckpt: dict[str, SliceCheckpointer] = {}
         self._keep = int(req.keep_checkpoints) or None
         self._log_fields = dict(log_fields)
-        if self.enabled:
+        if self.enabled and self.verify is None:
             assert commit_factory is not None
             self._commit = commit_factory()
             for s in self.slices:
@@ -257,6 +265,10 @@ class JobCheckpoints:
     def save(self, slice_name: str, step: int, states: Mapping[str, Sequence[Any]]) -> None:
         """Save ``states`` as the slice's checkpoint at ``step``: returns once they are copied off the
         device (the one copy, counted as ``checkpoint``); Orbax writes them in the background."""
+        if self.verify is not None:
+            self.next[slice_name] = math.inf
+            self._verified(slice_name, step, states)
+            return
         self.next[slice_name] = self._after(step)
         self.faults.check_storage(str(self.root))  # fault injection: the disk is full or read-only
         if (slice_name, step) in self._already:  # a replay reached a step whose checkpoint already counts
@@ -266,6 +278,17 @@ class JobCheckpoints:
         else:
             self._checkpointer(slice_name).save(step, {name: to_host(leaves, self.copies, "checkpoint")
                                                        for name, leaves in states.items()})
+
+    def _verified(self, slice_name: str, step: int, states: Mapping[str, Sequence[Any]]) -> None:
+        """A verification reached its step: the checksum of the state it computed, bound to the verified job's
+        identity as the primary's commit is, reported with whether it is the commit's."""
+        assert self.verify is not None
+        ref = self.verify.commit
+        host = {name: to_host(leaves, self.copies, "checkpoint") for name, leaves in states.items()}
+        got = state_checksum(host, bind=binding(self.verify.job, run_of(ref.path, slice_name), slice_name, step))
+        self.log.info("verify.computed", slice=slice_name, step=step, match=got == ref.checksum)
+        if self._on_verified is not None:
+            self._on_verified(pb.VerifiedState(slice=slice_name, step=step, checksum=got, match=got == ref.checksum))
 
     def settle_gangs(self, timeout_s: float) -> bool:
         """Wait (bounded) until the multi-host slices' members have pushed the copies of every commit so far (a

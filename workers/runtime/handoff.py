@@ -61,7 +61,7 @@ class CheckpointHandoff:
         self.checkpoints = JobCheckpoints(req, commit_factory=commit_factory, on_commit=self._committed, faults=faults,
                                           log_fields={"worker": control.worker_id, "incarnation": control.incarnation},
                                           replicate=self.replicator.submit if self.replicator else None,
-                                          copies=copies, gangs=gangs)
+                                          copies=copies, gangs=gangs, on_verified=self._verified)
         for name, sv in states.items():  # keep each state's value for its slice's next checkpoint
             sv.pin(int(min(self.checkpoints.barrier(self._state_slice[name]), self._steps)))
 
@@ -119,6 +119,10 @@ class CheckpointHandoff:
     def _committed(self, slice_name: str, step: int) -> None:
         with self._control.cv:
             self._control.publish(pb.InstanceDone(checkpoint_slice=slice_name, checkpoint_step=step))
+
+    def _verified(self, state: pb.VerifiedState) -> None:
+        with self._control.cv:
+            self._control.publish(pb.InstanceDone(verified=state))
 
     # -- the runtime -----------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""``rallypoint run``'s loss-spike options (docs/integrity.md): the policy, the detector, the rollback, and
-``--skip`` for a reference run that reads what a cluster run with rollbacks read.
+"""``rallypoint run``'s integrity options (docs/integrity.md): the loss-spike policy, its detector and rollback,
+the verifications that catch silent data corruption, and ``--skip`` for a reference run that reads what a
+cluster run with rollbacks read.
 
 :func:`spike_options` adds the options to a command and hands them to it as two arguments:
 ``spikes`` (the ``JobSpec`` fields, None where not given) and ``skips`` (a
@@ -41,6 +42,11 @@ _OPTIONS = (
                  help="Skip the batches of the steps [spike - R, spike + K) (default 1)."),
     click.option("--max-rollbacks", type=int, default=None,
                  help="Rollbacks a run may make; one more fails the job, naming the spikes (default 3)."),
+    click.option("--verify-every", type=int, default=None, metavar="K",
+                 help="Every K-th cut, run one slice's steps since an earlier cut again on an idle worker and compare "
+                 "the state it reaches with the commit, bit for bit; a mismatch is adjudicated on a third worker and "
+                 "the odd one out cordoned (suspect-sdc). Default 0: never."),
+    click.option("--verify-seed", type=int, default=None, help="Which slices the verifications pick (default 0)."),
     click.option("--skip", "skip", multiple=True, metavar="START:COUNT",
                  help="With --reference: skip stream positions START..START+COUNT-1 (repeatable), as a cluster run's "
                  "rollbacks did (`rallypoint status` shows its skips): the reference then reads the same batches."),

@@ -1,0 +1,85 @@
+"""A verification's decisions without a cluster (orchestrator/job/verify.py): which slices can be verified alone,
+how a match extends the trusted cuts, and who the odd one out is after a mismatch. On a real cluster, with a
+worker that corrupts its state: tests/integration/test_verify.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rallypoint.etcd.commits import CheckpointCommit
+from rallypoint.orchestrator.job.verify import Check, JobVerifier, closed_slices
+from rallypoint.proto import rallypoint_pb2 as pb
+from rallypoint.recovery.skips import Skips
+
+B = pb.InputBinding
+
+
+def pipeline() -> pb.JobSpec:
+    """a (states, reads its own source) -> b (states, reads a's output); g: a gang slice with states."""
+    return pb.JobSpec(job="j", steps=4, slices=[pb.SliceAssignment(slice="a"), pb.SliceAssignment(slice="b"),
+                                                pb.SliceAssignment(slice="g", members=[pb.GangMember()])],
+                      nodes=[pb.NodeProgram(name="src", slice="a", inputs=[B(arg="step", kind=B.STEP)]),
+                             pb.NodeProgram(name="fa", slice="a", inputs=[B(arg="x", kind=B.REF, node="src"),
+                                                                          B(arg="w", kind=B.STATE, state="wa")]),
+                             pb.NodeProgram(name="fb", slice="b", inputs=[B(arg="x", kind=B.REF, node="fa"),
+                                                                          B(arg="w", kind=B.STATE, state="wb")]),
+                             pb.NodeProgram(name="fg", slice="g", inputs=[B(arg="w", kind=B.STATE, state="wg")])],
+                      states=[pb.StateProgram(name="wa", slice="a"), pb.StateProgram(name="wb", slice="b"),
+                              pb.StateProgram(name="wg", slice="g")])
+
+
+def test_only_a_slice_that_reads_its_own_outputs_and_states_and_runs_on_one_worker_is_verified() -> None:
+    assert closed_slices(pipeline()) == ["a"]
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, int, dict[str, Any]]] = []
+
+    def __call__(self, name: str, step: int = 0, **detail: Any) -> None:
+        self.got.append((name, step, detail))
+
+
+def verifier(events: _Events) -> JobVerifier:
+    v = JobVerifier(pipeline(), cluster="c", tls=None, term=None, placement=dict, skips=Skips,
+                    cluster_now=lambda: None, deterministic=lambda: True, event=events,  # type: ignore[arg-type]
+                    log=_Log())
+    v.configure(1, 0, None, 2, 0)
+    v.trusted = {"a": {0}}
+    return v
+
+
+class _Log:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def check(number: int, start: int, step: int, verifier: str, checksum: str, *, first: Check | None = None) -> Check:
+    c = Check(number, "a", start, step, "w0", verifier, CheckpointCommit("j", "a", step, f"/r/a/w/{step}", "P"),
+              None, 1, first)
+    c.result = pb.VerifiedState(slice="a", step=step, checksum=checksum, match=checksum == "P")
+    return c
+
+
+def test_a_match_from_a_trusted_cut_makes_its_cut_trusted_and_one_from_an_untrusted_cut_does_not() -> None:
+    events = _Events()
+    v = verifier(events)
+    v.done.put(check(1, 0, 2, "w1", "P"))
+    assert v.poll() is None and v.trusted["a"] == {0, 2} and v.verified == 1
+    v.done.put(check(2, 4, 6, "w1", "P"))
+    assert v.poll() is None and v.trusted["a"] == {0, 2} and v.verified == 2
+    assert [name for name, _, _ in events.got] == ["job.verified", "job.verified"]
+    v.forget_from(0)
+    assert v.trusted["a"] == {0}
+
+
+def test_after_a_mismatch_the_third_worker_names_the_odd_one_out() -> None:
+    v = verifier(_Events())
+    v.trusted["a"] = {0, 2}
+    first = check(1, 2, 4, "w1", "V")
+    got = v._adjudicated(first, check(2, 2, 4, "w2", "V", first=first))  # the third agrees with the verifier
+    assert got is not None and (got.worker, got.primary, got.trusted) == ("w0", True, 2)
+    got = v._adjudicated(first, check(3, 2, 4, "w2", "P", first=first))  # ... with the primary
+    assert got is not None and (got.worker, got.primary) == ("w1", False)
+    assert v._adjudicated(first, check(4, 2, 4, "w2", "X", first=first)) is None  # three answers: not deterministic
+    assert [m["verdict"] for m in v.mismatches] == ["convicted", "convicted", "inconclusive"]
