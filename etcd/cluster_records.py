@@ -100,6 +100,7 @@ class WorkerSnapshot:
     devices: tuple[int, ...]
     holders: dict[int, Holder]
     cordoned: bool
+    cordoned_by: str = ""  # who cordoned it, as its cordon record says ("operator", "drain", "suspect-sdc", ...)
 
     @property
     def free(self) -> list[int]:

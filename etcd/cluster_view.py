@@ -9,6 +9,8 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.records import Fields, key_index, key_parts, skip_bad
 from rallypoint.etcd.store import Get, KeyValue, Store
 
+MAX_BY = 64  # characters of a cordon's "by" kept (a longer one is cut: it is only shown)
+
 __all__ = ["ClusterSnapshot", "Holder", "WorkerInfo", "WorkerSnapshot", "job_records", "parse_job_records", "read_cluster"]
 
 
@@ -29,8 +31,12 @@ def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
         if (h := skip_bad(lambda kv=kv: (_device(kv.key, keys.leases, "holder"), Holder.from_json(kv.value, kv.key)))):
             (w, idx), holder = h
             holders.setdefault(w, {})[idx] = holder
-    cordoned = frozenset(c for kv in cordon_kv
-                         if (c := skip_bad(lambda kv=kv: key_parts(kv.key, keys.cordons, 1, "cordon")[0])))
+    by: dict[str, str] = {}
+    for kv in cordon_kv:
+        if (c := skip_bad(lambda kv=kv: key_parts(kv.key, keys.cordons, 1, "cordon")[0])):
+            who = skip_bad(lambda kv=kv: Fields.of(kv, "cordon").raw.get("by"))
+            by[c] = who[:MAX_BY] if isinstance(who, str) else ""
+    cordoned = frozenset(by)
     workers = {}
     for kv in workers_kv:
         info = skip_bad(lambda kv=kv: WorkerInfo.from_kv(key_parts(kv.key, keys.workers, 1, "worker")[0], kv))
@@ -42,6 +48,7 @@ def read_cluster(store: Store, keys: Keys) -> ClusterSnapshot:
             devices=tuple(sorted(devices.get(w, []))),
             holders=holders.get(w, {}),
             cordoned=w in cordoned,
+            cordoned_by=by.get(w, ""),
         )
     lost = {}
     for kv in lost_kv:

@@ -20,6 +20,7 @@ from rallypoint.etcd.records import parsed
 from rallypoint.client.commands.clusters import cluster_options, resolve_cluster, store_and_keys
 from rallypoint.basics.errors import RallypointError
 from rallypoint.etcd.keys import check_name
+from rallypoint.recovery.skips import Skips
 
 
 def job_status(store: Any, keys: Any, job: str) -> dict[str, Any]:
@@ -181,11 +182,46 @@ def status(state_dir: Path, cluster: str | None, job: str, as_json: bool) -> Non
     for f in rec.get("failures", []):
         con.print(f"failure: worker {f['worker']} (incarnation {f['incarnation']}, slices {', '.join(f['slices'])}) "
                   f"at step {f['step']}: {f['reason']}")
+    for line in integrity_lines(rec):
+        con.print(line)
     for r in rec.get("recoveries", []):
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in r.get("phases", {}).items())
         con.print(f"recovery {r['recovery']} ({r['policy']}, from step {r['checkpoint_step']}): moved "
                   f"{r.get('moved')}; replayed {r.get('planned_instances')}; {phases}"
                   + (f"; MTTR {r['mttr_s']:.3f}s" if r.get("mttr_s") is not None else ""))
+
+
+
+def integrity_lines(rec: dict[str, Any]) -> list[str]:
+    """``rallypoint status``'s lines on a run's skipped batches, rollbacks and verifications (docs/integrity.md)."""
+    out = []
+    try:
+        skips = Skips.from_json(rec.get("skips"))
+    except ValueError as exc:
+        out.append(f"skipped stream positions: the record's are malformed ({exc})")
+    else:
+        if skips:
+            out.append("skipped stream positions (rolled-back spikes; `rallypoint run --reference` reads the same "
+                       "with: " + " ".join(f"--skip {r}" for r in skips.ranges) + ")")
+    for r in _dicts(rec.get("rollbacks")):
+        spike, steps = r.get("spike") if isinstance(r.get("spike"), dict) else {}, r.get("skipped_steps")
+        skipped = f"{steps[0]}..{steps[1] - 1}" if isinstance(steps, list) and len(steps) == 2 and all(
+            isinstance(x, int) for x in steps) else "?"
+        out.append(f"rollback {r.get('rollback')}: {spike.get('metric')} {spike.get('value')} at step {spike.get('step')}"
+                   f" -> back to the cut at step {r.get('cut')}, the batches of steps {skipped} skipped")
+    v = rec.get("verifications") if isinstance(rec.get("verifications"), dict) else {}
+    if v.get("verified") or v.get("mismatches"):
+        out.append(f"verifications: {v.get('verified', 0)} matched")
+    for m in _dicts(v.get("mismatches")):
+        out.append(f"verification mismatch on slice {m.get('slice')} (steps {m.get('from_step')}..{m.get('to_step')}, "
+                   f"{m.get('primary')} vs {m.get('verifier')}): {m.get('verdict')}"
+                   + (f", suspect {m['suspect']}" if m.get("suspect") else ""))
+    return out
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    """The objects of a record's list (anything else in it, or a list that is not one, is left out)."""
+    return [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
 
 
 @click.command()

@@ -226,6 +226,7 @@ def worker_rows(snapshot: Any) -> list[dict[str, Any]]:
             "devices": len(s.devices), "free": len(s.free), "leased_to": holders, "address": s.info.address,
             "platform": s.info.platform, "device_kind": s.info.device_kind,
             "device_memory_bytes": s.info.device_memory_bytes, "deterministic": s.info.deterministic,
+            **({"cordoned_by": s.cordoned_by} if s.cordoned else {}),
         })
     for w, rec in sorted(snapshot.lost.items()):
         if w not in snapshot.workers:
@@ -286,7 +287,8 @@ def workers(state_dir: Path, cluster: str | None, as_json: bool) -> None:
     for col in ("worker", "pid", "incarnation", "state", "devices", "free", "leased to"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["worker"], str(r["pid"]), str(r["incarnation"]), r["state"], device_cell(r),
+        state = f"{r['state']} ({r['cordoned_by']})" if r.get("cordoned_by") else r["state"]
+        table.add_row(r["worker"], str(r["pid"]), str(r["incarnation"]), state, device_cell(r),
                       str(r["free"]), ", ".join(r["leased_to"]) or "-")
     Console(width=160).print(table)
 

@@ -160,6 +160,11 @@ class _CoordinatorCollector(Collector):
                                    "the workers export checkpoint_blocking", labels=[*L, "bucket"])
         ratio = GaugeMetricFamily("rallypoint_goodput_ratio", "Compute seconds of first runs over all compute "
                                   "seconds (the chaos report's goodput)", labels=L)
+        rollbacks = CounterMetricFamily("rallypoint_job_rollbacks", "Rollbacks from loss spikes (docs/integrity.md)",
+                                        labels=L)
+        checks = CounterMetricFamily("rallypoint_job_verifications", "Verifications of a slice's steps on another "
+                                     "worker, by verdict: matched, mismatched, convicted (a suspect found)",
+                                     labels=[*L, "verdict"])
         for ex in self.m.executors():
             try:
                 v = _job_values(ex.view())
@@ -181,19 +186,27 @@ class _CoordinatorCollector(Collector):
             drains.add_metric(job, float(v["drains"]))
             for b in COORDINATOR_BUCKETS:
                 good.add_metric([*job, b], v["buckets"][b])
+            rollbacks.add_metric(job, float(v["rollbacks"]))
+            for verdict in ("matched", "mismatched", "convicted"):
+                checks.add_metric([*job, verdict], float(v["verifications"][verdict]))
             r = goodput_ratio(v["buckets"])
             if r is not None:
                 ratio.add_metric(job, r)
-        yield from (state, step, done, rate, step_s, recs, phases, mttr, replayed, drains, good, ratio)
+        yield from (state, step, done, rate, step_s, recs, phases, mttr, replayed, drains, good, ratio, rollbacks, checks)
 
 
 def _job_values(v: JobView) -> dict[str, Any]:
     """One executor's numbers, from its view (taken on the scrape thread: copies; the executor's thread goes on)."""
     steps_done = max(v.completed - v.start_step, 0)
+    checks = v.integrity.get("verifications") or {}
+    mismatches = checks.get("mismatches") or []
     return {
         "job": v.job, "state": v.state.value, "completed": v.completed, "steps_done": steps_done,
         "steps_per_s": steps_per_s(steps_done, v.running_s), "step_times": dict(v.step_times),
         "recoveries": len(v.recoveries), "phases": phase_seconds(v.recoveries),
         "replayed": sum(v.replayed.values()), "drains": len(v.drain_records),
         "buckets": goodput_buckets(v.compute_s, v.redone_s, v.recoveries),
+        "rollbacks": int(v.integrity.get("rollback_count", 0)),
+        "verifications": {"matched": int(checks.get("verified", 0)), "mismatched": len(mismatches),
+                          "convicted": sum(m.get("verdict") == "convicted" for m in mismatches)},
     }

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from rallypoint.client.commands.jobs import integrity_lines, job_status
 from rallypoint.client.compile import compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submission import JobError, submit
@@ -79,6 +80,8 @@ def test_a_poisoned_batch_is_rolled_back_and_skipped_and_the_run_ends_bitwise_eq
     try:
         record = store.get(lc.keys.job("spiky")).json()
         assert record["skips"] == [[first, POISON + SKIP - first]] and record["rollback_count"] == 1
+        lines = integrity_lines(job_status(store, lc.keys, "spiky"))  # `rallypoint status`
+        assert f"--skip {first}:{POISON + SKIP - first}" in lines[0] and lines[1].startswith("rollback 1: loss"), lines
         assert sorted(c.step for c in read_commits(store, lc.keys, "spiky")["s"])[-1] == STEPS
     finally:
         store.close()

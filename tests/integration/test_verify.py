@@ -12,10 +12,15 @@ cluster: tests/orchestrator/test_verify.py.)
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from rallypoint.client.commands.jobs import integrity_lines, job_status
+from rallypoint.client.commands.main import worker_rows
 from rallypoint.client.compile import compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submission import submit
@@ -54,11 +59,22 @@ def test_a_worker_that_corrupts_its_state_is_caught_by_a_verification_cordoned_a
     store = lc.store()
     try:
         snap = read_cluster(store, lc.keys)
-        assert snap.cordoned == frozenset({"w0"})
+        assert snap.cordoned == frozenset({"w0"}) and snap.workers["w0"].cordoned_by == "suspect-sdc"
+        (row,) = [r for r in worker_rows(snap) if r["worker"] == "w0"]  # `rallypoint workers`
+        assert row["state"] == "cordoned" and row["cordoned_by"] == "suspect-sdc", row
         cordon = json.loads(store.get(lc.keys.cordon("w0")).value)
         assert cordon["by"] == "suspect-sdc" and cordon["slice"] == "s", cordon
         record = store.get(lc.keys.job("sdc-caught")).json()
         assert record["placement"]["s"]["worker"] != "w0"
         assert [m["verdict"] for m in record["verifications"]["mismatches"]] == ["convicted"]
+        lines = integrity_lines(job_status(store, lc.keys, "sdc-caught"))  # `rallypoint status`
+        assert any("mismatch on slice s" in x and "convicted, suspect w0" in x for x in lines), lines
     finally:
         store.close()
+    (leader,) = [t["address"] for t in lc.metrics_targets() if t["leader"]]
+    with urllib.request.urlopen(f"http://{leader}/metrics", timeout=10) as r:
+        samples = {(m.name, tuple(sorted(m.labels.items()))): m.value
+                   for fam in text_string_to_metric_families(r.read().decode()) for m in fam.samples}
+    checks = {v: samples[("rallypoint_job_verifications_total", (("job_name", "sdc-caught"), ("verdict", v)))]
+              for v in ("matched", "mismatched", "convicted")}
+    assert checks["convicted"] == 1 and checks["mismatched"] == 1 and checks["matched"] >= 1, checks
