@@ -206,7 +206,7 @@ class ScenarioRun:
             # must not be what ends it; each recovery's own budget still applies.
             spec = job_spec(self.compiled, window=s.window, policy=s.policy, checkpoint_every=s.checkpoint_every,
                             on_no_spare=s.on_no_spare, wait_timeout_s=s.wait_timeout_s, priority=s.priority,
-                            max_faults=10_000)
+                            max_faults=10_000, verify_every=s.verify_every or None)
             spec.new_run = s.reference == "cluster"  # the reference run's commits stay under its run id
             threads = [threading.Thread(target=self.scheduler.run, args=(schedule, t0), daemon=True),
                        threading.Thread(target=self._watchdog, args=(t0,), daemon=True)]

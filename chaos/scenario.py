@@ -11,6 +11,7 @@ checkpoint_every = 5
 policy = "partial"                  # or "restart-all"
 window = 0                          # steps in flight; 0: the leader decides (the checkpoint interval)
 on_no_spare = "wait"                # or "fail", or "shrink"; wait_timeout_s = 60
+verify_every = 0                    # verify one slice's steps every K-th cut (docs/integrity.md; 0: never)
 settings = { LM_VARIANT = "pipeline" }  # optional: the job's settings, as `rallypoint run --set NAME=VALUE`
 reference = "process"               # or "cluster": the fault-free run on this cluster first (a multi-host
                                     # slice's collectives sum in another order than one process: docs/multihost.md)
@@ -153,6 +154,7 @@ class Scenario:
     on_no_spare: str = "wait"
     settings: tuple[tuple[str, str], ...] = ()  # the job's settings (``--set NAME=VALUE``), sorted by name
     wait_timeout_s: float = 60.0
+    verify_every: int = 0  # verify one slice's steps every this many cuts (docs/integrity.md; 0: never)
     workers: int | None = None
     spares: int = 1
     devices_per_worker: int | None = None
@@ -248,7 +250,7 @@ def load_scenario(path: Path) -> Scenario:
     name = _get(data, "name", str, w) or path.stem
     job = _get(data, "job", dict, w, {})
     _unknown(job, {"file", "steps", "checkpoint_every", "policy", "window", "on_no_spare", "wait_timeout_s",
-                   "priority", "reference", "settings"}, f"{w} [job]")
+                   "priority", "reference", "settings", "verify_every"}, f"{w} [job]")
     settings = _get(job, "settings", dict, f"{w} [job]", {})
     for k, v in settings.items():
         if not isinstance(v, (str, int, float)) or isinstance(v, bool):
@@ -256,6 +258,8 @@ def load_scenario(path: Path) -> Scenario:
     reference = _get(job, "reference", str, f"{w} [job]", "process")
     if reference not in ("process", "cluster"):
         raise ConfigError(f"{w} [job].reference: {reference!r} is not 'process' or 'cluster'")
+    if _get(job, "verify_every", int, f"{w} [job]", 0) < 0:
+        raise ConfigError(f"{w} [job].verify_every: verify every K-th cut, K >= 0 (0: never)")
     on_no_spare = _get(job, "on_no_spare", str, f"{w} [job]", "wait")
     if on_no_spare not in ("wait", "fail", "shrink"):
         raise ConfigError(f"{w} [job].on_no_spare: {on_no_spare!r} is not 'wait', 'fail' or 'shrink'")
@@ -359,6 +363,7 @@ def load_scenario(path: Path) -> Scenario:
         policy=policy, window=_get(job, "window", int, f"{w} [job]", 0), on_no_spare=on_no_spare,
         settings=tuple(sorted((str(k), str(v)) for k, v in settings.items())),
         wait_timeout_s=float(_get(job, "wait_timeout_s", (int, float), f"{w} [job]", 60.0)),
+        verify_every=_get(job, "verify_every", int, f"{w} [job]", 0),
         workers=_get(cluster, "workers", int, f"{w} [cluster]"), spares=_get(cluster, "spares", int, f"{w} [cluster]", 1),
         devices_per_worker=_get(cluster, "devices_per_worker", int, f"{w} [cluster]"),
         coordinators=_get(cluster, "coordinators", int, f"{w} [cluster]", 2), etcd_members=etcd_members,
