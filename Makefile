@@ -88,6 +88,7 @@ bench: $(STAMP) bytecode
 	$(PY) bench/multihost.py
 	$(PY) bench/lifecycle.py
 	$(PY) bench/donation.py
+	$(PY) bench/verify.py
 
 # Every scenario once (the campaign scenarios are for `make soak`: they vary by seed).
 chaos: $(STAMP)

@@ -51,9 +51,8 @@ class JobLosses:
         self.loss_grace_s, self.settings, self.clock = loss_grace_s, settings, clock
         self._set_state, self._event = set_state, event
 
-    def recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset(), policy: str = "") -> None:
-        """Recover ``lost`` until the lost slices run again; ``unload``: those alive (only the job's runtime ends);
-        ``policy``: this recovery's ("": the job's; "restart-all": a convicted worker's, job/rollback.py)."""
+    def recover(self, lost: dict[str, str], *, unload: frozenset[str] = frozenset()) -> None:
+        """Recover ``lost`` until the lost slices run again; ``unload``: those alive (only the job's runtime ends)."""
         assert self.settings is not None
         now = self.clock.monotonic()
         self.workers.gather_ended(lost, self.loss_grace_s)
@@ -64,8 +63,7 @@ class JobLosses:
         frontier = {n.name: self.progress.done_through(n.name) for n in self.graph.nodes}
         self._set_state(JobState.RECOVERING, recovery=rec.number, lost=sorted(lost))
         self._event("job.recovering", step=self.progress.completed, recovery=rec.number, lost=lost)
-        self.recovery.run(rec, lost, policy=policy or self.settings.policy, frontier=frontier, parked=parked,
-                          unload=unload)
+        self.recovery.run(rec, lost, policy=self.settings.policy, frontier=frontier, parked=parked, unload=unload)
 
     def stalled(self, quiet: float, watchdog: ProgressWatchdog) -> None:
         """No progress for the stall timeout: report it, and recover the workers the job waits on.

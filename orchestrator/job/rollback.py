@@ -88,6 +88,8 @@ class JobRollbacks:
         self.rollbacks: list[dict[str, Any]] = []  # the newest MAX_KEPT_ROLLBACKS
         self.count = 0  # every rollback of the run
         self.pending: Spike | None = None  # a rollback waiting for a recovery or a drain to end
+        self.convicted: Conviction | None = None  # a convicted primary whose job goes back (poll), waiting likewise
+        self.places = places
         self.verifier = JobVerifier(  # silent data corruption: shadow re-execution (job/verify.py)
             spec, cluster=term.keys.cluster, tls=tls, term=term, placement=lambda: dict(places.slices),
             skips=lambda: self.skips, cluster_now=lambda: read_cluster(term.store, term.keys),
@@ -134,40 +136,49 @@ class JobRollbacks:
     # -- the executor's loop ------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """A rollback waiting for a recovery or a drain to end; a verification's result (a conviction carried out)."""
-        if self.pending is not None:
-            self.roll_back()
+        """A verification's result (a conviction: the suspect cordoned); a conviction or a rollback waiting for a
+        recovery or a drain to end, carried out once none is under way."""
         conviction = self.verifier.poll()
         if conviction is not None:
             self.convict(conviction)
+        if self.convicted is not None and not self.waits():
+            c, self.convicted = self.convicted, None
+            self._go_back_from(c)
+        elif self.pending is not None:
+            self.roll_back()
 
     def cut_moved(self, cut: int) -> None:
         """The job's cut moved: maybe verify a slice's steps up to it (not while anything moves the job)."""
-        self.verifier.cut_moved(cut, busy=bool(self.pending is not None or self.waits()))
+        self.verifier.cut_moved(cut, busy=bool(self.pending is not None or self.convicted is not None or self.waits()))
 
     def settled(self) -> bool:
         """Whether the job may end at its final cut: no rollback waits, the verifications of the end are done."""
-        return self.pending is None and self.verifier.settled()
+        return self.pending is None and self.convicted is None and self.verifier.settled()
 
     def convict(self, c: Conviction) -> None:
-        """A worker computes wrong numbers: cordon it (``suspect-sdc``); when it held the slice, the job goes back
-        to the newest consistent cut at or before the slice's trusted one (the commits past it dropped), every
-        slice reloading there and the suspect's moving to other workers (a recovery of the whole job)."""
+        """A worker computes wrong numbers: cordon it (``suspect-sdc``); when it held the slice, halt the grants: the
+        job goes back (:meth:`_go_back_from`) once no recovery or drain is under way."""
         why = {"by": CORDON_BY, "job": self.spec.job, "slice": c.slice, "step": c.step, "at": self.clock.wall(),
                "evidence": c.evidence}
         self.term.txn([Put(self.term.keys.cordon(c.worker), json.dumps(why))])
         self.log.error("job.suspect_cordoned", worker=c.worker, slice=c.slice, step=c.step, primary=c.primary)
-        if not c.primary:
-            return
+        if c.primary:
+            self.progress.grants.halt(self.progress.completed)  # nothing more is granted on the suspect's numbers
+            self.convicted = c  # carried out once no recovery or drain moves the job (poll)
+
+    def _go_back_from(self, c: Conviction) -> None:
+        """The job goes back to the newest cut at or before the suspect's slice's trusted one: every runtime
+        unloaded (its saves committed first, so none of its commits comes later), the commits past the cut dropped,
+        every slice but the suspect's loaded there, and a recovery moves the suspect's slices to other workers."""
+        t0 = self.clock.monotonic()
+        self.port.reset_all()
         commits = self.term.commits()
         cut = self.port.cut_step(commits, c.trusted + 1)
-        for slice_name, cs in commits.items():
-            for x in cs:
-                if x.step > cut:
-                    self.job_cut.drop_commit(slice_name, x.step)
-        self.verifier.forget_from(cut)
-        self.recover({c.worker: f"suspect-sdc: computed slice {c.slice!r} wrong by step {c.step} (verification)"},
-                     unload=frozenset({c.worker}), policy="restart-all")
+        self.pending = None  # a spike waiting is judged again on the steps run from the cut
+        lost = self._reload(cut, commits, without=c.worker)
+        self.log.warning("job.sdc_rolled_back", cut=cut, worker=c.worker, took_s=round(self.clock.monotonic() - t0, 3))
+        self.recover({c.worker: f"suspect-sdc: computed slice {c.slice!r} wrong by step {c.step} (verification); "
+                                f"the job went back to the cut at step {cut}", **lost}, unload=frozenset({c.worker}))
 
     # -- judging ------------------------------------------------------------------------------------
 
@@ -225,24 +236,11 @@ class JobRollbacks:
         first = spike.step - self.settings.rewind
         cut = self.port.cut_step(commits, first + 1) if first >= 0 else 0
         plan = rollback_plan(spike.step, self.settings, self.skips, [cut], int(self.spec.steps))
-        for slice_name, cs in commits.items():
-            for c in cs:
-                if c.step > plan.cut:
-                    self.job_cut.drop_commit(slice_name, c.step)
-        kept = {s: [c for c in cs if c.step <= plan.cut] for s, cs in commits.items()}
         self.skips = self.loads.skips = plan.skips
         self.count += 1
         entry = {"rollback": self.count, "spike": spike.to_json(), **plan.to_json(), "at": round(self.clock.wall(), 3)}
         self.rollbacks = [*self.rollbacks, entry][-MAX_KEPT_ROLLBACKS:]
-        self.record()  # the skips kept before anything reads a batch with them
-        failed = self.loads.load(None, plan.cut, kept)
-        lost = self.port.lost_at_load(self.budget, failed, plan.cut)
-        if isinstance(lost, Fail):
-            raise JobFailed(f"rolling back to step {plan.cut}: {lost.reason}")
-        self.progress.rewind(plan.cut, {s: [c.step for c in cs] for s, cs in kept.items()})
-        self.progress.widen(self.window())
-        self.detector.rewind(plan.cut)
-        self.verifier.forget_from(plan.cut)
+        lost = self._reload(plan.cut, commits)
         took = round(self.clock.monotonic() - t0, 3)
         self.log.warning("job.rolled_back", took_s=took, **entry)
         self.event("job.rolled_back", step=spike.step, took_s=took, **entry)
@@ -250,3 +248,27 @@ class JobRollbacks:
             self.recover(lost)
         else:
             self.grant()
+
+    def _reload(self, cut: int, commits: dict[str, list[Any]], *, without: str = "") -> dict[str, str]:
+        """Every runtime was unloaded: drop the commits past ``cut``, record the job (the skips kept before any
+        batch is read with them), load every slice from ``cut`` but those on ``without``, and take the progress, the
+        detector and the trusted cuts back to it. Returns the workers lost at the load (a recovery moves them).
+
+        Raises:
+            JobFailed: the load failed for another reason than a lost worker.
+        """
+        for slice_name, cs in commits.items():
+            for c in cs:
+                if c.step > cut:
+                    self.job_cut.drop_commit(slice_name, c.step)
+        kept = {s: [c for c in cs if c.step <= cut] for s, cs in commits.items()}
+        self.record()
+        workers = {p.worker for p in self.places.slices.values()} - {without} if without else None
+        lost = self.port.lost_at_load(self.budget, self.loads.load(workers, cut, kept), cut)
+        if isinstance(lost, Fail):
+            raise JobFailed(f"going back to step {cut}: {lost.reason}")
+        self.progress.rewind(cut, {s: [c.step for c in cs] for s, cs in kept.items()})
+        self.progress.widen(self.window())
+        self.detector.rewind(cut)
+        self.verifier.forget_from(cut)
+        return lost
