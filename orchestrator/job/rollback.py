@@ -1,4 +1,5 @@
-"""Loss spikes and non-finite values rolled back: the executor's :class:`JobRollbacks` (docs/integrity.md).
+"""Loss spikes, non-finite values and convicted workers rolled back: the executor's :class:`JobRollbacks`
+(docs/integrity.md).
 
 It is the one owner of the run's skipped stream positions (:class:`~rallypoint.recovery.skips.Skips`)
 and of its rollbacks. :meth:`JobRollbacks.observe` judges each completed step (``JobEvents`` calls
@@ -21,6 +22,13 @@ and once no recovery or drain is under way the whole job goes back:
 A spike that would be one rollback more than ``max_rollbacks`` fails the job, naming the spikes'
 steps. A resumed or adopted run takes its skips and rollbacks from the job record and seeds the
 detector from ``metrics.jsonl``.
+
+It also owns the job's :class:`~rallypoint.orchestrator.job.verify.JobVerifier` (silent data
+corruption) and carries out its convictions: the suspect is cordoned ``suspect-sdc``; a convicted
+primary halts the grants and, once no recovery or drain is under way, the job goes back the same way
+(every runtime unloaded first, so none of the suspect's saves commits later) to the newest cut at or
+before its slice's trusted one, every slice but the suspect's loads there, and a recovery moves the
+suspect's slices to other workers.
 """
 
 from __future__ import annotations

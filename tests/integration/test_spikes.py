@@ -1,7 +1,7 @@
 """Loss spikes rolled back on a real local cluster (docs/integrity.md): real etcd, a real worker process, real
 Orbax checkpoints, and a data source that serves a poisoned batch at one stream position.
 
-One small cluster for the module (one worker of one device, one coordinator). A linear regression
+One small cluster for the module (one worker of one device, a spare, one coordinator). A linear regression
 reads ``x`` from a JAX source of the stream position; the batch at position ``POISON`` is scaled 30x,
 so its step's loss jumps over 60x its baseline and the poisoned gradient wrecks the weights. With
 ``on_spike = "rollback"`` the job rolls back to the cut ``REWIND`` steps before, skips the batches of
@@ -29,14 +29,16 @@ from rallypoint.etcd.commits import read_commits
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.skips import Skips
+from rallypoint.client.commands.faults import Fault
 from tests.conftest import stop_cluster
+from tests.helpers.cluster import run
 from tests.helpers.regression import POISON, regression
 
 STEPS, REWIND, SKIP = 16, 3, 2
 SPIKES = {"on_spike": "rollback", "spike_window": 4, "spike_rewind": REWIND, "spike_skip": SKIP, "keep_checkpoints": 4}
 @pytest.fixture(scope="module")
 def lc(tmp_path_factory: pytest.TempPathFactory, compile_cache: Path) -> Iterator[LocalCluster]:
-    cluster = LocalCluster.start(LocalClusterConfig(state_dir=tmp_path_factory.mktemp("spikes"), workers=1, spares=0,
+    cluster = LocalCluster.start(LocalClusterConfig(state_dir=tmp_path_factory.mktemp("spikes"), workers=1, spares=1,
                                                     devices_per_worker=1, coordinators=1, lease_ttl_s=2,
                                                     compile_cache_dir=compile_cache))
     try:
@@ -85,6 +87,20 @@ def test_a_poisoned_batch_is_rolled_back_and_skipped_and_the_run_ends_bitwise_eq
         assert sorted(c.step for c in read_commits(store, lc.keys, "spiky")["s"])[-1] == STEPS
     finally:
         store.close()
+
+
+def test_a_worker_killed_after_a_rollback_replays_on_the_spare_with_the_same_skipped_batches(lc: LocalCluster) -> None:
+    """The skips travel with every load: the spare that takes the killed worker's slice reads what it read."""
+    events: list[pb.JobEvent] = []
+    result, injector = run(lc, compile_program(regression("spiky-kill")), [Fault("s", "s", 12)], **SPIKES,
+                           checkpoint_every=2, on_event=events.append)
+    assert [f["step"] for f in injector.fired] == [12] and len(result.recovery["recoveries"]) == 1
+    names = [e.event for e in events]
+    assert names.index("job.rolled_back") < names.index("job.recovering"), names
+    assert result.recovery["rollbacks"] == 1
+    reference = ReferenceExecutor(compile_program(regression("spiky-kill")),
+                                  skips=Skips.parse([f"{POISON - REWIND}:{SKIP + REWIND}"])).run()
+    assert result.state_digest == reference.state_digest
 
 
 def test_a_spike_that_recurs_after_every_rollback_fails_the_job_after_max_rollbacks_naming_the_steps(
