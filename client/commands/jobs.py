@@ -210,8 +210,9 @@ def integrity_lines(rec: dict[str, Any]) -> list[str]:
         out.append(f"rollback {r.get('rollback')}: {spike.get('metric')} {spike.get('value')} at step {spike.get('step')}"
                    f" -> back to the cut at step {r.get('cut')}, the batches of steps {skipped} skipped")
     v = rec.get("verifications") if isinstance(rec.get("verifications"), dict) else {}
-    if v.get("verified") or v.get("mismatches"):
-        out.append(f"verifications: {v.get('verified', 0)} matched")
+    if v.get("verified") or v.get("mismatched"):
+        out.append(f"verifications: {v.get('verified', 0)} matched, {v.get('mismatched', 0)} mismatched, "
+                   f"{v.get('convicted', 0)} convicted")
     for m in _dicts(v.get("mismatches")):
         out.append(f"verification mismatch on slice {m.get('slice')} (steps {m.get('from_step')}..{m.get('to_step')}, "
                    f"{m.get('primary')} vs {m.get('verifier')}): {m.get('verdict')}"

@@ -216,10 +216,10 @@ class JobRollbacks:
             JobFailed: one rollback more than ``max_rollbacks``, or the job cannot load from the cut.
         """
         if spike is not None:
+            self.progress.grants.halt(spike.step)  # nothing past the spike is granted meanwhile
             why = too_many(self.count, self.rollbacks, spike, self.settings)
             if why is not None:
-                raise JobFailed(why)
-            self.progress.grants.halt(spike.step)  # nothing past the spike is granted meanwhile
+                raise JobFailed(why + self._keep_before(spike))
             if self.pending is None or spike.step < self.pending.step:
                 self.pending = spike
         if self.pending is None:
@@ -230,6 +230,15 @@ class JobRollbacks:
             return
         spike, self.pending = self.pending, None
         self._go_back(spike)
+
+    def _keep_before(self, spike: Spike) -> str:
+        """The job fails at ``spike``: every runtime unloaded (a save under way commits first), the commits past the
+        newest cut at or before the spike dropped, so a resume after the fix starts before it. Says which cut."""
+        self.port.reset_all()
+        commits = self.term.commits()
+        cut = self.port.cut_step(commits, spike.step + 1)
+        self._drop_past(commits, cut)
+        return f"; the cut at step {cut}, before the spike, is kept (no commit past it): `rallypoint resume` starts there"
 
     def waits(self) -> str:
         """Why a rollback must wait now ("": it may go): a recovery or a drain under way, or a stop."""
@@ -265,10 +274,7 @@ class JobRollbacks:
         Raises:
             JobFailed: the load failed for another reason than a lost worker.
         """
-        for slice_name, cs in commits.items():
-            for c in cs:
-                if c.step > cut:
-                    self.job_cut.drop_commit(slice_name, c.step)
+        self._drop_past(commits, cut)
         kept = {s: [c for c in cs if c.step <= cut] for s, cs in commits.items()}
         self.record()
         workers = {p.worker for p in self.places.slices.values()} - {without} if without else None
@@ -280,3 +286,10 @@ class JobRollbacks:
         self.detector.rewind(cut)
         self.verifier.forget_from(cut)
         return lost
+
+    def _drop_past(self, commits: dict[str, list[Any]], cut: int) -> None:
+        """The commits past ``cut`` stop counting (etcd and the copies beside the checkpoints)."""
+        for slice_name, cs in commits.items():
+            for c in cs:
+                if c.step > cut:
+                    self.job_cut.drop_commit(slice_name, c.step)

@@ -52,6 +52,7 @@ from rallypoint.recovery.skips import Skips
 SUFFIX = ".verify"
 WAIT_S = 120.0  # a verification not answered within this long is given up (reported, nobody convicted)
 CORDON_BY = "suspect-sdc"
+KEPT = 16  # mismatches the job record lists in full (the counts are kept whole)
 
 
 def closed_slices(spec: pb.JobSpec) -> list[str]:
@@ -129,7 +130,8 @@ class JobVerifier:
         self.done: queue.Queue[Check] = queue.Queue()
         self.final_checked: set[str] = set()  # slices whose final state was verified (or given up)
         self.verified = 0  # verifications that matched
-        self.mismatches: list[dict[str, Any]] = []
+        self.mismatches: list[dict[str, Any]] = []  # the newest KEPT, each with its verdict
+        self.counts = {"mismatched": 0, "convicted": 0}  # all of the run's (this term's)
 
     def configure(self, every: int, seed: int, run_dir: Path | None, checkpoint_every: int,
                   log_limit_bytes: int) -> None:
@@ -143,7 +145,12 @@ class JobVerifier:
             self.log.warning("verify.none", reason="no slice with states reads only its own outputs and states")
 
     def to_json(self) -> dict[str, Any]:
-        return {"verified": self.verified, "mismatches": list(self.mismatches)}
+        return {"verified": self.verified, **self.counts, "mismatches": list(self.mismatches)}
+
+    def _mismatch(self, entry: dict[str, Any]) -> None:
+        self.counts["mismatched"] += 1
+        self.counts["convicted"] += entry["verdict"] == "convicted"
+        self.mismatches = [*self.mismatches, entry][-KEPT:]
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -299,7 +306,7 @@ class JobVerifier:
             self.event("job.verify_mismatch", check.step, **check.to_json())
             if not self._start(check.slice, check.start, check.step, check.origin, check.commit,
                                exclude={check.verifier}, first=check):
-                self.mismatches.append({**check.to_json(), "verdict": "unadjudicated: no third worker"})
+                self._mismatch({**check.to_json(), "verdict": "unadjudicated: no third worker"})
                 self.event("job.sdc", check.step, verdict="unadjudicated", **check.to_json())
             return None
         return self._adjudicated(check.first, check)
@@ -312,12 +319,12 @@ class JobVerifier:
         elif third == first.result.checksum:
             suspect, primary = first.primary, True
         else:
-            self.mismatches.append({**first.to_json(), "third": second.to_json(), "verdict": "inconclusive"})
+            self._mismatch({**first.to_json(), "third": second.to_json(), "verdict": "inconclusive"})
             self.event("job.verify_inconclusive", first.step, **first.to_json(), third=second.to_json())
             return None
         trusted = max(p for p in self.trusted[first.slice] if p <= first.start)
         evidence = {**first.to_json(), "third": second.to_json(), "suspect": suspect, "trusted_cut": trusted}
-        self.mismatches.append({**evidence, "verdict": "convicted"})
+        self._mismatch({**evidence, "verdict": "convicted"})
         self.log.error("verify.convicted", **evidence)
         self.event("job.sdc", first.step, verdict="convicted", **evidence)
         return Conviction(suspect, first.slice, first.step, primary, trusted, evidence)

@@ -1,6 +1,7 @@
 """Jobs on a real local cluster (tests/integration/): the 4-stage pipeline and its reference digest, a
-one-slice counter job, a run that injects faults, what etcd says of the cluster after, and a leader
-run in the test's own process (for hooks a command line cannot carry)."""
+one-slice counter job, a run that injects faults, what etcd says of the cluster after, a leader
+run in the test's own process (for hooks a command line cannot carry), and a small cluster a test
+module shares (one worker of one device, one coordinator)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from rallypoint.client.commands.faults import Fault, FaultInjector
 from rallypoint.client.compile import CompiledProgram, compile_program
 from rallypoint.client.reference import ReferenceExecutor, RunResult
 from rallypoint.client.submission import submit
-from rallypoint.cluster.local import LocalCluster
+from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.orchestrator.job.hooks import ExecutorHooks
 from rallypoint.proto import rallypoint_pb2 as pb
@@ -32,6 +34,23 @@ SLICES = ("stage0", "stage1", "stage2", "stage3")
 EACH_KIND_OF_SLICE = ("stage0", "stage1", "stage3")
 """A slice of each kind the pipeline has: the first (the source's), a middle one, the last (the loss's). stage2
 takes stage1's paths (a producer upstream, a consumer downstream); a test run per slice skips it."""
+
+
+@contextlib.contextmanager
+def small_cluster(state_dir: Path, compile_cache: Path, *, spares: int = 0) -> Iterator[LocalCluster]:
+    """One worker of one device, ``spares`` more, one coordinator: stopped at the end, every process checked gone."""
+    lc = LocalCluster.start(LocalClusterConfig(state_dir=state_dir, workers=1, spares=spares, devices_per_worker=1,
+                                               coordinators=1, lease_ttl_s=2, compile_cache_dir=compile_cache))
+    try:
+        yield lc
+    finally:
+        lc.stop()
+        assert not [p for p in lc.processes if is_running(p)], "processes left running"
+
+
+def run_dir_of(lc: LocalCluster, job: str) -> Path:
+    """The directory of the job's newest run (its LATEST) under the cluster's checkpoint root."""
+    return lc.checkpoint_dir / job / (lc.checkpoint_dir / job / "LATEST").read_text().strip()
 
 
 def nodes_of(compiled: CompiledProgram, slice_name: str) -> set[str]:

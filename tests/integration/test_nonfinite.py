@@ -24,14 +24,14 @@ import pytest
 from rallypoint.client import Program
 from rallypoint.client.compile import compile_program
 from rallypoint.client.submission import JobError, submit
-from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
+from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.cluster_view import read_cluster
 from rallypoint.etcd.commits import read_commit_records, read_commits
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.workers.checkpoints.restore import restore_commit
-from tests.conftest import stop_cluster
 from tests.helpers.cli import rp
+from tests.helpers.cluster import run_dir_of, small_cluster
 
 STEPS, EVERY, BAD_FROM = 12, 2, 7
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -55,18 +55,8 @@ def diverging(name: str) -> Program:
 
 @pytest.fixture(scope="module")
 def lc(tmp_path_factory: pytest.TempPathFactory, compile_cache: Path) -> Iterator[LocalCluster]:
-    cluster = LocalCluster.start(LocalClusterConfig(state_dir=tmp_path_factory.mktemp("nonfinite"), workers=1, spares=0,
-                                                    devices_per_worker=1, coordinators=1, lease_ttl_s=2,
-                                                    compile_cache_dir=compile_cache))
-    try:
+    with small_cluster(tmp_path_factory.mktemp("nonfinite"), compile_cache) as cluster:
         yield cluster
-    finally:
-        stop_cluster(cluster)
-        assert not [p for p in cluster.processes if is_running(p)], "processes left running"
-
-
-def run_dir_of(lc: LocalCluster, job: str) -> Path:
-    return lc.checkpoint_dir / job / (lc.checkpoint_dir / job / "LATEST").read_text().strip()
 
 
 @pytest.fixture(scope="module")

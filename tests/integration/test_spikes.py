@@ -24,32 +24,21 @@ from rallypoint.client.commands.jobs import integrity_lines, job_status
 from rallypoint.client.compile import compile_program
 from rallypoint.client.reference import ReferenceExecutor
 from rallypoint.client.submission import JobError, submit
-from rallypoint.cluster.local import LocalCluster, LocalClusterConfig, is_running
+from rallypoint.cluster.local import LocalCluster
 from rallypoint.etcd.commits import read_commits
 from rallypoint.orchestrator.job.metrics import METRICS_FILE, read_metrics
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.skips import Skips
 from rallypoint.client.commands.faults import Fault
-from tests.conftest import stop_cluster
-from tests.helpers.cluster import run
+from tests.helpers.cluster import run, run_dir_of, small_cluster
 from tests.helpers.regression import POISON, regression
 
 STEPS, REWIND, SKIP = 16, 3, 2
 SPIKES = {"on_spike": "rollback", "spike_window": 4, "spike_rewind": REWIND, "spike_skip": SKIP, "keep_checkpoints": 4}
 @pytest.fixture(scope="module")
 def lc(tmp_path_factory: pytest.TempPathFactory, compile_cache: Path) -> Iterator[LocalCluster]:
-    cluster = LocalCluster.start(LocalClusterConfig(state_dir=tmp_path_factory.mktemp("spikes"), workers=1, spares=1,
-                                                    devices_per_worker=1, coordinators=1, lease_ttl_s=2,
-                                                    compile_cache_dir=compile_cache))
-    try:
+    with small_cluster(tmp_path_factory.mktemp("spikes"), compile_cache, spares=1) as cluster:
         yield cluster
-    finally:
-        stop_cluster(cluster)
-        assert not [p for p in cluster.processes if is_running(p)], "processes left running"
-
-
-def run_dir_of(lc: LocalCluster, job: str) -> Path:
-    return lc.checkpoint_dir / job / (lc.checkpoint_dir / job / "LATEST").read_text().strip()
 
 
 def details(events: list[pb.JobEvent], name: str) -> list[dict[str, Any]]:
@@ -115,7 +104,13 @@ def test_a_spike_that_recurs_after_every_rollback_fails_the_job_after_max_rollba
     steps = [d["spike"]["step"] for d in rollbacks]
     message = str(info.value)
     assert "the job rolled back 2 times already" in message and f"spikes at steps {steps[0]}, {steps[1]}" in message
-    assert "max_rollbacks" in message, message
+    assert "max_rollbacks" in message and "before the spike, is kept (no commit past it)" in message, message
+    spike_at = next(e.step for e in reversed(events) if e.event == "job.spike")
+    store = lc.store()
+    try:  # nothing the spike made can be resumed from
+        assert all(c.step <= spike_at for c in read_commits(store, lc.keys, "unstable")["s"])
+    finally:
+        store.close()
 
 
 def test_a_nan_batch_under_on_nonfinite_rollback_is_skipped_like_a_spike(lc: LocalCluster) -> None:

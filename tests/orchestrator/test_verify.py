@@ -83,3 +83,4 @@ def test_after_a_mismatch_the_third_worker_names_the_odd_one_out() -> None:
     assert got is not None and (got.worker, got.primary) == ("w1", False)
     assert v._adjudicated(first, check(4, 2, 4, "w2", "X", first=first)) is None  # three answers: not deterministic
     assert [m["verdict"] for m in v.mismatches] == ["convicted", "convicted", "inconclusive"]
+    assert v.to_json()["mismatched"] == 3 and v.to_json()["convicted"] == 2
