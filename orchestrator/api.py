@@ -14,13 +14,25 @@ from rallypoint.etcd.keys import Keys
 from rallypoint.etcd.store import Store
 from rallypoint.orchestrator.control.devices import DeviceLeases
 from rallypoint.orchestrator.job.metrics import MetricsRun, read_metrics
+from rallypoint.orchestrator.job.recovery import JobSettings
+from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.orchestrator.job.sinks import TensorBoardSink
 from rallypoint.orchestrator.job.record import EVENTS_FILE
 from rallypoint.orchestrator.job.runs import RUN_ID, check_run_id, delete_run, old_runs, run_dir, run_of
 from rallypoint.orchestrator.job.state import END_EVENTS, FINAL_RECORD_STATES
 
-__all__ = ["END_EVENTS", "EVENTS_FILE", "FINAL_RECORD_STATES", "RUN_ID", "MetricsRun", "check_run_id", "cordon",
+__all__ = ["END_EVENTS", "EVENTS_FILE", "FINAL_RECORD_STATES", "RUN_ID", "MetricsRun", "check_run_id", "check_settings",
+           "cordon",
            "delete_run", "old_runs", "read_metrics", "release", "run_dir", "run_of", "uncordon", "TensorBoardSink"]
+
+
+def check_settings(spec: pb.JobSpec) -> None:
+    """Refuse the recovery and integrity settings of ``spec`` as the coordinator would, before anything starts.
+
+    Raises:
+        ValueError: a setting out of range, or settings that do not fit together; the message names them.
+    """
+    JobSettings.from_spec(spec)
 
 
 def cordon(store: Store, keys: Keys, worker: str, *, by: str = "operator") -> None:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from rallypoint.basics.errors import ConfigError
+from rallypoint.orchestrator.api import check_settings
 from rallypoint.proto import rallypoint_pb2 as pb
 from rallypoint.recovery.skips import Skips
 from rallypoint.recovery.spikes import ON_SPIKE, SPIKE_FIELDS, SpikeSettings
@@ -68,11 +69,15 @@ def spike_options(f: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def check_spikes(spikes: dict[str, Any], checkpoint_every: int) -> None:
-    """Refuse settings the coordinator would refuse (ConfigError naming the option)."""
+def check_spikes(spikes: dict[str, Any], *, checkpoint_every: int, keep_checkpoints: int | None,
+                 on_nonfinite: str | None) -> None:
+    """Refuse settings the coordinator would refuse, with the checkpoints they need (ConfigError naming the
+    option), before any cluster starts."""
     given = {k: v for k, v in spikes.items() if v is not None}
     try:
         SpikeSettings.from_spec(pb.JobSpec(**given), checkpoint_every)
+        check_settings(pb.JobSpec(**given, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints or 0,
+                                  on_nonfinite=on_nonfinite or ""))
     except ValueError as exc:
         option = next((k for k in SPIKE_FIELDS if k in str(exc)), "")
         raise ConfigError(f"--{option.replace('_', '-')}: {exc}" if option else str(exc)) from None
@@ -87,3 +92,16 @@ def describe_spike(d: dict[str, Any]) -> str:
     then = "rolling back" if d.get("action") == "rollback" else "the job goes on"
     return (f"[magenta]loss spike[/magenta] {d.get('metric')} {d.get('value')} at step {d.get('step')} "
             f"(baseline {d.get('baseline')}, threshold {d.get('threshold')}): {then}")
+
+
+def describe_verification(d: dict[str, Any]) -> str:
+    """The progress line of a ``job.verify_mismatch`` or ``job.sdc`` event (docs/integrity.md)."""
+    steps = f"slice {d.get('slice')} steps {d.get('from_step')}..{d.get('to_step')}"
+    if d.get("event") == "job.verify_mismatch":
+        return (f"[red]verification mismatch[/red]: {steps} computed on {d.get('verifier')} differ from "
+                f"{d.get('primary')}'s commit; a third worker decides")
+    if d.get("verdict") == "convicted":
+        return (f"[red]silent data corruption[/red]: worker {d.get('suspect')} computed {steps} wrong (the third "
+                f"worker agrees with the other): cordoned suspect-sdc; the job goes back to the cut at step "
+                f"{d.get('trusted_cut')} at most")
+    return f"[yellow]verification mismatch not settled[/yellow] ({d.get('verdict')}): {steps}"

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from rallypoint.client.commands import plot as plot_cli
-from rallypoint.client.commands.integrity import describe_spike
+from rallypoint.client.commands.integrity import describe_spike, describe_verification
 
 EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3, "suspended": 4}
 DETACHED = 130  # Ctrl-C: the client went, the job goes on
@@ -99,6 +99,8 @@ def describe_event(d: dict[str, Any]) -> str:
         return plot_cli.describe_nonfinite(d)
     if ev in ("job.spike", "job.rolled_back"):
         return describe_spike(d)
+    if ev in ("job.verify_mismatch", "job.sdc"):
+        return describe_verification(d)
     if ev == "job.waiting":
         return f"[yellow]waiting[/yellow] {d.get('reason')}"
     if ev == "job.straggler":

@@ -152,7 +152,8 @@ def run(job_file: Path, steps: int | None, reference: bool, cluster: str | None,
     if skips and not reference:
         raise ConfigError("--skip is for --reference: a cluster run's skips come from its rollbacks (--on-spike)")
     spikes = spikes or {}
-    check_spikes(spikes, checkpoint_every or program.checkpoint_every)
+    check_spikes(spikes, checkpoint_every=checkpoint_every or program.checkpoint_every,
+                 keep_checkpoints=keep_checkpoints, on_nonfinite=on_nonfinite)
     if cluster and (remove_run or keep_runs):
         raise ConfigError("--rm and --keep-runs are for the embedded cluster's runs; a cluster's coordinators keep its "
                           "runs (their --keep-runs; `rallypoint delete-run` deletes one)")
@@ -318,7 +319,7 @@ def _run_on_cluster(compiled: Any, cluster: str | None, workers: int | None, spa
         def on_event(ev: pb.JobEvent) -> None:
             injector.on_event(ev)
             if ev.event in ("job.recovering", "job.recovered", "job.waiting", "job.straggler", "job.nonfinite",
-                            "job.spike", "job.rolled_back"):
+                            "job.spike", "job.rolled_back", "job.verify_mismatch", "job.sdc"):
                 say({"event": ev.event, "job": ev.job, "step": ev.step, **json.loads(ev.detail or "{}")})
 
         return submit(compiled, endpoints=endpoints, cluster=name, window=window, on_step=on_step, on_event=on_event,
