@@ -98,6 +98,7 @@ class JobRollbacks:
         self.pending: Spike | None = None  # a rollback waiting for a recovery or a drain to end
         self.convicted: Conviction | None = None  # a convicted primary whose job goes back (poll), waiting likewise
         self.places = places
+        self._waiting = ""  # why the rollback waiting waits (logged when it changes)
         self.verifier = JobVerifier(  # silent data corruption: shadow re-execution (job/verify.py)
             spec, cluster=term.keys.cluster, tls=tls, term=term, placement=lambda: dict(places.slices),
             skips=lambda: self.skips, cluster_now=lambda: read_cluster(term.store, term.keys),
@@ -226,8 +227,11 @@ class JobRollbacks:
             return
         waiting = self.waits()
         if waiting:
-            self.log.info("job.rollback_waits", step=self.pending.step, reason=waiting)
+            if waiting != self._waiting:  # once per reason, not at every turn of the loop
+                self.log.info("job.rollback_waits", step=self.pending.step, reason=waiting)
+            self._waiting = waiting
             return
+        self._waiting = ""
         spike, self.pending = self.pending, None
         self._go_back(spike)
 
