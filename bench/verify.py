@@ -5,6 +5,7 @@ job is one slice (a stack of dense layers fitted by SGD, a few milliseconds a st
 ``--every`` steps. Reported, side by side in one run:
 
 * **cost**: the wall time to finish with verifications off, then every 4th, 2nd and every cut (``--verify-every``),
+  then under a budget of 5% and 20% of the job's steps (``--verify-fraction``),
   the ratio off/on (the goodput the job keeps), and how long the job's end waited (``final_cut_s``: with
   verifications on, the verification of the final state). On this host the idle workers share the job's cores,
   so a verification's steps take CPU from the job; on hosts of their own they would cost the job nothing but
@@ -42,7 +43,7 @@ from rallypoint.cluster.local import LocalCluster, LocalClusterConfig  # noqa: E
 from rallypoint.proto import rallypoint_pb2 as pb  # noqa: E402
 from rallypoint.workers.faults import WorkerFaults  # noqa: E402
 
-SETTINGS = (0, 4, 2, 1)  # verify_every: off, then more and more often
+SETTINGS = ((0, 0.0), (4, 0.0), (2, 0.0), (1, 0.0), (0, 0.05), (0, 0.2))  # (verify_every, verify_fraction): off first
 
 
 def program(name: str, steps: int, every: int, width: int) -> Program:
@@ -66,9 +67,9 @@ def program(name: str, steps: int, every: int, width: int) -> Program:
     return prog
 
 
-def one(lc: LocalCluster, compiled: Any, k: int, arm: dict[str, Any] | None = None,
+def one(lc: LocalCluster, compiled: Any, k: tuple[int, float], arm: dict[str, Any] | None = None,
         flag: Path | None = None) -> tuple[float, Any, list[pb.JobEvent]]:
-    """A run with ``verify_every`` k; ``arm``: the corrupt spec written to ``flag`` for the worker the job is placed
+    """A run with ``(verify_every, verify_fraction)`` k; ``arm``: the corrupt spec written to ``flag`` for the worker the job is placed
     on (named once it starts), so only that worker corrupts."""
     events: list[pb.JobEvent] = []
 
@@ -80,7 +81,7 @@ def one(lc: LocalCluster, compiled: Any, k: int, arm: dict[str, Any] | None = No
 
     t0 = time.perf_counter()
     result = submit(compiled, endpoints=lc.endpoints, cluster=lc.keys.cluster, on_event=on_event,
-                    verify_every=k or None, warm_spares=0, new_run=True)
+                    verify_every=k[0] or None, verify_fraction=k[1] or None, warm_spares=0, new_run=True)
     return time.perf_counter() - t0, result, events
 
 
@@ -101,19 +102,19 @@ def main() -> None:
     try:
         compiled = compile_program(program("verify-bench", a.steps, a.every, a.width))
         want = ReferenceExecutor(compiled).run().state_digest
-        one(lc, compiled, 0)  # compiles and warms the caches: not timed
-        walls: dict[int, list[float]] = {k: [] for k in SETTINGS}
-        ends: dict[int, list[float]] = {k: [] for k in SETTINGS}  # the final cut's wait: the end's verification
+        one(lc, compiled, SETTINGS[0])  # compiles and warms the caches: not timed
+        walls: dict[tuple[int, float], list[float]] = {k: [] for k in SETTINGS}
+        ends: dict[tuple[int, float], list[float]] = {k: [] for k in SETTINGS}  # the end's wait: its verification
         for _ in range(a.repeats):
             for k in SETTINGS:  # alternated, so the host's load falls on every setting alike
                 wall, result, _ = one(lc, compiled, k)
                 assert result.state_digest == want, (k, "digest")
                 walls[k].append(wall)
                 ends[k].append(float(result.recovery.get("final_cut_s") or 0.0))
-        base = statistics.median(walls[0])
+        base = statistics.median(walls[SETTINGS[0]])
         for k in SETTINGS:
             med = statistics.median(walls[k])
-            out["cost"][str(k)] = {"wall_s": round(med, 3), "goodput_vs_off": round(base / med, 3),
+            out["cost"][name(k)] = {"wall_s": round(med, 3), "goodput_vs_off": round(base / med, 3),
                                    "final_cut_s": round(statistics.median(ends[k]), 3)}
         for k in SETTINGS[1:]:
             try:
@@ -123,19 +124,24 @@ def main() -> None:
             convicted = [json.loads(e.detail) for e in events if e.event == "job.sdc"
                          and json.loads(e.detail).get("verdict") == "convicted"]
             at = convicted[0]["to_step"] if convicted else None
-            out["detection"][str(k)] = {"caught_at_cut": at, "delay_steps": at - a.bad_from if at is not None else None,
+            out["detection"][name(k)] = {"caught_at_cut": at, "delay_steps": at - a.bad_from if at is not None else None,
                                         "exact": result.state_digest == want}
             _uncordon(lc)
     finally:
         lc.stop()
-    print(f"{'verify_every':>12} {'wall s':>8} {'goodput vs off':>15} {'end wait s':>11} {'caught at cut':>14} "
+    print(f"{'verifications':>13} {'wall s':>8} {'goodput vs off':>15} {'end wait s':>11} {'caught at cut':>14} "
           f"{'delay':>6} exact", file=sys.stderr)
     for k in SETTINGS:
-        c, d = out["cost"][str(k)], out["detection"].get(str(k), {})
-        print(f"{k or 'off':>12} {c['wall_s']:>8} {c['goodput_vs_off']:>15} {c['final_cut_s']:>11} "
+        c, d = out["cost"][name(k)], out["detection"].get(name(k), {})
+        print(f"{name(k):>13} {c['wall_s']:>8} {c['goodput_vs_off']:>15} {c['final_cut_s']:>11} "
               f"{str(d.get('caught_at_cut', '-')):>14} {str(d.get('delay_steps', '-')):>6} {d.get('exact', '-')}",
               file=sys.stderr)
     print(json.dumps(out))
+
+
+def name(k: tuple[int, float]) -> str:
+    """A setting as the table says it: off, every-K (every K-th cut) or fraction-F (a budget, every cut a candidate)."""
+    return f"fraction-{k[1]:g}" if k[1] else f"every-{k[0]}" if k[0] else "off"
 
 
 def _uncordon(lc: LocalCluster) -> None:

@@ -27,7 +27,7 @@ from rallypoint.recovery.skips import Skips
 
 ON_SPIKE = ("off", "warn", "rollback")
 SPIKE_FIELDS = ("on_spike", "spike_metric", "spike_window", "spike_factor", "spike_zscore", "spike_rewind",
-                "spike_skip", "max_rollbacks", "verify_every", "verify_seed")
+                "spike_skip", "max_rollbacks", "verify_every", "verify_seed", "verify_fraction")
 """The ``JobSpec`` fields of the spike policy and the verifications (submit settings: ``client/jobspec.py``'s
 ``RECOVERY_FIELDS``)."""
 DEFAULT_METRIC = "loss"
@@ -53,6 +53,7 @@ class SpikeSettings:
     max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
     verify_every: int = 0  # verify one slice's steps every this many cuts (0: never; orchestrator/job/verify.py)
     verify_seed: int = 0  # which slices
+    verify_fraction: float = 0.0  # > 0: at most this fraction of the job's slice-steps re-run by verifications
 
     @classmethod
     def from_spec(cls, spec: Any, checkpoint_every: int) -> SpikeSettings:
@@ -67,13 +68,17 @@ class SpikeSettings:
             v = getattr(spec, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0 (0: the default), got {v}")
+        if not (math.isfinite(spec.verify_fraction) and 0 <= spec.verify_fraction <= 1):
+            raise ValueError(f"verify_fraction is a fraction of the job's compute, 0 to 1 (0: no budget), got "
+                             f"{spec.verify_fraction}")
         if 0 < spec.spike_factor <= 1:
             raise ValueError(f"spike_factor must be > 1 (a spike is a value over factor x the baseline), "
                              f"got {spec.spike_factor}")
         s = cls(mode, spec.spike_metric or DEFAULT_METRIC, int(spec.spike_window or DEFAULT_WINDOW),
                 float(spec.spike_factor or DEFAULT_FACTOR), float(spec.spike_zscore),
                 int(spec.spike_rewind or checkpoint_every), int(spec.spike_skip or DEFAULT_SKIP),
-                int(spec.max_rollbacks or DEFAULT_MAX_ROLLBACKS), int(spec.verify_every), int(spec.verify_seed))
+                int(spec.max_rollbacks or DEFAULT_MAX_ROLLBACKS), int(spec.verify_every), int(spec.verify_seed),
+                float(spec.verify_fraction))
         if s.window < 2:
             raise ValueError(f"spike_window must be >= 2 steps (the baseline is their median), got {s.window}")
         return s
@@ -81,7 +86,8 @@ class SpikeSettings:
     def to_json(self) -> dict[str, Any]:
         return {"on_spike": self.mode, "metric": self.metric, "window": self.window, "factor": self.factor,
                 "zscore": self.zscore, "rewind": self.rewind, "skip": self.skip, "max_rollbacks": self.max_rollbacks,
-                "verify_every": self.verify_every, "verify_seed": self.verify_seed}
+                "verify_every": self.verify_every, "verify_seed": self.verify_seed,
+                "verify_fraction": self.verify_fraction}
 
 
 @dataclass(frozen=True)

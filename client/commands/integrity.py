@@ -48,6 +48,9 @@ _OPTIONS = (
                  "the state it reaches with the commit, bit for bit; a mismatch is adjudicated on a third worker and "
                  "the odd one out cordoned (suspect-sdc). Default 0: never."),
     click.option("--verify-seed", type=int, default=None, help="Which slices the verifications pick (default 0)."),
+    click.option("--verify-fraction", type=float, default=None, metavar="F",
+                 help="A budget: a verification starts only while the steps verifications re-ran stay within F of the "
+                 "steps the job's slices ran (0 to 1; with no --verify-every, every cut is a candidate)."),
     click.option("--skip", "skip", multiple=True, metavar="START:COUNT",
                  help="With --reference: skip stream positions START..START+COUNT-1 (repeatable), as a cluster run's "
                  "rollbacks did (`rallypoint status` shows its skips): the reference then reads the same batches."),

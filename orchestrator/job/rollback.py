@@ -108,7 +108,8 @@ class JobRollbacks:
                   log_limit_bytes: int) -> None:
         """The job's settings, once checked. Raises JobFailed: a rollback asked of a job without checkpoints."""
         self.settings, self.nonfinite_rollback = settings, on_nonfinite == "rollback"
-        self.verifier.configure(settings.verify_every, settings.verify_seed, run_dir, checkpoint_every, log_limit_bytes)
+        self.verifier.configure(settings.verify_every, settings.verify_seed, run_dir, checkpoint_every, log_limit_bytes,
+                                fraction=settings.verify_fraction)
         self.detector = SpikeDetector(settings)
         if (settings.mode == "rollback" or self.nonfinite_rollback) and run_dir is None:
             raise JobFailed("on_spike or on_nonfinite 'rollback' needs checkpoints to roll back to: give the job a "

@@ -1,7 +1,8 @@
 """Silent data corruption caught: shadow re-execution of a slice's steps on a spare worker (docs/integrity.md).
 
 A verification is a rehearsed recovery. When the job's cut reaches a step ``c`` (every
-``verify_every``-th cut), :class:`JobVerifier` picks one slice (seeded, so a campaign is
+``verify_every``-th cut, while the steps verifications re-ran stay within ``verify_fraction`` of the
+slice-steps the job ran, when that is set), :class:`JobVerifier` picks one slice (seeded, so a campaign is
 reproducible) whose inputs all come from its own sources and states, and an idle worker
 (registered, uncordoned, holding no device, not the job's). In a thread of its own (nothing
 of the job waits for it, but its end: each slice's final state is verified before the job
@@ -130,12 +131,17 @@ class JobVerifier:
         self.done: queue.Queue[Check] = queue.Queue()
         self.final_checked: set[str] = set()  # slices whose final state was verified (or given up)
         self.verified = 0  # verifications that matched
+        self.fraction = 0.0  # > 0: the budget, a fraction of the slice-steps the job ran
+        self.spent = 0  # slice-steps the budgeted verifications re-ran (started)
         self.mismatches: list[dict[str, Any]] = []  # the newest KEPT, each with its verdict
         self.counts = {"mismatched": 0, "convicted": 0}  # all of the run's (this term's)
 
     def configure(self, every: int, seed: int, run_dir: Path | None, checkpoint_every: int,
-                  log_limit_bytes: int) -> None:
-        """The job's settings once checked; nothing is verified without checkpoints."""
+                  log_limit_bytes: int, *, fraction: float = 0.0) -> None:
+        """The job's settings once checked; nothing is verified without checkpoints. ``fraction`` > 0: the budget
+        (every cut a candidate when ``every`` is 0)."""
+        self.fraction = fraction
+        every = every or (1 if fraction > 0 else 0)
         self.every = every if run_dir is not None else 0
         self.rng = random.Random(seed)
         self.run_dir, self.checkpoint_every, self.log_limit_bytes = run_dir, checkpoint_every, log_limit_bytes
@@ -145,7 +151,8 @@ class JobVerifier:
             self.log.warning("verify.none", reason="no slice with states reads only its own outputs and states")
 
     def to_json(self) -> dict[str, Any]:
-        return {"verified": self.verified, **self.counts, "mismatches": list(self.mismatches)}
+        return {"verified": self.verified, **self.counts, "budget_spent_steps": self.spent,
+                "mismatches": list(self.mismatches)}
 
     def _mismatch(self, entry: dict[str, Any]) -> None:
         self.counts["mismatched"] += 1
@@ -163,7 +170,7 @@ class JobVerifier:
         if self.cuts % self.every or self.active is not None or busy:
             return
         if self._on():
-            self._verify(self.rng.choice(self.slices), cut)
+            self._verify(self.rng.choice(self.slices), cut, budgeted=True)
 
     def settled(self) -> bool:
         """At the final cut: whether the job may end. With verifications on, each slice's final state is verified
@@ -186,16 +193,22 @@ class JobVerifier:
                              "not verified bitwise")
         return self.every > 0
 
-    def _verify(self, s: str, cut: int) -> bool:
+    def _verify(self, s: str, cut: int, *, budgeted: bool = False) -> bool:
         """Start verifying slice ``s``'s steps up to ``cut``, from its newest trusted commit still kept (else the
-        newest before): whether it started."""
+        newest before): whether it started. ``budgeted``: not when its steps would pass the budget (``fraction``
+        of the slice-steps the job ran up to ``cut``)."""
         commits = {c.step: c for c in self.term.commits().get(s, [])}
         if cut not in commits:
             return False
         older = sorted((p for p in commits if p < cut), reverse=True)
         trusted = [p for p in older if p in self.trusted[s]]
         start = trusted[0] if trusted else (older[0] if older else 0)
-        return self._start(s, start, cut, commits.get(start), commits[cut], exclude=set())
+        if budgeted and self.fraction > 0 and self.spent + cut - start > self.fraction * cut * len(self.spec.slices):
+            return False
+        started = self._start(s, start, cut, commits.get(start), commits[cut], exclude=set())
+        if started and budgeted:
+            self.spent += cut - start
+        return started
 
     def _start(self, s: str, start: int, step: int, origin: CheckpointCommit | None, commit: CheckpointCommit, *,
                exclude: set[str], first: Check | None = None) -> bool:

@@ -84,3 +84,23 @@ def test_after_a_mismatch_the_third_worker_names_the_odd_one_out() -> None:
     assert v._adjudicated(first, check(4, 2, 4, "w2", "X", first=first)) is None  # three answers: not deterministic
     assert [m["verdict"] for m in v.mismatches] == ["convicted", "convicted", "inconclusive"]
     assert v.to_json()["mismatched"] == 3 and v.to_json()["convicted"] == 2
+
+
+class _Term:
+    """The commits of slice ``a`` every 10 steps up to 100 (what ``JobTerm.commits`` reads)."""
+
+    def commits(self) -> dict[str, list[CheckpointCommit]]:
+        return {"a": [CheckpointCommit("j", "a", c, f"/r/a/w/{c}", f"C{c}") for c in range(10, 101, 10)]}
+
+
+def test_a_budget_starts_a_verification_only_while_the_steps_run_again_stay_within_its_fraction() -> None:
+    v = verifier(_Events())
+    v.configure(0, 0, None, 10, 0, fraction=0.1)
+    v.every, v.term, v.trusted = 1, _Term(), {"a": {0}}
+    started: list[tuple[int, int]] = []
+    v._start = lambda s, start, step, *a, **k: started.append((start, step)) or True  # type: ignore[method-assign]
+    for cut in range(10, 101, 10):
+        v._verify("a", cut, budgeted=True)
+    # 3 slices ran `cut` steps each: 0.1 of that is 0.3 x cut slice-steps; each verification re-runs 10.
+    assert started == [(30, 40), (60, 70), (90, 100)] and v.spent == 30  # 30 <= 0.3 x 100
+    assert v._verify("a", 100) and len(started) == 4 and v.spent == 30  # the end's is not counted
