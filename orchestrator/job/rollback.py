@@ -99,6 +99,7 @@ class JobRollbacks:
         self.convicted: Conviction | None = None  # a convicted primary whose job goes back (poll), waiting likewise
         self.places = places
         self._waiting = ""  # why the rollback waiting waits (logged when it changes)
+        self._verifications: Any = None  # what a resumed or adopted run's record says of its verifications
         self.verifier = JobVerifier(  # silent data corruption: shadow re-execution (job/verify.py)
             spec, cluster=term.keys.cluster, tls=tls, term=term, placement=lambda: dict(places.slices),
             skips=lambda: self.skips, cluster_now=lambda: read_cluster(term.store, term.keys),
@@ -110,6 +111,7 @@ class JobRollbacks:
         self.settings, self.nonfinite_rollback = settings, on_nonfinite == "rollback"
         self.verifier.configure(settings.verify_every, settings.verify_seed, run_dir, checkpoint_every, log_limit_bytes,
                                 fraction=settings.verify_fraction)
+        self.verifier.adopt(self._verifications)  # a resumed or adopted run's trusted cuts and counts
         self.detector = SpikeDetector(settings)
         if (settings.mode == "rollback" or self.nonfinite_rollback) and run_dir is None:
             raise JobFailed("on_spike or on_nonfinite 'rollback' needs checkpoints to roll back to: give the job a "
@@ -128,6 +130,7 @@ class JobRollbacks:
         count = record.get("rollback_count")
         self.count = count if isinstance(count, int) and count >= len(self.rollbacks) else len(self.rollbacks)
         self.loads.skips = self.skips
+        self._verifications = record.get("verifications")  # the verifier takes them once configured
 
     def seed(self, run_dir: Path | None, start: int) -> None:
         """The detector's baseline from the run's ``metrics.jsonl`` (the steps before ``start``)."""

@@ -152,7 +152,30 @@ class JobVerifier:
 
     def to_json(self) -> dict[str, Any]:
         return {"verified": self.verified, **self.counts, "budget_spent_steps": self.spent,
+                "trusted": {s: sorted(steps)[-KEPT:] for s, steps in self.trusted.items()},
                 "mismatches": list(self.mismatches)}
+
+    def adopt(self, record: Any) -> None:
+        """A resumed or adopted run: the trusted cuts, counts and mismatches its job record keeps (what is not well
+        formed is left out: trust starts again from step 0 for that slice)."""
+        if not isinstance(record, dict):
+            return
+        trusted = record.get("trusted") if isinstance(record.get("trusted"), dict) else {}
+        for s in self.trusted:
+            steps = trusted.get(s)
+            if isinstance(steps, list):
+                self.trusted[s] |= {p for p in steps if isinstance(p, int) and not isinstance(p, bool) and p >= 0}
+        for key in ("verified", "mismatched", "convicted", "budget_spent_steps"):
+            n = record.get(key)
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                if key == "verified":
+                    self.verified = n
+                elif key == "budget_spent_steps":
+                    self.spent = n
+                else:
+                    self.counts[key] = n
+        kept = record.get("mismatches")
+        self.mismatches = [m for m in kept if isinstance(m, dict)][-KEPT:] if isinstance(kept, list) else []
 
     def _mismatch(self, entry: dict[str, Any]) -> None:
         self.counts["mismatched"] += 1

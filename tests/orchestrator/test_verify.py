@@ -104,3 +104,18 @@ def test_a_budget_starts_a_verification_only_while_the_steps_run_again_stay_with
     # 3 slices ran `cut` steps each: 0.1 of that is 0.3 x cut slice-steps; each verification re-runs 10.
     assert started == [(30, 40), (60, 70), (90, 100)] and v.spent == 30  # 30 <= 0.3 x 100
     assert v._verify("a", 100) and len(started) == 4 and v.spent == 30  # the end's is not counted
+
+
+def test_a_resumed_run_keeps_the_trusted_cuts_and_counts_its_record_holds_and_refuses_the_malformed() -> None:
+    v = verifier(_Events())
+    v.trusted = {"a": {0, 20, 40}}
+    v.verified, v.spent = 3, 30
+    record = v.to_json()
+    fresh = verifier(_Events())
+    fresh.adopt(record)
+    assert fresh.trusted == {"a": {0, 20, 40}} and fresh.verified == 3 and fresh.spent == 30
+    odd = verifier(_Events())
+    odd.adopt({"trusted": {"a": [10, -1, True, "x"], "zz": [5]}, "verified": -2, "mismatches": ["x", {"verdict": "y"}]})
+    assert odd.trusted == {"a": {0, 10}} and odd.verified == 0 and odd.mismatches == [{"verdict": "y"}]
+    odd.adopt(None)
+    assert odd.trusted == {"a": {0, 10}}
