@@ -119,3 +119,24 @@ def test_a_resumed_run_keeps_the_trusted_cuts_and_counts_its_record_holds_and_re
     assert odd.trusted == {"a": {0, 10}} and odd.verified == 0 and odd.mismatches == [{"verdict": "y"}]
     odd.adopt(None)
     assert odd.trusted == {"a": {0, 10}}
+
+
+def test_a_verification_runs_only_on_an_idle_worker_of_the_primarys_platform_and_kind_with_deterministic_kernels(
+) -> None:
+    from rallypoint.etcd.cluster_records import ClusterSnapshot, Holder, WorkerInfo, WorkerSnapshot
+    from rallypoint.recovery.load_plan import SlicePlace
+
+    def worker(w: str, *, kind: str = "H100", platform: str = "cuda", deterministic: bool = True,
+               held: bool = False, cordoned: bool = False) -> WorkerSnapshot:
+        info = WorkerInfo(w, 1, 1, f"{w}:1", 1, 1, "ready", {}, platform=platform, device_kind=kind,
+                          deterministic=deterministic)
+        return WorkerSnapshot(info, (0,), {0: Holder("other", "s", 1)} if held else {}, cordoned)
+
+    pool = {"w0": worker("w0"), "a": worker("a", kind="A100"), "b": worker("b", platform="cpu"),
+            "c": worker("c", deterministic=False), "d": worker("d", held=True), "e": worker("e", cordoned=True),
+            "f": worker("f")}
+    v = verifier(_Events())
+    v.cluster_now = lambda: ClusterSnapshot(1, pool, frozenset({"e"}))  # type: ignore[method-assign]
+    v.placement = lambda: {"a-slice": SlicePlace("w0", "w0:1", 1, (0,))}  # type: ignore[method-assign]
+    assert v._spare(1, set(), like="w0").info.worker == "f"
+    assert v._spare(1, {"f"}, like="w0") is None
