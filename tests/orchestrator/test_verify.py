@@ -130,7 +130,7 @@ def test_a_verification_runs_only_on_an_idle_worker_of_the_primarys_platform_and
                held: bool = False, cordoned: bool = False) -> WorkerSnapshot:
         info = WorkerInfo(w, 1, 1, f"{w}:1", 1, 1, "ready", {}, platform=platform, device_kind=kind,
                           deterministic=deterministic)
-        return WorkerSnapshot(info, (0,), {0: Holder("other", "s", 1)} if held else {}, cordoned)
+        return WorkerSnapshot(info, (0,), {0: Holder("other", "s", "n1")} if held else {}, cordoned)
 
     pool = {"w0": worker("w0"), "a": worker("a", kind="A100"), "b": worker("b", platform="cpu"),
             "c": worker("c", deterministic=False), "d": worker("d", held=True), "e": worker("e", cordoned=True),
