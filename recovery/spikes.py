@@ -17,6 +17,7 @@ the job, naming the steps.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Iterable
@@ -126,7 +127,7 @@ class SpikeDetector:
 
     def seed(self, curve: Iterable[tuple[int, float]], before: int) -> None:
         """What a run's ``metrics.jsonl`` says of the steps before ``before`` (a resumed or adopted run)."""
-        for step, v in curve:
+        for step, v in sorted(curve):
             if step < before and math.isfinite(v):
                 self.values[int(step)] = float(v)
         self._trim()
@@ -136,7 +137,8 @@ class SpikeDetector:
         v = metrics.get(self.settings.metric)
         if v is None or not math.isfinite(v):
             return None
-        before = [self.values[s] for s in sorted(self.values) if s < step][-self.settings.window:]
+        # The values are held in step order (fed in order; a rewind keeps a prefix): the window is their tail.
+        before = list(itertools.islice(reversed(self.values.values()), self.settings.window))[::-1]
         self.values[int(step)] = float(v)
         self._trim()
         if len(before) < self.settings.window:
@@ -157,9 +159,8 @@ class SpikeDetector:
         self.values = {s: v for s, v in self.values.items() if s < cut}
 
     def _trim(self) -> None:
-        if len(self.values) > KEPT:
-            for s in sorted(self.values)[:len(self.values) - KEPT]:
-                del self.values[s]
+        while len(self.values) > KEPT:
+            del self.values[next(iter(self.values))]  # the oldest step
 
 
 @dataclass(frozen=True)

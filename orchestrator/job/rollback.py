@@ -90,7 +90,6 @@ class JobRollbacks:
         self.log, self.event, self.grant, self.recover, self.record = log, event, grant, recover, record
         self.window, self.clock, self.budget = window, clock, budget
         self.settings = SpikeSettings()
-        self.nonfinite_rollback = False
         self.detector = SpikeDetector(self.settings)
         self.skips = Skips()
         self.rollbacks: list[dict[str, Any]] = []  # the newest MAX_KEPT_ROLLBACKS
@@ -108,12 +107,12 @@ class JobRollbacks:
     def configure(self, settings: SpikeSettings, on_nonfinite: str, run_dir: Path | None, checkpoint_every: int,
                   log_limit_bytes: int) -> None:
         """The job's settings, once checked. Raises JobFailed: a rollback asked of a job without checkpoints."""
-        self.settings, self.nonfinite_rollback = settings, on_nonfinite == "rollback"
+        self.settings = settings
         self.verifier.configure(settings.verify_every, settings.verify_seed, run_dir, checkpoint_every, log_limit_bytes,
                                 fraction=settings.verify_fraction)
         self.verifier.adopt(self._verifications)  # a resumed or adopted run's trusted cuts and counts
         self.detector = SpikeDetector(settings)
-        if (settings.mode == "rollback" or self.nonfinite_rollback) and run_dir is None:
+        if (settings.mode == "rollback" or on_nonfinite == "rollback") and run_dir is None:
             raise JobFailed("on_spike or on_nonfinite 'rollback' needs checkpoints to roll back to: give the job a "
                             "checkpoint directory (--checkpoint-dir), or use 'warn'")
 
